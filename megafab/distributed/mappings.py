@@ -1,0 +1,251 @@
+"""Paired autograd collectives for tensor and sequence parallelism.
+
+Each public function applies one collective in the forward pass and its adjoint in the backward
+pass, over the process group it is given. With `group=None` or a group of one rank every function
+returns its input unchanged (the 1-rank bypass), so single-process code runs the same layers.
+
+Names follow Megatron-LM; the paper names are
+
+    Megatron-LM (Shoeybi et al. 2019), Fig. 3:
+        f      copy_to_tensor_model_parallel_region          fwd identity      bwd all-reduce
+        g      reduce_from_tensor_model_parallel_region      fwd all-reduce    bwd identity
+    Sequence parallelism (Korthikanti et al. 2022), Fig. 5:
+        g      gather_from_sequence_parallel_region          fwd all-gather    bwd reduce-scatter
+        g-bar  reduce_scatter_to_sequence_parallel_region    fwd reduce-scatter bwd all-gather
+
+Neither paper names an f-bar: with SP the f before a column-parallel block becomes g and the g
+after a row-parallel block becomes g-bar. The last-dim scatter/gather and the sequence scatter have
+no paper name; they convert between layouts.
+
+Tensors are [s, b, h]: the tensor-parallel split is along the last dim, the sequence-parallel split
+along dim 0. Collectives run on contiguous tensors and never write into the caller's tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+# torch renamed the single-tensor collectives; the old names still work but warn.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class ShardingError(ValueError):
+    """A tensor that cannot be split evenly over the parallel group."""
+
+
+def group_size(group) -> int:
+    """Ranks in `group`; None means no parallelism (1)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    """This process's rank inside `group`; 0 when group is None."""
+    return 0 if group is None else dist.get_rank(group)
+
+
+def _check_divisible(size: int, world: int, what: str) -> None:
+    if size % world != 0:
+        raise ShardingError(
+            f"{what} is {size}, which does not split evenly over {world} tensor-parallel ranks; "
+            f"make it a multiple of {world} (or change the tensor-model-parallel size)")
+
+
+# --- raw collectives (no autograd) -----------------------------------------------------------
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def _split_last_dim(x: torch.Tensor, group) -> torch.Tensor:
+    world = group_size(group)
+    _check_divisible(x.shape[-1], world, "the last (hidden) dimension")
+    return x.chunk(world, dim=-1)[group_rank(group)].contiguous()
+
+
+def _gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
+    # gloo accepts only the concatenated output layout, so gather along dim 0 and reorder.
+    stacked = _gather_first_dim(x.reshape(1, *x.shape), group)  # [tp, ..., h/tp]
+    return torch.cat(stacked.unbind(0), dim=-1)
+
+
+def _split_first_dim(x: torch.Tensor, group) -> torch.Tensor:
+    world = group_size(group)
+    _check_divisible(x.shape[0], world, "the sequence length (dim 0)")
+    return x.chunk(world, dim=0)[group_rank(group)].contiguous()
+
+
+def _gather_first_dim(x: torch.Tensor, group) -> torch.Tensor:
+    world = group_size(group)
+    out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _all_gather_single(out, x.contiguous(), group=group)
+    return out
+
+
+def _reduce_scatter_first_dim(x: torch.Tensor, group) -> torch.Tensor:
+    world = group_size(group)
+    _check_divisible(x.shape[0], world, "the sequence length (dim 0)")
+    out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _reduce_scatter_single(out, x.contiguous(), group=group)
+    return out
+
+
+# --- autograd pairs --------------------------------------------------------------------------
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_last_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_last_dim(grad, ctx.group), None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_last_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_last_dim(grad, ctx.group), None
+
+
+class _ScatterToSequenceRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_first_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_first_dim(grad, ctx.group), None
+
+
+class _GatherFromSequenceRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, tensor_parallel_output_grad):
+        ctx.group = group
+        ctx.tensor_parallel_output_grad = tensor_parallel_output_grad
+        return _gather_first_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.tensor_parallel_output_grad:
+            return _reduce_scatter_first_dim(grad, ctx.group), None, None
+        return _split_first_dim(grad, ctx.group), None, None
+
+
+class _ReduceScatterToSequenceRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_first_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_first_dim(grad, ctx.group), None
+
+
+# --- public API ------------------------------------------------------------------------------
+
+def copy_to_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Megatron's f: identity forward, all-reduce of the gradient backward.
+
+    Placed before a ColumnParallelLinear: each rank consumes the full input, so the input's
+    gradient is the sum of the ranks' partial gradients.
+    """
+    if group_size(group) == 1:
+        return x
+    return _CopyToRegion.apply(x, group)
+
+
+def reduce_from_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Megatron's g: all-reduce (sum) forward, identity backward.
+
+    Placed after a RowParallelLinear or VocabParallelEmbedding, whose ranks hold partial sums.
+    """
+    if group_size(group) == 1:
+        return x
+    return _ReduceFromRegion.apply(x, group)
+
+
+def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Keep this rank's chunk of the last dim forward; all-gather the gradient's last dim backward.
+
+    [..., h] -> [..., h/tp]. No paper name; used for a RowParallelLinear whose input is not split.
+    """
+    if group_size(group) == 1:
+        return x
+    return _ScatterToRegion.apply(x, group)
+
+
+def gather_from_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """All-gather the last dim forward (rank order); keep this rank's gradient chunk backward.
+
+    [..., h/tp] -> [..., h]. No paper name; used for ColumnParallelLinear(gather_output=True).
+    """
+    if group_size(group) == 1:
+        return x
+    return _GatherFromRegion.apply(x, group)
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Keep this rank's chunk of dim 0 forward; all-gather the gradient along dim 0 backward.
+
+    [s, b, h] -> [s/tp, b, h]. No paper name; enters the SP region after the embedding.
+    """
+    if group_size(group) == 1:
+        return x
+    return _ScatterToSequenceRegion.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, group,
+                                         tensor_parallel_output_grad: bool = True) -> torch.Tensor:
+    """SP paper's g: all-gather along dim 0 forward, reduce-scatter backward.
+
+    [s/tp, b, h] -> [s, b, h]. Backward reduce-scatters the gradient along dim 0, because the
+    consumer (a ColumnParallelLinear) leaves each rank a partial gradient of the full sequence.
+    With tensor_parallel_output_grad=False the consumer's gradient is already complete and
+    identical on every rank, so backward only keeps this rank's chunk.
+    """
+    if group_size(group) == 1:
+        return x
+    return _GatherFromSequenceRegion.apply(x, group, tensor_parallel_output_grad)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """SP paper's g-bar: reduce-scatter (sum) along dim 0 forward; all-gather dim 0 backward.
+
+    [s, b, h] partial sums -> [s/tp, b, h] complete. Placed after a RowParallelLinear with SP.
+    """
+    if group_size(group) == 1:
+        return x
+    return _ReduceScatterToSequenceRegion.apply(x, group)
