@@ -1,0 +1,597 @@
+"""Typed configuration: one dataclass per concern, Megatron's names and defaults.
+
+Field names equal the `dest` of Megatron's argparse flags (``--num-layers`` -> ``num_layers``), so a
+Megatron user finds every knob under the name they know. `Config.finalize(world_size)` fills the
+derived defaults the way Megatron computes them, then `validate()` collects every violation and
+raises one ConfigError listing all of them with the values and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """Every problem found in a configuration, one per line."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{len(self.problems)} problem(s) in the configuration:\n{lines}")
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int | None = None
+    """Number of transformer layers in the whole model (all pipeline stages together)."""
+    hidden_size: int | None = None
+    """Width of the residual stream, h."""
+    ffn_hidden_size: int | None = None
+    """MLP inner width; default 4h, or int((4h * 2/3) / 64) * 64 with --swiglu."""
+    num_attention_heads: int | None = None
+    """Number of query heads."""
+    kv_channels: int | None = None
+    """Width of one attention head; default hidden_size / num_attention_heads."""
+    group_query_attention: bool = False
+    """Share key/value heads among groups of query heads (GQA)."""
+    num_query_groups: int | None = None
+    """Number of key/value heads with GQA; equals num_attention_heads without it."""
+    seq_length: int | None = None
+    """Tokens per sample."""
+    max_position_embeddings: int | None = None
+    """Size of the learned position table; default seq_length."""
+    position_embedding_type: str = "learned_absolute"
+    """learned_absolute, rope or none."""
+    rotary_base: int = 10000
+    """RoPE base (theta)."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's channels that RoPE rotates."""
+    normalization: str = "LayerNorm"
+    """LayerNorm or RMSNorm."""
+    norm_epsilon: float = 1e-5
+    """Epsilon of every norm."""
+    swiglu: bool = False
+    """SwiGLU MLP (gated SiLU) instead of GELU."""
+    untie_embeddings_and_output_weights: bool = False
+    """Give the output layer its own weight instead of reusing the word embedding."""
+    add_bias_linear: bool = True
+    """Biases in the linear layers (--disable-bias-linear turns them off)."""
+    add_qkv_bias: bool = False
+    """Bias in the QKV projection even when --disable-bias-linear is given."""
+    hidden_dropout: float = 0.1
+    """Dropout on the residual branches."""
+    attention_dropout: float = 0.1
+    """Dropout on attention probabilities."""
+    init_method_std: float = 0.02
+    """Std of the normal init; output projections use std / sqrt(2 * num_layers)."""
+    make_vocab_size_divisible_by: int = 128
+    """Pad the vocabulary to a multiple of this times the tensor-parallel size."""
+    vocab_size: int | None = None
+    """Tokenizer vocabulary size (set from the tokenizer, or --vocab-size with NullTokenizer)."""
+    padded_vocab_size: int | None = None
+    """Derived: vocab_size padded to a multiple of make_vocab_size_divisible_by * tp."""
+    recompute_granularity: str | None = None
+    """Activation recompute: full or selective (core attention)."""
+    recompute_method: str | None = None
+    """With full recompute: uniform or block."""
+    recompute_num_layers: int | None = None
+    """Layers per recompute unit (uniform) or recomputed layers per stage (block)."""
+    recompute_modules: list[str] | None = None
+    """With selective recompute: which modules (core_attn is supported)."""
+    transformer_impl: str = "local"
+    """local (pure PyTorch) or transformer_engine (GPU only)."""
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    """TP degree: ranks that split each layer's weights."""
+    pipeline_model_parallel_size: int = 1
+    """PP degree: stages the layers are split over."""
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    """Layers per model chunk for the interleaved schedule."""
+    num_virtual_stages_per_pipeline_rank: int | None = None
+    """Model chunks per pipeline rank for the interleaved schedule (alternative to the above)."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Derived: model chunks per pipeline rank (vpp); None without interleaving."""
+    sequence_parallel: bool = False
+    """Shard activations along the sequence in the non-TP regions (needs TP > 1)."""
+    data_parallel_size: int | None = None
+    """Derived: world_size / (tp * pp)."""
+    world_size: int | None = None
+    """Derived: number of processes."""
+    use_distributed_optimizer: bool = False
+    """Shard fp32 main params and optimizer state across data-parallel ranks."""
+    overlap_grad_reduce: bool = False
+    """Start each gradient bucket's reduction during backward."""
+    overlap_param_gather: bool = False
+    """Overlap the distributed optimizer's parameter all-gather with the next forward."""
+    ddp_bucket_size: int | None = None
+    """Elements per gradient bucket; default max(40M, 1M * dp)."""
+    accumulate_allreduce_grads_in_fp32: bool = True
+    """Keep main gradients in fp32 for bf16/fp16 models (always on in megafab)."""
+    distributed_backend: str | None = None
+    """nccl or gloo; default nccl with CUDA, gloo without."""
+    distributed_timeout_minutes: int = 10
+    """Timeout of every collective; a dead rank fails the others after this long."""
+
+
+@dataclass
+class PrecisionConfig:
+    fp16: bool = False
+    """Train in fp16 with a loss scaler."""
+    bf16: bool = False
+    """Train in bf16."""
+    loss_scale: float | None = None
+    """Static loss scale for fp16; dynamic scaling when unset."""
+    initial_loss_scale: float = 2.0**32
+    """Starting dynamic loss scale."""
+    min_loss_scale: float = 1.0
+    """Floor of the dynamic loss scale."""
+    loss_scale_window: int = 1000
+    """Clean steps before the dynamic scale doubles."""
+    hysteresis: int = 2
+    """Overflows tolerated before the dynamic scale halves."""
+    fp8_format: str | None = None
+    """FP8 with Transformer Engine: e4m3 or hybrid."""
+    fp8_recipe: str = "delayed"
+    """TE recipe: delayed, tensorwise, mxfp8 or blockwise."""
+    fp8_margin: int = 0
+    """Margin of the FP8 scaling factor."""
+    fp8_amax_history_len: int = 1
+    """Length of the amax history window."""
+    fp8_amax_compute_algo: str = "most_recent"
+    """most_recent or max over the history."""
+
+    @property
+    def params_dtype_name(self) -> str:
+        return "bfloat16" if self.bf16 else "float16" if self.fp16 else "float32"
+
+
+@dataclass
+class OptimizerConfig:
+    optimizer: str = "adam"
+    """adam (AdamW, decoupled weight decay) or sgd."""
+    lr: float | None = None
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Learning rate at the end of decay."""
+    lr_decay_style: str = "linear"
+    """constant, linear, cosine, inverse-square-root or WSD."""
+    lr_decay_iters: int | None = None
+    """Iterations to decay over; default train_iters."""
+    lr_decay_samples: int | None = None
+    """Samples to decay over; default train_samples."""
+    lr_warmup_fraction: float | None = None
+    """Warmup as a fraction of the decay span."""
+    lr_warmup_iters: int = 0
+    """Warmup iterations."""
+    lr_warmup_samples: int = 0
+    """Warmup samples."""
+    lr_warmup_init: float = 0.0
+    """Learning rate at the start of warmup."""
+    lr_wsd_decay_style: str = "exponential"
+    """Decay shape of the WSD schedule's final phase."""
+    lr_wsd_decay_samples: int | None = None
+    """Samples of WSD's final decay phase."""
+    lr_wsd_decay_iters: int | None = None
+    """Iterations of WSD's final decay phase."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay (not applied to biases and norms)."""
+    clip_grad: float = 1.0
+    """Clip gradients to this global L2 norm (0 disables)."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    sgd_momentum: float = 0.9
+    """SGD momentum."""
+
+
+@dataclass
+class DataConfig:
+    data_path: list[str] | None = None
+    """Prefixes (optionally weighted: w1 p1 w2 p2) of .bin/.idx datasets split by --split."""
+    split: str | None = None
+    """Train/valid/test proportions over documents, e.g. 969,30,1."""
+    train_data_path: list[str] | None = None
+    """Separate training prefixes."""
+    valid_data_path: list[str] | None = None
+    """Separate validation prefixes."""
+    test_data_path: list[str] | None = None
+    """Separate test prefixes."""
+    data_cache_path: str | None = None
+    """Where the sample-index .npy caches live."""
+    mock_data: bool = False
+    """Random tokens, no files: for smoke tests and benchmarks."""
+    tokenizer_type: str | None = None
+    """GPT2BPETokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer,
+    HuggingFaceTokenizer or NullTokenizer."""
+    vocab_file: str | None = None
+    """GPT-2 vocab.json."""
+    merge_file: str | None = None
+    """GPT-2 merges.txt."""
+    tokenizer_model: str | None = None
+    """SentencePiece .model, or a HuggingFace tokenizer.json / directory."""
+    eod_mask_loss: bool = False
+    """Do not train on end-of-document tokens."""
+    reset_position_ids: bool = False
+    """Restart position ids after each end-of-document token."""
+    reset_attention_mask: bool = False
+    """Block attention across documents inside one sample."""
+    num_workers: int = 2
+    """Data loader worker processes."""
+
+
+@dataclass
+class TrainingConfig:
+    micro_batch_size: int | None = None
+    """Samples per micro-batch per data-parallel rank."""
+    global_batch_size: int | None = None
+    """Samples per optimizer step over all ranks; default micro_batch_size * dp."""
+    num_micro_batches: int | None = None
+    """Derived: global_batch_size / (micro_batch_size * dp)."""
+    train_iters: int | None = None
+    """Optimizer steps to train."""
+    train_samples: int | None = None
+    """Samples to train (alternative to train_iters)."""
+    eval_iters: int = 100
+    """Batches per evaluation."""
+    eval_interval: int = 1000
+    """Evaluate every this many iterations."""
+    skip_train: bool = False
+    """Only evaluate."""
+    exit_interval: int | None = None
+    """Exit after an iteration divisible by this."""
+    exit_duration_in_mins: float | None = None
+    """Exit (with a checkpoint) after this many minutes."""
+    exit_signal_handler: bool = False
+    """On SIGTERM save a checkpoint and exit cleanly."""
+    seed: int = 1234
+    """Seed of initialization, dropout and data shuffling."""
+    dry_run: bool = False
+    """Validate the flags and print the memory/FLOPs plan without starting process groups."""
+
+
+@dataclass
+class CheckpointConfig:
+    save: str | None = None
+    """Directory to save checkpoints to."""
+    load: str | None = None
+    """Directory to load a checkpoint from."""
+    save_interval: int | None = None
+    """Save every this many iterations."""
+    no_save_optim: bool = False
+    """Leave the optimizer state out of saved checkpoints."""
+    no_save_rng: bool = False
+    """Leave the RNG states out of saved checkpoints."""
+    no_load_optim: bool = False
+    """Do not load the optimizer state."""
+    no_load_rng: bool = False
+    """Do not load the RNG states."""
+    finetune: bool = False
+    """Load only the weights; restart iteration count and optimizer."""
+    ckpt_format: str = "torch_dist"
+    """torch_dist: torch.distributed.checkpoint, loadable into any layout."""
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 100
+    """Print the iteration line every this many iterations."""
+    log_throughput: bool = False
+    """Add TFLOP/s per GPU to the iteration line."""
+    log_num_zeros_in_grad: bool = False
+    """Count zeros in the gradients."""
+    tensorboard_dir: str | None = None
+    """Write TensorBoard scalars here."""
+    tensorboard_log_interval: int = 1
+    """Write TensorBoard scalars every this many iterations."""
+    wandb_project: str = ""
+    """Log to this wandb project (offline unless WANDB_MODE says otherwise)."""
+    wandb_exp_name: str = ""
+    """wandb run name."""
+    wandb_save_dir: str = ""
+    """wandb run directory."""
+
+
+SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "precision": PrecisionConfig,
+            "optimizer": OptimizerConfig, "data": DataConfig, "training": TrainingConfig,
+            "checkpoint": CheckpointConfig, "logging": LoggingConfig}
+
+
+def swiglu_ffn_size(hidden_size: int) -> int:
+    return int((4 * hidden_size * 2 / 3) / 64) * 64
+
+
+def pad_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def default_bucket_size(dp: int) -> int:
+    return max(40_000_000, 1_000_000 * dp)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    notes: list[str] = field(default_factory=list)
+    """Adjustments made while finalizing (e.g. sequence parallel turned off at TP 1)."""
+
+    @classmethod
+    def from_flat(cls, values: dict) -> Config:
+        """Build from a flat {field_name: value} mapping such as vars(argparse.Namespace)."""
+        sections = {}
+        for name, section_cls in SECTIONS.items():
+            names = {f.name for f in dataclasses.fields(section_cls)}
+            sections[name] = section_cls(**{k: v for k, v in values.items() if k in names})
+        return cls(**sections)
+
+    def to_flat(self) -> dict:
+        flat = {}
+        for name in SECTIONS:
+            flat.update(dataclasses.asdict(getattr(self, name)))
+        return flat
+
+    def finalize(self, world_size: int) -> Config:
+        """Fill derived defaults as Megatron does, then validate everything at once."""
+        m, p, t, o = self.model, self.parallel, self.training, self.optimizer
+        p.world_size = world_size
+        tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+        if tp >= 1 and pp >= 1 and world_size % (tp * pp) == 0:
+            p.data_parallel_size = world_size // (tp * pp)
+        if m.hidden_size and m.ffn_hidden_size is None:
+            m.ffn_hidden_size = swiglu_ffn_size(m.hidden_size) if m.swiglu else 4 * m.hidden_size
+        if m.hidden_size and m.num_attention_heads and m.kv_channels is None \
+                and m.hidden_size % m.num_attention_heads == 0:
+            m.kv_channels = m.hidden_size // m.num_attention_heads
+        if not m.group_query_attention:
+            m.num_query_groups = m.num_attention_heads
+        if m.max_position_embeddings is None:
+            m.max_position_embeddings = m.seq_length
+        if m.vocab_size and tp >= 1:
+            m.padded_vocab_size = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
+        if p.num_virtual_stages_per_pipeline_rank is not None:
+            p.virtual_pipeline_model_parallel_size = p.num_virtual_stages_per_pipeline_rank
+        elif p.num_layers_per_virtual_pipeline_stage and m.num_layers and pp >= 1 \
+                and m.num_layers % (pp * p.num_layers_per_virtual_pipeline_stage) == 0:
+            p.virtual_pipeline_model_parallel_size = (
+                m.num_layers // pp // p.num_layers_per_virtual_pipeline_stage)
+        if p.sequence_parallel and tp == 1:
+            p.sequence_parallel = False
+            self.notes.append("--sequence-parallel has no effect with --tensor-model-parallel-size 1; "
+                              "turned it off (as Megatron does)")
+        if t.global_batch_size is None and t.micro_batch_size and p.data_parallel_size:
+            t.global_batch_size = t.micro_batch_size * p.data_parallel_size
+        if t.global_batch_size and t.micro_batch_size and p.data_parallel_size \
+                and t.global_batch_size % (t.micro_batch_size * p.data_parallel_size) == 0:
+            t.num_micro_batches = t.global_batch_size // (t.micro_batch_size * p.data_parallel_size)
+        if o.lr_decay_iters is None and o.lr_decay_samples is None:
+            o.lr_decay_iters, o.lr_decay_samples = t.train_iters, t.train_samples
+        if p.ddp_bucket_size is None and p.data_parallel_size:
+            p.ddp_bucket_size = default_bucket_size(p.data_parallel_size)
+        for note in self.notes:
+            warnings.warn(note, stacklevel=2)
+        self.validate()
+        return self
+
+    def validate(self) -> None:
+        problems = (model_problems(self) + parallel_problems(self) + precision_problems(self)
+                    + training_problems(self) + data_problems(self) + checkpoint_problems(self))
+        if problems:
+            raise ConfigError(problems)
+
+
+def _required(cfg_section, names: list[str]) -> list[str]:
+    return [f"--{n.replace('_', '-')} is required" for n in names if getattr(cfg_section, n) is None]
+
+
+def model_problems(cfg: Config) -> list[str]:
+    m, p = cfg.model, cfg.parallel
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    out = _required(m, ["num_layers", "hidden_size", "num_attention_heads", "seq_length"])
+    heads, groups = m.num_attention_heads, m.num_query_groups
+    if heads and tp >= 1 and heads % tp:
+        out.append(f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size "
+                   f"{tp}; each TP rank must hold whole heads: pick a TP size that divides {heads}")
+    if m.group_query_attention and groups is None:
+        out.append("--group-query-attention needs --num-query-groups")
+    if groups and heads and heads % groups:
+        out.append(f"--num-attention-heads {heads} is not divisible by --num-query-groups {groups}")
+    if m.group_query_attention and groups and tp >= 1 and groups % tp:
+        out.append(f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}; "
+                   f"each TP rank must hold whole key/value groups: use a TP size that divides {groups}")
+    if m.hidden_size and heads and m.kv_channels is None and m.hidden_size % heads:
+        out.append(f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {heads}; "
+                   f"give --kv-channels explicitly or change one of them")
+    if m.seq_length and m.max_position_embeddings and m.seq_length > m.max_position_embeddings:
+        out.append(f"--seq-length {m.seq_length} exceeds --max-position-embeddings "
+                   f"{m.max_position_embeddings}; raise --max-position-embeddings or shorten sequences")
+    if m.position_embedding_type not in ("learned_absolute", "rope", "none"):
+        out.append(f"--position-embedding-type {m.position_embedding_type!r} is not one of "
+                   f"learned_absolute, rope, none")
+    if m.normalization not in ("LayerNorm", "RMSNorm"):
+        out.append(f"--normalization {m.normalization!r} is not LayerNorm or RMSNorm")
+    if not 0.0 < m.rotary_percent <= 1.0:
+        out.append(f"--rotary-percent {m.rotary_percent} must be in (0, 1]")
+    for name in ("hidden_dropout", "attention_dropout"):
+        if not 0.0 <= getattr(m, name) < 1.0:
+            out.append(f"--{name.replace('_', '-')} {getattr(m, name)} must be in [0, 1)")
+    if m.recompute_granularity not in (None, "full", "selective"):
+        out.append(f"--recompute-granularity {m.recompute_granularity!r} is not full or selective")
+    if m.recompute_method is not None and m.recompute_granularity != "full":
+        out.append("--recompute-method needs --recompute-granularity full")
+    if m.recompute_granularity == "full" and m.recompute_method not in ("uniform", "block"):
+        out.append("--recompute-granularity full needs --recompute-method uniform or block")
+    if m.recompute_granularity == "full" and m.recompute_method and not m.recompute_num_layers:
+        out.append("--recompute-granularity full needs --recompute-num-layers")
+    if m.transformer_impl not in ("local", "transformer_engine"):
+        out.append(f"--transformer-impl {m.transformer_impl!r} is not local or transformer_engine")
+    del pp
+    return out
+
+
+def parallel_problems(cfg: Config) -> list[str]:
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    tp, pp, world = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.world_size
+    out = []
+    for name, value in (("tensor-model-parallel-size", tp), ("pipeline-model-parallel-size", pp)):
+        if value < 1:
+            out.append(f"--{name} {value} must be at least 1")
+    if world and tp >= 1 and pp >= 1 and world % (tp * pp):
+        out.append(f"world size {world} is not divisible by --tensor-model-parallel-size {tp} x "
+                   f"--pipeline-model-parallel-size {pp} = {tp * pp}; launch a multiple of {tp * pp} "
+                   f"processes or change the sizes")
+    vpp = p.virtual_pipeline_model_parallel_size
+    if p.num_layers_per_virtual_pipeline_stage and p.num_virtual_stages_per_pipeline_rank:
+        out.append("give only one of --num-layers-per-virtual-pipeline-stage and "
+                   "--num-virtual-stages-per-pipeline-rank")
+    interleaved = p.num_layers_per_virtual_pipeline_stage or p.num_virtual_stages_per_pipeline_rank
+    if interleaved and pp < 2:
+        out.append("the interleaved schedule (virtual pipeline stages) needs "
+                   "--pipeline-model-parallel-size of at least 2")
+    if m.num_layers and pp >= 1:
+        chunks = pp * (vpp or 1)
+        if p.num_layers_per_virtual_pipeline_stage and m.num_layers % (
+                pp * p.num_layers_per_virtual_pipeline_stage):
+            out.append(f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size "
+                       f"{pp} x --num-layers-per-virtual-pipeline-stage "
+                       f"{p.num_layers_per_virtual_pipeline_stage}")
+        elif m.num_layers % chunks:
+            out.append(f"--num-layers {m.num_layers} is not divisible by pipeline stages x virtual "
+                       f"stages = {pp} x {vpp or 1}; every model chunk must hold the same number of "
+                       f"layers")
+    if interleaved and vpp and t.num_micro_batches and pp > 1 and t.num_micro_batches % pp:
+        out.append(f"the interleaved schedule needs the number of micro-batches "
+                   f"({t.num_micro_batches} = global batch / (micro batch x dp)) to be a multiple of "
+                   f"--pipeline-model-parallel-size {pp}")
+    if p.overlap_param_gather and not p.use_distributed_optimizer:
+        out.append("--overlap-param-gather needs --use-distributed-optimizer")
+    if p.distributed_backend not in (None, "nccl", "gloo"):
+        out.append(f"--distributed-backend {p.distributed_backend!r} is not nccl or gloo")
+    return out
+
+
+def precision_problems(cfg: Config) -> list[str]:
+    pr, m = cfg.precision, cfg.model
+    out = []
+    if pr.fp16 and pr.bf16:
+        out.append("--fp16 and --bf16 were both given; choose one precision")
+    if pr.fp8_format is not None:
+        if pr.fp8_format not in ("e4m3", "hybrid"):
+            out.append(f"--fp8-format {pr.fp8_format!r} is not e4m3 or hybrid")
+        if m.transformer_impl != "transformer_engine":
+            out.append("--fp8-format needs --transformer-impl transformer_engine (FP8 runs in "
+                       "Transformer Engine's layers)")
+        if not (pr.bf16 or pr.fp16):
+            out.append("--fp8-format needs --bf16 (or --fp16) for the non-FP8 parts")
+    if pr.loss_scale is not None and pr.loss_scale <= 0:
+        out.append(f"--loss-scale {pr.loss_scale} must be positive")
+    return out
+
+
+def training_problems(cfg: Config) -> list[str]:
+    t, p, o = cfg.training, cfg.parallel, cfg.optimizer
+    out = _required(t, ["micro_batch_size"])
+    dp = p.data_parallel_size
+    if t.micro_batch_size and dp and t.global_batch_size and \
+            t.global_batch_size % (t.micro_batch_size * dp):
+        out.append(f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size "
+                   f"{t.micro_batch_size} x data-parallel size {dp} = {t.micro_batch_size * dp}; use a "
+                   f"multiple of {t.micro_batch_size * dp}")
+    if t.train_iters is not None and t.train_samples is not None:
+        out.append("give only one of --train-iters and --train-samples")
+    if not t.dry_run and not t.skip_train and t.train_iters is None and t.train_samples is None:
+        out.append("--train-iters (or --train-samples) is required to train")
+    if not t.skip_train and o.lr is None and not t.dry_run:
+        out.append("--lr is required")
+    warmups = [n for n, v in (("--lr-warmup-fraction", o.lr_warmup_fraction),
+                              ("--lr-warmup-iters", o.lr_warmup_iters),
+                              ("--lr-warmup-samples", o.lr_warmup_samples)) if v]
+    if len(warmups) > 1:
+        out.append(f"give only one of {', '.join(warmups)}")
+    if o.lr_decay_style not in ("constant", "linear", "cosine", "inverse-square-root", "WSD"):
+        out.append(f"--lr-decay-style {o.lr_decay_style!r} is not constant, linear, cosine, "
+                   f"inverse-square-root or WSD")
+    if o.optimizer not in ("adam", "sgd"):
+        out.append(f"--optimizer {o.optimizer!r} is not adam or sgd")
+    if t.eval_interval is not None and t.eval_interval <= 0:
+        out.append(f"--eval-interval {t.eval_interval} must be positive")
+    return out
+
+
+def data_problems(cfg: Config) -> list[str]:
+    d, m, t = cfg.data, cfg.model, cfg.training
+    out = []
+    needs_data = not t.dry_run and not d.mock_data
+    has_paths = d.data_path or d.train_data_path
+    if needs_data and not has_paths:
+        out.append("no training data: give --data-path (or --train-data-path), or --mock-data")
+    if d.data_path and d.train_data_path:
+        out.append("give either --data-path or --train-data-path/--valid-data-path/--test-data-path")
+    kind = d.tokenizer_type
+    if kind in ("GPT2BPETokenizer",):
+        for flag, value in (("--vocab-file", d.vocab_file), ("--merge-file", d.merge_file)):
+            if value is None:
+                out.append(f"--tokenizer-type {kind} needs {flag}")
+            elif not os.path.exists(value):
+                out.append(f"{flag} {value}: no such file")
+    elif kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
+                  "HuggingFaceTokenizer"):
+        if d.tokenizer_model is None:
+            out.append(f"--tokenizer-type {kind} needs --tokenizer-model")
+        elif not os.path.exists(d.tokenizer_model):
+            out.append(f"--tokenizer-model {d.tokenizer_model}: no such file or directory")
+    elif kind == "NullTokenizer":
+        if m.vocab_size is None:
+            out.append("--tokenizer-type NullTokenizer needs --vocab-size")
+    elif kind is not None:
+        out.append(f"--tokenizer-type {kind!r} is not one of GPT2BPETokenizer, SentencePieceTokenizer, "
+                   f"GPTSentencePieceTokenizer, Llama2Tokenizer, HuggingFaceTokenizer, NullTokenizer")
+    elif needs_data or d.mock_data:
+        if m.vocab_size is None:
+            out.append("no tokenizer: give --tokenizer-type (or --vocab-size with --mock-data)")
+    for prefix in _data_prefixes(d.data_path) + _data_prefixes(d.train_data_path):
+        if not os.path.exists(prefix + ".idx"):
+            out.append(f"data prefix {prefix}: {prefix}.idx not found (a Megatron dataset is "
+                       f"PREFIX.bin + PREFIX.idx, e.g. made by tools/preprocess_data.py)")
+    return out
+
+
+def _data_prefixes(paths: list[str] | None) -> list[str]:
+    """Prefixes of a Megatron data path list: 'p' | 'w1 p1 w2 p2' | 'p1 p2'."""
+    if not paths:
+        return []
+    def is_weight(s):
+        try:
+            float(s)
+            return True
+        except ValueError:
+            return False
+    if len(paths) % 2 == 0 and all(is_weight(w) for w in paths[0::2]):
+        return list(paths[1::2])
+    return list(paths)
+
+
+def checkpoint_problems(cfg: Config) -> list[str]:
+    c = cfg.checkpoint
+    out = []
+    if c.save_interval and not c.save:
+        out.append("--save-interval needs --save DIR")
+    if c.ckpt_format != "torch_dist":
+        out.append(f"--ckpt-format {c.ckpt_format!r} is not supported by megafab yet "
+                   f"(only torch_dist)")
+    return out

@@ -1,0 +1,123 @@
+import subprocess
+import sys
+
+import pytest
+import torch.distributed as dist
+
+from megafab.arguments import UnsupportedFlagError, config_from_args
+from megafab.config import ConfigError, pad_vocab_size, swiglu_ffn_size
+
+BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8", "--seq-length", "32",
+        "--micro-batch-size", "2", "--train-iters", "10", "--lr", "1e-3", "--mock-data",
+        "--vocab-size", "1000"]
+
+
+def test_megatron_derived_defaults():
+    cfg = config_from_args(BASE + ["--tensor-model-parallel-size", "2",
+                                   "--pipeline-model-parallel-size", "2"], world_size=8)
+    assert cfg.model.ffn_hidden_size == 256
+    assert cfg.model.kv_channels == 8
+    assert cfg.model.num_query_groups == 8
+    assert cfg.model.max_position_embeddings == 32
+    assert cfg.parallel.data_parallel_size == 2
+    assert cfg.training.global_batch_size == 4 and cfg.training.num_micro_batches == 1
+    assert cfg.model.padded_vocab_size == 1024  # multiple of 128 * tp=2 = 256
+    assert cfg.optimizer.lr_decay_iters == 10
+    assert cfg.parallel.ddp_bucket_size == 40_000_000
+
+
+def test_swiglu_ffn_and_vocab_padding_formulas():
+    assert swiglu_ffn_size(4096) == 10880  # Megatron's rounding (Llama rounds to 11008)
+    assert swiglu_ffn_size(64) == 128
+    assert pad_vocab_size(50257, 128, 1) == 50304
+    assert pad_vocab_size(50257, 128, 8) == 51200
+    cfg = config_from_args(BASE + ["--swiglu"], world_size=1)
+    assert cfg.model.ffn_hidden_size == swiglu_ffn_size(64)
+
+
+def test_virtual_pipeline_derivation_and_gradient_accumulation():
+    cfg = config_from_args(BASE + ["--pipeline-model-parallel-size", "2",
+                                   "--num-layers-per-virtual-pipeline-stage", "1",
+                                   "--global-batch-size", "8"], world_size=2)
+    assert cfg.parallel.virtual_pipeline_model_parallel_size == 2
+    assert cfg.training.num_micro_batches == 4
+
+
+def test_sequence_parallel_at_tp1_is_turned_off_with_a_note():
+    with pytest.warns(UserWarning, match="sequence-parallel has no effect"):
+        cfg = config_from_args(BASE + ["--sequence-parallel"], world_size=1)
+    assert cfg.parallel.sequence_parallel is False
+
+
+def test_three_mistakes_one_error_listing_all_before_any_process_group():
+    argv = BASE + ["--tensor-model-parallel-size", "3", "--fp16", "--bf16",
+                   "--global-batch-size", "5"]
+    with pytest.raises(ConfigError) as info:
+        config_from_args(argv, world_size=6)
+    problems = info.value.problems
+    assert not dist.is_initialized()
+    text = str(info.value)
+    assert "--num-attention-heads 8 is not divisible by --tensor-model-parallel-size 3" in text
+    assert "--fp16 and --bf16 were both given" in text
+    assert "--global-batch-size 5 is not divisible by --micro-batch-size 2 x data-parallel size 2" in text
+    assert len(problems) == 3, problems
+
+
+def test_world_size_layers_gqa_and_seq_length_violations_are_all_reported():
+    argv = ["--num-layers", "5", "--hidden-size", "64", "--num-attention-heads", "8",
+            "--group-query-attention", "--num-query-groups", "3", "--seq-length", "64",
+            "--max-position-embeddings", "32", "--micro-batch-size", "1", "--train-iters", "1",
+            "--lr", "1", "--mock-data", "--vocab-size", "10",
+            "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    with pytest.raises(ConfigError) as info:
+        config_from_args(argv, world_size=6)
+    text = str(info.value)
+    for expected in ("world size 6 is not divisible", "--num-layers 5 is not divisible",
+                     "--num-query-groups 3 is not divisible by --tensor-model-parallel-size 2",
+                     "--num-attention-heads 8 is not divisible by --num-query-groups 3",
+                     "--seq-length 64 exceeds --max-position-embeddings 32"):
+        assert expected in text
+
+
+def test_unsupported_megatron_flag_is_refused_by_name():
+    with pytest.raises(UnsupportedFlagError, match="--num-experts.*not supported by megafab yet"):
+        config_from_args(BASE + ["--num-experts", "8"], world_size=1)
+    with pytest.raises(UnsupportedFlagError, match="--context-parallel-size"):
+        config_from_args(BASE + ["--context-parallel-size", "2"], world_size=1)
+    # the value meaning "off" is accepted
+    config_from_args(BASE + ["--context-parallel-size", "1"], world_size=1)
+
+
+def test_abbreviations_are_not_accepted():
+    with pytest.raises(SystemExit):
+        config_from_args(BASE + ["--hidden", "64"], world_size=1)
+
+
+def test_missing_tokenizer_files_are_named(tmp_path):
+    argv = [a for a in BASE if a not in ("--mock-data",)]
+    argv = argv + ["--data-path", str(tmp_path / "corpus_text_document"),
+                   "--tokenizer-type", "SentencePieceTokenizer",
+                   "--tokenizer-model", str(tmp_path / "nope.model")]
+    with pytest.raises(ConfigError) as info:
+        config_from_args(argv, world_size=1)
+    assert "nope.model: no such file" in str(info.value)
+    assert "corpus_text_document.idx not found" in str(info.value)
+
+
+def test_entry_point_prints_one_message_and_exits_2():
+    proc = subprocess.run([sys.executable, "pretrain_gpt.py", "--num-layers", "3",
+                           "--pipeline-model-parallel-size", "2", "--hidden-size", "64",
+                           "--num-attention-heads", "8", "--seq-length", "16", "--micro-batch-size",
+                           "1"], capture_output=True, text=True, timeout=120,
+                          env={"WORLD_SIZE": "2", "RANK": "0", "PATH": ""})
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "--num-layers 3 is not divisible" in proc.stderr
+    assert "--lr is required" in proc.stderr
+
+
+def test_help_works_without_torch_distributed():
+    proc = subprocess.run([sys.executable, "pretrain_gpt.py", "--help"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0
+    assert "--tensor-model-parallel-size" in proc.stdout
