@@ -1,0 +1,178 @@
+"""Pipeline schedules: no pipelining, 1F1B, interleaved 1F1B, behind one dispatcher.
+
+    forward_backward = get_forward_backward_func(pp_size, vpp_size)
+    logs = forward_backward(forward_step_func=..., data_iterator=..., model=...,
+                            num_microbatches=m, seq_length=s, micro_batch_size=b, hidden_size=h,
+                            topology=topo, dtype=torch.bfloat16)
+
+Every schedule takes the same keyword arguments (Megatron's contract, see pipeline_steps.py) and
+returns the list of per-micro-batch loss logs on the last stage (empty elsewhere). The loss of a
+call is the mean over micro-batches; its backward accumulates into .grad of every parameter.
+finalize_model_grads_func(models) runs once, after the last backward.
+
+1F1B with p stages and m micro-batches: stage r first runs p-r-1 warmup forwards, then
+alternates one forward / one backward (steady state), then drains the remaining backwards
+(cooldown). At most p-r micro-batches are in flight on stage r, instead of m for GPipe.
+Idle ("bubble") fraction: (p-1)/(m+p-1), about (p-1)/m.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from megafab.distributed.p2p import P2PCommunicator, pipeline_tensor_shape
+from megafab.distributed.pipeline_interleaved import forward_backward_pipelining_with_interleaving
+from megafab.distributed.pipeline_steps import (
+    GradSync,
+    PipelineScheduleError,
+    StepRunner,
+    as_list,
+    check_common,
+    custom_backward,
+    deallocate_output_tensor,
+)
+from megafab.distributed.topology import Topology
+
+__all__ = [
+    "PipelineScheduleError",
+    "custom_backward",
+    "deallocate_output_tensor",
+    "forward_backward_no_pipelining",
+    "forward_backward_pipelining_with_interleaving",
+    "forward_backward_pipelining_without_interleaving",
+    "get_forward_backward_func",
+]
+
+
+def get_forward_backward_func(pp_size: int, vpp_size: int | None = 1) -> Callable:
+    """The schedule for a layout: no pipelining, 1F1B, or interleaved 1F1B when vpp > 1."""
+    vpp_size = vpp_size or 1
+    if pp_size < 1 or vpp_size < 1:
+        raise PipelineScheduleError(
+            f"pipeline-model-parallel-size {pp_size} and virtual stages per rank {vpp_size} must "
+            f"both be at least 1")
+    if pp_size == 1:
+        if vpp_size > 1:
+            raise PipelineScheduleError(
+                f"virtual pipeline stages ({vpp_size} per rank) need pipeline-model-parallel-size "
+                f"> 1; drop --num-layers-per-virtual-pipeline-stage or raise the pipeline size")
+        return forward_backward_no_pipelining
+    if vpp_size > 1:
+        return forward_backward_pipelining_with_interleaving
+    return forward_backward_pipelining_without_interleaving
+
+
+def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator, model,
+                                   num_microbatches: int, seq_length: int | None = None,
+                                   micro_batch_size: int | None = None, hidden_size: int | None = None,
+                                   topology: Topology | None = None, dtype: torch.dtype | None = None,
+                                   forward_only: bool = False, sequence_parallel: bool = False,
+                                   finalize_model_grads_func: Callable | None = None,
+                                   no_sync_func=None, grad_sync_func: Callable | None = None,
+                                   loss_scale=1.0, deallocate_pipeline_outputs: bool = True) -> list:
+    """Gradient accumulation over micro-batches on one stage (pipeline size 1)."""
+    models, iterators = as_list(model), as_list(data_iterator)
+    if len(models) != 1:
+        raise PipelineScheduleError(
+            f"no-pipelining schedule got {len(models)} model chunks; it runs exactly one")
+    check_common(num_microbatches, models, iterators)
+    runner = StepRunner(forward_step_func, num_microbatches, forward_only, loss_scale, collect_logs=True)
+    sync = None if forward_only else GradSync(models, num_microbatches, no_sync_func, grad_sync_func)
+    try:
+        for _ in range(num_microbatches):
+            loss = runner.forward(models[0], iterators[0], None, is_last_stage=True)
+            if not forward_only:
+                sync.before_backward(0)
+                runner.backward(None, loss, None)
+                sync.after_backward(0)
+    finally:
+        if sync is not None:
+            sync.close()
+    if not forward_only and finalize_model_grads_func is not None:
+        finalize_model_grads_func(models)
+    return runner.logs
+
+
+def forward_backward_pipelining_without_interleaving(
+        *, forward_step_func: Callable, data_iterator, model, num_microbatches: int, seq_length: int,
+        micro_batch_size: int, hidden_size: int, topology: Topology, dtype: torch.dtype,
+        forward_only: bool = False, sequence_parallel: bool = False,
+        finalize_model_grads_func: Callable | None = None, no_sync_func=None,
+        grad_sync_func: Callable | None = None, loss_scale=1.0,
+        deallocate_pipeline_outputs: bool = True) -> list:
+    """1F1B: warmup forwards, steady one-forward-one-backward, cooldown backwards."""
+    models, iterators = as_list(model), as_list(data_iterator)
+    if len(models) != 1:
+        raise PipelineScheduleError(
+            f"1F1B schedule got {len(models)} model chunks; with virtual pipeline stages use "
+            f"forward_backward_pipelining_with_interleaving (get_forward_backward_func(pp, vpp))")
+    check_common(num_microbatches, models, iterators)
+    chunk, data = models[0], iterators[0]
+    shape = pipeline_tensor_shape(seq_length, micro_batch_size, hidden_size, topology.tp, sequence_parallel)
+    comm = P2PCommunicator(topology, shape, dtype)
+    last = topology.is_last_stage
+    runner = StepRunner(forward_step_func, num_microbatches, forward_only, loss_scale, collect_logs=last)
+
+    def forward(input_tensor):
+        return runner.forward(chunk, data, input_tensor, is_last_stage=last)
+
+    def free(output):
+        if not last:
+            deallocate_output_tensor(output, deallocate_pipeline_outputs)
+
+    num_warmup = num_microbatches if forward_only else min(topology.pp - topology.pp_rank - 1,
+                                                           num_microbatches)
+    num_steady = num_microbatches - num_warmup
+    # Micro-batches whose forward ran and whose backward has not, oldest first.
+    input_tensors: list = []
+    output_tensors: list = []
+    sync = None if forward_only else GradSync(models, num_microbatches, no_sync_func, grad_sync_func)
+
+    def backward(input_tensor, output, output_grad):
+        sync.before_backward(0)
+        input_grad = runner.backward(input_tensor, output, output_grad)
+        sync.after_backward(0)
+        return input_grad
+
+    try:
+        for _ in range(num_warmup):
+            input_tensor = comm.recv_forward()
+            output = forward(input_tensor)
+            comm.send_forward(output)
+            if not forward_only:
+                input_tensors.append(input_tensor)
+                output_tensors.append(output)
+            free(output)
+
+        input_tensor = comm.recv_forward() if num_steady > 0 else None
+        for i in range(num_steady):
+            last_iteration = i == num_steady - 1
+            output = forward(input_tensor)
+            if forward_only:
+                comm.send_forward(output)
+                input_tensor = None if last_iteration else comm.recv_forward()
+                continue
+            output_grad = comm.send_forward_recv_backward(output)
+            input_tensors.append(input_tensor)
+            output_tensors.append(output)
+            free(output)
+            input_grad = backward(input_tensors.pop(0), output_tensors.pop(0), output_grad)
+            if last_iteration:
+                input_tensor = None
+                comm.send_backward(input_grad)
+            else:
+                input_tensor = comm.send_backward_recv_forward(input_grad)
+
+        if not forward_only:
+            for _ in range(num_warmup):
+                output_grad = comm.recv_backward()
+                input_grad = backward(input_tensors.pop(0), output_tensors.pop(0), output_grad)
+                comm.send_backward(input_grad)
+    finally:
+        if sync is not None:
+            sync.close()
+    if not forward_only and finalize_model_grads_func is not None:
+        finalize_model_grads_func(models)
+    return runner.logs
