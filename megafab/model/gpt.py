@@ -1,0 +1,153 @@
+"""GPTModel for one pipeline stage or virtual chunk: a range of layers, the embedding on the
+first chunk (pre_process), final norm + output layer + loss on the last (post_process).
+
+Names follow megatron-core (`embedding.word_embeddings.weight`, `decoder.layers.3.mlp.linear_fc1
+.weight`, `decoder.final_layernorm.weight`, `output_layer.weight`); layer numbers are global, so a
+state dict key means the same tensor in every pipeline layout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megafab.distributed.cross_entropy import vocab_parallel_cross_entropy
+from megafab.distributed.layers import VocabParallelEmbedding
+from megafab.distributed.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
+from megafab.model.init import normal_init
+from megafab.model.transformer import LayerContext, RotaryEmbedding, TransformerLayer, build_norm
+
+WORD_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+class Embedding(nn.Module):
+    def __init__(self, cfg, ctx: LayerContext):
+        super().__init__()
+        self.ctx = ctx
+        self.dropout = cfg.hidden_dropout
+        self.word_embeddings = VocabParallelEmbedding(
+            cfg.padded_vocab_size, cfg.hidden_size, tp_group=ctx.tp_group, params_dtype=ctx.params_dtype,
+            device=ctx.device, init_method=normal_init(ctx.seed, WORD_EMBEDDING, cfg.init_method_std))
+        self.position_embeddings = None
+        if cfg.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size,
+                                                    device=ctx.device, dtype=ctx.params_dtype)
+            normal_init(ctx.seed, "embedding.position_embeddings.weight",
+                        cfg.init_method_std)(self.position_embeddings.weight)
+
+    def forward(self, input_ids, position_ids):
+        x = self.word_embeddings(input_ids)  # [b, s, h]
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(position_ids)
+        x = x.transpose(0, 1).contiguous()  # [s, b, h]
+        if self.ctx.sequence_parallel:
+            x = scatter_to_sequence_parallel_region(x, self.ctx.tp_group)  # [s/tp, b, h]
+        if self.training and self.dropout > 0:
+            with self.ctx.residual_rng():
+                x = F.dropout(x, self.dropout, training=True)
+        return x
+
+
+class GPTModel(nn.Module):
+    """Layers [first_layer, last_layer) of a GPT; see the module docstring."""
+
+    def __init__(self, cfg, ctx: LayerContext, first_layer: int = 0, last_layer: int | None = None,
+                 pre_process: bool = True, post_process: bool = True):
+        super().__init__()
+        last_layer = cfg.num_layers if last_layer is None else last_layer
+        self.cfg, self.ctx = cfg, ctx
+        self.pre_process, self.post_process = pre_process, post_process
+        self.share_embeddings = not cfg.untie_embeddings_and_output_weights
+        self.input_tensor = None
+        if pre_process:
+            self.embedding = Embedding(cfg, ctx)
+        self.rotary = None
+        if cfg.position_embedding_type == "rope":
+            self.rotary = RotaryEmbedding(cfg.kv_channels, cfg.rotary_percent, cfg.rotary_base, ctx.device)
+        self.decoder = nn.Module()
+        self.decoder.layers = nn.ModuleDict(
+            {str(i): TransformerLayer(cfg, ctx, i) for i in range(first_layer, last_layer)})
+        if post_process:
+            self.decoder.final_layernorm = build_norm(cfg, ctx)
+            if not (self.share_embeddings and pre_process):
+                # Untied, or the last stage's copy of a tied embedding (same name-seed: starts equal).
+                name = WORD_EMBEDDING if self.share_embeddings else "output_layer.weight"
+                self.output_layer = VocabParallelEmbedding(
+                    cfg.padded_vocab_size, cfg.hidden_size, tp_group=ctx.tp_group,
+                    params_dtype=ctx.params_dtype, device=ctx.device,
+                    init_method=normal_init(ctx.seed, name, cfg.init_method_std))
+        if self.share_embeddings:
+            for p in self.shared_embedding_params():
+                p.shared_embedding = True
+
+    def shared_embedding_params(self) -> list[nn.Parameter]:
+        """The tied word-embedding weights this chunk holds (first and/or last stage)."""
+        out = []
+        if self.pre_process:
+            out.append(self.embedding.word_embeddings.weight)
+        if self.post_process and hasattr(self, "output_layer"):
+            out.append(self.output_layer.weight)
+        return out if self.share_embeddings else []
+
+    def output_weight(self) -> torch.Tensor:
+        if self.share_embeddings and self.pre_process:
+            return self.embedding.word_embeddings.weight
+        return self.output_layer.weight
+
+    def set_input_tensor(self, tensor) -> None:
+        """The pipeline schedule hands a non-first chunk its input here (Megatron's contract)."""
+        self.input_tensor = tensor[0] if isinstance(tensor, (list, tuple)) else tensor
+
+    def forward(self, input_ids=None, position_ids=None, labels=None, attention_mask=None):
+        """First chunk: ids [b, s]; later chunks: the tensor from set_input_tensor [s(/tp), b, h].
+
+        Last chunk returns per-token loss [b, s] when labels are given, else logits [s, b, V/tp].
+        Other chunks return hidden states [s(/tp), b, h] for the next stage.
+        """
+        if position_ids is None and input_ids is not None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        x = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor
+        angles = self.rotary(position_ids) if self.rotary is not None else None
+        for layer in self.decoder.layers.values():
+            x = layer(x, angles, attention_mask)
+        if not self.post_process:
+            return x
+        x = self.decoder.final_layernorm(x)
+        if self.ctx.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.ctx.tp_group)  # [s, b, h]
+        else:
+            x = copy_to_tensor_model_parallel_region(x, self.ctx.tp_group)
+        logits = F.linear(x, self.output_weight())  # [s, b, V/tp]
+        if labels is None:
+            return logits
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.ctx.tp_group)  # [s, b]
+        return loss.t()  # [b, s]
+
+
+def chunk_layer_range(num_layers: int, pp: int, vpp: int, pp_rank: int, chunk: int) -> tuple[int, int]:
+    """Layers of virtual chunk `chunk` on pipeline rank `pp_rank`: Megatron places global chunk
+    chunk * pp + pp_rank there, each holding num_layers / (pp * vpp) consecutive layers."""
+    per_chunk = num_layers // (pp * vpp)
+    start = (chunk * pp + pp_rank) * per_chunk
+    return start, start + per_chunk
+
+
+def build_model_chunks(cfg, ctx: LayerContext, pp: int = 1, pp_rank: int = 0, vpp: int = 1) -> list[GPTModel]:
+    """This pipeline rank's model chunks (one without interleaving)."""
+    chunks = []
+    for c in range(vpp):
+        first, last = chunk_layer_range(cfg.num_layers, pp, vpp, pp_rank, c)
+        chunks.append(GPTModel(cfg, ctx, first, last, pre_process=(pp_rank == 0 and c == 0),
+                               post_process=(pp_rank == pp - 1 and c == vpp - 1)))
+    return chunks
+
+
+def masked_mean_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Megatron's micro-batch loss: sum(loss * mask) / sum(mask)."""
+    mask = loss_mask.to(per_token_loss.dtype)
+    return (per_token_loss * mask).sum() / mask.sum()

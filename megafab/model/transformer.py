@@ -1,0 +1,175 @@
+"""One transformer layer (pre-norm attention + MLP), written once for every TP/SP layout.
+
+Shapes: the residual stream is [s, b, h], or [s/tp, b, h] with sequence parallel; inside the TP
+regions heads and MLP columns are split, [s, b, heads/tp, d] and [s, b, ffn/tp].
+Parameter names follow megatron-core's local spec (input_layernorm, self_attention.linear_qkv,
+self_attention.linear_proj, pre_mlp_layernorm, mlp.linear_fc1, mlp.linear_fc2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megafab.distributed.layers import ColumnParallelLinear, RowParallelLinear
+from megafab.distributed.mappings import group_size
+from megafab.model.init import normal_init, output_layer_std
+
+
+@dataclass
+class LayerContext:
+    """What every layer of a model chunk shares: groups, precision, seed and the RNG tracker."""
+
+    tp_group: object
+    sequence_parallel: bool
+    params_dtype: torch.dtype
+    device: torch.device
+    seed: int
+    rng_tracker: object = None
+
+    def tp_region_rng(self):
+        """Dropout on tensors that differ across TP ranks draws from the per-rank stream."""
+        return self.rng_tracker.fork() if self.rng_tracker is not None else contextlib.nullcontext()
+
+    def residual_rng(self):
+        """The residual stream is TP-sharded (so per-rank RNG) only under sequence parallel."""
+        return self.tp_region_rng() if self.sequence_parallel else contextlib.nullcontext()
+
+
+def build_norm(cfg, ctx: LayerContext) -> nn.Module:
+    cls = nn.RMSNorm if cfg.normalization == "RMSNorm" else nn.LayerNorm
+    norm = cls(cfg.hidden_size, eps=cfg.norm_epsilon, device=ctx.device, dtype=ctx.params_dtype)
+    for p in norm.parameters():
+        p.sequence_parallel = ctx.sequence_parallel
+    return norm
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE on the first rotary_percent of each head's channels, halves rotated (not interleaved)."""
+
+    def __init__(self, kv_channels: int, rotary_percent: float, base: int, device):
+        super().__init__()
+        self.dim = int(kv_channels * rotary_percent)
+        exponent = torch.arange(0, self.dim, 2, dtype=torch.float64, device=device) / self.dim
+        self.register_buffer("inv_freq", 1.0 / (base**exponent), persistent=False)
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """position_ids [b, s] -> angles [s, b, 1, dim]."""
+        freqs = position_ids.to(torch.float64).t()[..., None] * self.inv_freq  # [s, b, dim/2]
+        return torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
+
+
+def apply_rotary(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """x [s, b, heads, d]; rotates the first angles.shape[-1] channels."""
+    dim = angles.shape[-1]
+    rot, keep = x[..., :dim], x[..., dim:]
+    half1, half2 = rot.chunk(2, dim=-1)
+    rotated = torch.cat([-half2, half1], dim=-1)
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    return torch.cat([rot * cos + rotated * sin, keep], dim=-1)
+
+
+class SelfAttention(nn.Module):
+    """Causal self-attention, multi-head or grouped-query, heads split over TP.
+
+    linear_qkv packs each key/value group as [q_1 .. q_{heads/groups}, k, v] (megatron-core's
+    layout), so a TP shard holds whole groups.
+    """
+
+    def __init__(self, cfg, ctx: LayerContext, prefix: str):
+        super().__init__()
+        tp = group_size(ctx.tp_group)
+        self.ctx = ctx
+        self.d = cfg.kv_channels
+        self.heads_per_group = cfg.num_attention_heads // cfg.num_query_groups
+        self.groups_local = cfg.num_query_groups // tp
+        self.dropout = cfg.attention_dropout
+        qkv_out = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * self.d
+        self.linear_qkv = ColumnParallelLinear(
+            cfg.hidden_size, qkv_out, tp_group=ctx.tp_group, bias=cfg.add_bias_linear or cfg.add_qkv_bias,
+            sequence_parallel=ctx.sequence_parallel, params_dtype=ctx.params_dtype, device=ctx.device,
+            init_method=normal_init(ctx.seed, prefix + "linear_qkv.weight", cfg.init_method_std))
+        self.linear_proj = RowParallelLinear(
+            cfg.num_attention_heads * self.d, cfg.hidden_size, tp_group=ctx.tp_group,
+            bias=cfg.add_bias_linear, input_is_parallel=True, sequence_parallel=ctx.sequence_parallel,
+            params_dtype=ctx.params_dtype, device=ctx.device,
+            init_method=normal_init(ctx.seed, prefix + "linear_proj.weight",
+                                    output_layer_std(cfg.init_method_std, cfg.num_layers)))
+
+    def forward(self, x, rotary_angles=None, attention_mask=None):
+        qkv, _ = self.linear_qkv(x)  # [s, b, groups/tp * (hpg + 2) * d]
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, self.groups_local, self.heads_per_group + 2, self.d)
+        q = qkv[:, :, :, : self.heads_per_group].reshape(s, b, -1, self.d)  # [s, b, heads/tp, d]
+        k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # [s, b, groups/tp, d]
+        if rotary_angles is not None:
+            q, k = apply_rotary(q, rotary_angles), apply_rotary(k, rotary_angles)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+        if self.heads_per_group > 1:
+            k = k.repeat_interleave(self.heads_per_group, dim=1)
+            v = v.repeat_interleave(self.heads_per_group, dim=1)
+        dropout = self.dropout if self.training else 0.0
+        with self.ctx.tp_region_rng():
+            if attention_mask is None:
+                ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+            else:  # Megatron's mask: True where attention is NOT allowed
+                ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, dropout_p=dropout)
+        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads/tp * d]
+        out, _ = self.linear_proj(ctx)
+        return out
+
+
+class MLP(nn.Module):
+    """h -> ffn (GELU) -> h, or SwiGLU with fc1 packed [gate; up] and split with stride 2."""
+
+    def __init__(self, cfg, ctx: LayerContext, prefix: str):
+        super().__init__()
+        self.swiglu = cfg.swiglu
+        fc1_out = cfg.ffn_hidden_size * (2 if cfg.swiglu else 1)
+        self.linear_fc1 = ColumnParallelLinear(
+            cfg.hidden_size, fc1_out, tp_group=ctx.tp_group, bias=cfg.add_bias_linear,
+            sequence_parallel=ctx.sequence_parallel, stride=2 if cfg.swiglu else 1,
+            params_dtype=ctx.params_dtype, device=ctx.device,
+            init_method=normal_init(ctx.seed, prefix + "linear_fc1.weight", cfg.init_method_std))
+        self.linear_fc2 = RowParallelLinear(
+            cfg.ffn_hidden_size, cfg.hidden_size, tp_group=ctx.tp_group, bias=cfg.add_bias_linear,
+            input_is_parallel=True, sequence_parallel=ctx.sequence_parallel,
+            params_dtype=ctx.params_dtype, device=ctx.device,
+            init_method=normal_init(ctx.seed, prefix + "linear_fc2.weight",
+                                    output_layer_std(cfg.init_method_std, cfg.num_layers)))
+
+    def forward(self, x):
+        h, _ = self.linear_fc1(x)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h)
+        out, _ = self.linear_fc2(h)
+        return out
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, cfg, ctx: LayerContext, layer_number: int):
+        super().__init__()
+        prefix = f"decoder.layers.{layer_number}."
+        self.ctx = ctx
+        self.hidden_dropout = cfg.hidden_dropout
+        self.input_layernorm = build_norm(cfg, ctx)
+        self.self_attention = SelfAttention(cfg, ctx, prefix + "self_attention.")
+        self.pre_mlp_layernorm = build_norm(cfg, ctx)
+        self.mlp = MLP(cfg, ctx, prefix + "mlp.")
+
+    def _dropout(self, x):
+        if not self.training or self.hidden_dropout == 0.0:
+            return x
+        with self.ctx.residual_rng():
+            return F.dropout(x, self.hidden_dropout, training=True)
+
+    def forward(self, x, rotary_angles=None, attention_mask=None):
+        x = x + self._dropout(self.self_attention(self.input_layernorm(x), rotary_angles, attention_mask))
+        return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))
