@@ -1,0 +1,89 @@
+"""Cross entropy over logits split along the vocabulary across a tensor-parallel group.
+
+Equal in value and gradient to F.cross_entropy(gathered_logits, target, reduction='none') without
+ever gathering the logits: three small all-reduces over [s, b] (max, target logit, sum of exps,
+plus the logit sum with label smoothing) replace an all-gather of [s, b, V].
+
+Padded vocabulary entries (Megatron pads V to a multiple of make-vocab-size-divisible-by x TP) are
+ordinary classes here, as in Megatron: they are never targets and their probability is trained
+down. A caller that wants them out of the softmax fills those logits with -inf first (label
+smoothing must then be 0, since it averages over every class).
+
+Computation runs in at least float32 (bf16/fp16 logits are upcast); the loss has that dtype and
+the gradient the logits' dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megafab.distributed.mappings import group_rank, group_size
+
+
+def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if group_size(group) > 1:
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group, label_smoothing):
+        compute_dtype = torch.promote_types(logits.dtype, torch.float32)
+        part = logits.shape[-1]
+        vocab = part * group_size(group)
+        start = group_rank(group) * part
+        flat = logits.reshape(-1, part).to(compute_dtype)  # [n, V/tp], a new tensor when upcast
+        flat_target = target.reshape(-1)
+
+        row_max = _all_reduce(flat.max(dim=-1).values, group, dist.ReduceOp.MAX)
+        shifted = flat - row_max.unsqueeze(-1)  # out of place: the caller's logits stay intact
+
+        outside = (flat_target < start) | (flat_target >= start + part)
+        local_target = (flat_target - start).masked_fill(outside, 0)
+        rows = torch.arange(flat.shape[0], device=flat.device)
+        target_logit = _all_reduce(shifted[rows, local_target].masked_fill(outside, 0.0), group)
+
+        if label_smoothing > 0.0:
+            sum_shifted = _all_reduce(shifted.sum(dim=-1), group)
+        exp = shifted.exp_()
+        sum_exp = _all_reduce(exp.sum(dim=-1), group)
+        log_z = sum_exp.log()
+        loss = log_z - target_logit  # -log p(target)
+        if label_smoothing > 0.0:
+            # torch's definition: (1 - eps) * nll + eps * mean over all V classes of -log p
+            loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_z - sum_shifted / vocab)
+
+        softmax = exp.div_(sum_exp.unsqueeze(-1))  # [n, V/tp]
+        ctx.save_for_backward(softmax, local_target, outside)
+        ctx.label_smoothing, ctx.vocab, ctx.logits_dtype = label_smoothing, vocab, logits.dtype
+        ctx.logits_shape = logits.shape
+        return loss.view(target.shape)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_target, outside = ctx.saved_tensors
+        eps = ctx.label_smoothing
+        grad = softmax.clone()  # d loss / d logits = softmax - (1 - eps) * onehot - eps / V
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, local_target] -= (1.0 - eps) * (~outside).to(grad.dtype)
+        if eps > 0.0:
+            grad -= eps / ctx.vocab
+        grad *= grad_loss.reshape(-1, 1).to(grad.dtype)
+        return grad.view(ctx.logits_shape).to(ctx.logits_dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, tp_group,
+                                 label_smoothing: float = 0.0) -> torch.Tensor:
+    """Per-token loss [s, b] from this rank's logits [s, b, V/tp] and global target ids [s, b].
+
+    Rank r holds vocabulary columns [r*V/tp, (r+1)*V/tp) (layers.vocab_range). tp_group None means
+    one process. label_smoothing follows F.cross_entropy's definition over all V (padded) classes.
+    """
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing is {label_smoothing}; it must be in [0, 1)")
+    if vocab_parallel_logits.shape[:-1] != target.shape:
+        raise ValueError(f"logits shape {tuple(vocab_parallel_logits.shape)} does not match target shape "
+                         f"{tuple(target.shape)}; logits must be target's shape + [V/tp]")
+    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, tp_group, float(label_smoothing))
