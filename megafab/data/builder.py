@@ -1,0 +1,154 @@
+"""build_gpt_datasets: Megatron's --data-path / --split / per-split paths -> (train, valid, test)."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from megafab.data.blended_dataset import BlendedDataset
+from megafab.data.errors import DataError
+from megafab.data.gpt_dataset import GPTDataset
+from megafab.data.indexed_dataset import IndexedDataset, dtype_for_vocab
+from megafab.data.mock import MockIndexedDataset
+
+SPLIT_NAMES = ("train", "valid", "test")
+MID_LEVEL_SURPLUS = 0.005
+
+
+def parse_blend(data_path: str | Sequence[str] | None) -> tuple[list[str], list[float] | None] | None:
+    """`P` / `P1 P2 ...` (weights from sizes) / `w1 P1 w2 P2 ...` -> (prefixes, weights or None)."""
+    if data_path is None:
+        return None
+    items = data_path.split() if isinstance(data_path, str) else [str(p) for p in data_path]
+    if not items:
+        raise DataError("data path is empty; give a prefix such as my-corpus_text_document")
+    if len(items) % 2 == 0:
+        try:
+            weights = [float(w) for w in items[0::2]]
+        except ValueError:
+            return [p.strip() for p in items], None
+        if any(w <= 0 for w in weights):
+            raise DataError(f"blend weights {weights} must all be positive")
+        return [p.strip() for p in items[1::2]], weights
+    return [p.strip() for p in items], None
+
+
+def parse_split(split: str) -> list[float]:
+    """'969,30,1' -> normalized [train, valid, test] fractions (missing parts are 0)."""
+    parts = [float(x) for x in re.findall(r"[.0-9]+", split)]
+    if not parts or len(parts) > 3 or sum(parts) <= 0:
+        raise DataError(f"--split {split!r}: expected up to three non-negative numbers with a positive sum, "
+                        "e.g. 969,30,1")
+    parts += [0.0] * (3 - len(parts))
+    total = float(np.sum(np.asarray(parts, dtype=np.float64)))
+    return (np.asarray(parts, dtype=np.float64) / total).tolist()
+
+
+def split_matrix(fractions: Sequence[float]) -> list[tuple[float, float] | None]:
+    """Fractions -> contiguous (begin, end) bookends per split; None for an empty split."""
+    bounds, acc = [0.0], 0.0
+    for f in fractions:
+        acc = acc + f
+        bounds.append(acc)
+    return [(b, e) if e > b else None for b, e in zip(bounds[:-1], bounds[1:])]
+
+
+def open_indexed(prefix: str, vocab_size: int | None) -> IndexedDataset:
+    dataset = IndexedDataset(prefix)
+    stored = np.dtype(dataset.dtype)
+    if vocab_size is not None and stored.kind in "iu" and np.iinfo(stored).max < vocab_size - 1:
+        needed = np.dtype(dtype_for_vocab(vocab_size)).name
+        raise DataError(f"{prefix}.idx: tokens are stored as {stored.name}, which cannot hold the ids of a "
+                        f"{vocab_size}-token vocabulary (needs {needed}); preprocess the data again with "
+                        "this tokenizer")
+    return dataset
+
+
+def build_gpt_datasets(data_path: str | Sequence[str] | None = None, split: str = "969,30,1",
+                       seq_length: int = 1024, seed: int = 1234,
+                       num_samples: Sequence[int | None] = (None, None, None), tokenizer=None,
+                       cache_path: str | None = None, eod_mask_loss: bool = False,
+                       reset_position_ids: bool = False, reset_attention_mask: bool = False,
+                       mock: bool = False, train_data_path=None, valid_data_path=None, test_data_path=None,
+                       barrier: Callable[[], None] | None = None, is_builder: bool = True,
+                       mid_level_surplus: float = MID_LEVEL_SURPLUS) -> list:
+    """(train, valid, test) datasets (None for an absent split) with megatron-core's sample order."""
+    if tokenizer is None:
+        raise DataError("build_gpt_datasets needs a tokenizer (for eod, pad and vocab size)")
+    if seq_length < 2:
+        raise DataError(f"seq_length {seq_length} must be at least 2")
+    per_split = [train_data_path, valid_data_path, test_data_path]
+    if not mock and data_path is None and all(p is None for p in per_split):
+        raise DataError("no data: give --data-path, or --train/valid/test-data-path, or --mock-data")
+    if data_path is not None and any(p is not None for p in per_split):
+        raise DataError("--data-path and --train/valid/test-data-path are mutually exclusive; give one")
+    vocab_size = getattr(tokenizer, "vocab_size", None)
+    common = dict(seq_length=seq_length, seed=seed, eod=tokenizer.eod, pad=getattr(tokenizer, "pad", None),
+                  eod_mask_loss=eod_mask_loss, reset_position_ids=reset_position_ids,
+                  reset_attention_mask=reset_attention_mask, cache_path=cache_path, barrier=barrier,
+                  is_builder=is_builder)
+    blended = dict(cache_path=cache_path, barrier=barrier, is_builder=is_builder)
+    sizes = list(num_samples)
+
+    def mid_level(low, prefix, matrix, counts):
+        n = len(low.sequence_lengths)
+        out = []
+        for i, bookend in enumerate(matrix):
+            if bookend is None:
+                out.append(None)
+                continue
+            beg, end = int(round(bookend[0] * n)), int(round(bookend[1] * n))
+            documents = np.arange(beg, end, dtype=np.int32)
+            out.append(GPTDataset(low, prefix, documents, counts[i], SPLIT_NAMES[i], **common))
+        return out
+
+    def from_blend(blend, matrix, counts):
+        prefixes, weights = blend
+        if len(prefixes) == 1 and weights is None:
+            return mid_level(open_indexed(prefixes[0], vocab_size), prefixes[0], matrix, counts)
+        if weights is not None:
+            total = float(np.sum(np.asarray(weights, dtype=np.float64)))
+            weights = (np.asarray(weights, dtype=np.float64) / total).tolist()
+            for i, c in enumerate(counts):
+                if c is None and matrix[i] is not None:
+                    raise DataError("weighted blends need a sample count for every split")
+            target = [[math.ceil(c * w) if c is not None else None for c in counts] for w in weights]
+            buffered = [[math.ceil(math.ceil(c * w) * (1 + mid_level_surplus)) if c is not None else None
+                         for c in counts] for w in weights]
+        else:
+            buffered = [[None] * 3 for _ in prefixes]
+        mids = [mid_level(open_indexed(p, vocab_size), p, matrix, buffered[j])
+                for j, p in enumerate(prefixes)]
+        out = []
+        for i in range(3):
+            if matrix[i] is None:
+                out.append(None)
+                continue
+            datasets = [m[i] for m in mids]
+            if weights is not None:
+                size, split_weights = sum(t[i] for t in target), weights
+            else:
+                split_weights = [len(d) for d in datasets]
+                size = sum(split_weights) if counts[i] is None else min(counts[i], sum(split_weights))
+            out.append(BlendedDataset(datasets, split_weights, size, SPLIT_NAMES[i], **blended))
+        return out
+
+    if mock:
+        low = MockIndexedDataset(vocab_size, tokenizer.eod)
+        return mid_level(low, None, split_matrix(parse_split(split)), sizes)
+    if data_path is not None:
+        return from_blend(parse_blend(data_path), split_matrix(parse_split(split)), sizes)
+    result = []
+    for i, path in enumerate(per_split):
+        if path is None:
+            result.append(None)
+            continue
+        matrix = [None, None, None]
+        matrix[i] = (0.0, 1.0)
+        counts = [0, 0, 0]
+        counts[i] = sizes[i]
+        result.append(from_blend(parse_blend(path), matrix, counts)[i])
+    return result

@@ -1,0 +1,5 @@
+"""The one error class of the data layer: a user-facing problem with a file, a flag or an input."""
+
+
+class DataError(ValueError):
+    """Bad data or a bad data argument; the message names the file or value, the problem and the fix."""
