@@ -1,0 +1,289 @@
+"""Data parallelism: gradients in one contiguous buffer, split into buckets, reduced over DP.
+
+Layout (Megatron's `--accumulate-allreduce-grads-in-fp32` default):
+
+    grad buffer  [ bucket 0 | bucket 1 | ... ]     one flat tensor of `grad_dtype`
+    bucket k     [ last params of the model ... | pad ]   numel divisible by DP
+
+Parameters are laid out in *reverse* order, the order backward produces their gradients, so the
+first bucket fills first. Every `param.main_grad` is a view into the buffer. A post-accumulate-grad
+hook adds `param.grad` into `param.main_grad` and frees `param.grad`, so gradients accumulate over
+micro-batches in `grad_dtype` (fp32 for bf16/fp16 models).
+
+Reduction of a bucket over the DP group, gradients averaged over DP:
+  * without the distributed optimizer: all-reduce (every rank gets the whole averaged bucket);
+  * with it: reduce-scatter (DP rank r owns the r-th contiguous 1/DP shard of every bucket and
+    only that shard is guaranteed to hold the reduced gradient).
+
+With `overlap_grad_reduce` a bucket's collective starts asynchronously during backward, as soon as
+the last of its parameters' gradients is ready, on the last micro-batch only (wrap the earlier ones
+in `no_sync()`); `finish_grad_sync()` waits for them. Without overlap, `finish_grad_sync()` runs
+every collective after backward.
+
+With the distributed optimizer the parameters also live in one contiguous buffer of their own dtype
+with the same layout (`param.data` is a view into it), so the updated shards can be all-gathered
+bucket by bucket (`start_param_sync()`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class DataParallelConfigError(ValueError):
+    """A data-parallel setting that cannot work; the message names the value and the fix."""
+
+
+def default_bucket_size(dp: int) -> int:
+    """Megatron's `--ddp-bucket-size` default in elements: max(40M, 1M x DP)."""
+    return max(40_000_000, 1_000_000 * dp)
+
+
+def main_grad_dtype(params: list[nn.Parameter], grad_dtype: torch.dtype | None) -> torch.dtype:
+    """fp32 main grads unless asked otherwise; a float64 model keeps float64 (parity tests)."""
+    if grad_dtype is not None:
+        return grad_dtype
+    return torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+
+
+class Bucket:
+    """A contiguous [start, end) range of the buffers and the parameters it holds."""
+
+    def __init__(self, index: int, params: list[nn.Parameter], start: int, end: int, dp: int):
+        self.index = index
+        self.params = params
+        self.start = start
+        self.end = end
+        self.shard_size = (end - start) // dp
+        self.pending: set[int] = set()
+        self.handle = None
+        self.grad_data: torch.Tensor | None = None
+        self.param_data: torch.Tensor | None = None
+        self.param_gather_handle = None
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    def shard_range(self, dp_rank: int) -> tuple[int, int]:
+        """The buffer range [start, end) DP rank `dp_rank` owns under the distributed optimizer."""
+        lo = self.start + dp_rank * self.shard_size
+        return lo, lo + self.shard_size
+
+
+class DistributedDataParallel(nn.Module):
+    """Wraps a module (one pipeline stage or VPP chunk) and owns its gradient buffer.
+
+    Arguments:
+        module: the model chunk; its trainable parameters get `.main_grad`.
+        dp_group: the data-parallel group the buckets are reduced over.
+        grad_dtype: dtype of the main grads; None = fp32 (fp64 if the model is fp64).
+        bucket_size: elements per bucket; None = one bucket, or Megatron's max(40M, 1M x DP)
+            when overlapping (one bucket cannot overlap anything).
+        overlap_grad_reduce: start each bucket's collective during backward.
+        use_distributed_optimizer: reduce-scatter instead of all-reduce, keep params in a buffer.
+        average_in_collective: average with ReduceOp.AVG (NCCL) instead of pre-dividing by DP;
+            falls back to pre-dividing on backends without AVG (gloo).
+    """
+
+    def __init__(self, module: nn.Module, *, dp_group, grad_dtype: torch.dtype | None = None,
+                 bucket_size: int | None = None, overlap_grad_reduce: bool = False,
+                 use_distributed_optimizer: bool = False, average_in_collective: bool = False):
+        super().__init__()
+        self.module = module
+        self.dp_group = dp_group
+        self.dp = dist.get_world_size(dp_group)
+        self.dp_rank = dist.get_rank(dp_group)
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.use_distributed_optimizer = use_distributed_optimizer
+        self.average_in_collective = average_in_collective
+        self.is_last_microbatch = True
+        if bucket_size is None and overlap_grad_reduce:
+            bucket_size = default_bucket_size(self.dp)
+        if bucket_size is not None and bucket_size < 1:
+            raise DataParallelConfigError(
+                f"--ddp-bucket-size is {bucket_size}; it must be a positive number of elements "
+                f"(or unset for Megatron's default)")
+        self.bucket_size = bucket_size
+
+        params = [p for p in module.parameters() if p.requires_grad]
+        if not params:
+            raise DataParallelConfigError("DistributedDataParallel got a module with no trainable "
+                                          "parameters; wrap the model chunk that holds the weights")
+        self.grad_dtype = main_grad_dtype(params, grad_dtype)
+        self.params = params
+        self.buckets = self._plan_buckets(list(reversed(params)))
+        self.numel = self.buckets[-1].end
+        device = params[0].device
+        self.grad_buffer = torch.zeros(self.numel, dtype=self.grad_dtype, device=device)
+        self.param_buffer = None
+        if use_distributed_optimizer:
+            dtypes = {p.dtype for p in params}
+            if len(dtypes) != 1:
+                raise DataParallelConfigError(
+                    f"the distributed optimizer needs one parameter dtype per model chunk, got "
+                    f"{sorted(str(d) for d in dtypes)}; cast the model to one dtype first")
+            self.param_buffer = torch.zeros(self.numel, dtype=params[0].dtype, device=device)
+        self.param_to_bucket: dict[nn.Parameter, Bucket] = {}
+        self.param_range: dict[nn.Parameter, tuple[int, int]] = {}
+        for bucket in self.buckets:
+            bucket.grad_data = self.grad_buffer[bucket.start:bucket.end]
+            if self.param_buffer is not None:
+                bucket.param_data = self.param_buffer[bucket.start:bucket.end]
+        self._place_params()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook()) for p in params]
+        self.reset_bucket_state()
+
+    # ---- layout -------------------------------------------------------------------------------
+    def _plan_buckets(self, ordered: list[nn.Parameter]) -> list[Bucket]:
+        """Greedy: close a bucket once it holds bucket_size elements; pad it to a multiple of DP."""
+        buckets, current, start, filled = [], [], 0, 0
+        self._offsets: dict[nn.Parameter, int] = {}
+
+        def close():
+            nonlocal start, filled, current
+            end = start + math.ceil(filled / self.dp) * self.dp
+            buckets.append(Bucket(len(buckets), current, start, end, self.dp))
+            start, filled, current = end, 0, []
+
+        def alone(p):
+            # Both tied-embedding copies (first and last stage) must be sharded alike across DP.
+            return self.use_distributed_optimizer and getattr(p, "shared_embedding", False)
+
+        for p in ordered:
+            if alone(p) and current:
+                close()
+            self._offsets[p] = start + filled
+            filled += p.numel()
+            current.append(p)
+            if self.bucket_size is not None and filled >= self.bucket_size:
+                close()
+            elif alone(p):
+                close()
+        if current:
+            close()
+        return buckets
+
+    def _place_params(self):
+        for bucket in self.buckets:
+            for p in bucket.params:
+                lo = self._offsets[p]
+                hi = lo + p.numel()
+                self.param_to_bucket[p] = bucket
+                self.param_range[p] = (lo, hi)
+                p.main_grad = self.grad_buffer[lo:hi].view(p.shape)
+                if self.param_buffer is not None:
+                    self.param_buffer[lo:hi].copy_(p.data.view(-1))
+                    p.data = self.param_buffer[lo:hi].view(p.shape)
+
+    # ---- backward hooks -----------------------------------------------------------------------
+    def _make_hook(self):
+        def hook(param: nn.Parameter):
+            if param.grad is None:
+                return
+            param.main_grad.add_(param.grad)
+            param.grad = None
+            if self.overlap_grad_reduce and self.is_last_microbatch:
+                bucket = self.param_to_bucket[param]
+                bucket.pending.discard(id(param))
+                if not bucket.pending and bucket.handle is None:
+                    self._start_bucket_sync(bucket, async_op=True)
+        return hook
+
+    def reset_bucket_state(self):
+        for bucket in self.buckets:
+            bucket.pending = {id(p) for p in bucket.params}
+            bucket.handle = None
+
+    # ---- collectives --------------------------------------------------------------------------
+    def _use_avg_op(self) -> bool:
+        return dist.get_backend(self.dp_group) == "nccl"
+
+    def _start_bucket_sync(self, bucket: Bucket, async_op: bool):
+        data = bucket.grad_data
+        op = dist.ReduceOp.SUM
+        if self.average_in_collective and self._use_avg_op():
+            op = dist.ReduceOp.AVG
+        elif self.dp > 1:
+            data.mul_(1.0 / self.dp)
+        if self.dp == 1:
+            bucket.handle = _Done()
+            return
+        if self.use_distributed_optimizer:
+            lo, hi = bucket.shard_range(self.dp_rank)
+            shard = self.grad_buffer[lo:hi]
+            bucket.handle = _reduce_scatter(shard, data, op=op, group=self.dp_group, async_op=async_op)
+        else:
+            bucket.handle = dist.all_reduce(data, op=op, group=self.dp_group, async_op=async_op)
+        if bucket.handle is None:
+            bucket.handle = _Done()
+
+    def start_grad_sync(self):
+        """Launch every bucket's collective that has not started yet."""
+        for bucket in self.buckets:
+            if bucket.handle is None:
+                self._start_bucket_sync(bucket, async_op=self.overlap_grad_reduce)
+
+    def finish_grad_sync(self):
+        """Wait until every bucket is reduced; after this main_grad holds the DP-averaged gradient
+        (only the local shard of each bucket with the distributed optimizer)."""
+        self.start_grad_sync()
+        for bucket in self.buckets:
+            bucket.handle.wait()
+        self.reset_bucket_state()
+
+    def start_param_sync(self, async_op: bool = False):
+        """All-gather the updated parameter shards (distributed optimizer only)."""
+        assert self.param_buffer is not None, "param sync needs use_distributed_optimizer=True"
+        for bucket in self.buckets:
+            if self.dp == 1:
+                bucket.param_gather_handle = _Done()
+                continue
+            lo, hi = bucket.shard_range(self.dp_rank)
+            # The input is a view of the output; copy it so the collective never reads what it writes.
+            shard = self.param_buffer[lo:hi].clone()
+            bucket.param_gather_handle = _all_gather(bucket.param_data, shard, group=self.dp_group,
+                                                     async_op=async_op) or _Done()
+
+    def finish_param_sync(self):
+        for bucket in self.buckets:
+            if bucket.param_gather_handle is not None:
+                bucket.param_gather_handle.wait()
+                bucket.param_gather_handle = None
+
+    def zero_grad_buffer(self):
+        """Zero the main grads before the first micro-batch of a step."""
+        self.grad_buffer.zero_()
+        for p in self.params:
+            p.grad = None
+        self.reset_bucket_state()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Micro-batches run inside only accumulate; the collectives wait for the last one."""
+        previous = self.is_last_microbatch
+        self.is_last_microbatch = False
+        try:
+            yield
+        finally:
+            self.is_last_microbatch = previous
+
+    def forward(self, *args, **kwargs):
+        # An overlapped param all-gather from the last optimizer step must land before use.
+        self.finish_param_sync()
+        return self.module(*args, **kwargs)
+
+
+class _Done:
+    """Handle of a collective that already finished (DP=1 or a synchronous call)."""
+
+    def wait(self):
+        return True

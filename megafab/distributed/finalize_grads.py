@@ -1,0 +1,87 @@
+"""Every cross-group gradient reduction after the last backward of a step, in one place.
+
+The schedule calls `finalize_model_grads(model_chunks, topology=..., sequence_parallel=...)` once,
+after the last micro-batch's backward and before the optimizer step. It does, in this order
+(Megatron's order):
+
+  1. Data parallel, over the DP group: wait for (or run) every bucket's all-reduce /
+     reduce-scatter (`DistributedDataParallel.finish_grad_sync`), averaging over DP.
+  2. Sequence-parallel replicated params, over the TP group. Under sequence parallelism each TP
+     rank sees only its slice of the sequence, so the gradient of a parameter that is replicated
+     across TP (norm weights/biases, RowParallelLinear bias: `param.sequence_parallel = True`) is
+     a partial sum; all-reduce it over `topology.tp_group`.
+  3. Tied word embeddings, over the embedding group. With PP > 1 the first stage's input embedding
+     and the last stage's output layer hold two copies of one weight (`param.shared_embedding =
+     True`); all-reduce their gradients over `topology.embedding_group` so both copies take the
+     same step. With PP = 1 the weight is one tensor and nothing is done.
+
+All three are sums (DP also scales by 1/DP), so their order does not change the result. Under the
+distributed optimizer step 1 leaves only this rank's shard of each bucket reduced; 2 and 3 then sum
+whole gradients, which is still right on the owned shard because (a) TP peers have identical
+buffer layouts and (b) DistributedDataParallel gives every `shared_embedding` param a bucket of its
+own, so the first and last stage shard it the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megafab.distributed.data_parallel import DistributedDataParallel
+
+
+def grad_of(param: nn.Parameter) -> torch.Tensor | None:
+    """The gradient the optimizer reads: `main_grad` under DDP, else `.grad`."""
+    return getattr(param, "main_grad", None) if hasattr(param, "main_grad") else param.grad
+
+
+def _all_reduce_coalesced(grads: list[torch.Tensor], group):
+    """Sum a list of gradients over `group` with one collective (flatten, reduce, copy back)."""
+    if not grads or dist.get_world_size(group) == 1:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for same in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in same])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for g in same:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def _params(model_chunks: list[nn.Module]):
+    for chunk in model_chunks:
+        for p in chunk.parameters():
+            if p.requires_grad:
+                yield p
+
+
+def allreduce_sequence_parallel_grads(model_chunks: list[nn.Module], tp_group):
+    """Step 1: sum grads of TP-replicated `sequence_parallel` params over TP."""
+    grads = [grad_of(p) for p in _params(model_chunks) if getattr(p, "sequence_parallel", False)]
+    _all_reduce_coalesced([g for g in grads if g is not None], tp_group)
+
+
+def allreduce_embedding_grads(model_chunks: list[nn.Module], topology):
+    """Step 2: sum the two tied-embedding copies' grads over the embedding group (PP > 1 only)."""
+    if topology.pp == 1 or not topology.is_in_embedding_group:
+        return
+    grads = [grad_of(p) for p in _params(model_chunks) if getattr(p, "shared_embedding", False)]
+    _all_reduce_coalesced([g for g in grads if g is not None], topology.embedding_group)
+
+
+def finalize_model_grads(model_chunks: list[nn.Module], *, topology, sequence_parallel: bool = False):
+    """Run every cross-group gradient reduction of one step (see the module docstring).
+
+    model_chunks: this rank's model chunks (one, or several with VPP); chunks wrapped in
+    DistributedDataParallel get their DP buckets synchronised, plain modules skip step 3.
+    """
+    for chunk in model_chunks:
+        if isinstance(chunk, DistributedDataParallel):
+            chunk.finish_grad_sync()
+    if sequence_parallel and topology.tp > 1:
+        allreduce_sequence_parallel_grads(model_chunks, topology.tp_group)
+    allreduce_embedding_grads(model_chunks, topology)

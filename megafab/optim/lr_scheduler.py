@@ -1,0 +1,138 @@
+"""Learning-rate and weight-decay schedule counted in samples, as Megatron's OptimizerParamScheduler.
+
+With n = samples consumed so far, W = warmup samples, D = decay samples:
+  * n <= W (W > 0):  lr = init + (max - init) * n / W
+  * constant:        lr = max
+  * n > D:           lr = min
+  * inverse-square-root: lr = max(min, max * sqrt(max(W, 1)) / sqrt(max(n, 1)))
+  * otherwise r = (n - W) / (D - W) and lr = min + c * (max - min) with
+      linear c = 1 - r;  cosine c = (1 + cos(pi r)) / 2;
+      WSD: c = 1 until the last `wsd_decay_samples` of D, then over that stretch with its own
+      ratio q: linear 1 - q, cosine (1 + cos(pi q)) / 2, exponential 2 * 0.5^q - 1,
+      minus_sqrt 1 - sqrt(q).
+Weight decay goes from start_wd to end_wd over wd_incr_samples (constant | linear | cosine).
+Each param group's lr is lr * group["lr_mult"], its weight decay wd * group["wd_mult"].
+"""
+
+from __future__ import annotations
+
+import math
+
+DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
+WD_STYLES = ("constant", "linear", "cosine")
+
+
+class SchedulerConfigError(ValueError):
+    """A schedule setting that cannot work; the message names every problem."""
+
+
+class OptimizerParamScheduler:
+    """Sets lr and weight decay of `optimizer.param_groups` from the samples consumed.
+
+    Arguments (all counts in samples): max_lr, min_lr, lr_warmup_samples, lr_decay_samples,
+    lr_decay_style, lr_warmup_init, wsd_decay_samples (or wsd_decay_fraction of lr_decay_samples),
+    lr_wsd_decay_style, start_wd, end_wd, wd_incr_samples, wd_incr_style.
+    """
+
+    def __init__(self, optimizer, *, max_lr: float, min_lr: float = 0.0, lr_warmup_samples: int = 0,
+                 lr_decay_samples: int, lr_decay_style: str = "linear", lr_warmup_init: float = 0.0,
+                 wsd_decay_samples: int | None = None, wsd_decay_fraction: float | None = None,
+                 lr_wsd_decay_style: str = "exponential", start_wd: float = 0.01, end_wd: float = 0.01,
+                 wd_incr_samples: int = 0, wd_incr_style: str = "constant"):
+        if lr_decay_style == "WSD" and wsd_decay_samples is None and wsd_decay_fraction is not None:
+            wsd_decay_samples = round(wsd_decay_fraction * lr_decay_samples)
+        problems = []
+        if lr_decay_style not in DECAY_STYLES:
+            problems.append(f"--lr-decay-style {lr_decay_style!r} is not one of {DECAY_STYLES}")
+        if not 0.0 <= min_lr <= max_lr:
+            problems.append(f"--min-lr {min_lr} must be in [0, --lr {max_lr}]")
+        if lr_decay_samples <= 0:
+            problems.append(f"--lr-decay-samples {lr_decay_samples} must be positive")
+        if lr_warmup_samples < 0 or lr_warmup_samples >= max(lr_decay_samples, 1):
+            problems.append(f"--lr-warmup-samples {lr_warmup_samples} must be in [0, --lr-decay-samples "
+                            f"{lr_decay_samples})")
+        if lr_decay_style == "WSD":
+            if lr_wsd_decay_style not in WSD_DECAY_STYLES:
+                problems.append(f"--lr-wsd-decay-style {lr_wsd_decay_style!r} is not one of {WSD_DECAY_STYLES}")
+            if wsd_decay_samples is None or not 0 < wsd_decay_samples <= lr_decay_samples:
+                problems.append(f"WSD needs --lr-wsd-decay-samples in (0, --lr-decay-samples "
+                                f"{lr_decay_samples}], got {wsd_decay_samples}")
+        if wd_incr_style not in WD_STYLES:
+            problems.append(f"--weight-decay-incr-style {wd_incr_style!r} is not one of {WD_STYLES}")
+        elif wd_incr_style == "constant" and start_wd != end_wd:
+            problems.append(f"constant weight decay needs --start-weight-decay {start_wd} == "
+                            f"--end-weight-decay {end_wd}; set both or choose linear/cosine")
+        if problems:
+            raise SchedulerConfigError("; ".join(problems))
+        self.optimizer = optimizer
+        self.max_lr, self.min_lr, self.lr_warmup_init = float(max_lr), float(min_lr), float(lr_warmup_init)
+        self.lr_warmup_samples, self.lr_decay_samples = lr_warmup_samples, lr_decay_samples
+        self.lr_decay_style, self.lr_wsd_decay_style = lr_decay_style, lr_wsd_decay_style
+        self.wsd_decay_samples = wsd_decay_samples
+        self.start_wd, self.end_wd = float(start_wd), float(end_wd)
+        self.wd_incr_samples, self.wd_incr_style = wd_incr_samples, wd_incr_style
+        self.num_samples = 0
+        self.step(0)
+
+    def get_lr(self) -> float:
+        n, warmup, decay = self.num_samples, self.lr_warmup_samples, self.lr_decay_samples
+        if warmup > 0 and n <= warmup:
+            return self.lr_warmup_init + (self.max_lr - self.lr_warmup_init) * n / warmup
+        if self.lr_decay_style == "constant":
+            return self.max_lr
+        if n > decay:
+            return self.min_lr
+        if self.lr_decay_style == "inverse-square-root":
+            return max(self.min_lr, self.max_lr * math.sqrt(max(warmup, 1)) / math.sqrt(max(n, 1)))
+        ratio = (n - warmup) / (decay - warmup)
+        if self.lr_decay_style == "linear":
+            coeff = 1.0 - ratio
+        elif self.lr_decay_style == "cosine":
+            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        else:
+            coeff = self._wsd_coeff(n)
+        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+    def _wsd_coeff(self, n: int) -> float:
+        anneal_start = self.lr_decay_samples - self.wsd_decay_samples
+        if n <= anneal_start:
+            return 1.0
+        q = (n - anneal_start) / self.wsd_decay_samples
+        style = self.lr_wsd_decay_style
+        if style == "linear":
+            return 1.0 - q
+        if style == "cosine":
+            return 0.5 * (math.cos(math.pi * q) + 1.0)
+        if style == "exponential":
+            return 2.0 * math.pow(0.5, q) - 1.0
+        return 1.0 - math.sqrt(q)
+
+    def get_wd(self) -> float:
+        n = self.num_samples
+        if n > self.wd_incr_samples or self.wd_incr_style == "constant":
+            return self.end_wd
+        ratio = n / self.wd_incr_samples
+        coeff = ratio if self.wd_incr_style == "linear" else 0.5 * (math.cos(math.pi * (1 - ratio)) + 1.0)
+        return self.start_wd + coeff * (self.end_wd - self.start_wd)
+
+    def step(self, increment_samples: int):
+        """Advance by the samples of one step (the global batch size) and set lr / wd."""
+        self.num_samples += increment_samples
+        lr, wd = self.get_lr(), self.get_wd()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+            group["weight_decay"] = wd * group.get("wd_mult", 1.0)
+
+    _FIELDS = ("max_lr", "min_lr", "lr_warmup_init", "lr_warmup_samples", "lr_decay_samples",
+               "lr_decay_style", "lr_wsd_decay_style", "wsd_decay_samples", "start_wd", "end_wd",
+               "wd_incr_samples", "wd_incr_style", "num_samples")
+
+    def state_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self._FIELDS}
+
+    def load_state_dict(self, state: dict):
+        """Restore the schedule (checkpoint values win, as Megatron's --use-checkpoint-opt_param-scheduler)."""
+        for k in self._FIELDS:
+            setattr(self, k, state[k])
+        self.step(0)

@@ -1,0 +1,272 @@
+"""AdamW with fp32 main parameters for bf16/fp16 models, grad clipping and loss scaling.
+
+One step (`step()`), Megatron's order:
+  1. main grads: each main param's `.grad` is its model param's `main_grad` (DDP buffer) or `.grad`,
+     cast to the main dtype if needed;
+  2. fp16 only: unscale by 1/loss_scale, look for inf/nan on every rank; if found, update the scaler
+     and skip the step (model and main params untouched) -> (False, None, None);
+  3. global L2 norm over all TP/PP(/DP) shards, each value counted once; clip to `clip_grad`;
+     a non-finite norm without a loss scaler (bf16/fp32) raises NonFiniteGradError naming the
+     iteration (parameters untouched), unless `raise_on_non_finite=False`, then the step is skipped;
+  4. optional count of zeros;
+  5. torch AdamW (fused where the device supports it) on the main params;
+  6. main params copied back into the model dtype.
+Returns (update_successful, grad_norm, num_zeros_in_grad).
+
+For fp32/fp64 models the main param *is* the model param (no copy).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from megafab.distributed.data_parallel import DistributedDataParallel
+from megafab.optim import clip_grads
+from megafab.optim.grad_scaler import ConstantGradScaler
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+class OptimizerConfigError(ValueError):
+    """An optimizer setting that cannot work; the message names the value, the rule and the fix."""
+
+
+class NonFiniteGradError(FloatingPointError):
+    """A nan/inf loss or grad norm under bf16/fp32, where there is no loss scaler to skip the step."""
+
+
+def no_weight_decay(name: str, param: nn.Parameter) -> bool:
+    """Megatron's rule: biases and 1-D params (norm weights) get no weight decay."""
+    return name.endswith(".bias") or param.dim() == 1
+
+
+def check_loss_is_finite(loss: torch.Tensor | float, iteration: int):
+    """Raise NonFiniteGradError naming the iteration if the loss is nan or inf."""
+    value = float(loss)
+    if not math.isfinite(value):
+        raise NonFiniteGradError(
+            f"iteration {iteration}: the loss is {value}; training diverged or the data holds a bad "
+            f"sample. Lower --lr, raise --lr-warmup-samples, or resume from an earlier checkpoint")
+
+
+@dataclass
+class MainParam:
+    """One tensor the optimizer steps: a model param (or its shard) and its fp32/main copy."""
+
+    name: str
+    model_param: nn.Parameter
+    main: torch.Tensor
+    weight_decay: bool
+    param_range: tuple[int, int] | None = None  # flat [lo, hi) of the model param (shards only)
+
+    @property
+    def is_copy(self) -> bool:
+        return self.main.untyped_storage().data_ptr() != self.model_param.untyped_storage().data_ptr()
+
+    def model_grad(self) -> torch.Tensor | None:
+        grad = getattr(self.model_param, "main_grad", None)
+        if grad is None:
+            grad = self.model_param.grad
+        if grad is None or self.param_range is None:
+            return grad
+        lo, hi = self.param_range
+        return grad.view(-1)[lo:hi]
+
+    def model_values(self) -> torch.Tensor:
+        data = self.model_param.detach()
+        if self.param_range is None:
+            return data
+        lo, hi = self.param_range
+        return data.view(-1)[lo:hi]
+
+
+def named_model_params(model_chunks: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:
+    """(name, param) of every trainable param; DDP's 'module.' is dropped, chunks prefixed when > 1."""
+    out = []
+    for i, chunk in enumerate(model_chunks):
+        inner = chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
+        prefix = f"chunk{i}." if len(model_chunks) > 1 else ""
+        out += [(prefix + n, p) for n, p in inner.named_parameters() if p.requires_grad]
+    return out
+
+
+def make_adamw(groups: list[dict], lr: float, betas, eps: float) -> torch.optim.AdamW:
+    """torch AdamW, fused where the device supports it, else foreach/for-loop."""
+    try:
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
+    except (RuntimeError, ValueError):
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+
+
+class MixedPrecisionOptimizer:
+    """AdamW over fp32 main params of this rank's model chunks (see the module docstring).
+
+    topology: the Topology (None for a single process); supplies tp_rank, stage and the groups the
+    norm and inf checks reduce over.
+    clip_grad: max global L2 norm (Megatron's --clip-grad, default 1.0); 0 disables clipping (the
+    norm is still computed and returned).
+    grad_scaler: a ConstantGradScaler / DynamicGradScaler for fp16, None otherwise.
+    """
+
+    def __init__(self, model_chunks: list[nn.Module] | nn.Module, *, topology=None, lr: float = 1e-3,
+                 weight_decay: float = 0.01, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 clip_grad: float = 1.0, grad_scaler: ConstantGradScaler | None = None,
+                 log_num_zeros_in_grad: bool = False, raise_on_non_finite: bool = True):
+        if isinstance(model_chunks, nn.Module):
+            model_chunks = [model_chunks]
+        self.model_chunks = list(model_chunks)
+        self.topology = topology
+        self.clip_grad = clip_grad
+        self.grad_scaler = grad_scaler
+        self.log_num_zeros_in_grad = log_num_zeros_in_grad
+        self.raise_on_non_finite = raise_on_non_finite
+        self.iteration = 0
+        named = named_model_params(self.model_chunks)
+        if not named:
+            raise OptimizerConfigError("the optimizer got no trainable parameters; build the model first")
+        fp16 = any(p.dtype == torch.float16 for _, p in named)
+        if fp16 and grad_scaler is None:
+            raise OptimizerConfigError(
+                "an fp16 model needs a loss scaler; pass DynamicGradScaler() (--fp16) or "
+                "ConstantGradScaler(s) (--loss-scale s), or train in bf16")
+        self.device = named[0][1].device
+        self.entries = self._build_entries(named)
+        decay = [e.main for e in self.entries if e.weight_decay]
+        plain = [e.main for e in self.entries if not e.weight_decay]
+        groups = [{"params": decay, "weight_decay": weight_decay, "wd_mult": 1.0, "lr_mult": 1.0},
+                  {"params": plain, "weight_decay": 0.0, "wd_mult": 0.0, "lr_mult": 1.0}]
+        self.optimizer = make_adamw([g for g in groups if g["params"]], lr, betas, eps)
+
+    # ---- what this rank steps -----------------------------------------------------------------
+    def _build_entries(self, named) -> list[MainParam]:
+        entries = []
+        for name, p in named:
+            main = p.detach().float().clone() if p.dtype in LOW_PRECISION else p
+            entries.append(MainParam(name, p, main, not no_weight_decay(name, p)))
+        return entries
+
+    def _norm_groups(self) -> list:
+        """Groups over which ranks hold disjoint grads: model parallel (TP x PP)."""
+        return [] if self.topology is None else [self.topology.mp_group]
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The torch param groups (the LR scheduler writes lr / weight_decay here)."""
+        return self.optimizer.param_groups
+
+    # ---- the step -----------------------------------------------------------------------------
+    def _load_main_grads(self) -> list[torch.Tensor]:
+        grads = []
+        for e in self.entries:
+            g = e.model_grad()
+            if g is None:
+                g = torch.zeros_like(e.main)
+            e.main.grad = g if g.dtype == e.main.dtype else g.to(e.main.dtype)
+            grads.append(e.main.grad)
+        return grads
+
+    def _drop_main_grads(self):
+        for e in self.entries:
+            e.main.grad = None
+
+    def _copy_main_to_model(self):
+        with torch.no_grad():
+            for e in self.entries:
+                if e.is_copy:
+                    e.model_values().copy_(e.main)
+
+    def _counted_grads(self) -> list[torch.Tensor]:
+        return [e.main.grad for e in self.entries if clip_grads.counts_for_norm(e.model_param, self.topology)]
+
+    @torch.no_grad()
+    def step(self) -> tuple[bool, float | None, int | None]:
+        """One optimizer step; returns (update_successful, grad_norm, num_zeros_in_grad)."""
+        self.iteration += 1
+        grads = self._load_main_grads()
+        groups = self._norm_groups()
+        if self.grad_scaler is not None:
+            inv_scale = 1.0 / self.grad_scaler.scale
+            for g in grads:
+                g.mul_(inv_scale)
+            found_inf = clip_grads.found_non_finite(grads, groups, self.device)
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                self._drop_main_grads()
+                return False, None, None
+        counted = self._counted_grads()
+        grad_norm = clip_grads.global_grad_norm(counted, groups, self.device)
+        if not math.isfinite(grad_norm):
+            self._drop_main_grads()
+            if self.raise_on_non_finite:
+                raise NonFiniteGradError(
+                    f"iteration {self.iteration}: the gradient norm is {grad_norm} and no loss scaler "
+                    f"can skip the step (bf16/fp32); parameters were left unchanged. Lower --lr, "
+                    f"raise --lr-warmup-samples, or resume from an earlier checkpoint")
+            return False, grad_norm, None
+        if self.clip_grad > 0:
+            clip_grads.clip_grads_by_norm(grads, self.clip_grad, grad_norm)
+        num_zeros = clip_grads.count_zeros(counted, groups, self.device) if self.log_num_zeros_in_grad else None
+        self.optimizer.step()
+        self._copy_main_to_model()
+        self._drop_main_grads()
+        return True, grad_norm, num_zeros
+
+    def zero_grad(self):
+        """Zero the model grads of every chunk (DDP buffers, or .grad of plain modules)."""
+        for chunk in self.model_chunks:
+            if isinstance(chunk, DistributedDataParallel):
+                chunk.zero_grad_buffer()
+            else:
+                chunk.zero_grad(set_to_none=True)
+
+    # ---- state --------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Per parameter name: main param (fp32 copy, or this rank's shard) and Adam state.
+
+        {"params": {name: {"main_param", "exp_avg", "exp_avg_sq", "step", "range", "shape"}},
+         "param_groups": [hyperparameters], "grad_scaler": ..., "iteration": int}
+        "range" is the flat [lo, hi) of the param this entry covers (whole param when not sharded).
+        """
+        params = {}
+        for e in self.entries:
+            state = self.optimizer.state.get(e.main, {})
+            lo, hi = e.param_range or (0, e.model_param.numel())
+            params[e.name] = {"main_param": e.main.detach().clone(), "range": (lo, hi),
+                              "shape": tuple(e.model_param.shape),
+                              **{k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in state.items()}}
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        return {"params": params, "param_groups": hyper, "iteration": self.iteration,
+                "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict):
+        missing = [e.name for e in self.entries if e.name not in state["params"]]
+        if missing:
+            raise OptimizerConfigError(
+                f"optimizer checkpoint has no state for {missing[:5]}{'...' if len(missing) > 5 else ''}; "
+                f"it was saved from a different model; load a matching checkpoint or pass --no-load-optim")
+        for e in self.entries:
+            saved = state["params"][e.name]
+            lo, hi = e.param_range or (0, e.model_param.numel())
+            if tuple(saved["range"]) != (lo, hi):
+                raise OptimizerConfigError(
+                    f"optimizer checkpoint shard of {e.name} covers {tuple(saved['range'])} but this rank "
+                    f"owns {(lo, hi)}; the data-parallel layout changed; resume with the same layout")
+            e.main.copy_(saved["main_param"])
+            self.optimizer.state[e.main] = {k: (v.to(e.main.device).clone() if torch.is_tensor(v) else v)
+                                            for k, v in saved.items()
+                                            if k not in ("main_param", "range", "shape")}
+        for group, saved in zip(self.optimizer.param_groups, state["param_groups"]):
+            group.update(saved)
+        self.iteration = state["iteration"]
+        if self.grad_scaler is not None and state.get("grad_scaler") is not None:
+            self.grad_scaler.load_state_dict(state["grad_scaler"])
+        self._copy_main_to_model()
+        self._after_load()
+
+    def _after_load(self):
+        pass
