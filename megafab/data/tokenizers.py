@@ -1,0 +1,186 @@
+"""Tokenizers behind Megatron's --tokenizer-type; each offers tokenize, detokenize, vocab_size, eod, pad.
+
+Everything loads from local files: nothing downloads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from megafab.data.errors import DataError
+
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
+                   "Llama2Tokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+
+
+def _need_file(path: str | None, flag: str, tokenizer_type: str) -> str:
+    if path is None:
+        raise DataError(f"--tokenizer-type {tokenizer_type} needs {flag}")
+    if not os.path.exists(path):
+        raise DataError(f"{flag} {path}: file not found")
+    return path
+
+
+class GPT2BPETokenizer:
+    """GPT-2 byte-level BPE from vocab.json + merges.txt; eod is <|endoftext|>."""
+
+    def __init__(self, vocab_file: str, merge_file: str):
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        with open(vocab_file, encoding="utf-8") as f:
+            try:
+                vocab = json.load(f)
+            except json.JSONDecodeError as e:
+                raise DataError(f"--vocab-file {vocab_file}: not a JSON vocabulary ({e})") from None
+        if "<|endoftext|>" not in vocab:
+            raise DataError(f"--vocab-file {vocab_file}: has no <|endoftext|> token; is it a GPT-2 vocab?")
+        self._tok = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
+        self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        self._tok.decoder = decoders.ByteLevel()
+        self.vocab_size = len(vocab)
+        self.eod = vocab["<|endoftext|>"]
+        self.pad = None
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def detokenize(self, ids) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+
+class GPTSentencePieceTokenizer:
+    """A SentencePiece model used as is; eod is its eos id, pad its pad id (None when absent)."""
+
+    add_bos = False
+
+    def __init__(self, model_file: str):
+        import sentencepiece
+
+        try:
+            self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        except (OSError, RuntimeError) as e:
+            raise DataError(f"--tokenizer-model {model_file}: not a SentencePiece model ({e})") from None
+        self.vocab_size = self._sp.get_piece_size()
+        self.eod = self._sp.eos_id()
+        self.bos = self._sp.bos_id()
+        self.pad = self._sp.pad_id() if self._sp.pad_id() >= 0 else None
+        if self.eod < 0:
+            raise DataError(f"--tokenizer-model {model_file}: the model has no eos piece to end documents")
+
+    def tokenize(self, text: str) -> list[int]:
+        ids = self._sp.encode(text)
+        return [self.bos] + ids if self.add_bos and self.bos >= 0 else ids
+
+    def detokenize(self, ids) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+
+class Llama2Tokenizer(GPTSentencePieceTokenizer):
+    """Llama-2's SentencePiece: every document starts with bos."""
+
+    add_bos = True
+
+
+class SentencePieceTokenizer(GPTSentencePieceTokenizer):
+    """SentencePiece with Megatron's extra special tokens (<CLS> <SEP> <EOD> <MASK> <PAD> <BOS> <EOS>).
+
+    A special token already in the model keeps its id; the others are appended after the model's
+    pieces. eod is <EOD>. Special tokens written in the text are not parsed.
+    """
+
+    SPECIAL = ("<CLS>", "<SEP>", "<EOD>", "<MASK>", "<PAD>", "<BOS>", "<EOS>")
+
+    def __init__(self, model_file: str):
+        super().__init__(model_file)
+        self.special_ids: dict[str, int] = {}
+        size = self._sp.get_piece_size()
+        for token in self.SPECIAL:
+            existing = self._sp.piece_to_id(token)
+            if existing != self._sp.unk_id() or token == self._sp.id_to_piece(self._sp.unk_id()):
+                self.special_ids[token] = existing
+            else:
+                self.special_ids[token] = size
+                size += 1
+        self.vocab_size = size
+        self.eod = self.special_ids["<EOD>"]
+        self.pad = self.special_ids["<PAD>"]
+        self._names = {v: k for k, v in self.special_ids.items() if v >= self._sp.get_piece_size()}
+
+    def detokenize(self, ids) -> str:
+        base = self._sp.get_piece_size()
+        return "".join(self._names[i] if i >= base else self._sp.decode([int(i)]) for i in ids) \
+            if any(i >= base for i in ids) else self._sp.decode([int(i) for i in ids])
+
+
+class HuggingFaceTokenizer:
+    """A local tokenizer.json (tokenizers library) or a saved transformers tokenizer directory."""
+
+    def __init__(self, path: str):
+        if os.path.isdir(path):
+            from transformers import AutoTokenizer
+
+            hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            self._encode = lambda text: hf.encode(text, add_special_tokens=False)
+            self._decode = lambda ids: hf.decode(ids)
+            self.vocab_size = len(hf)
+            eos, pad = hf.eos_token_id, hf.pad_token_id
+        else:
+            from tokenizers import Tokenizer
+
+            try:
+                tok = Tokenizer.from_file(path)
+            except Exception as e:  # noqa: BLE001 - the library raises a bare Exception on bad files
+                raise DataError(f"--tokenizer-model {path}: not a tokenizer.json ({e})") from None
+            self._encode = lambda text: tok.encode(text, add_special_tokens=False).ids
+            self._decode = lambda ids: tok.decode(ids, skip_special_tokens=False)
+            self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+            vocab = tok.get_vocab(with_added_tokens=True)
+            eos_names = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
+            eos = next((vocab[t] for t in eos_names if t in vocab), None)
+            pad = next((vocab[t] for t in ("<pad>", "<|pad|>", "[PAD]") if t in vocab), None)
+        if eos is None:
+            raise DataError(f"--tokenizer-model {path}: no end-of-document token (eos) found")
+        self.eod, self.pad = eos, pad
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self._encode(text))
+
+    def detokenize(self, ids) -> str:
+        return self._decode([int(i) for i in ids])
+
+
+class NullTokenizer:
+    """Text is whitespace-separated ids; vocab_size ids plus one eod (= vocab_size)."""
+
+    def __init__(self, vocab_size: int):
+        if vocab_size is None or vocab_size <= 0:
+            raise DataError(f"NullTokenizer needs --vocab-size > 0, got {vocab_size}")
+        self.vocab_size = int(vocab_size) + 1
+        self.eod = int(vocab_size)
+        self.pad = None
+
+    def tokenize(self, text: str) -> list[int]:
+        return [int(x) for x in text.split()]
+
+    def detokenize(self, ids) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+def build_tokenizer(tokenizer_type: str, vocab_file: str | None = None, merge_file: str | None = None,
+                    tokenizer_model: str | None = None, vocab_size: int | None = None):
+    """The tokenizer named by Megatron's --tokenizer-type, from local files."""
+    if tokenizer_type == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(_need_file(vocab_file, "--vocab-file", tokenizer_type),
+                                _need_file(merge_file, "--merge-file", tokenizer_type))
+    if tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
+        cls = {"SentencePieceTokenizer": SentencePieceTokenizer,
+               "GPTSentencePieceTokenizer": GPTSentencePieceTokenizer,
+               "Llama2Tokenizer": Llama2Tokenizer}[tokenizer_type]
+        return cls(_need_file(tokenizer_model, "--tokenizer-model", tokenizer_type))
+    if tokenizer_type == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(_need_file(tokenizer_model, "--tokenizer-model", tokenizer_type))
+    if tokenizer_type == "NullTokenizer":
+        return NullTokenizer(vocab_size)
+    raise DataError(f"--tokenizer-type {tokenizer_type!r} is not supported; choose one of "
+                    f"{', '.join(TOKENIZER_TYPES)}")
