@@ -281,6 +281,10 @@ class DistributedDataParallel(nn.Module):
         self.finish_param_sync()
         return self.module(*args, **kwargs)
 
+    def set_input_tensor(self, tensor) -> None:
+        """Pipeline schedules hand a stage its input through the wrapped chunk."""
+        self.module.set_input_tensor(tensor)
+
 
 class _Done:
     """Handle of a collective that already finished (DP=1 or a synchronous call)."""
