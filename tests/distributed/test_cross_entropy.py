@@ -106,3 +106,15 @@ def test_mismatched_shapes_and_bad_smoothing_are_user_errors():
         vocab_parallel_cross_entropy(torch.zeros(4, 2, 8), torch.zeros(4, 3, dtype=torch.long), None)
     with pytest.raises(ValueError, match="label_smoothing is 1.5"):
         vocab_parallel_cross_entropy(torch.zeros(4, 2, 8), torch.zeros(4, 2, dtype=torch.long), None, 1.5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs on GPU machines)")
+def test_cuda_one_process_equals_torch():
+    cuda = torch.device("cuda")
+    logits, target, weights = rand(7, S, B, 16), torch.randint(0, 16, (S, B)), rand(8, S, B)
+    local = logits.to(cuda).requires_grad_(True)
+    loss = vocab_parallel_cross_entropy(local, target.to(cuda), None, label_smoothing=0.1)
+    (loss * weights.to(cuda)).sum().backward()
+    ref_loss, ref_grad = _reference(logits, target, weights, label_smoothing=0.1)
+    close(loss.detach().cpu(), ref_loss)
+    close(local.grad.cpu(), ref_grad)

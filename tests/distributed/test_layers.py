@@ -240,3 +240,23 @@ def test_bad_sizes_are_user_errors_with_the_fix():
         RowParallelLinear(4, 4, tp_group=None, input_is_parallel=False, sequence_parallel=True)
     with pytest.raises(ParallelLayerError, match="output size is 6, .* stride 4 = 4"):
         ColumnParallelLinear(4, 6, tp_group=None, stride=4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs on GPU machines)")
+def test_layers_on_cuda_hold_the_cpu_weights_and_compute_the_same():
+    cuda = torch.device("cuda")
+    for make in (lambda dev: ColumnParallelLinear(16, 24, tp_group=None, init_method=seeded_init(1),
+                                                  params_dtype=F64, device=dev),
+                 lambda dev: RowParallelLinear(16, 24, tp_group=None, init_method=seeded_init(1),
+                                               params_dtype=F64, device=dev)):
+        on_gpu, on_cpu = make(cuda), make(None)
+        assert on_gpu.weight.device.type == "cuda" and on_gpu.bias.device.type == "cuda"
+        assert torch.equal(on_gpu.weight.detach().cpu(), on_cpu.weight.detach())
+        x = rand(1, S, B, 16)
+        close(on_gpu(x.to(cuda))[0].cpu(), on_cpu(x)[0])
+    emb = VocabParallelEmbedding(16, 8, tp_group=None, init_method=seeded_init(2), params_dtype=F64,
+                                 device=cuda)
+    ids = torch.randint(0, 16, (B, S))
+    ref = torch.empty(16, 8, dtype=F64)
+    seeded_init(2)(ref)
+    close(emb(ids.to(cuda)).cpu(), ref[ids])
