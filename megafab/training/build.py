@@ -1,0 +1,102 @@
+"""Build what one rank trains with: topology, RNG, model chunks, DDP, optimizer, LR schedule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from megafab.distributed.data_parallel import DistributedDataParallel
+from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
+from megafab.distributed.topology import Topology, initialize
+from megafab.model.gpt import build_model_chunks
+from megafab.model.transformer import LayerContext
+from megafab.optim.distributed_optimizer import DistributedOptimizer
+from megafab.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megafab.optim.lr_scheduler import OptimizerParamScheduler
+from megafab.optim.mixed_precision import MixedPrecisionOptimizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float64": torch.float64}
+
+
+@dataclass
+class TrainState:
+    cfg: object
+    topology: Topology
+    tracker: RNGStatesTracker
+    model: list  # DistributedDataParallel chunks
+    optimizer: MixedPrecisionOptimizer
+    scheduler: OptimizerParamScheduler
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    skipped_iterations: int = 0
+    nan_iterations: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def init_distributed(cfg) -> tuple[Topology, RNGStatesTracker]:
+    p = cfg.parallel
+    topo = initialize(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                      p.virtual_pipeline_model_parallel_size or 1, p.distributed_backend,
+                      p.distributed_timeout_minutes)
+    tracker = RNGStatesTracker(topo.device)
+    model_parallel_seed(cfg.training.seed, topo.tp_rank, topo.pp_rank, topo.device, tracker)
+    return topo, tracker
+
+
+def params_dtype(cfg) -> torch.dtype:
+    return DTYPES[cfg.precision.params_dtype_name]
+
+
+def build_model(cfg, topo: Topology, tracker, dtype: torch.dtype | None = None) -> list:
+    """This rank's model chunks, each wrapped for data parallelism."""
+    dtype = dtype or params_dtype(cfg)
+    ctx = LayerContext(topo.tp_group if topo.tp > 1 else None, cfg.parallel.sequence_parallel, dtype,
+                       topo.device, cfg.training.seed, tracker)
+    chunks = build_model_chunks(cfg.model, ctx, topo.pp, topo.pp_rank,
+                                cfg.parallel.virtual_pipeline_model_parallel_size or 1)
+    p = cfg.parallel
+    bucket = p.ddp_bucket_size if p.overlap_grad_reduce or p.use_distributed_optimizer else None
+    return [DistributedDataParallel(c, dp_group=topo.dp_group, bucket_size=bucket,
+                                    overlap_grad_reduce=p.overlap_grad_reduce,
+                                    use_distributed_optimizer=p.use_distributed_optimizer)
+            for c in chunks]
+
+
+def build_optimizer(cfg, topo: Topology, model: list):
+    o, pr = cfg.optimizer, cfg.precision
+    scaler = None
+    if pr.fp16:
+        scaler = ConstantGradScaler(pr.loss_scale) if pr.loss_scale else DynamicGradScaler(
+            initial_scale=pr.initial_loss_scale, min_scale=pr.min_loss_scale,
+            growth_interval=pr.loss_scale_window, hysteresis=pr.hysteresis)
+    kwargs = dict(topology=topo, lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
+                  eps=o.adam_eps, clip_grad=o.clip_grad, grad_scaler=scaler,
+                  log_num_zeros_in_grad=cfg.logging.log_num_zeros_in_grad, raise_on_non_finite=False)
+    if cfg.parallel.use_distributed_optimizer:
+        return DistributedOptimizer(model, overlap_param_gather=cfg.parallel.overlap_param_gather, **kwargs)
+    return MixedPrecisionOptimizer(model, **kwargs)
+
+
+def build_scheduler(cfg, optimizer) -> OptimizerParamScheduler:
+    """Megatron counts the schedule in samples; iteration flags are converted with the batch size."""
+    o, t = cfg.optimizer, cfg.training
+    gbs = t.global_batch_size
+    decay = o.lr_decay_samples or (o.lr_decay_iters or t.train_iters or 1) * gbs
+    if o.lr_warmup_fraction is not None:
+        warmup = int(o.lr_warmup_fraction * decay)
+    else:
+        warmup = o.lr_warmup_samples or o.lr_warmup_iters * gbs
+    wsd = o.lr_wsd_decay_samples or (o.lr_wsd_decay_iters * gbs if o.lr_wsd_decay_iters else None)
+    return OptimizerParamScheduler(
+        optimizer, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_samples=warmup, lr_decay_samples=decay,
+        lr_decay_style=o.lr_decay_style, lr_warmup_init=o.lr_warmup_init, wsd_decay_samples=wsd,
+        lr_wsd_decay_style=o.lr_wsd_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay)
+
+
+def train_iters(cfg) -> int:
+    t = cfg.training
+    if t.train_iters is not None:
+        return t.train_iters
+    return -(-(t.train_samples or 0) // t.global_batch_size)

@@ -1,0 +1,48 @@
+"""Tokenizer and data iterators for a training run, with Megatron's sample counts."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from megafab.config import pad_vocab_size
+from megafab.data.builder import build_gpt_datasets
+from megafab.data.samplers import build_data_iterator
+from megafab.data.tokenizers import build_tokenizer
+
+
+def attach_tokenizer(cfg):
+    """Build the tokenizer (no process group needed) and size the vocabulary from it."""
+    d, m = cfg.data, cfg.model
+    kind = d.tokenizer_type or "NullTokenizer"
+    tokenizer = build_tokenizer(kind, d.vocab_file, d.merge_file, d.tokenizer_model, m.vocab_size)
+    m.vocab_size = tokenizer.vocab_size
+    m.padded_vocab_size = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by,
+                                         cfg.parallel.tensor_model_parallel_size)
+    return tokenizer
+
+
+def sample_counts(cfg, train_iters: int) -> tuple[int, int, int]:
+    """Megatron's: train = iters * gbs; valid = (iters // eval_interval + 1) * eval_iters * gbs;
+    test = eval_iters * gbs."""
+    t = cfg.training
+    gbs = t.global_batch_size
+    train = t.train_samples or train_iters * gbs
+    valid = (train_iters // t.eval_interval + 1) * t.eval_iters * gbs
+    return train, valid, t.eval_iters * gbs
+
+
+def build_data_iterators(cfg, topo, consumed_train_samples: int, tokenizer=None):
+    from megafab.training.build import train_iters
+
+    d, t = cfg.data, cfg.training
+    tokenizer = tokenizer or attach_tokenizer(cfg)
+    datasets = build_gpt_datasets(
+        data_path=d.data_path, split=d.split or "969,30,1", seq_length=cfg.model.seq_length,
+        seed=t.seed, num_samples=sample_counts(cfg, train_iters(cfg)), tokenizer=tokenizer,
+        cache_path=d.data_cache_path, eod_mask_loss=d.eod_mask_loss,
+        reset_position_ids=d.reset_position_ids, reset_attention_mask=d.reset_attention_mask,
+        mock=d.mock_data, train_data_path=d.train_data_path, valid_data_path=d.valid_data_path,
+        test_data_path=d.test_data_path, barrier=dist.barrier, is_builder=topo.rank == 0)
+    consumed = [consumed_train_samples, 0, 0]
+    return tuple(build_data_iterator(ds, consumed[i], t.micro_batch_size, topo.dp_rank, topo.dp,
+                                     num_workers=0) for i, ds in enumerate(datasets))

@@ -1,0 +1,160 @@
+"""The training loop: iterate, log Megatron's lines, evaluate, checkpoint, exit on request."""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from megafab.training import checkpointing
+from megafab.training.build import (
+    TrainState,
+    build_model,
+    build_optimizer,
+    build_scheduler,
+    init_distributed,
+    train_iters,
+)
+from megafab.training.data_setup import attach_tokenizer, build_data_iterators
+from megafab.training.flops import flops_per_iteration, peak_tflops
+from megafab.training.log_line import ScalarWriters, iteration_line, validation_line
+from megafab.training.step import evaluate, train_step
+
+
+class _SigtermFlag:
+    def __init__(self, enabled: bool):
+        self.received = False
+        if enabled:
+            signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = True
+
+    def any_rank(self, device) -> bool:
+        flag = torch.tensor([1.0 if self.received else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag.item() > 0
+
+
+def log_rank(topo) -> bool:
+    """Megatron prints the iteration line on the last rank (it holds the loss)."""
+    return topo.rank == topo.world_size - 1
+
+
+def print_rank_0(topo, text: str) -> None:
+    if topo.rank == 0:
+        print(text, flush=True)
+
+
+def setup(cfg) -> TrainState:
+    topo, tracker = init_distributed(cfg)
+    model = build_model(cfg, topo, tracker)
+    optimizer = build_optimizer(cfg, topo, model)
+    scheduler = build_scheduler(cfg, optimizer)
+    state = TrainState(cfg, topo, tracker, model, optimizer, scheduler)
+    if cfg.checkpoint.load:
+        checkpointing.load_checkpoint(state)
+    return state
+
+
+def _should_exit(state, start_time: float, sigterm: _SigtermFlag) -> str | None:
+    t = state.cfg.training
+    if t.exit_signal_handler and sigterm.any_rank(state.topology.device):
+        return "SIGTERM received"
+    if t.exit_interval and state.iteration % t.exit_interval == 0:
+        return f"exit interval {t.exit_interval}"
+    if t.exit_duration_in_mins:
+        elapsed = torch.tensor([(time.time() - start_time) / 60.0], device=state.topology.device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if elapsed.item() > t.exit_duration_in_mins:
+            return f"exit duration {t.exit_duration_in_mins} min"
+    return None
+
+
+def train(state: TrainState, iterators, writers: ScalarWriters) -> None:
+    cfg, topo = state.cfg, state.topology
+    t, lg = cfg.training, cfg.logging
+    total = train_iters(cfg)
+    train_iter, valid_iter, _ = iterators
+    sigterm = _SigtermFlag(t.exit_signal_handler)
+    start = time.time()
+    flops = flops_per_iteration(cfg, t.global_batch_size)
+    peak = peak_tflops(topo.device)
+    window_start, window_iters = time.time(), 0
+    while state.iteration < total:
+        metrics = train_step(state, train_iter)
+        window_iters += 1
+        if state.iteration % lg.log_interval == 0:
+            elapsed = (time.time() - window_start) / window_iters
+            tflops = flops / elapsed / topo.world_size / 1e12
+            line = {"consumed_samples": state.consumed_train_samples, "elapsed_ms": elapsed * 1000,
+                    "tflops": tflops if lg.log_throughput else None,
+                    "mfu": tflops / peak if (lg.log_throughput and peak) else None,
+                    "tokens_per_sec": t.global_batch_size * cfg.model.seq_length / elapsed,
+                    "lr": state.scheduler.get_lr(), "global_batch_size": t.global_batch_size,
+                    "lm loss": metrics["lm loss"],
+                    "loss_scale": state.optimizer.grad_scaler.scale if state.optimizer.grad_scaler else 1.0,
+                    "grad_norm": metrics["grad_norm"], "num_zeros": metrics["num_zeros"],
+                    "skipped": state.skipped_iterations, "nan": state.nan_iterations}
+            if log_rank(topo):
+                print(iteration_line(state.iteration, total, line), flush=True)
+                writers.scalars(state.iteration, {
+                    "lm loss": metrics["lm loss"], "learning-rate": line["lr"],
+                    "grad-norm": metrics["grad_norm"], "loss-scale": line["loss_scale"],
+                    "throughput/tokens-per-sec": line["tokens_per_sec"],
+                    "throughput/tflops": tflops, "iteration-time-ms": line["elapsed_ms"]})
+            window_start, window_iters = time.time(), 0
+        if t.eval_interval and state.iteration % t.eval_interval == 0 and valid_iter is not None:
+            run_evaluation(state, valid_iter, "validation", writers)
+        if cfg.checkpoint.save and cfg.checkpoint.save_interval and \
+                state.iteration % cfg.checkpoint.save_interval == 0:
+            checkpointing.save_checkpoint(state)
+        reason = _should_exit(state, start, sigterm)
+        if reason:
+            if cfg.checkpoint.save:
+                checkpointing.save_checkpoint(state)
+            print_rank_0(topo, f"exiting at iteration {state.iteration}: {reason}")
+            return
+
+
+def run_evaluation(state, data_iterator, label: str, writers: ScalarWriters) -> float | None:
+    loss = evaluate(state, data_iterator, state.cfg.training.eval_iters)
+    if log_rank(state.topology):
+        print("-" * 100 + "\n" + validation_line(label, state.iteration, loss) + "\n" + "-" * 100,
+              flush=True)
+        writers.scalars(state.iteration, {f"{label} loss": loss,
+                                          f"{label} ppl": math.exp(min(loss, 60.0))})
+    return loss
+
+
+def pretrain(cfg) -> int:
+    tokenizer = attach_tokenizer(cfg)
+    state = setup(cfg)
+    topo = state.topology
+    print_rank_0(topo, f"megafab: {topo.world_size} process(es), tp {topo.tp} pp {topo.pp} dp {topo.dp}, "
+                       f"{topo.device} / {topo.backend}")
+    for note in cfg.notes:
+        print_rank_0(topo, f"megafab: note: {note}")
+    iterators = build_data_iterators(cfg, topo, state.consumed_train_samples, tokenizer)
+    writers = ScalarWriters(cfg if log_rank(topo) else None, cfg.to_flat())
+    try:
+        if not cfg.training.skip_train:
+            train(state, iterators, writers)
+        total = train_iters(cfg)
+        if iterators[1] is not None and cfg.training.eval_iters and state.iteration >= total:
+            run_evaluation(state, iterators[1], "validation", writers)
+        if iterators[2] is not None and cfg.training.eval_iters and state.iteration >= total:
+            run_evaluation(state, iterators[2], "test", writers)
+        if cfg.checkpoint.save and state.iteration >= total and \
+                checkpointing.latest_iteration(cfg.checkpoint.save) != state.iteration:
+            checkpointing.save_checkpoint(state)
+    finally:
+        writers.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
