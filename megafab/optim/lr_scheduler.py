@@ -54,7 +54,8 @@ class OptimizerParamScheduler:
                             f"{lr_decay_samples})")
         if lr_decay_style == "WSD":
             if lr_wsd_decay_style not in WSD_DECAY_STYLES:
-                problems.append(f"--lr-wsd-decay-style {lr_wsd_decay_style!r} is not one of {WSD_DECAY_STYLES}")
+                problems.append(f"--lr-wsd-decay-style {lr_wsd_decay_style!r} is not one of "
+                                f"{WSD_DECAY_STYLES}")
             if wsd_decay_samples is None or not 0 < wsd_decay_samples <= lr_decay_samples:
                 problems.append(f"WSD needs --lr-wsd-decay-samples in (0, --lr-decay-samples "
                                 f"{lr_decay_samples}], got {wsd_decay_samples}")
@@ -132,7 +133,7 @@ class OptimizerParamScheduler:
         return {k: getattr(self, k) for k in self._FIELDS}
 
     def load_state_dict(self, state: dict):
-        """Restore the schedule (checkpoint values win, as Megatron's --use-checkpoint-opt_param-scheduler)."""
+        """Restore the schedule; checkpoint values win (Megatron's --use-checkpoint-opt_param-scheduler)."""
         for k in self._FIELDS:
             setattr(self, k, state[k])
         self.step(0)

@@ -209,7 +209,9 @@ class MixedPrecisionOptimizer:
             return False, grad_norm, None
         if self.clip_grad > 0:
             clip_grads.clip_grads_by_norm(grads, self.clip_grad, grad_norm)
-        num_zeros = clip_grads.count_zeros(counted, groups, self.device) if self.log_num_zeros_in_grad else None
+        num_zeros = None
+        if self.log_num_zeros_in_grad:
+            num_zeros = clip_grads.count_zeros(counted, groups, self.device)
         self.optimizer.step()
         self._copy_main_to_model()
         self._drop_main_grads()
@@ -235,9 +237,10 @@ class MixedPrecisionOptimizer:
         for e in self.entries:
             state = self.optimizer.state.get(e.main, {})
             lo, hi = e.param_range or (0, e.model_param.numel())
-            params[e.name] = {"main_param": e.main.detach().clone(), "range": (lo, hi),
-                              "shape": tuple(e.model_param.shape),
-                              **{k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in state.items()}}
+            entry = {"main_param": e.main.detach().clone(), "range": (lo, hi),
+                     "shape": tuple(e.model_param.shape)}
+            entry.update({k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in state.items()})
+            params[e.name] = entry
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         return {"params": params, "param_groups": hyper, "iteration": self.iteration,
                 "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict()}

@@ -41,7 +41,8 @@ def _train_dp(topo, dist_opt, overlap, steps, clip):
     opt = cls([model], topology=topo, lr=0.05, clip_grad=clip)
     x, y = regression_batch(GLOBAL_BATCH, HIDDEN)
     local = GLOBAL_BATCH // topo.dp
-    x, y = x[topo.dp_rank * local:(topo.dp_rank + 1) * local], y[topo.dp_rank * local:(topo.dp_rank + 1) * local]
+    mine = slice(topo.dp_rank * local, (topo.dp_rank + 1) * local)
+    x, y = x[mine], y[mine]
     history = []
     for _ in range(steps):
         opt.zero_grad()
@@ -142,7 +143,8 @@ def _sp_grads_need_the_finalize_step(rank, world):
     topo = build_topology(tp=2, pp=1)
     block = ToyTPBlock(HIDDEN, tp_group=topo.tp_group)
     model = DistributedDataParallel(block, dp_group=topo.dp_group)
-    x = torch.randn(SEQ // 2, BATCH, HIDDEN, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(SEQ // 2, BATCH, HIDDEN, dtype=torch.float64, generator=gen)
     model(x).sum().backward()
     before = block.norm_w.main_grad.clone()
     finalize_model_grads([model], topology=topo, sequence_parallel=True)
