@@ -68,6 +68,7 @@ class Bucket:
         self.grad_data: torch.Tensor | None = None
         self.param_data: torch.Tensor | None = None
         self.param_gather_handle = None
+        self.param_gather_input: torch.Tensor | None = None
 
     @property
     def numel(self) -> int:
@@ -249,15 +250,15 @@ class DistributedDataParallel(nn.Module):
                 continue
             lo, hi = bucket.shard_range(self.dp_rank)
             # The input is a view of the output; copy it so the collective never reads what it writes.
-            shard = self.param_buffer[lo:hi].clone()
-            bucket.param_gather_handle = _all_gather(bucket.param_data, shard, group=self.dp_group,
-                                                     async_op=async_op) or _Done()
+            bucket.param_gather_input = self.param_buffer[lo:hi].clone()  # alive until the wait
+            bucket.param_gather_handle = _all_gather(bucket.param_data, bucket.param_gather_input,
+                                                     group=self.dp_group, async_op=async_op) or _Done()
 
     def finish_param_sync(self):
         for bucket in self.buckets:
             if bucket.param_gather_handle is not None:
                 bucket.param_gather_handle.wait()
-                bucket.param_gather_handle = None
+                bucket.param_gather_handle = bucket.param_gather_input = None
 
     def zero_grad_buffer(self):
         """Zero the main grads before the first micro-batch of a step."""

@@ -199,3 +199,83 @@ def _bucket_size_zero(rank, world):
 
 def test_bucket_size_must_be_positive():
     assert run_ranks(_bucket_size_zero, 1, timeout=30) == [True]
+
+
+class _Stage(torch.nn.Module):
+    """One pipeline stage of the 3D toy: a tied [h, h] 'embedding' (replicated over TP, applied to
+    the local sequence slice, so also sequence_parallel) and a TP/SP block."""
+
+    def __init__(self, stage, tp_group):
+        super().__init__()
+        emb = torch.randn(HIDDEN, HIDDEN, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+        self.emb = torch.nn.Parameter(emb * 0.4)
+        self.emb.shared_embedding = self.emb.sequence_parallel = True
+        self.block = ToyTPBlock(HIDDEN, tp_group=tp_group, seed=stage)
+        self.stage = stage
+
+    def forward(self, h):  # [s/tp, b, h]
+        return self.block(h @ self.emb) if self.stage == 0 else self.block(h) @ self.emb.t()
+
+
+def _pp_step(topo, stage, x, y, tokens):
+    """One micro-batch through two stages with hand-rolled p2p (no schedule needed for one)."""
+    if topo.pp_rank == 0:
+        out = stage(x)
+        dist.send(out.detach().contiguous(), topo.next_pp_rank)
+        grad = torch.empty_like(out)
+        dist.recv(grad, topo.prev_pp_rank)
+        out.backward(grad)
+    else:
+        h = torch.empty(x.shape, dtype=x.dtype)
+        dist.recv(h, topo.prev_pp_rank)
+        h.requires_grad_(True)
+        (((stage(h) - y) ** 2).sum() / tokens).backward()
+        dist.send(h.grad.contiguous(), topo.next_pp_rank)
+
+
+def _3d_matches_one_process(rank, world):
+    topo = build_topology(tp=2, pp=2)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen, dtype=torch.float64)
+    y = torch.randn(SEQ, BATCH, HIDDEN, generator=gen, dtype=torch.float64)
+    clip = 2.0
+    ref = [_Stage(0, None), _Stage(1, None)]
+    ref[1].emb = ref[0].emb  # one tied tensor in the single-process model
+    ref_model = torch.nn.ModuleList(ref)
+    ref_opt = MixedPrecisionOptimizer(ref_model, lr=0.05, clip_grad=clip)
+    reference = []
+    for _ in range(STEPS):
+        ref_opt.zero_grad()
+        (((ref[1](ref[0](x)) - y) ** 2).sum() / (SEQ * BATCH * HIDDEN)).backward()
+        _, norm, _ = ref_opt.step()
+        reference.append(({n: p.detach().clone() for n, p in ref_model.named_parameters()}, norm))
+    assert reference[0][1] > clip
+    b = BATCH // topo.dp
+    mine = (slice(None), slice(topo.dp_rank * b, (topo.dp_rank + 1) * b))
+    x, y = x[mine].chunk(topo.tp, 0)[topo.tp_rank], y[mine].chunk(topo.tp, 0)[topo.tp_rank]
+    for dist_opt, overlap in LAYOUTS:
+        stage = _Stage(topo.pp_rank, topo.tp_group)
+        model = DistributedDataParallel(stage, dp_group=topo.dp_group, bucket_size=60,
+                                        overlap_grad_reduce=overlap, use_distributed_optimizer=dist_opt)
+        cls = DistributedOptimizer if dist_opt else MixedPrecisionOptimizer
+        opt = cls([model], topology=topo, lr=0.05, clip_grad=clip)
+        for ref_params, ref_norm in reference:
+            opt.zero_grad()
+            _pp_step(topo, model, x, y, SEQ * b * HIDDEN)
+            finalize_model_grads([model], topology=topo, sequence_parallel=True)
+            _, norm, _ = opt.step()
+            assert abs(norm - ref_norm) < 1e-10, (dist_opt, overlap, norm, ref_norm)
+            for name, value in stage.named_parameters():
+                # Both stages' copies of the tied weight must equal the one reference tensor.
+                if name == "emb":
+                    expected = ref_params["0.emb"]
+                else:
+                    expected = shard_like(ref_params[f"{topo.pp_rank}.{name}"],
+                                          getattr(stage.block, name.split(".")[1]), topo.tp, topo.tp_rank)
+                err = (value - expected).abs().max().item()
+                assert err < 1e-10, (dist_opt, overlap, name, err)
+    return True
+
+
+def test_tp2_pp2_dp2_with_sp_tied_embedding_and_distributed_optimizer_matches_one_process():
+    assert all(run_ranks(_3d_matches_one_process, 8, timeout=180))
