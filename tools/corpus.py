@@ -35,24 +35,48 @@ def package_dir(name: str, pip_name: str) -> Path:
 SPEAKER = re.compile(r"^\*\*(.+?)\*\*\s*$")
 STAGE = re.compile(r"^_(.+?)_\s*$")
 INLINE_STAGE = re.compile(r"_\[(.+?)\]_")
+ESCAPED = re.compile(r"\\([^\w\s])")
+
+
+def join_wrapped_directions(lines: list[str]) -> list[str]:
+    """A stage direction wrapped over lines (`_Enter A, with` / `hers_`) becomes one line."""
+    joined, pending = [], None
+    for raw in lines:
+        line = raw.rstrip()
+        if pending is not None:
+            pending += " " + line.strip()
+            if line.endswith("_") or not line:
+                joined.append(pending)
+                pending = None
+        elif line.startswith("_") and not line.endswith("_"):
+            pending = line
+        else:
+            joined.append(line)
+    if pending is not None:
+        joined.append(pending)
+    return joined
 
 
 def clean_scene(lines: list[str]) -> str:
     """Markdown scene -> plain play text: 'SPEAKER:' lines, stage directions in brackets."""
     out = []
-    for raw in lines:
-        line = raw.rstrip()
+    for raw in join_wrapped_directions(lines):
+        line = raw.strip()
         if not line:
             if out and out[-1] != "":
                 out.append("")
             continue
-        line = line.replace("\\-", "-").replace("\\*", "*").replace("\\_", "_")
+        if line.startswith("#"):  # stray deeper headings inside a scene
+            continue
+        line = ESCAPED.sub(r"\1", line)
+        if line.startswith("__"):  # a few directions are marked with a doubled underscore
+            line = line[1:]
         if m := SPEAKER.match(line):
             out.append(m.group(1).strip() + ":")
         elif m := STAGE.match(line):
             out.append("[" + m.group(1).strip().strip("[]") + "]")
         else:
-            out.append(INLINE_STAGE.sub(r"[\1]", line).replace("**", "").strip())
+            out.append(INLINE_STAGE.sub(r"[\1]", line).replace("**", "").replace("_", "").strip())
     return "\n".join(out).strip()
 
 
