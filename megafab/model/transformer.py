@@ -113,7 +113,7 @@ class SelfAttention(nn.Module):
             k = k.repeat_interleave(self.heads_per_group, dim=1)
             v = v.repeat_interleave(self.heads_per_group, dim=1)
         dropout = self.dropout if self.training else 0.0
-        with self.ctx.tp_region_rng():
+        with self.ctx.tp_region_rng() if dropout > 0 else contextlib.nullcontext():
             if attention_mask is None:
                 ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
             else:  # Megatron's mask: True where attention is NOT allowed

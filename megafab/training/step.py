@@ -40,7 +40,10 @@ def run_schedule(state, data_iterator, forward_only: bool) -> list:
     p, t, m = cfg.parallel, cfg.training, cfg.model
     vpp = p.virtual_pipeline_model_parallel_size or 1
     schedule = get_forward_backward_func(topo.pp, vpp)
-    iterators = [data_iterator] * vpp if vpp > 1 else data_iterator
+    # Every chunk of this rank reads the same micro-batches (Megatron gives each chunk its own
+    # iterator over the same data): take this step's batches once and replay them per chunk.
+    batches = [next(data_iterator) for _ in range(t.num_micro_batches)]
+    iterators = [iter(batches) for _ in range(vpp)] if vpp > 1 else iter(batches)
     finalize = functools.partial(finalize_model_grads, topology=topo, sequence_parallel=p.sequence_parallel)
     scaler = getattr(state.optimizer, "grad_scaler", None)
     return schedule(
