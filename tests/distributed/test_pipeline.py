@@ -203,3 +203,32 @@ def test_a_rank_failing_mid_schedule_fails_the_run_quickly():
         run_ranks(_raises_mid_schedule, 4, timeout=20)
     assert time.monotonic() - start < 15
     assert "deliberate failure in micro-batch 3 on stage 1" in str(info.value)
+
+
+def _sent_outputs_after_schedule(rank, world, vpp, deallocate):
+    topo = build_topology(tp=1, pp=world, vpp=vpp)
+    chunks = build_chunks(full_weights(VOCAB, HIDDEN, 4), 4, world, vpp, topo.pp_rank)
+    outputs = []
+
+    def recording_step(data_iterator, model):
+        output, loss_func = forward_step(data_iterator, model)
+        if not model.post_process:
+            outputs.append(output)
+        return output, loss_func
+
+    get_forward_backward_func(world, vpp)(
+        forward_step_func=recording_step,
+        data_iterator=[iter(make_batches(4, SEQ, MBS, VOCAB)) for _ in chunks],
+        model=chunks, num_microbatches=4, seq_length=SEQ, micro_batch_size=MBS, hidden_size=HIDDEN,
+        topology=topo, dtype=torch.float64, deallocate_pipeline_outputs=deallocate)
+    return [o.numel() for o in outputs]
+
+
+@pytest.mark.parametrize("vpp", [1, 2])
+def test_sent_activations_are_freed_only_when_asked(vpp):
+    full = SEQ * MBS * HIDDEN
+    freed = run_ranks(_sent_outputs_after_schedule, 2, vpp, True, timeout=60)
+    kept = run_ranks(_sent_outputs_after_schedule, 2, vpp, False, timeout=60)
+    # Every activation a stage sent (4 micro-batches per sending chunk) lost its storage.
+    assert freed[0] == [1] * 4 * vpp and kept[0] == [full] * 4 * vpp
+    assert freed[1] == [1] * 4 * (vpp - 1) and kept[1] == [full] * 4 * (vpp - 1)
