@@ -33,7 +33,7 @@ from megafab.distributed.data_parallel import DistributedDataParallel
 
 def grad_of(param: nn.Parameter) -> torch.Tensor | None:
     """The gradient the optimizer reads: `main_grad` under DDP, else `.grad`."""
-    return getattr(param, "main_grad", None) if hasattr(param, "main_grad") else param.grad
+    return param.main_grad if hasattr(param, "main_grad") else param.grad
 
 
 def _all_reduce_coalesced(grads: list[torch.Tensor], group):
