@@ -103,8 +103,11 @@ class GPTModel(nn.Module):
         """The pipeline schedule hands a non-first chunk its input here (Megatron's contract)."""
         self.input_tensor = tensor[0] if isinstance(tensor, (list, tuple)) else tensor
 
-    def forward(self, input_ids=None, position_ids=None, labels=None, attention_mask=None):
+    def forward(self, input_ids=None, position_ids=None, labels=None, attention_mask=None, kv_cache=None):
         """First chunk: ids [b, s]; later chunks: the tensor from set_input_tensor [s(/tp), b, h].
+
+        kv_cache (generation, megafab.inference.KVCache): `kv_cache.layer(n)` keeps global layer n's
+        keys/values; pass position_ids and an attention_mask [b|1, 1, s, cached + s] with it.
 
         Last chunk returns per-token loss [b, s] when labels are given, else logits [s, b, V/tp].
         Other chunks return hidden states [s(/tp), b, h] for the next stage.
@@ -113,8 +116,9 @@ class GPTModel(nn.Module):
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         x = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor
         angles = self.rotary(position_ids) if self.rotary is not None else None
-        for layer in self.decoder.layers.values():
-            x = layer(x, angles, attention_mask)
+        for number, layer in self.decoder.layers.items():
+            layer_cache = kv_cache.layer(int(number)) if kv_cache is not None else None
+            x = layer(x, angles, attention_mask, kv_cache=layer_cache)
         if not self.post_process:
             return x
         x = self.decoder.final_layernorm(x)

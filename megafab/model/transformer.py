@@ -100,7 +100,9 @@ class SelfAttention(nn.Module):
             init_method=normal_init(ctx.seed, prefix + "linear_proj.weight",
                                     output_layer_std(cfg.init_method_std, cfg.num_layers)))
 
-    def forward(self, x, rotary_angles=None, attention_mask=None):
+    def forward(self, x, rotary_angles=None, attention_mask=None, kv_cache=None):
+        """kv_cache (generation): holds this layer's keys/values of earlier positions; x then
+        carries only the new positions and attention_mask must cover [new, cached + new]."""
         qkv, _ = self.linear_qkv(x)  # [s, b, groups/tp * (hpg + 2) * d]
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.groups_local, self.heads_per_group + 2, self.d)
@@ -109,6 +111,8 @@ class SelfAttention(nn.Module):
         if rotary_angles is not None:
             q, k = apply_rotary(q, rotary_angles), apply_rotary(k, rotary_angles)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)  # [b, groups/tp, s_cached + s, d]
         if self.heads_per_group > 1:
             k = k.repeat_interleave(self.heads_per_group, dim=1)
             v = v.repeat_interleave(self.heads_per_group, dim=1)
@@ -170,6 +174,7 @@ class TransformerLayer(nn.Module):
         with self.ctx.residual_rng():
             return F.dropout(x, self.hidden_dropout, training=True)
 
-    def forward(self, x, rotary_angles=None, attention_mask=None):
-        x = x + self._dropout(self.self_attention(self.input_layernorm(x), rotary_angles, attention_mask))
+    def forward(self, x, rotary_angles=None, attention_mask=None, kv_cache=None):
+        x = x + self._dropout(self.self_attention(self.input_layernorm(x), rotary_angles, attention_mask,
+                                                  kv_cache))
         return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))
