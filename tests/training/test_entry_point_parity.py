@@ -1,0 +1,29 @@
+"""pretrain_gpt.py end to end: the 3D layout logs the same lm loss as one process."""
+
+import pytest
+
+from tests.training.launch import losses, torchrun
+
+# NullTokenizer adds an eod id: 127 + 1 = 128 pads to 128 at TP 1 and TP 2 alike.
+MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+         "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "5", "--lr", "1e-2",
+         "--mock-data", "--vocab-size", "127", "--make-vocab-size-divisible-by", "32",
+         "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "1", "--hidden-dropout", "0",
+         "--attention-dropout", "0", "--lr-warmup-iters", "1"]
+LAYOUT = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+          "--num-layers-per-virtual-pipeline-stage", "1", "--sequence-parallel",
+          "--use-distributed-optimizer"]
+
+
+@pytest.mark.slow
+def test_3d_layout_logs_the_single_process_losses(tmp_path):
+    single = torchrun(1, MODEL, cwd=tmp_path)
+    assert single.returncode == 0, single.stderr[-3000:]
+    parallel = torchrun(8, MODEL + LAYOUT, cwd=tmp_path)
+    assert parallel.returncode == 0, parallel.stderr[-3000:]
+    expected, got = losses(single.stdout), losses(parallel.stdout)
+    assert sorted(expected) == sorted(got) == [1, 2, 3, 4, 5]
+    for it in expected:
+        assert abs(got[it] - expected[it]) <= 1e-5 * abs(expected[it]), (it, got[it], expected[it])
+    assert expected[5] < expected[1]  # it trains
+    assert "tp 2 pp 2 dp 2" in parallel.stdout
