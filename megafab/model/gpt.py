@@ -20,7 +20,9 @@ from megafab.distributed.mappings import (
     scatter_to_sequence_parallel_region,
 )
 from megafab.model.init import normal_init
-from megafab.model.transformer import LayerContext, RotaryEmbedding, TransformerLayer, build_norm
+from megafab.model.recompute import RecomputeSettings, forward_layers
+from megafab.model.te import transformer_layer_class
+from megafab.model.transformer import LayerContext, RotaryEmbedding, build_norm
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
@@ -69,9 +71,11 @@ class GPTModel(nn.Module):
         self.rotary = None
         if cfg.position_embedding_type == "rope":
             self.rotary = RotaryEmbedding(cfg.kv_channels, cfg.rotary_percent, cfg.rotary_base, ctx.device)
+        self.recompute = RecomputeSettings.from_model_config(cfg)
+        layer_cls = transformer_layer_class(cfg)  # local TransformerLayer or Transformer Engine's
         self.decoder = nn.Module()
         self.decoder.layers = nn.ModuleDict(
-            {str(i): TransformerLayer(cfg, ctx, i) for i in range(first_layer, last_layer)})
+            {str(i): layer_cls(cfg, ctx, i) for i in range(first_layer, last_layer)})
         if post_process:
             self.decoder.final_layernorm = build_norm(cfg, ctx)
             if not (self.share_embeddings and pre_process):
@@ -116,9 +120,12 @@ class GPTModel(nn.Module):
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         x = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor
         angles = self.rotary(position_ids) if self.rotary is not None else None
-        for number, layer in self.decoder.layers.items():
-            layer_cache = kv_cache.layer(int(number)) if kv_cache is not None else None
-            x = layer(x, angles, attention_mask, kv_cache=layer_cache)
+        if kv_cache is None:
+            x = forward_layers(self.decoder.layers.values(), x, self.recompute, self.ctx, angles,
+                               attention_mask)
+        else:
+            for number, layer in self.decoder.layers.items():
+                x = layer(x, angles, attention_mask, kv_cache=kv_cache.layer(int(number)))
         if not self.post_process:
             return x
         x = self.decoder.final_layernorm(x)

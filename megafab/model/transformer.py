@@ -18,6 +18,7 @@ from torch import nn
 from megafab.distributed.layers import ColumnParallelLinear, RowParallelLinear
 from megafab.distributed.mappings import group_size
 from megafab.model.init import normal_init, output_layer_std
+from megafab.model.recompute import RecomputeSettings, recompute
 
 
 @dataclass
@@ -30,6 +31,7 @@ class LayerContext:
     device: torch.device
     seed: int
     rng_tracker: object = None
+    precision: object = None  # PrecisionConfig: the Transformer Engine layers read --fp8-* here
 
     def tp_region_rng(self):
         """Dropout on tensors that differ across TP ranks draws from the per-rank stream."""
@@ -88,6 +90,7 @@ class SelfAttention(nn.Module):
         self.heads_per_group = cfg.num_attention_heads // cfg.num_query_groups
         self.groups_local = cfg.num_query_groups // tp
         self.dropout = cfg.attention_dropout
+        self.recompute_core_attention = RecomputeSettings.from_model_config(cfg).core_attention
         qkv_out = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * self.d
         self.linear_qkv = ColumnParallelLinear(
             cfg.hidden_size, qkv_out, tp_group=ctx.tp_group, bias=cfg.add_bias_linear or cfg.add_qkv_bias,
@@ -117,14 +120,22 @@ class SelfAttention(nn.Module):
             k = k.repeat_interleave(self.heads_per_group, dim=1)
             v = v.repeat_interleave(self.heads_per_group, dim=1)
         dropout = self.dropout if self.training else 0.0
-        with self.ctx.tp_region_rng() if dropout > 0 else contextlib.nullcontext():
-            if attention_mask is None:
-                ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
-            else:  # Megatron's mask: True where attention is NOT allowed
-                ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, dropout_p=dropout)
+        if self.recompute_core_attention and self.training:
+            ctx = recompute(self.core_attention, q, k, v, attention_mask, dropout,
+                            tracker=self.ctx.rng_tracker, device=self.ctx.device)
+        else:
+            ctx = self.core_attention(q, k, v, attention_mask, dropout)
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads/tp * d]
         out, _ = self.linear_proj(ctx)
         return out
+
+    def core_attention(self, q, k, v, attention_mask, dropout):
+        """[b, heads, s, d] -> [b, heads, s, d]; what selective recompute recomputes."""
+        with self.ctx.tp_region_rng() if dropout > 0 else contextlib.nullcontext():
+            if attention_mask is None:
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+            # Megatron's mask: True where attention is NOT allowed
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, dropout_p=dropout)
 
 
 class MLP(nn.Module):

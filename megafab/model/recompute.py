@@ -1,0 +1,141 @@
+"""Activation recompute (Megatron's --recompute-* flags) on torch.utils.checkpoint, non-reentrant.
+
+    full + uniform, n   layers of a model chunk are checkpointed in groups of n consecutive layers:
+                        only each group's input [s(/tp), b, h] is kept, the rest is recomputed
+    full + block, n     the first n layers of each chunk are checkpointed one by one, the others keep
+                        their activations (fewer recomputes when memory allows)
+    selective           only core attention (the SDPA call: scores, softmax, dropout, context) is
+                        recomputed; q, k, v and its output are kept, the [b, heads, s, s] terms are not
+
+Dropout masks of a recomputed forward equal the original ones: the CPU generator, the device
+generator and every tracker stream are snapshot before the original forward and put back around
+the recompute (afterwards the states of the backward are restored, so later forwards draw on).
+With TP/SP the recompute re-runs the region's collectives; every TP rank walks the same backward
+graph, so they recompute in the same order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from megafab.distributed.random import checkpoint_rng_state, restore_rng_state
+
+SUPPORTED_MODULES = ("core_attn",)
+
+
+class RecomputeConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class RecomputeSettings:
+    granularity: str | None = None  # None, "full" or "selective"
+    method: str | None = None  # "uniform" or "block" with full
+    num_layers: int | None = None
+    modules: tuple[str, ...] = ()
+
+    @classmethod
+    def from_model_config(cls, cfg) -> RecomputeSettings:
+        granularity = getattr(cfg, "recompute_granularity", None)
+        modules = tuple(getattr(cfg, "recompute_modules", None) or ())
+        if granularity == "selective" and not modules:
+            modules = ("core_attn",)
+        settings = cls(granularity, getattr(cfg, "recompute_method", None),
+                       getattr(cfg, "recompute_num_layers", None), modules)
+        problems = settings.problems()
+        if problems:
+            raise RecomputeConfigError("; ".join(problems))
+        return settings
+
+    def problems(self) -> list[str]:
+        out = []
+        unsupported = [m for m in self.modules if m not in SUPPORTED_MODULES]
+        if unsupported:
+            out.append(f"--recompute-modules {' '.join(unsupported)} not supported by megafab (supported: "
+                       f"{', '.join(SUPPORTED_MODULES)}); use --recompute-modules core_attn or "
+                       f"--recompute-granularity full")
+        if self.modules and self.granularity != "selective":
+            out.append("--recompute-modules needs --recompute-granularity selective")
+        if self.granularity == "full":
+            if self.method not in ("uniform", "block"):
+                out.append("--recompute-granularity full needs --recompute-method uniform or block")
+            if not self.num_layers or self.num_layers < 1:
+                out.append(f"--recompute-num-layers {self.num_layers} must be at least 1 with "
+                           f"--recompute-granularity full")
+        return out
+
+    @property
+    def core_attention(self) -> bool:
+        return self.granularity == "selective" and "core_attn" in self.modules
+
+
+def layer_groups(num_layers: int, settings: RecomputeSettings) -> list[tuple[int, int, bool]]:
+    """Split a chunk's layers into (start, end, recomputed) runs, positions local to the chunk."""
+    if settings.granularity != "full":
+        return [(0, num_layers, False)] if num_layers else []
+    n = settings.num_layers
+    if settings.method == "uniform":
+        return [(i, min(i + n, num_layers), True) for i in range(0, num_layers, n)]
+    block = min(n, num_layers)
+    groups = [(i, i + 1, True) for i in range(block)]
+    return groups + ([(block, num_layers, False)] if block < num_layers else [])
+
+
+@contextlib.contextmanager
+def _replay_rng(snapshot: dict, tracker, device):
+    """During the recompute: the forward's RNG states; afterwards: the backward's again."""
+    current = _snapshot(tracker, device)
+    _restore(snapshot, tracker, device)
+    try:
+        yield
+    finally:
+        _restore(current, tracker, device)
+
+
+def _snapshot(tracker, device) -> dict:
+    if tracker is not None:
+        return checkpoint_rng_state(tracker, device)
+    device = torch.device(device)
+    return {"cpu": torch.get_rng_state(),
+            "device": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def _restore(state: dict, tracker, device) -> None:
+    if tracker is not None:
+        restore_rng_state(state, tracker, device)
+        return
+    torch.set_rng_state(state["cpu"])
+    if state["device"] is not None:
+        torch.cuda.set_rng_state(state["device"], torch.device(device))
+
+
+def recompute(fn, *args, tracker=None, device="cpu"):
+    """fn(*args), keeping only the inputs for backward; the rest is recomputed with the same RNG."""
+    if not torch.is_grad_enabled():
+        return fn(*args)
+    snapshot = _snapshot(tracker, device)
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False,
+                      context_fn=lambda: (contextlib.nullcontext(), _replay_rng(snapshot, tracker, device)))
+
+
+def forward_layers(layers, x, settings: RecomputeSettings, ctx, *layer_args):
+    """Run a chunk's layers in order, checkpointing the groups `settings` asks for."""
+    layers = list(layers)
+
+    def run(start, end):
+        def segment(hidden, *extra):
+            for layer in layers[start:end]:
+                hidden = layer(hidden, *extra)
+            return hidden
+        return segment
+
+    for start, end, recomputed in layer_groups(len(layers), settings):
+        if recomputed and layers[0].training:
+            x = recompute(run(start, end), x, *layer_args, tracker=ctx.rng_tracker, device=ctx.device)
+        else:
+            x = run(start, end)(x, *layer_args)
+    return x

@@ -1,0 +1,235 @@
+"""Transformer Engine backend (--transformer-impl transformer_engine) and FP8 (--fp8-*).
+
+UNVERIFIED: transformer_engine was not installable where this was written (no TE wheel on the CPU
+box or on the GPU check machine), so the TE layer below has never run. It follows TE's documented
+API (transformer_engine.pytorch.LayerNormLinear / Linear / DotProductAttention, fp8_autocast,
+transformer_engine.common.recipe). What is tested on CPU: the checks that refuse TE/FP8 where TE or
+a capable GPU is missing, and the parameter-name mapping. tests/model/test_te.py holds the TE-vs-
+local parity test that runs where TE is installed.
+
+Layout (megatron-core's TE spec): the input norm is fused into linear_qkv and the pre-MLP norm
+into linear_fc1 (LayerNormLinear), so TE names differ from the local ones only there:
+
+    local                                         transformer_engine
+    decoder.layers.N.input_layernorm.weight       decoder.layers.N.self_attention.linear_qkv.layer_norm_weight
+    decoder.layers.N.input_layernorm.bias         decoder.layers.N.self_attention.linear_qkv.layer_norm_bias
+    decoder.layers.N.pre_mlp_layernorm.weight     decoder.layers.N.mlp.linear_fc1.layer_norm_weight
+    decoder.layers.N.pre_mlp_layernorm.bias       decoder.layers.N.mlp.linear_fc1.layer_norm_bias
+
+TE modules also carry `_extra_state` (FP8 scaling metadata); converting to local names drops it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megafab.distributed.layers import partition_of
+from megafab.distributed.mappings import group_rank, group_size
+from megafab.model.init import normal_init, output_layer_std
+from megafab.model.recompute import RecomputeSettings
+from megafab.model.transformer import TransformerLayer, apply_rotary
+
+FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper and newer have FP8 tensor cores
+
+_NAME_PAIRS = [  # (local suffix, TE suffix) inside decoder.layers.N.
+    ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"),
+    ("input_layernorm.bias", "self_attention.linear_qkv.layer_norm_bias"),
+    ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
+    ("pre_mlp_layernorm.bias", "mlp.linear_fc1.layer_norm_bias"),
+]
+_LAYER = re.compile(r"^(.*decoder\.layers\.\d+\.)(.+)$")
+
+
+class TransformerEngineError(ValueError):
+    """TE or FP8 was asked for where it cannot run."""
+
+
+def te_available() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def local_to_te_name(name: str) -> str:
+    match = _LAYER.match(name)
+    if match:
+        for local, te in _NAME_PAIRS:
+            if match.group(2) == local:
+                return match.group(1) + te
+    return name
+
+
+def te_to_local_name(name: str) -> str | None:
+    """The local name of a TE parameter; None for TE-only entries (`_extra_state`)."""
+    if name.endswith("_extra_state"):
+        return None
+    match = _LAYER.match(name)
+    if match:
+        for local, te in _NAME_PAIRS:
+            if match.group(2) == te:
+                return match.group(1) + local
+    return name
+
+
+def to_te_state_dict(state: dict) -> dict:
+    return {local_to_te_name(k): v for k, v in state.items()}
+
+
+def to_local_state_dict(state: dict) -> dict:
+    return {te_to_local_name(k): v for k, v in state.items() if te_to_local_name(k) is not None}
+
+
+def check_transformer_engine(model_cfg, precision_cfg, device) -> None:
+    """Refuse TE/FP8 before any process group starts when this machine cannot run them."""
+    device = torch.device(device)
+    wants_te = model_cfg.transformer_impl == "transformer_engine"
+    fp8 = precision_cfg.fp8_format is not None
+    problems = []
+    if wants_te or fp8:
+        what = "--fp8-format" if fp8 else "--transformer-impl transformer_engine"
+        if device.type != "cuda":
+            problems.append(f"{what} needs a CUDA GPU but this run is on {device}; use "
+                            f"--transformer-impl local (the default) without --fp8-format on CPU")
+        if not te_available():
+            problems.append(f"{what} needs transformer_engine, which is not installed here; install "
+                            f"it (pip install transformer_engine[pytorch]) or use --transformer-impl local")
+    if fp8 and device.type == "cuda" and torch.cuda.is_available():
+        capability = torch.cuda.get_device_capability(device)
+        if capability < FP8_MIN_CAPABILITY:
+            problems.append(f"--fp8-format needs a GPU of compute capability >= 8.9 (Ada/Hopper); this "
+                            f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}; "
+                            f"train in --bf16 without --fp8-format")
+    if wants_te and RecomputeSettings.from_model_config(model_cfg).core_attention:
+        problems.append("--recompute-granularity selective is implemented for --transformer-impl local "
+                        "only; use --recompute-granularity full with transformer_engine")
+    if problems:
+        raise TransformerEngineError("; ".join(problems))
+
+
+def fp8_recipe(precision_cfg):
+    """TE's recipe object for --fp8-recipe / --fp8-format / --fp8-margin / --fp8-amax-*."""
+    from transformer_engine.common import recipe
+
+    fmt = recipe.Format.E4M3 if precision_cfg.fp8_format == "e4m3" else recipe.Format.HYBRID
+    kind = precision_cfg.fp8_recipe
+    if kind == "delayed":
+        return recipe.DelayedScaling(margin=precision_cfg.fp8_margin, fp8_format=fmt,
+                                     amax_history_len=precision_cfg.fp8_amax_history_len,
+                                     amax_compute_algo=precision_cfg.fp8_amax_compute_algo)
+    makers = {"tensorwise": "Float8CurrentScaling", "mxfp8": "MXFP8BlockScaling",
+              "blockwise": "Float8BlockScaling"}
+    if kind not in makers or not hasattr(recipe, makers[kind]):
+        raise TransformerEngineError(f"--fp8-recipe {kind!r} is not offered by this transformer_engine; "
+                                     f"use --fp8-recipe delayed")
+    return getattr(recipe, makers[kind])(fp8_format=fmt)
+
+
+def fp8_context(precision_cfg, amax_group=None):
+    """TE's fp8_autocast for the layers' forward, or a no-op without --fp8-format."""
+    if precision_cfg is None or precision_cfg.fp8_format is None:
+        return contextlib.nullcontext()
+    import transformer_engine.pytorch as te
+
+    return te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe(precision_cfg), fp8_group=amax_group)
+
+
+def transformer_layer_class(cfg):
+    return TETransformerLayer if cfg.transformer_impl == "transformer_engine" else TransformerLayer
+
+
+def _init_shard(param, seed, name, std, partition_dim, stride, tp_group):
+    """Fill a TE weight with this rank's shard of the name-keyed full tensor (as local layers do)."""
+    shape = list(param.shape)
+    shape[partition_dim] *= group_size(tp_group)
+    full = torch.empty(shape, dtype=torch.float64)
+    normal_init(seed, name, std)(full)
+    with torch.no_grad():
+        param.copy_(partition_of(full, partition_dim, group_rank(tp_group), group_size(tp_group), stride))
+
+
+class TETransformerLayer(nn.Module):
+    """One pre-norm layer from TE modules with megatron-core's TE names (see the module docstring).
+
+    Expects the same inputs as TransformerLayer: x [s(/tp), b, h], RoPE angles, Megatron's mask.
+    """
+
+    def __init__(self, cfg, ctx, layer_number: int):
+        super().__init__()
+        import transformer_engine.pytorch as te
+
+        prefix = f"decoder.layers.{layer_number}."
+        tp = group_size(ctx.tp_group)
+        self.ctx, self.precision_cfg = ctx, ctx.precision
+        self.hidden_dropout = cfg.hidden_dropout
+        self.d = cfg.kv_channels
+        self.heads_per_group = cfg.num_attention_heads // cfg.num_query_groups
+        self.groups_local = cfg.num_query_groups // tp
+        common = dict(tp_group=ctx.tp_group, tp_size=tp, sequence_parallel=ctx.sequence_parallel,
+                      params_dtype=ctx.params_dtype, device=ctx.device,
+                      get_rng_state_tracker=(lambda: ctx.rng_tracker) if ctx.rng_tracker else None)
+        norm = dict(eps=cfg.norm_epsilon, normalization=cfg.normalization)
+        qkv_out = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * self.d
+        ffn_out = cfg.ffn_hidden_size * (2 if cfg.swiglu else 1)
+        self.self_attention = nn.Module()
+        self.self_attention.linear_qkv = te.LayerNormLinear(
+            cfg.hidden_size, qkv_out, bias=cfg.add_bias_linear or cfg.add_qkv_bias, parallel_mode="column",
+            **norm, **common)
+        self.self_attention.core_attention = te.DotProductAttention(
+            cfg.num_attention_heads, self.d, num_gqa_groups=cfg.num_query_groups,
+            attention_dropout=cfg.attention_dropout, attn_mask_type="causal", qkv_format="sbhd",
+            tp_size=tp, tp_group=ctx.tp_group, sequence_parallel=ctx.sequence_parallel,
+            get_rng_state_tracker=common["get_rng_state_tracker"])
+        self.self_attention.linear_proj = te.Linear(
+            cfg.num_attention_heads * self.d, cfg.hidden_size, bias=cfg.add_bias_linear,
+            parallel_mode="row", **common)
+        self.mlp = nn.Module()
+        self.mlp.linear_fc1 = te.LayerNormLinear(cfg.hidden_size, ffn_out, bias=cfg.add_bias_linear,
+                                                 parallel_mode="column", **norm, **common)
+        self.mlp.linear_fc2 = te.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=cfg.add_bias_linear,
+                                        parallel_mode="row", **common)
+        self.swiglu = cfg.swiglu
+        std, out_std = cfg.init_method_std, output_layer_std(cfg.init_method_std, cfg.num_layers)
+        for module, name, init_std, dim, stride in (
+                (self.self_attention.linear_qkv, "self_attention.linear_qkv.weight", std, 0, 1),
+                (self.self_attention.linear_proj, "self_attention.linear_proj.weight", out_std, 1, 1),
+                (self.mlp.linear_fc1, "mlp.linear_fc1.weight", std, 0, 2 if cfg.swiglu else 1),
+                (self.mlp.linear_fc2, "mlp.linear_fc2.weight", out_std, 1, 1)):
+            _init_shard(module.weight, ctx.seed, prefix + name, init_std, dim, stride, ctx.tp_group)
+            module.weight.partition_stride = stride
+            if getattr(module, "bias", None) is not None and module.bias.numel():
+                with torch.no_grad():
+                    module.bias.zero_()
+
+    def _dropout(self, x):
+        if not self.training or self.hidden_dropout == 0.0:
+            return x
+        with self.ctx.residual_rng():
+            return F.dropout(x, self.hidden_dropout, training=True)
+
+    def _attention(self, x, rotary_angles, attention_mask):
+        qkv = self.self_attention.linear_qkv(x)  # [s, b, groups/tp * (hpg + 2) * d]
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, self.groups_local, self.heads_per_group + 2, self.d)
+        q = qkv[:, :, :, : self.heads_per_group].reshape(s, b, -1, self.d)  # [s, b, heads/tp, d]
+        k, v = qkv[:, :, :, -2].contiguous(), qkv[:, :, :, -1].contiguous()  # [s, b, groups/tp, d]
+        if rotary_angles is not None:
+            q, k = apply_rotary(q, rotary_angles), apply_rotary(k, rotary_angles)
+        if attention_mask is None:
+            ctx = self.self_attention.core_attention(q, k, v)  # [s, b, heads/tp * d]
+        else:
+            ctx = self.self_attention.core_attention(q, k, v, attention_mask=attention_mask,
+                                                     attn_mask_type="arbitrary")
+        return self.self_attention.linear_proj(ctx)
+
+    def forward(self, x, rotary_angles=None, attention_mask=None, kv_cache=None):
+        if kv_cache is not None:
+            raise NotImplementedError("generation with a KV cache uses --transformer-impl local")
+        with fp8_context(self.precision_cfg):
+            x = x + self._dropout(self._attention(x, rotary_angles, attention_mask))
+            h = self.mlp.linear_fc1(x)
+            h = F.silu(h.chunk(2, dim=-1)[0]) * h.chunk(2, dim=-1)[1] if self.swiglu else F.gelu(h)
+            return x + self._dropout(self.mlp.linear_fc2(h))
