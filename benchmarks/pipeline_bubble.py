@@ -5,11 +5,13 @@ sent activations.
 
 Runs p gloo processes on CPU. Each micro-batch's compute is a sleep (forward t, backward 2t per
 rank, split evenly over the v chunks), so compute dominates communication and the idle time left
-is the schedule's bubble. Per stage:
-    busy  = time inside forward/backward compute
-    idle  = wall - busy, wall = schedule call from a barrier until every stage has returned
-    bubble = idle / busy   (Megatron's definition; theory (p-1)/m, interleaved (p-1)/(v*m))
-    idle%  = idle / wall   (theory (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1))
+is the schedule's bubble. Per stage, over one schedule call (after a warm-up call):
+    wall   = from a barrier until every stage has returned (the step ends when the pipe drains)
+    idle   = time blocked in p2p exchanges + in the final drain barrier (measured directly)
+    sleep  = the compute stand-in alone; wall - idle - sleep is the toy's real math, autograd
+             and Python per step, which grows with the number of steps (v times more with v chunks)
+    bubble = idle / (wall - idle)   (Megatron's definition; theory (p-1)/m, interleaved (p-1)/(v*m))
+    idle%  = idle / wall            (theory (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1))
 
 Memory: the CPU allocator trace of torch.profiler (profile_memory=True) on stage 0, peak bytes
 above the start of the schedule call, with deallocate_pipeline_outputs on and off.
@@ -28,6 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megafab.distributed import p2p  # noqa: E402
 from megafab.distributed.pipeline import get_forward_backward_func  # noqa: E402
 from megafab.distributed.topology import build_topology  # noqa: E402
 from tests.distributed.pipeline_toy import (  # noqa: E402
@@ -83,17 +86,29 @@ def _bubble_rank(rank, world, p, v, m, forward_s):
     schedule = get_forward_backward_func(p, v)
     kwargs = dict(forward_step_func=timed_step, num_microbatches=m, seq_length=seq, micro_batch_size=mbs,
                   hidden_size=hidden, topology=topo, dtype=torch.float64)
+    blocked = Busy()
+    exchange = p2p.P2PCommunicator.exchange
+
+    def timed_exchange(self, *args, **kw):  # instrumentation only: time spent waiting on neighbours
+        start = time.perf_counter()
+        try:
+            return exchange(self, *args, **kw)
+        finally:
+            blocked.seconds += time.perf_counter() - start
+
+    p2p.P2PCommunicator.exchange = timed_exchange
     for _ in range(2):  # the first call warms up, the second is measured
-        busy.seconds = 0.0
+        busy.seconds = blocked.seconds = 0.0
         for c in chunks:
             c.zero_grad()
         dist.barrier()
         start = time.perf_counter()
         schedule(data_iterator=[iter(batches) for _ in chunks] if v > 1 else iter(batches),
                  model=chunks if v > 1 else chunks[0], **kwargs)
-        dist.barrier()  # the step ends when the whole pipeline has drained
-        wall = time.perf_counter() - start
-    return wall, busy.seconds
+        drain = time.perf_counter()
+        dist.barrier()
+        end = time.perf_counter()
+    return end - start, blocked.seconds + end - drain, busy.seconds
 
 
 def peak_cpu_bytes(fn) -> int:
@@ -143,17 +158,16 @@ def main(argv=None):
 
     print(f"Bubble, p={p} m={m}, forward {args.forward_ms:.0f} ms + backward {2 * args.forward_ms:.0f} ms "
           f"per micro-batch per rank (sleep), gloo on CPU")
-    print(f"{'schedule':<14}{'stage':>6}{'wall s':>9}{'busy s':>9}{'bubble':>9}{'theory':>9}"
+    print(f"{'schedule':<14}{'stage':>6}{'wall s':>9}{'idle s':>9}{'sleep s':>9}{'bubble':>9}{'theory':>9}"
           f"{'idle%':>8}{'theory%':>9}")
     for v in (1, args.v):
         name = "1F1B" if v == 1 else f"interleaved{v}"
         results = run_ranks(_bubble_rank, p, p, v, m, args.forward_ms / 1000, timeout=300)
         theory = (p - 1) / (v * m)
         theory_idle = (p - 1) / (v * m + p - 1)
-        for stage, (wall, busy) in enumerate(results):
-            idle = wall - busy
-            print(f"{name:<14}{stage:>6}{wall:>9.3f}{busy:>9.3f}{idle / busy:>9.3f}{theory:>9.3f}"
-                  f"{100 * idle / wall:>7.1f}%{100 * theory_idle:>8.1f}%")
+        for stage, (wall, idle, sleep) in enumerate(results):
+            print(f"{name:<14}{stage:>6}{wall:>9.3f}{idle:>9.3f}{sleep:>9.3f}{idle / (wall - idle):>9.3f}"
+                  f"{theory:>9.3f}{100 * idle / wall:>7.1f}%{100 * theory_idle:>8.1f}%")
 
     seq, mbs, hidden = 64, 4, 256
     act_kib = seq * mbs * hidden * 4 / 1024
