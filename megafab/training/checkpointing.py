@@ -33,6 +33,7 @@ FORMAT_VERSION = 1
 # Test hook: "ITER:SECONDS" makes rank 0 sleep before committing the save of iteration ITER, so a
 # test can kill the job while only the temporary directory exists.
 PAUSE_ENV = "MEGAFAB_TEST_PAUSE_BEFORE_COMMIT"
+PENDING_RNG = "checkpoint_rng"
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -215,3 +216,13 @@ def _load_rng(state, path: str, common: dict) -> None:
         return
     snap = torch.load(os.path.join(path, "rng", f"rank_{topo.rank:05d}.pt"), weights_only=True)
     cs.restore_rng(state, snap)
+    state.extra[PENDING_RNG] = snap
+
+
+def restore_pending_rng(state) -> None:
+    """Re-apply the loaded RNG states once more. Call it after building the data iterators:
+    creating a DataLoader iterator draws a seed from torch's default generator, which the
+    uninterrupted run did before its first iteration, not after the checkpointed one."""
+    snap = state.extra.pop(PENDING_RNG, None)
+    if snap is not None:
+        cs.restore_rng(state, snap)
