@@ -1,0 +1,110 @@
+"""HuggingFace model directories (config.json + safetensors) <-> full megafab state dicts.
+
+    export_hf(sd, cfg, out_dir)          -> out_dir loads with AutoModelForCausalLM (offline)
+    import_hf(hf_dir, tp=1)              -> (full megafab state dict, Config)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from megafab.config import Config, ModelConfig
+from megafab.convert import hf_gpt2, hf_llama
+from megafab.convert.state_dict import ConversionError, finalize_model_config
+from megafab.convert.tokenizer_files import save_tokenizer_files, tokenizer_special_ids
+
+ARCHITECTURES = {"gpt2": hf_gpt2, "llama": hf_llama}
+WEIGHTS = "model.safetensors"
+
+
+def architecture_of(m: ModelConfig) -> str:
+    """gpt2 (learned positions, LayerNorm, GELU, biases) or llama (RoPE, RMSNorm, SwiGLU, no biases)."""
+    gpt2 = dict(position_embedding_type="learned_absolute", normalization="LayerNorm", swiglu=False,
+                add_bias_linear=True)
+    llama = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False)
+    for name, want in (("gpt2", gpt2), ("llama", llama)):
+        if all(getattr(m, k) == v for k, v in want.items()):
+            return name
+    have = {k: getattr(m, k) for k in gpt2}
+    raise ConversionError(f"model {have} is neither the GPT-2 architecture {gpt2} nor the Llama architecture "
+                          f"{llama}; only these two export to HuggingFace")
+
+
+def export_hf(sd: dict[str, torch.Tensor], cfg: Config, out_dir: str,
+              dtype: torch.dtype | None = None) -> str:
+    """Write config.json, model.safetensors and (HF/SentencePiece/GPT-2 BPE tokenizers) the tokenizer
+    files of the megafab model `sd` with training config `cfg`; returns the architecture name."""
+    from safetensors.torch import save_file
+
+    arch = architecture_of(cfg.model)
+    module = ARCHITECTURES[arch]
+    ids = tokenizer_special_ids(cfg.data)
+    extra = {"bos": ids["bos"]} if arch == "llama" and "bos" in ids else {}
+    hf_config = module.to_hf_config(cfg.model, eod=ids.get("eod"), **extra)
+    hf_sd = module.to_hf_state_dict(sd, cfg.model)
+    if dtype is not None:
+        hf_sd = {k: v.to(dtype) for k, v in hf_sd.items()}
+        hf_config.dtype = str(dtype).removeprefix("torch.")
+    os.makedirs(out_dir, exist_ok=True)
+    hf_config.save_pretrained(out_dir)
+    save_file({k: v.contiguous() for k, v in hf_sd.items()}, os.path.join(out_dir, WEIGHTS),
+              metadata={"format": "pt"})
+    save_tokenizer_files(cfg.data, out_dir)
+    return arch
+
+
+def read_hf_weights(hf_dir: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a HF directory: model.safetensors, a sharded safetensors index, or
+    pytorch_model.bin (read with weights_only)."""
+    from safetensors.torch import load_file
+
+    single, index = os.path.join(hf_dir, WEIGHTS), os.path.join(hf_dir, WEIGHTS + ".index.json")
+    if os.path.exists(single):
+        return load_file(single)
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        out = {}
+        for name in files:
+            out.update(load_file(os.path.join(hf_dir, name)))
+        return out
+    legacy = os.path.join(hf_dir, "pytorch_model.bin")
+    if os.path.exists(legacy):
+        return torch.load(legacy, map_location="cpu", weights_only=True)
+    raise ConversionError(f"{hf_dir} holds no weights ({WEIGHTS}, its .index.json or pytorch_model.bin); "
+                          f"pass a directory written by save_pretrained")
+
+
+def read_hf_config(hf_dir: str) -> dict:
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.exists(path):
+        raise ConversionError(f"{path} not found; pass a HuggingFace model directory")
+    with open(path) as f:
+        c = json.load(f)
+    if c.get("model_type") not in ARCHITECTURES:
+        raise ConversionError(f"{path}: model_type {c.get('model_type')!r} is not one of "
+                              f"{sorted(ARCHITECTURES)}; megafab converts GPT-2 and Llama models")
+    return c
+
+
+def import_hf(hf_dir: str, tp: int = 1, make_vocab_size_divisible_by: int = 128,
+              dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], Config]:
+    """(full megafab state dict, Config) of a HF GPT-2/Llama directory. The vocabulary is padded for
+    tensor-parallel size `tp` as training with --make-vocab-size-divisible-by will pad it; the
+    tokenizer directory is recorded as HuggingFaceTokenizer when it has tokenizer files."""
+    c = read_hf_config(hf_dir)
+    module = ARCHITECTURES[c["model_type"]]
+    flat = module.from_hf_config(c)
+    flat["make_vocab_size_divisible_by"] = make_vocab_size_divisible_by
+    flat["tensor_model_parallel_size"] = tp
+    cfg = Config.from_flat(flat)
+    cfg.model = finalize_model_config(flat, tp)
+    if any(os.path.exists(os.path.join(hf_dir, n)) for n in ("tokenizer.json", "tokenizer.model")):
+        cfg.data.tokenizer_type, cfg.data.tokenizer_model = "HuggingFaceTokenizer", os.path.abspath(hf_dir)
+    sd = module.from_hf_state_dict(read_hf_weights(hf_dir), cfg.model)
+    if dtype is not None:
+        sd = {k: v.to(dtype) for k, v in sd.items()}
+    return sd, cfg

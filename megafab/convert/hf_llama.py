@@ -1,0 +1,147 @@
+"""Llama (transformers' LlamaForCausalLM) <-> megafab.
+
+Traps: q/k/v are separate in HF and packed per key/value group in megafab ([q_1..q_n, k, v] per
+group; HF's repeat_kv gives query head j the kv head j // n, the same grouping); gate/up are
+separate in HF and packed [gate; up] in megafab's fc1; the vocabulary is padded in megafab; RoPE
+must rotate every channel (HF Llama has no partial rotary) with the same base, rotate-half
+convention on both sides.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megafab.config import ModelConfig
+from megafab.convert.state_dict import (
+    FINAL_NORM,
+    OUTPUT_LAYER,
+    WORD_EMBEDDING,
+    ConversionError,
+    check_keys,
+    expected_keys,
+    layer_prefix,
+    pack_qkv,
+    pad_vocab,
+    unpack_qkv,
+    unpad_vocab,
+)
+
+_SAME = {"self_attn.o_proj.weight": "self_attention.linear_proj.weight",
+         "mlp.down_proj.weight": "mlp.linear_fc2.weight",
+         "input_layernorm.weight": "input_layernorm.weight",
+         "post_attention_layernorm.weight": "pre_mlp_layernorm.weight"}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer some old checkpoints saved
+
+
+def check_exportable(m: ModelConfig) -> None:
+    if m.rotary_percent != 1.0:
+        raise ConversionError(f"rotary_percent {m.rotary_percent}: HF Llama rotates every channel of a head "
+                              f"(no partial rotary); only models trained with --rotary-percent 1.0 export "
+                              f"as Llama")
+    if m.add_qkv_bias:
+        raise ConversionError("add_qkv_bias: HF Llama's attention_bias adds biases to q, k, v and o "
+                              "together; a model with QKV-only biases cannot be exported as Llama")
+
+
+def to_hf_config(m: ModelConfig, eod: int | None = None, bos: int | None = None):
+    """The transformers LlamaConfig of megafab model config `m` (true vocabulary size)."""
+    from transformers import LlamaConfig
+
+    check_exportable(m)
+    return LlamaConfig(
+        vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
+        num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_query_groups, head_dim=m.kv_channels, hidden_act="silu",
+        max_position_embeddings=m.max_position_embeddings, rms_norm_eps=m.norm_epsilon,
+        rope_theta=float(m.rotary_base), attention_bias=False, mlp_bias=False,
+        attention_dropout=m.attention_dropout, initializer_range=m.init_method_std,
+        tie_word_embeddings=not m.untie_embeddings_and_output_weights,
+        bos_token_id=bos, eos_token_id=eod, architectures=["LlamaForCausalLM"])
+
+
+def _rope_theta(c: dict) -> float:
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in (None, "default"):
+        raise ConversionError(f"config.json uses RoPE scaling {kind!r}; megafab implements plain RoPE only "
+                              f"(rope_type default)")
+    return float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
+
+
+def from_hf_config(c: dict) -> dict:
+    """Flat megafab model fields from a Llama config.json dict."""
+    if c.get("hidden_act", "silu") != "silu":
+        raise ConversionError(f"config.json hidden_act {c['hidden_act']!r}: megafab's SwiGLU uses SiLU")
+    if c.get("attention_bias") or c.get("mlp_bias"):
+        raise ConversionError("config.json has attention_bias/mlp_bias; megafab's Llama layers have no "
+                              "biases (--disable-bias-linear)")
+    h, heads = c["hidden_size"], c["num_attention_heads"]
+    groups = c.get("num_key_value_heads") or heads
+    theta = _rope_theta(c)
+    if theta != int(theta):
+        raise ConversionError(f"rope_theta {theta} is not an integer; megafab's --rotary-base is an int")
+    return dict(num_layers=c["num_hidden_layers"], hidden_size=h, num_attention_heads=heads,
+                ffn_hidden_size=c["intermediate_size"], kv_channels=c.get("head_dim") or h // heads,
+                group_query_attention=groups != heads, num_query_groups=groups,
+                max_position_embeddings=c["max_position_embeddings"],
+                seq_length=c["max_position_embeddings"], position_embedding_type="rope",
+                rotary_base=int(theta), rotary_percent=1.0, normalization="RMSNorm",
+                norm_epsilon=c.get("rms_norm_eps", 1e-6), swiglu=True, add_bias_linear=False,
+                untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", False),
+                hidden_dropout=0.0, attention_dropout=c.get("attention_dropout", 0.0),
+                init_method_std=c.get("initializer_range", 0.02), vocab_size=c["vocab_size"])
+
+
+def to_hf_state_dict(sd: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
+    """Full megafab state dict -> LlamaForCausalLM state dict (no lm_head when tied)."""
+    check_exportable(m)
+    check_keys(sd, expected_keys(m), "the megafab state dict")
+    out = {"model.embed_tokens.weight": unpad_vocab(sd[WORD_EMBEDDING], m.vocab_size),
+           "model.norm.weight": sd[FINAL_NORM + ".weight"]}
+    if m.untie_embeddings_and_output_weights:
+        out["lm_head.weight"] = unpad_vocab(sd[OUTPUT_LAYER], m.vocab_size)
+    for i in range(m.num_layers):
+        src, dst = layer_prefix(i), f"model.layers.{i}."
+        q, k, v = unpack_qkv(sd[src + "self_attention.linear_qkv.weight"], m.num_attention_heads,
+                             m.num_query_groups)
+        out.update({dst + "self_attn.q_proj.weight": q, dst + "self_attn.k_proj.weight": k,
+                    dst + "self_attn.v_proj.weight": v})
+        gate, up = sd[src + "mlp.linear_fc1.weight"].chunk(2, dim=0)
+        out[dst + "mlp.gate_proj.weight"] = gate.contiguous()
+        out[dst + "mlp.up_proj.weight"] = up.contiguous()
+        for hf_name, mf in _SAME.items():
+            out[dst + hf_name] = sd[src + mf]
+    return out
+
+
+def hf_expected_keys(m: ModelConfig) -> set[str]:
+    keys = {"model.embed_tokens.weight", "model.norm.weight"}
+    if m.untie_embeddings_and_output_weights:
+        keys.add("lm_head.weight")
+    for i in range(m.num_layers):
+        names = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                 "mlp.gate_proj.weight", "mlp.up_proj.weight", *_SAME]
+        keys.update(f"model.layers.{i}.{n}" for n in names)
+    return keys
+
+
+def from_hf_state_dict(hf: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
+    """LlamaForCausalLM state dict -> full megafab state dict (vocabulary padded)."""
+    hf = {k: v for k, v in hf.items() if not k.endswith(_IGNORED_SUFFIXES)}
+    if not m.untie_embeddings_and_output_weights:
+        hf.pop("lm_head.weight", None)
+    check_keys(hf, hf_expected_keys(m), "the HF Llama weights")
+    sd = {WORD_EMBEDDING: pad_vocab(hf["model.embed_tokens.weight"], m.padded_vocab_size),
+          FINAL_NORM + ".weight": hf["model.norm.weight"]}
+    if m.untie_embeddings_and_output_weights:
+        sd[OUTPUT_LAYER] = pad_vocab(hf["lm_head.weight"], m.padded_vocab_size)
+    for i in range(m.num_layers):
+        src, dst = f"model.layers.{i}.", layer_prefix(i)
+        sd[dst + "self_attention.linear_qkv.weight"] = pack_qkv(
+            hf[src + "self_attn.q_proj.weight"], hf[src + "self_attn.k_proj.weight"],
+            hf[src + "self_attn.v_proj.weight"], m.num_query_groups).contiguous()
+        sd[dst + "mlp.linear_fc1.weight"] = torch.cat([hf[src + "mlp.gate_proj.weight"],
+                                                       hf[src + "mlp.up_proj.weight"]])
+        for hf_name, mf in _SAME.items():
+            sd[dst + mf] = hf[src + hf_name]
+    return sd

@@ -1,0 +1,114 @@
+"""The full (TP=1, all layers) megafab state dict and the layout traps shared by every HF format.
+
+A *full megafab state dict* maps megatron-core names with global layer numbers
+(`decoder.layers.3.mlp.linear_fc1.weight`) to unsharded tensors shaped like the TP=1 GPTModel's
+parameters: word embedding [V_padded, h], linear_qkv packed per key/value group, SwiGLU fc1
+[2f, h] = [gate; up]. A tied output layer has no entry (it is the word embedding).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megafab.config import Config, ModelConfig, pad_vocab_size, swiglu_ffn_size
+
+WORD_EMBEDDING = "embedding.word_embeddings.weight"
+POSITION_EMBEDDING = "embedding.position_embeddings.weight"
+FINAL_NORM = "decoder.final_layernorm"
+OUTPUT_LAYER = "output_layer.weight"
+
+
+class ConversionError(ValueError):
+    """A model or file that cannot be converted; the message names the value, the rule and the fix."""
+
+
+def layer_prefix(i: int) -> str:
+    return f"decoder.layers.{i}."
+
+
+def pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    """q [heads*d, ...], k, v [groups*d, ...] -> [(heads + 2*groups)*d, ...] laid out per group as
+    [q_1 .. q_{heads/groups}, k, v] (megatron-core). Works for weights [., h] and biases [.]."""
+    rest = q.shape[1:]
+    qg = q.reshape(groups, -1, *rest)  # [groups, heads/groups * d, ...]
+    kg, vg = k.reshape(groups, -1, *rest), v.reshape(groups, -1, *rest)
+    return torch.cat([qg, kg, vg], dim=1).reshape(-1, *rest)
+
+
+def unpack_qkv(qkv: torch.Tensor, heads: int, groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of pack_qkv: (q [heads*d, ...], k [groups*d, ...], v [groups*d, ...])."""
+    rest = qkv.shape[1:]
+    d = qkv.shape[0] // (heads + 2 * groups)
+    per_group = qkv.reshape(groups, (heads // groups + 2) * d, *rest)
+    q_width = heads // groups * d
+    q = per_group[:, :q_width].reshape(heads * d, *rest)
+    k = per_group[:, q_width:q_width + d].reshape(groups * d, *rest)
+    v = per_group[:, q_width + d:].reshape(groups * d, *rest)
+    return q.contiguous(), k.contiguous(), v.contiguous()
+
+
+def pad_vocab(weight: torch.Tensor, padded_vocab_size: int) -> torch.Tensor:
+    """[V, h] -> [V_padded, h] with zero rows (never sampled: generation reads the first V logits)."""
+    extra = padded_vocab_size - weight.shape[0]
+    if extra < 0:
+        raise ConversionError(f"the embedding has {weight.shape[0]} rows but the padded vocabulary is only "
+                              f"{padded_vocab_size}; the padded size must be at least the vocabulary size")
+    return torch.cat([weight, weight.new_zeros(extra, *weight.shape[1:])]) if extra else weight
+
+
+def unpad_vocab(weight: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[V_padded, h] -> [V, h]: the rows Megatron added for divisibility are dropped."""
+    return weight[:vocab_size].contiguous()
+
+
+def finalize_model_config(flat: dict, tp: int = 1) -> ModelConfig:
+    """A ModelConfig from flat model fields with the derived sizes filled as Config.finalize does
+    (without requiring the training fields a full validation needs)."""
+    m = Config.from_flat(flat).model
+    if m.ffn_hidden_size is None:
+        m.ffn_hidden_size = swiglu_ffn_size(m.hidden_size) if m.swiglu else 4 * m.hidden_size
+    if m.kv_channels is None:
+        m.kv_channels = m.hidden_size // m.num_attention_heads
+    if not m.group_query_attention or m.num_query_groups is None:
+        m.num_query_groups = m.num_attention_heads
+    if m.max_position_embeddings is None:
+        m.max_position_embeddings = m.seq_length
+    if m.seq_length is None:
+        m.seq_length = m.max_position_embeddings
+    if m.padded_vocab_size is None:
+        m.padded_vocab_size = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
+    return m
+
+
+def expected_keys(m: ModelConfig) -> set[str]:
+    """Every key a full megafab state dict of this model has."""
+    keys = {WORD_EMBEDDING, FINAL_NORM + ".weight"}
+    if m.position_embedding_type == "learned_absolute":
+        keys.add(POSITION_EMBEDDING)
+    if m.normalization == "LayerNorm":
+        keys.add(FINAL_NORM + ".bias")
+    if m.untie_embeddings_and_output_weights:
+        keys.add(OUTPUT_LAYER)
+    for i in range(m.num_layers):
+        p = layer_prefix(i)
+        linears = ["self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
+                   "mlp.linear_fc2"]
+        keys.update(p + n + ".weight" for n in linears)
+        if m.add_bias_linear:
+            keys.update(p + n + ".bias" for n in linears)
+        elif m.add_qkv_bias:
+            keys.add(p + "self_attention.linear_qkv.bias")
+        for norm in ("input_layernorm", "pre_mlp_layernorm"):
+            keys.add(p + norm + ".weight")
+            if m.normalization == "LayerNorm":
+                keys.add(p + norm + ".bias")
+    return keys
+
+
+def check_keys(state_dict: dict, expected: set[str], what: str) -> None:
+    missing, extra = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
+    if missing or extra:
+        raise ConversionError(
+            f"{what} does not match its config: missing {missing[:6]}{' ...' if len(missing) > 6 else ''}, "
+            f"unexpected {extra[:6]}{' ...' if len(extra) > 6 else ''}; the weights and config.json must "
+            f"come from the same model")
