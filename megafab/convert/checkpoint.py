@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -53,7 +54,9 @@ def read_checkpoint(load_dir: str, iteration: int | None = None) -> tuple[dict[s
     for key, md in read_metadata(path).state_dict_metadata.items():
         if key.startswith(MODEL_PREFIX) and isinstance(md, TensorStorageMetadata):
             stored[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-    dcp.load(stored, storage_reader=SafeFileSystemReader(path), no_dist=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(stored, storage_reader=SafeFileSystemReader(path), no_dist=True)
     sd = {}
     for key, tensor in stored.items():
         name = key[len(MODEL_PREFIX):]
@@ -74,7 +77,9 @@ def write_checkpoint(save_dir: str, sd: dict[str, torch.Tensor], cfg: Config, it
     for name, tensor in sd.items():
         tensor = tensor.contiguous()
         stored[MODEL_PREFIX + name] = tensor.unflatten(0, (2, -1)) if _is_strided(name, cfg) else tensor
-    dcp.save(stored, storage_writer=FileSystemWriter(tmp, thread_count=1), no_dist=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(stored, storage_writer=FileSystemWriter(tmp, thread_count=1), no_dist=True)
     common = {"format_version": FORMAT_VERSION, "iteration": iteration, "consumed_train_samples": 0,
               "skipped_iterations": 0, "nan_iterations": 0, "scheduler": None, "optimizer_iteration": 0,
               "grad_scaler": None, "has_optimizer": False, "has_rng": False,
