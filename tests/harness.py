@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -37,7 +38,9 @@ def _child(fn, rank, world_size, store_path, timeout, env, args, kwargs, results
         dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
                                 world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
         value = fn(rank, world_size, *args, **kwargs)
-        results.put(("ok", rank, value))
+        # Plain pickle bytes: torch's queue reductions would pass tensors as shared-memory file
+        # descriptors, which die with this process before the parent reads them.
+        results.put(("ok", rank, pickle.dumps(value)))
     except BaseException:  # noqa: BLE001 - everything must reach the parent
         results.put(("error", rank, traceback.format_exc()))
     finally:
@@ -108,4 +111,4 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 60.0, env: dict | Non
     if missing:
         raise RankTimeout(f"rank(s) {missing} of {world_size} did not finish within {timeout:.0f} s "
                           f"(hung collective or deadlock)")
-    return [outcome[r][1] for r in range(world_size)]
+    return [pickle.loads(outcome[r][1]) for r in range(world_size)]
