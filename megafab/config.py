@@ -438,6 +438,12 @@ def model_problems(cfg: Config) -> list[str]:
         out.append("--recompute-granularity full needs --recompute-method uniform or block")
     if m.recompute_granularity == "full" and m.recompute_method and not m.recompute_num_layers:
         out.append("--recompute-granularity full needs --recompute-num-layers")
+    unsupported = [name for name in (m.recompute_modules or []) if name != "core_attn"]
+    if unsupported:
+        out.append(f"--recompute-modules {' '.join(unsupported)} not supported by megafab (only core_attn); "
+                   f"use --recompute-modules core_attn or --recompute-granularity full")
+    if m.recompute_modules and m.recompute_granularity != "selective":
+        out.append("--recompute-modules needs --recompute-granularity selective")
     if m.transformer_impl not in ("local", "transformer_engine"):
         out.append(f"--transformer-impl {m.transformer_impl!r} is not local or transformer_engine")
     del pp

@@ -10,6 +10,7 @@ from megafab.distributed.data_parallel import DistributedDataParallel
 from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
 from megafab.distributed.topology import Topology, initialize
 from megafab.model.gpt import build_model_chunks
+from megafab.model.te import check_transformer_engine
 from megafab.model.transformer import LayerContext
 from megafab.optim.distributed_optimizer import DistributedOptimizer
 from megafab.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
@@ -37,12 +38,18 @@ class TrainState:
 
 def init_distributed(cfg) -> tuple[Topology, RNGStatesTracker]:
     p = cfg.parallel
+    check_transformer_engine(cfg.model, cfg.precision, planned_device(cfg))  # before any process group
     topo = initialize(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                       p.virtual_pipeline_model_parallel_size or 1, p.distributed_backend,
                       p.distributed_timeout_minutes)
     tracker = RNGStatesTracker(topo.device)
     model_parallel_seed(cfg.training.seed, topo.tp_rank, topo.pp_rank, topo.device, tracker)
     return topo, tracker
+
+
+def planned_device(cfg) -> str:
+    """The device initialize() will pick: CUDA when present, unless gloo was asked for."""
+    return "cuda" if torch.cuda.is_available() and cfg.parallel.distributed_backend != "gloo" else "cpu"
 
 
 def params_dtype(cfg) -> torch.dtype:
@@ -53,7 +60,7 @@ def build_model(cfg, topo: Topology, tracker, dtype: torch.dtype | None = None) 
     """This rank's model chunks, each wrapped for data parallelism."""
     dtype = dtype or params_dtype(cfg)
     ctx = LayerContext(topo.tp_group if topo.tp > 1 else None, cfg.parallel.sequence_parallel, dtype,
-                       topo.device, cfg.training.seed, tracker)
+                       topo.device, cfg.training.seed, tracker, precision=cfg.precision)
     chunks = build_model_chunks(cfg.model, ctx, topo.pp, topo.pp_rank,
                                 cfg.parallel.virtual_pipeline_model_parallel_size or 1)
     p = cfg.parallel

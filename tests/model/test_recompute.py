@@ -6,6 +6,7 @@ import functools
 import pytest
 import torch
 
+from megafab.config import ConfigError
 from megafab.distributed.finalize_grads import finalize_model_grads
 from megafab.distributed.pipeline import get_forward_backward_func
 from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
@@ -44,7 +45,10 @@ def test_layer_groups_follow_megatron():
 
 
 def test_unsupported_recompute_module_is_refused_by_name():
-    cfg = tiny_config(recompute_granularity="selective", recompute_modules=["mlp"]).model
+    with pytest.raises(ConfigError, match="--recompute-modules mlp not supported"):
+        tiny_config(recompute_granularity="selective", recompute_modules=["mlp"])
+    cfg = tiny_config().model
+    cfg.recompute_granularity, cfg.recompute_modules = "selective", ["core_attn", "mlp"]
     with pytest.raises(RecomputeConfigError, match="--recompute-modules mlp not supported"):
         GPTModel(cfg, context())
 
