@@ -1,0 +1,218 @@
+"""Pre-launch plan: per pipeline stage parameters, bytes of weights/grads/optimizer state, activation
+memory, and FLOPs per iteration, from the config alone (no process group, no tensors).
+
+Notation: s sequence, b micro-batch, h hidden, a heads, g query groups, d head width, f ffn width,
+V padded vocab, t TP size, e bytes per activation element (2 for bf16/fp16, 4 for fp32);
+r = t with sequence parallel, else 1 (the norm/dropout region is split over TP only under SP).
+
+Training state per rank (Megatron's distributed-optimizer table):
+    weights     e_param * P
+    grads       4 * P                       fp32 main grads (DDP's grad buffer)
+    optimizer   12 * P (bf16/fp16: fp32 master + Adam m + v), 8 * P (fp32 model: m + v);
+                divided by dp with --use-distributed-optimizer
+
+Activations of one layer for one micro-batch, without recompute (Korthikanti et al. 2022, "Reducing
+Activation Recomputation in Large Transformer Models", eq. 1-4; for e = 2, g = a, f = 4h and dropout
+this is s*b*h*(34 + 5*a*s/h), and s*b*h/t*(34 + 5*a*s/h) with TP + SP):
+    replicated region, / r    s*b*h * (4e + 2*mask)     two norm inputs, QKV and fc1 inputs,
+                                                        two 1-byte hidden-dropout masks
+    TP region, / t            e*s*b*((a + 2g)*d + a*d + f_1 + f (+ f with SwiGLU))
+                                                        QKV output, projection input, fc1 output
+                                                        (f_1 = f, or 2f with SwiGLU), fc2 input
+    core attention, / t       unfused: a*s*s*b * (e + (1 + e if attention dropout))
+                                                        softmax, dropout mask and output
+                              flash:   4*a*s*b          (log-sum-exp only)
+                              cpu:     PyTorch's CPU math kernel: fp32 q, k, v, probabilities,
+                                       mask and dropped probabilities (measured, see the tests)
+Selective recompute drops the core-attention term. Full recompute keeps e*s*b*h / r per
+recomputed group (its input) and, during backward, one group's activations at a time.
+Embedding (first stage): a 1-byte dropout mask s*b*h / r. Logits + loss (last stage): final norm
+input e*s*b*h / r, output-layer input e*s*b*h, fp32 softmax 4*s*b*V / t.
+
+In flight (micro-batches whose activations are alive at once): 1F1B stage i holds min(pp - i, M);
+interleaved: min(2*(pp - i - 1) + (vpp - 1)*pp + 1, M*vpp) chunk-micro-batches (Megatron's warmup
++ 1); without pipelining one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megafab.training.flops import flops_per_iteration
+
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+
+
+@dataclass
+class StagePlan:
+    pp_rank: int
+    params: int  # on each TP rank of this stage (all its chunks)
+    weights_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activation_bytes_per_micro_batch: int  # all layers of this stage, no pipelining
+    layer_activation_bytes: int  # one layer, one micro-batch
+    logits_bytes: int  # last stage only
+    in_flight: float  # micro-batches of this stage's activations alive at the peak
+    activation_peak_bytes: int
+
+    @property
+    def state_bytes(self) -> int:
+        return self.weights_bytes + self.grads_bytes + self.optimizer_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.state_bytes + self.activation_peak_bytes
+
+
+def _norm_params(m) -> int:
+    return 2 * m.hidden_size if m.normalization == "LayerNorm" else m.hidden_size
+
+
+def layer_params(m, tp: int) -> int:
+    """Parameters of one transformer layer on one TP rank."""
+    h, d, a, g, f = m.hidden_size, m.kv_channels, m.num_attention_heads, m.num_query_groups, m.ffn_hidden_size
+    qkv, fc1 = (a + 2 * g) * d, f * (2 if m.swiglu else 1)
+    n = 2 * _norm_params(m) + h * qkv // tp + a * d * h // tp + h * fc1 // tp + f * h // tp
+    if m.add_bias_linear or m.add_qkv_bias:
+        n += qkv // tp
+    if m.add_bias_linear:
+        n += h + fc1 // tp + h
+    return n
+
+
+def chunk_params(m, tp: int, layers: int, pre_process: bool, post_process: bool) -> int:
+    n = layers * layer_params(m, tp)
+    word = m.padded_vocab_size * m.hidden_size // tp
+    if pre_process:
+        n += word + (m.max_position_embeddings * m.hidden_size
+                     if m.position_embedding_type == "learned_absolute" else 0)
+    if post_process:
+        n += _norm_params(m)
+        tied = not m.untie_embeddings_and_output_weights
+        if not (tied and pre_process):
+            n += word
+    return n
+
+
+def stage_params(cfg, pp_rank: int) -> int:
+    p = cfg.parallel
+    pp, vpp, tp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1, \
+        p.tensor_model_parallel_size
+    per_chunk = cfg.model.num_layers // (pp * vpp)
+    return sum(chunk_params(cfg.model, tp, per_chunk, pp_rank == 0 and c == 0,
+                            pp_rank == pp - 1 and c == vpp - 1) for c in range(vpp))
+
+
+def layer_activation_bytes(cfg, kernels: str = "flash", recompute_core_attention: bool = False) -> int:
+    """kernels: flash (GPU SDPA flash), unfused (the paper's softmax/dropout kernels), cpu (PyTorch's
+    CPU math SDPA: q, k, v, probabilities and dropout mask upcast to fp32; dropout masks of e bytes)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    s, b, h = m.seq_length, t.micro_batch_size, m.hidden_size
+    a, g, d, f = m.num_attention_heads, m.num_query_groups, m.kv_channels, m.ffn_hidden_size
+    tp = p.tensor_model_parallel_size
+    r = tp if p.sequence_parallel else 1
+    e = BYTES[cfg.precision.params_dtype_name]
+    mask = e if kernels == "cpu" else 1
+    hidden_masks = 2 * mask if m.hidden_dropout > 0 else 0
+    replicated = s * b * h * (4 * e + hidden_masks) / r
+    fc1 = f * (2 if m.swiglu else 1)
+    qkv = 0 if kernels == "cpu" and not recompute_core_attention else (a + 2 * g) * d
+    tp_region = e * s * b * (qkv + a * d + fc1 + f + (f if m.swiglu else 0)) / tp
+    dropout = m.attention_dropout > 0
+    if recompute_core_attention:
+        core = 0.0
+    elif kernels == "flash":
+        core = 4 * a * s * b / tp
+    elif kernels == "cpu":
+        core = 4 * (3 * s * b * a * d + a * s * s * b * (3 if dropout else 1)) / tp
+    else:
+        core = a * s * s * b * (e + ((1 + e) if dropout else 0)) / tp
+    return int(replicated + tp_region + core)
+
+
+def in_flight_chunks(pp: int, vpp: int, pp_rank: int, micro_batches: int) -> int:
+    if pp == 1:
+        return 1
+    if vpp == 1:
+        return min(pp - pp_rank, micro_batches)
+    return min(2 * (pp - pp_rank - 1) + (vpp - 1) * pp + 1, micro_batches * vpp)
+
+
+def plan(cfg, kernels: str = "flash") -> list[StagePlan]:
+    """One StagePlan per pipeline stage (every TP/DP rank of a stage holds the same amounts)."""
+    m, p, t, pr = cfg.model, cfg.parallel, cfg.training, cfg.precision
+    pp, vpp, tp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1, \
+        p.tensor_model_parallel_size
+    dp = p.data_parallel_size or 1
+    s, b, h = m.seq_length, t.micro_batch_size, m.hidden_size
+    r = tp if p.sequence_parallel else 1
+    e = BYTES[pr.params_dtype_name]
+    mixed = pr.bf16 or pr.fp16
+    per_chunk = m.num_layers // (pp * vpp)
+    granularity = m.recompute_granularity
+    layer = layer_activation_bytes(cfg, kernels, recompute_core_attention=granularity == "selective")
+    layer_input = e * s * b * h // r
+    if granularity == "full":
+        n = m.recompute_num_layers
+        if m.recompute_method == "uniform":
+            groups = -(-per_chunk // n)
+            chunk_kept, transient = groups * layer_input, min(n, per_chunk) * layer
+        else:
+            block = min(n, per_chunk)
+            chunk_kept, transient = block * layer_input + (per_chunk - block) * layer, layer if block else 0
+    else:
+        chunk_kept, transient = per_chunk * layer, 0
+    out = []
+    for rank in range(pp):
+        params = stage_params(cfg, rank)
+        first, last = rank == 0, rank == pp - 1
+        embed = s * b * h // r if first and m.hidden_dropout > 0 else 0
+        logits = int(e * s * b * h / r + e * s * b * h + 4 * s * b * m.padded_vocab_size / tp) if last else 0
+        chunks = in_flight_chunks(pp, vpp, rank, t.num_micro_batches or 1)
+        peak = chunks * chunk_kept + transient + embed * min(chunks, pp if pp > 1 else 1) + logits
+        optimizer = (12 if mixed else 8) * params
+        out.append(StagePlan(
+            pp_rank=rank, params=params, weights_bytes=e * params, grads_bytes=4 * params,
+            optimizer_bytes=optimizer // dp if p.use_distributed_optimizer else optimizer,
+            activation_bytes_per_micro_batch=vpp * (chunk_kept + transient) + embed + logits,
+            layer_activation_bytes=layer, logits_bytes=logits, in_flight=chunks / vpp,
+            activation_peak_bytes=int(peak)))
+    return out
+
+
+def iteration_flops(cfg) -> tuple[float, float]:
+    """(model FLOPs, hardware FLOPs incl. full recompute's extra forward) per iteration, all ranks."""
+    model = flops_per_iteration(cfg, cfg.training.global_batch_size)
+    m = cfg.model
+    if m.recompute_granularity == "full":
+        return model, model * 4.0 / 3.0
+    return model, model
+
+
+def format_plan(cfg, stages: list[StagePlan], mfu: float = 0.4, peak_tflops: float = 989.0,
+                gpu_memory_gb: float | None = None) -> str:
+    gib = 2.0**30
+    p = cfg.parallel
+    vpp = f" (VPP {p.virtual_pipeline_model_parallel_size})" if p.virtual_pipeline_model_parallel_size else ""
+    lines = [f"megafab plan: world {p.world_size} = TP {p.tensor_model_parallel_size} x PP "
+             f"{p.pipeline_model_parallel_size} x DP {p.data_parallel_size}{vpp}"
+             f", {cfg.precision.params_dtype_name}, recompute {cfg.model.recompute_granularity or 'none'}, "
+             f"distributed optimizer {'on' if p.use_distributed_optimizer else 'off'}"]
+    for st in stages:
+        fits = ""
+        if gpu_memory_gb:
+            fits = "  fits" if st.total_bytes / gib <= gpu_memory_gb else \
+                f"  DOES NOT FIT {gpu_memory_gb} GiB"
+        lines.append(
+            f"  stage {st.pp_rank}: params {st.params / 1e6:.1f}M | weights {st.weights_bytes / gib:.2f} GiB"
+            f" | grads {st.grads_bytes / gib:.2f} GiB | optimizer {st.optimizer_bytes / gib:.2f} GiB"
+            f" | activations {st.activation_bytes_per_micro_batch / gib:.2f} GiB/micro-batch"
+            f" (layer {st.layer_activation_bytes / 2**20:.1f} MiB, logits {st.logits_bytes / gib:.2f} GiB)"
+            f" x {st.in_flight:g} in flight = {st.activation_peak_bytes / gib:.2f} GiB"
+            f" | total {st.total_bytes / gib:.2f} GiB{fits}")
+    model, hardware = iteration_flops(cfg)
+    seconds = hardware / (p.world_size * peak_tflops * 1e12 * mfu)
+    lines.append(f"  FLOPs/iteration: model {model:.3e}, with recompute {hardware:.3e}; at MFU {mfu:g} of "
+                 f"{peak_tflops:g} TFLOP/s/GPU: {seconds:.3f} s/iteration")
+    return "\n".join(lines)
