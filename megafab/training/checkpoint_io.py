@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import pickle
-from dataclasses import dataclass
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -34,22 +33,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded here; the message names the key/file, the rule and the fix."""
-
-
-@dataclass
-class Shard:
-    """`tensor` is the block of a global tensor of shape `global_shape` starting at `offsets`."""
-
-    tensor: torch.Tensor
-    global_shape: tuple[int, ...]
-    offsets: tuple[int, ...]
-
-    @classmethod
-    def whole(cls, tensor: torch.Tensor) -> Shard:
-        return cls(tensor, tuple(tensor.shape), (0,) * tensor.dim())
+from megafab.training.checkpoint_shard import CheckpointError, Shard
 
 
 def _write_item(fqn: str, shard: Shard) -> WriteItem:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from megafab.distributed.random import checkpoint_rng_state, restore_rng_state
 from megafab.model.gpt import WORD_EMBEDDING
-from megafab.training.checkpoint_io import Shard
+from megafab.training.checkpoint_shard import Shard
 
 OUTPUT_LAYER = "output_layer.weight"
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")

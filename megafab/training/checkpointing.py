@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megafab.training import checkpoint_state as cs
-from megafab.training.checkpoint_io import CheckpointError, load_shards, read_metadata, save_shards
+from megafab.training.checkpoint_shard import CheckpointError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 COMMON = "common.json"
@@ -34,6 +34,13 @@ FORMAT_VERSION = 1
 # test can kill the job while only the temporary directory exists.
 PAUSE_ENV = "MEGAFAB_TEST_PAUSE_BEFORE_COMMIT"
 PENDING_RNG = "checkpoint_rng"
+
+
+def checkpoint_io():
+    """torch.distributed.checkpoint costs seconds to import; only runs that save or load pay."""
+    from megafab.training import checkpoint_io as io
+
+    return io
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -132,7 +139,7 @@ def save_checkpoint(state) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(os.path.join(tmp, "rng"))
     dist.barrier()
-    save_shards(shards, tmp)
+    checkpoint_io().save_shards(shards, tmp)
     if not cfg.checkpoint.no_save_rng:
         torch.save(cs.rng_snapshot(state), os.path.join(tmp, "rng", f"rank_{topo.rank:05d}.pt"))
     if topo.rank == 0:
@@ -179,10 +186,11 @@ def load_checkpoint(state) -> int | None:
     plan = []
     if load_optim:
         # A checkpoint saved from an fp32 model has no main copies; bf16 mains then take the weights.
-        with_main = any(k.endswith(".main_param") for k in read_metadata(path).state_dict_metadata)
+        stored = checkpoint_io().read_metadata(path).state_dict_metadata
+        with_main = any(k.endswith(".main_param") for k in stored)
         optim_shards, plan = cs.optimizer_shards_for_load(state, with_main=with_main)
         shards.update(optim_shards)
-    load_shards(shards, path)
+    checkpoint_io().load_shards(shards, path)
     cs.apply_aliases(shards, aliases)
     cs.refresh_main_params(state)
     if load_optim:

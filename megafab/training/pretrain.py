@@ -114,7 +114,7 @@ def train(state: TrainState, iterators, writers: ScalarWriters) -> None:
             checkpointing.save_checkpoint(state)
         reason = _should_exit(state, start, sigterm)
         if reason:
-            if cfg.checkpoint.save:
+            if cfg.checkpoint.save and checkpointing.latest_iteration(cfg.checkpoint.save) != state.iteration:
                 checkpointing.save_checkpoint(state)
             print_rank_0(topo, f"exiting at iteration {state.iteration}: {reason}")
             return
@@ -139,6 +139,7 @@ def pretrain(cfg) -> int:
     for note in cfg.notes:
         print_rank_0(topo, f"megafab: note: {note}")
     iterators = build_data_iterators(cfg, topo, state.consumed_train_samples, tokenizer)
+    checkpointing.restore_pending_rng(state)
     writers = ScalarWriters(cfg if log_rank(topo) else None, cfg.to_flat())
     try:
         if not cfg.training.skip_train:

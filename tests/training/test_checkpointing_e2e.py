@@ -14,9 +14,9 @@ from tests.training.launch import ROOT, free_port, losses, torchrun
 
 # NullTokenizer adds an eod id: 127 + 1 = 128 pads to 128 at TP 1, 2 and 4 alike.
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-        "--micro-batch-size", "1", "--mock-data", "--vocab-size", "127", "--make-vocab-size-divisible-by", "32",
-        "--lr", "1e-2", "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-interval", "1000",
-        "--eval-iters", "1"]
+        "--micro-batch-size", "1", "--mock-data", "--vocab-size", "127",
+        "--make-vocab-size-divisible-by", "32", "--lr", "1e-2", "--lr-warmup-iters", "1",
+        "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1"]
 
 
 def start(nproc: int, args: list[str], log_path, env: dict | None = None) -> subprocess.Popen:
@@ -98,10 +98,10 @@ def test_checkpoint_of_tp2_pp2_dp2_loads_into_tp1_and_tp4_dp2(tmp_path):
     model = TINY + ["--global-batch-size", "8", "--train-iters", "5", "--hidden-dropout", "0",
                     "--attention-dropout", "0", "--swiglu", "--ffn-hidden-size", "64"]
     ckpt = str(tmp_path / "ckpt")
-    original = torchrun(8, model + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                                    "--num-layers-per-virtual-pipeline-stage", "1", "--sequence-parallel",
-                                    "--use-distributed-optimizer", "--save", ckpt, "--save-interval", "3"],
-                        cwd=tmp_path)
+    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+              "--num-layers-per-virtual-pipeline-stage", "1", "--sequence-parallel",
+              "--use-distributed-optimizer"]
+    original = torchrun(8, model + layout + ["--save", ckpt, "--save-interval", "3"], cwd=tmp_path)
     assert original.returncode == 0, original.stdout[-3000:] + original.stderr[-3000:]
     expected = losses(original.stdout)
     with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
