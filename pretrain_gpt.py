@@ -10,6 +10,11 @@ from megafab.arguments import config_or_exit
 
 def main(argv=None):
     cfg = config_or_exit(argv)
+    if cfg.training.dry_run:  # the plan only: no process group, no tensors
+        from megafab.training.planner import format_plan, plan
+
+        print(format_plan(cfg, plan(cfg)))
+        return 0
     from megafab.training.pretrain import pretrain
 
     return pretrain(cfg)

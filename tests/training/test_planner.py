@@ -114,3 +114,19 @@ def test_full_recompute_plans_less_activation_memory_and_prints_every_stage():
     assert full[0].activation_peak_bytes * 2 < none[0].activation_peak_bytes
     text = format_plan(tiny_config(**base), none, gpu_memory_gb=80)
     assert "stage 0" in text and "stage 1" in text and "fits" in text and "FLOPs/iteration" in text
+
+
+def test_estimate_memory_tool_and_pretrain_dry_run_print_the_plan(capsys):
+    from pretrain_gpt import main as pretrain_main
+    from tools.estimate_memory import main as estimate_main
+
+    flags = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+             "--vocab-size", "128", "--micro-batch-size", "2", "--global-batch-size", "8", "--bf16",
+             "--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+             "--use-distributed-optimizer"]
+    assert estimate_main(flags + ["--world-size", "8", "--gpu-memory-gb", "1"]) == 0
+    tool = capsys.readouterr().out
+    assert "TP 2 x PP 2 x DP 2" in tool and "stage 1" in tool and "fits" in tool
+    assert not torch.distributed.is_initialized()
+    assert pretrain_main(flags[:-5] + ["--dry-run"]) == 0
+    assert "stage 0" in capsys.readouterr().out and not torch.distributed.is_initialized()
