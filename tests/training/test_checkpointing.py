@@ -1,0 +1,169 @@
+"""Checkpoint format in-process: blocks under global shapes, safe metadata, atomic directory
+contract, and a bitwise round trip of model + optimizer state across TP/PP/DP layouts."""
+
+import json
+import os
+import pickle
+
+import pytest
+import torch
+
+from megafab.distributed.layers import partition_of
+from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
+from megafab.distributed.topology import build_topology
+from megafab.training import checkpoint_io, checkpointing
+from megafab.training.build import TrainState, build_model, build_optimizer, build_scheduler
+from megafab.training.checkpoint_shard import CheckpointError, Shard
+from megafab.training.checkpoint_state import global_block
+from megafab.training.step import train_step
+from tests.harness import run_ranks
+from tests.model.tiny import LLAMA_STYLE, batch, tiny_config
+
+
+def test_stride_two_shards_are_rectangular_blocks_of_the_gate_up_view():
+    ffn, h, tp = 6, 4, 3
+    full = torch.arange(2 * ffn * h, dtype=torch.float64).view(2 * ffn, h)  # [gate; up]
+    rebuilt = torch.zeros(2, ffn, h, dtype=torch.float64)
+    for r in range(tp):
+        param = torch.nn.Parameter(partition_of(full, 0, r, tp, stride=2))  # [gate_r; up_r]
+        param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, 0, 2
+        block = global_block(param, param.detach(), tp, r)
+        assert block.global_shape == (2, ffn, h) and block.offsets == (0, r * ffn // tp, 0)
+        o = block.offsets
+        rebuilt[:, o[1]:o[1] + block.tensor.shape[1]] = block.tensor
+    assert torch.equal(rebuilt, full.view(2, ffn, h))
+
+
+def test_row_parallel_and_replicated_blocks():
+    p = torch.nn.Parameter(torch.zeros(5, 3))
+    p.tensor_model_parallel, p.partition_dim = True, 1
+    block = global_block(p, p.detach(), 4, 2)
+    assert (block.global_shape, block.offsets) == ((5, 12), (0, 6))
+    q = torch.nn.Parameter(torch.zeros(7))
+    block = global_block(q, q.detach(), 4, 3)
+    assert (block.global_shape, block.offsets) == ((7,), (0,))
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/megafab_pwned_by_checkpoint",))
+
+
+def test_metadata_with_code_is_refused_not_run(tmp_path):
+    with open(tmp_path / ".metadata", "wb") as f:
+        pickle.dump(_Exploit(), f)
+    with pytest.raises(CheckpointError, match="refusing to unpickle"):
+        checkpoint_io.read_metadata(str(tmp_path))
+    assert not os.path.exists("/tmp/megafab_pwned_by_checkpoint")
+
+
+def test_tracker_is_validated(tmp_path):
+    assert checkpointing.latest_iteration(str(tmp_path)) is None
+    (tmp_path / checkpointing.TRACKER).write_text("abc")
+    with pytest.raises(CheckpointError, match="not an iteration number"):
+        checkpointing.latest_iteration(str(tmp_path))
+
+
+def test_commit_renames_then_points_the_tracker(tmp_path):
+    root = str(tmp_path)
+    for it in (5, 10):
+        os.makedirs(checkpointing.iteration_dir(root, it) + ".tmp")
+        checkpointing._commit(root, it)
+    assert checkpointing.latest_iteration(root) == 10
+    os.makedirs(checkpointing.iteration_dir(root, 10) + ".tmp")  # re-save of the same iteration
+    open(checkpointing.iteration_dir(root, 10) + ".tmp/new", "w").close()
+    checkpointing._commit(root, 10)
+    assert sorted(os.listdir(root)) == ["iter_0000005", "iter_0000010", checkpointing.TRACKER]
+    assert os.listdir(checkpointing.iteration_dir(root, 10)) == ["new"]
+
+
+def _blocks_round_trip(rank, world, path):
+    full = torch.arange(48, dtype=torch.float32).view(8, 6)
+    if world == 4:  # rows split in two, replicated twice (DP): replicas are written once
+        r = rank % 2
+        checkpoint_io.save_shards({"w": Shard(full[r * 4:(r + 1) * 4].clone(), (8, 6), (r * 4, 0)),
+                                   "step": Shard.whole(torch.tensor(3.0))}, path)
+        return None
+    out = torch.zeros(8, 2)
+    step = torch.tensor(0.0)
+    checkpoint_io.load_shards({"w": Shard(out, (8, 6), (0, rank * 2)), "step": Shard.whole(step)}, path)
+    return torch.equal(out, full[:, rank * 2:rank * 2 + 2]) and step.item() == 3.0
+
+
+def test_blocks_saved_in_one_split_load_in_another(tmp_path):
+    run_ranks(_blocks_round_trip, 4, str(tmp_path), timeout=120)
+    assert run_ranks(_blocks_round_trip, 3, str(tmp_path), timeout=120) == [True] * 3
+    chunks = checkpoint_io.read_metadata(str(tmp_path)).state_dict_metadata["w"].chunks
+    assert len(chunks) == 2  # DP replicas de-duplicated
+
+
+# ---- whole training state across layouts ----------------------------------------------------------
+def _state(tp, pp, dp, dist_opt, save=None, load=None):
+    cfg = tiny_config(tp=tp, pp=pp, style=LLAMA_STYLE, dp=dp, vocab_size=112, micro_batch_size=1,
+                      global_batch_size=2 * dp, use_distributed_optimizer=dist_opt, ddp_bucket_size=1000,
+                      lr=1e-2, train_iters=10, bf16=True, save=save, load=load,
+                      untie_embeddings_and_output_weights=False)
+    topo = build_topology(tp=tp, pp=pp)
+    tracker = RNGStatesTracker("cpu")
+    model_parallel_seed(1234, topo.tp_rank, topo.pp_rank, topo.device, tracker)
+    model = build_model(cfg, topo, tracker)
+    optimizer = build_optimizer(cfg, topo, model)
+    return TrainState(cfg, topo, tracker, model, optimizer, build_scheduler(cfg, optimizer))
+
+
+def _train_and_save(rank, world, path):
+    state = _state(tp=2, pp=1, dp=2, dist_opt=True, save=path)
+    for step in range(2):
+        mbs = []
+        for k in range(state.cfg.training.num_micro_batches):
+            tokens, labels, mask = batch(state.cfg.model, 1, seed=step * 10 + k * 2 + state.topology.dp_rank)
+            mbs.append({"tokens": tokens, "labels": labels, "loss_mask": mask})
+        train_step(state, iter(mbs))
+    checkpointing.save_checkpoint(state)
+
+
+def _load_and_resave(rank, world, src, dst):
+    state = _state(tp=1, pp=2, dp=2, dist_opt=True, save=dst, load=src)
+    assert checkpointing.load_checkpoint(state) == 2
+    assert state.iteration == 2 and state.consumed_train_samples == 8
+    checkpointing.save_checkpoint(state)
+    if not state.topology.is_last_stage:
+        return None
+    # The last stage's tied output layer is not stored: it must hold the stored embedding.
+    chunk = state.model[0].module
+    entry = next(e for e in state.optimizer.entries if e.model_param is chunk.output_layer.weight)
+    return (chunk.output_layer.weight.detach().clone(), entry.param_range,
+            state.optimizer.optimizer.state[entry.main]["exp_avg"].clone())
+
+
+def _read_everything(path):
+    metadata = checkpoint_io.read_metadata(path).state_dict_metadata
+    shards = {k: Shard.whole(torch.empty(tuple(md.size), dtype=md.properties.dtype))
+              for k, md in metadata.items()}
+    checkpoint_io.load_shards(shards, path)
+    return {k: s.tensor for k, s in shards.items()}
+
+
+def test_tp2_dp2_state_loads_into_pp2_dp2_and_saves_back_bit_identical(tmp_path):
+    """bf16 + distributed optimizer (fp32 main copies and Adam moments in flat DP ranges), SwiGLU,
+    tied embeddings: TP2 x DP2 -> TP1 x PP2 x DP2 -> saved again: every tensor identical."""
+    first, second = str(tmp_path / "a"), str(tmp_path / "b")
+    run_ranks(_train_and_save, 4, first, timeout=180)
+    tied = run_ranks(_load_and_resave, 4, first, second, timeout=180)
+    a, b = _read_everything(checkpointing.iteration_dir(first, 2)), _read_everything(
+        checkpointing.iteration_dir(second, 2))
+    for weight, (lo, hi), exp_avg in tied[2:]:  # last stage, both DP ranks
+        assert torch.equal(weight, a["model.embedding.word_embeddings.weight"])
+        assert torch.equal(exp_avg, a["optim.embedding.word_embeddings.weight.exp_avg"].view(-1)[lo:hi])
+        assert exp_avg.abs().sum() > 0
+    assert sorted(a) == sorted(b)
+    assert any(k.endswith(".main_param") for k in a) and "model.output_layer.weight" not in a
+    ffn = b["model.decoder.layers.0.mlp.linear_fc2.weight"].shape[1]
+    assert a["model.decoder.layers.0.mlp.linear_fc1.weight"].shape == (2, ffn, 32)  # [gate; up] view
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert float(a["optim.decoder.layers.0.mlp.linear_fc1.weight.step"]) == 2.0
+    common_a = json.load(open(os.path.join(checkpointing.iteration_dir(first, 2), "common.json")))
+    common_b = json.load(open(os.path.join(checkpointing.iteration_dir(second, 2), "common.json")))
+    assert common_a["scheduler"] == common_b["scheduler"]
+    assert common_a["layout"] == {"world_size": 4, "tp": 2, "pp": 1, "dp": 2, "vpp": 1}
