@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -48,20 +49,36 @@ def _hf_tokenizer(d: DataConfig):
         from transformers import GPT2Tokenizer
 
         return GPT2Tokenizer(vocab_file=d.vocab_file, merges_file=d.merge_file)
-    if kind in SENTENCEPIECE_TYPES:
-        from transformers import LlamaTokenizer
-
-        return LlamaTokenizer(vocab_file=d.tokenizer_model, add_bos_token=False, add_eos_token=False)
     return None
+
+
+def _save_sentencepiece(d: DataConfig, out_dir: str) -> None:
+    """tokenizer.model + a LlamaTokenizer config matching megafab's tokenizer (BOS only for
+    Llama2Tokenizer, Megatron's appended special tokens with their ids, eos = the eod token), then
+    the converted tokenizer.json that transformers writes from it."""
+    from transformers import AutoTokenizer
+
+    ours = _megafab_tokenizer(d)
+    os.makedirs(out_dir, exist_ok=True)
+    shutil.copyfile(d.tokenizer_model, os.path.join(out_dir, "tokenizer.model"))
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "LlamaTokenizer", "add_bos_token": bool(ours.add_bos),
+                   "add_eos_token": False, "legacy": True}, f, indent=1)
+    hf = AutoTokenizer.from_pretrained(out_dir, local_files_only=True)
+    appended = [ours._names[i] for i in range(len(hf), ours.vocab_size)] if hasattr(ours, "_names") else []
+    if appended:
+        hf.add_special_tokens({"additional_special_tokens": appended})
+    hf.eos_token = hf.convert_ids_to_tokens(ours.eod)
+    hf.save_pretrained(out_dir)
 
 
 def save_tokenizer_files(d: DataConfig, out_dir: str) -> bool:
     """Write the tokenizer's files into out_dir; False when the tokenizer has none (NullTokenizer)."""
+    if d.tokenizer_type in SENTENCEPIECE_TYPES:
+        _save_sentencepiece(d, out_dir)
+        return True
     hf = _hf_tokenizer(d)
     if hf is None:
         return False
     hf.save_pretrained(out_dir)
-    sp_copy = os.path.join(out_dir, "tokenizer.model")
-    if d.tokenizer_type in SENTENCEPIECE_TYPES and not os.path.exists(sp_copy):
-        shutil.copyfile(d.tokenizer_model, sp_copy)
     return True
