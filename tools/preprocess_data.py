@@ -11,8 +11,6 @@ Document order is preserved. Opt-in cleaning: --strip-html, --dedup, --min-chars
 from __future__ import annotations
 
 import argparse
-import glob
-import gzip
 import hashlib
 import json
 import multiprocessing
@@ -34,6 +32,7 @@ from megafab.data.indexed_dataset import (  # noqa: E402
     index_file_path,
     merge_datasets,
 )
+from megafab.data.readers import find_inputs, read_records, require  # noqa: E402
 from megafab.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 
 
@@ -69,57 +68,6 @@ def strip_html(text: str) -> str:
     return "".join(parser.parts).strip()
 
 
-# ---- input ---------------------------------------------------------------------------------------
-
-def expand_inputs(pattern: str) -> list[str]:
-    paths = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern]
-    if not paths or not os.path.exists(paths[0]):
-        raise PreprocessError(f"--input {pattern}: no such file")
-    return paths
-
-
-def _need_pyarrow(path: str):
-    try:
-        import pyarrow  # noqa: F401
-    except ImportError:
-        raise PreprocessError(f"{path}: reading parquet/arrow needs pyarrow; pip install pyarrow") from None
-
-
-def iter_records(path: str) -> Iterator[tuple[int, str | dict]]:
-    """(line number, raw json line or already-decoded record) for one input file or dataset dir."""
-    if os.path.isdir(path):
-        _need_pyarrow(path)
-        import pyarrow as pa
-
-        arrows = sorted(glob.glob(os.path.join(path, "**", "*.arrow"), recursive=True))
-        if not arrows:
-            raise PreprocessError(f"{path}: a directory input must be a HuggingFace save_to_disk dataset "
-                                  "(*.arrow files); none found")
-        row = 0
-        for arrow in arrows:
-            with pa.memory_map(arrow) as source:
-                for batch in pa.ipc.open_stream(source):
-                    for record in batch.to_pylist():
-                        row += 1
-                        yield row, record
-        return
-    if path.endswith(".parquet"):
-        _need_pyarrow(path)
-        import pyarrow.parquet as pq
-
-        row = 0
-        for batch in pq.ParquetFile(path).iter_batches():
-            for record in batch.to_pylist():
-                row += 1
-                yield row, record
-        return
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                yield number, line
-
-
 # ---- workers -------------------------------------------------------------------------------------
 
 _worker = {}
@@ -127,6 +75,8 @@ _worker = {}
 
 def init_worker(tokenizer_args: dict, keys: list[str], options: dict) -> None:
     _worker["tokenizer"] = build_tokenizer(**tokenizer_args)
+    if options["lang"]:
+        seed_language_detector()
     _worker["keys"] = keys
     _worker["options"] = options
 
@@ -167,13 +117,35 @@ def encode(item: tuple[str, int, str | dict]):
     return "ok", ids, len(joined.encode("utf-8")), digest
 
 
+LANGDETECT_SEED = 0
+
+
+def check_language_code(lang: str) -> None:
+    """Fail early when --lang cannot work: langdetect missing, or a code it never returns."""
+    require("langdetect", f"--lang {lang} (offline language detection)", "langdetect")
+    from langdetect.detector_factory import PROFILES_DIRECTORY, init_factory
+
+    codes = os.listdir(PROFILES_DIRECTORY)
+    if lang not in codes:
+        raise PreprocessError(f"--lang {lang}: langdetect knows the codes {', '.join(sorted(codes))}; "
+                              "pass one of them, e.g. --lang en")
+    init_factory()  # load the language profiles once, before the worker pool forks
+
+
+def seed_language_detector() -> None:
+    # langdetect samples n-grams at random; a fixed seed makes every run keep the same documents.
+    from langdetect import DetectorFactory
+
+    DetectorFactory.seed = LANGDETECT_SEED
+
+
 def _language_ok(text: str, lang: str) -> bool:
     from langdetect import detect
     from langdetect.lang_detect_exception import LangDetectException
 
     try:
         return detect(text[:2000]) == lang
-    except LangDetectException:
+    except LangDetectException:  # no letters at all: no language to keep
         return False
 
 
@@ -241,8 +213,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     group = parser.add_argument_group("input data")
-    group.add_argument("--input", required=True, help="jsonl / jsonl.gz / parquet file, glob, or dataset dir")
-    group.add_argument("--json-keys", nargs="+", default=["text"])
+    group.add_argument("--input", required=True,
+                       help="jsonl / jsonl.gz / parquet file, a glob of them, or a save_to_disk dir")
+    group.add_argument("--json-keys", nargs="+", default=["text"],
+                       help="JSON fields, or parquet / dataset columns, to tokenize")
+    group.add_argument("--hf-split", default=None,
+                       help="split of a saved DatasetDict to read (default: train, with a note)")
     group.add_argument("--split-sentences", action="store_true")
     group.add_argument("--keep-newlines", action="store_true")
     group.add_argument("--skip-bad-lines", action="store_true", help="count and skip malformed lines")
@@ -250,7 +226,8 @@ def main(argv=None) -> int:
     group.add_argument("--strip-html", action="store_true", help="reduce HTML markup to its text")
     group.add_argument("--dedup", action="store_true", help="drop exact duplicate documents")
     group.add_argument("--min-chars", type=int, default=0, help="drop documents shorter than this")
-    group.add_argument("--lang", default=None, help="keep only this language (needs langdetect)")
+    group.add_argument("--lang", default=None,
+                       help="keep only documents langdetect classifies as this code (e.g. en)")
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     group.add_argument("--vocab-file", default=None)
@@ -276,25 +253,21 @@ def run(args) -> int:
         raise PreprocessError("--split-sentences needs an offline sentence splitter (nltk with its punkt "
                               "model), which megafab does not ship; preprocess without it")
     if args.lang:
-        try:
-            import langdetect  # noqa: F401
-        except ImportError:
-            raise PreprocessError(f"--lang {args.lang} needs the langdetect package for offline language "
-                                  "detection; pip install langdetect, or drop --lang") from None
+        check_language_code(args.lang)
     if args.workers < 1 or args.partitions < 1 or args.log_interval < 1:
         raise PreprocessError("--workers, --partitions and --log-interval must be at least 1")
     vocab_size = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model,
                                  args.vocab_size).vocab_size
-    paths = expand_inputs(args.input)
+    sources = find_inputs(args.input, args.json_keys, args.hf_split)
     if os.path.dirname(args.output_prefix):
         os.makedirs(os.path.dirname(args.output_prefix), exist_ok=True)
 
     def items(selected=None):
         index = 0
-        for path in paths:
-            for number, raw in iter_records(path):
+        for source in sources:
+            for number, raw in read_records(source, args.json_keys):
                 if selected is None or selected[0] <= index < selected[1]:
-                    yield path, number, raw
+                    yield source.path, number, raw
                 index += 1
 
     if args.partitions == 1:
@@ -323,7 +296,8 @@ def run(args) -> int:
     seconds = max(counts["seconds"], 1e-9)
     for reason in ("bad", "short", "language", "duplicate"):
         if counts[reason]:
-            print(f"removed {counts[reason]} documents ({reason})")
+            label = f"language not {args.lang}" if reason == "language" else reason
+            print(f"removed {counts[reason]} documents ({label})")
     print(f"done: {counts['documents']} documents, {counts['bytes'] / 1e6:.2f} MB in {seconds:.2f} s "
           f"({counts['documents'] / seconds:.0f} docs/s, {counts['bytes'] / seconds / 1e6:.2f} MB/s) -> "
           + ", ".join(output_prefix_for(args.output_prefix, k, False) for k in args.json_keys))
