@@ -19,6 +19,7 @@ import enum
 import pickle
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
@@ -150,6 +151,7 @@ def save_shards(shards: dict[str, Shard], path: str) -> None:
 
 
 def load_shards(shards: dict[str, Shard], path: str) -> None:
-    """Collective: fill every Shard's tensor in place from the checkpoint in `path`."""
+    """Collective: fill every Shard's tensor in place from the checkpoint in `path` (also works
+    in a process without torch.distributed, e.g. a conversion tool)."""
     dcp.load({k: s.tensor for k, s in shards.items()}, storage_reader=SafeFileSystemReader(path),
-             planner=_ShardLoadPlanner(shards))
+             planner=_ShardLoadPlanner(shards), no_dist=not dist.is_initialized())

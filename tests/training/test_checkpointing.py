@@ -167,3 +167,35 @@ def test_tp2_dp2_state_loads_into_pp2_dp2_and_saves_back_bit_identical(tmp_path)
     common_b = json.load(open(os.path.join(checkpointing.iteration_dir(second, 2), "common.json")))
     assert common_a["scheduler"] == common_b["scheduler"]
     assert common_a["layout"] == {"world_size": 4, "tp": 2, "pp": 1, "dp": 2, "vpp": 1}
+
+
+def _flags_round_trip(rank, world, path):
+    saver = _state(tp=1, pp=1, dp=2, dist_opt=False, save=path)
+    saver.cfg.checkpoint.no_save_optim = saver.cfg.checkpoint.no_save_rng = True
+    saver.iteration, saver.consumed_train_samples = 7, 28
+    with torch.no_grad():
+        for p in saver.model[0].parameters():
+            p.add_(1.0)
+    checkpointing.save_checkpoint(saver)
+    weights = [p.detach().clone() for p in saver.model[0].parameters()]
+
+    loader = _state(tp=1, pp=1, dp=2, dist_opt=False, load=path)
+    assert checkpointing.load_checkpoint(loader) == 7
+    resumed = (loader.iteration, loader.consumed_train_samples, len(loader.optimizer.optimizer.state))
+    same = all(torch.equal(a, b) for a, b in zip(weights, loader.model[0].parameters()))
+    # bf16 model: the fp32 main copies must follow the loaded weights even without optimizer state
+    mains = all(torch.equal(e.main, e.model_param.float()) for e in loader.optimizer.entries)
+
+    tuner = _state(tp=1, pp=1, dp=2, dist_opt=False, load=path)
+    tuner.cfg.checkpoint.finetune = True
+    checkpointing.load_checkpoint(tuner)
+    tuned = all(torch.equal(a, b) for a, b in zip(weights, tuner.model[0].parameters()))
+    return resumed, same, mains, tuner.iteration, tuned
+
+
+def test_no_save_optim_and_rng_then_resume_and_finetune(tmp_path):
+    results = run_ranks(_flags_round_trip, 2, str(tmp_path), timeout=180)
+    assert results == [((7, 28, 0), True, True, 0, True)] * 2
+    stored = checkpoint_io.read_metadata(checkpointing.iteration_dir(str(tmp_path), 7)).state_dict_metadata
+    assert stored and all(k.startswith("model.") for k in stored)
+    assert os.listdir(os.path.join(checkpointing.iteration_dir(str(tmp_path), 7), "rng")) == []

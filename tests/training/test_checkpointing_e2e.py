@@ -52,27 +52,24 @@ def workers_of(proc: subprocess.Popen) -> list[int]:
 def test_resume_after_sigkill_and_a_kill_during_save_matches_the_straight_run(tmp_path):
     """DP2 with the distributed optimizer and dropout on (so RNG restore matters).
 
-    The killed job saves at 5 and 10, then pauses (test hook) inside the save of iteration 15
-    after every rank has written its files into iter_0000015.tmp and before the rename; SIGKILL
-    to the whole process group lands there. The resumed job must start from 10 and log the same
-    losses for 11-20 as a job that never stopped.
+    One job trains 20 iterations straight, saving at 10 and 20; a test hook pauses it inside the
+    save of iteration 20, after every rank has written its files into iter_0000020.tmp and
+    before the rename, and SIGKILL to the whole process group lands there. A second job resumes
+    with --load: it must start from 10 (the last complete checkpoint) and log the same losses for
+    11-20 as the job that never stopped.
     """
     args = TINY + ["--global-batch-size", "4", "--train-iters", "20", "--use-distributed-optimizer"]
-    straight = torchrun(2, args, cwd=tmp_path)
-    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
-    expected = losses(straight.stdout)
-    assert sorted(expected) == list(range(1, 21))
-
     ckpt = str(tmp_path / "ckpt")
-    save = ["--save", ckpt, "--save-interval", "5"]
-    job = start(2, args + save, tmp_path / "killed.log", env={PAUSE_ENV: "15:600"})
-    wait_for(job, tmp_path / "killed.log", "test pause before committing iteration 15")
-    assert latest_iteration(ckpt) == 10
+    save = ["--save", ckpt, "--save-interval", "10"]
+    job = start(2, args + save, tmp_path / "killed.log", env={PAUSE_ENV: "20:600"})
+    out = wait_for(job, tmp_path / "killed.log", "test pause before committing iteration 20")
     os.killpg(job.pid, signal.SIGKILL)
     job.wait(timeout=30)
+    expected = losses(out)
+    assert sorted(expected) == list(range(1, 21))
     assert latest_iteration(ckpt) == 10
-    assert os.path.isdir(os.path.join(ckpt, "iter_0000015.tmp"))  # the interrupted save
-    assert not os.path.exists(os.path.join(ckpt, "iter_0000015"))
+    assert os.path.isdir(os.path.join(ckpt, "iter_0000020.tmp"))  # the interrupted save
+    assert not os.path.exists(os.path.join(ckpt, "iter_0000020"))
 
     resumed = torchrun(2, args + save + ["--load", ckpt], cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
@@ -81,7 +78,7 @@ def test_resume_after_sigkill_and_a_kill_during_save_matches_the_straight_run(tm
     assert sorted(got) == list(range(11, 21))
     assert [got[i] for i in range(11, 21)] == [expected[i] for i in range(11, 21)]
     assert latest_iteration(ckpt) == 20
-    assert sorted(os.listdir(ckpt)) == ["iter_0000005", "iter_0000010", "iter_0000015", "iter_0000020",
+    assert sorted(os.listdir(ckpt)) == ["iter_0000010", "iter_0000020",
                                         "latest_checkpointed_iteration.txt"]  # the stale .tmp is gone
 
 
