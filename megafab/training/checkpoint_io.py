@@ -144,6 +144,13 @@ def read_metadata(path: str) -> Metadata:
     return SafeFileSystemReader(path).read_metadata()
 
 
+def check_shards(shards: dict[str, Shard], path: str) -> None:
+    """Raise one CheckpointError (before any collective) if a key is missing or shaped otherwise."""
+    stored = read_metadata(path).state_dict_metadata
+    for fqn, shard in shards.items():
+        check_stored_shape(fqn, stored.get(fqn), shard.global_shape)
+
+
 def save_shards(shards: dict[str, Shard], path: str) -> None:
     """Collective over the default process group: write every rank's shards into `path`."""
     dcp.save({k: s.tensor for k, s in shards.items()}, storage_writer=FileSystemWriter(path, thread_count=1),

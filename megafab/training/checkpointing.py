@@ -175,6 +175,9 @@ def load_checkpoint(state) -> int | None:
         _print0(topo, f"megafab: no checkpoint in {ck.load} ({TRACKER} not found); training from scratch")
         return None
     path = _checkpoint_path(ck.load, iteration)
+    if not os.path.isfile(os.path.join(path, COMMON)):
+        raise CheckpointError(f"{path} has no {COMMON}: it is not a megafab checkpoint (a Megatron-LM "
+                              f"torch or torch_dist checkpoint must be converted first)")
     with open(os.path.join(path, COMMON)) as f:
         common = json.load(f)
     load_optim = not ck.finetune and not ck.no_load_optim and common["has_optimizer"]
@@ -190,6 +193,7 @@ def load_checkpoint(state) -> int | None:
         with_main = any(k.endswith(".main_param") for k in stored)
         optim_shards, plan = cs.optimizer_shards_for_load(state, with_main=with_main)
         shards.update(optim_shards)
+    _check_on_every_rank(topo, lambda: checkpoint_io().check_shards(shards, path))
     checkpoint_io().load_shards(shards, path)
     cs.apply_aliases(shards, aliases)
     cs.refresh_main_params(state)
@@ -211,6 +215,20 @@ def load_checkpoint(state) -> int | None:
     _print0(topo, f"loaded checkpoint from {ck.load} at iteration {iteration}"
                   + (" (finetune: weights only, starting at iteration 0)" if ck.finetune else ""))
     return iteration
+
+
+def _check_on_every_rank(topo, check) -> None:
+    """Run `check`; if it fails on any rank, every rank raises (none is left waiting in DCP)."""
+    error = None
+    try:
+        check()
+    except CheckpointError as e:
+        error = e
+    failed = torch.tensor([0.0 if error is None else 1.0], device=topo.device)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if failed.item() > 0:
+        raise error or CheckpointError("the checkpoint does not match this model on another rank; "
+                                       "see that rank's message")
 
 
 def _load_rng(state, path: str, common: dict) -> None:

@@ -199,3 +199,22 @@ def test_no_save_optim_and_rng_then_resume_and_finetune(tmp_path):
     stored = checkpoint_io.read_metadata(checkpointing.iteration_dir(str(tmp_path), 7)).state_dict_metadata
     assert stored and all(k.startswith("model.") for k in stored)
     assert os.listdir(os.path.join(checkpointing.iteration_dir(str(tmp_path), 7), "rng")) == []
+
+
+def _mismatch(rank, world, path):
+    saver = _state(tp=1, pp=2, dp=1, dist_opt=False, save=path)
+    checkpointing.save_checkpoint(saver)
+    wider = _state(tp=1, pp=2, dp=1, dist_opt=False, load=path)
+    wider.cfg.model.ffn_hidden_size = 2 * saver.cfg.model.ffn_hidden_size
+    wider.model = build_model(wider.cfg, wider.topology, wider.tracker)
+    wider.optimizer = build_optimizer(wider.cfg, wider.topology, wider.model)
+    try:
+        checkpointing.load_checkpoint(wider)
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def test_a_different_model_is_refused_with_one_message_on_every_rank(tmp_path):
+    messages = run_ranks(_mismatch, 2, str(tmp_path), timeout=180)
+    assert all(m and "global shape" in m and "linear_fc1" in m for m in messages), messages
