@@ -96,6 +96,8 @@ def _model_flags(p):
     g.add_argument("--vocab-size", type=int)
     g.add_argument("--transformer-impl", default=None, choices=["local", "transformer_engine"],
                    help="default: local (transformer_engine needs TE and a GPU)")
+    g.add_argument("--compile", action="store_true", dest="compile_layers",
+                   help="megafab only, not a Megatron flag: torch.compile each transformer layer")
     r = p.add_argument_group("activation recompute")
     r.add_argument("--recompute-activations", action="store_true",
                    help="shortcut for --recompute-granularity selective")

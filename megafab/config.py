@@ -83,6 +83,8 @@ class ModelConfig:
     """With selective recompute: which modules (core_attn is supported)."""
     transformer_impl: str = "local"
     """local (pure PyTorch) or transformer_engine (GPU only)."""
+    compile_layers: bool = False
+    """megafab's own --compile (not a Megatron flag): wrap each transformer layer in torch.compile."""
 
 
 @dataclass

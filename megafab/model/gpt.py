@@ -76,6 +76,9 @@ class GPTModel(nn.Module):
         self.decoder = nn.Module()
         self.decoder.layers = nn.ModuleDict(
             {str(i): layer_cls(cfg, ctx, i) for i in range(first_layer, last_layer)})
+        if getattr(cfg, "compile_layers", False):
+            for layer in self.decoder.layers.values():
+                layer.compile()  # in place: parameter names (and checkpoints) stay unchanged
         if post_process:
             self.decoder.final_layernorm = build_norm(cfg, ctx)
             if not (self.share_embeddings and pre_process):
