@@ -180,6 +180,9 @@ def load_checkpoint(state) -> int | None:
                               f"torch or torch_dist checkpoint must be converted first)")
     with open(os.path.join(path, COMMON)) as f:
         common = json.load(f)
+    if common.get("scheduler") is None and not ck.finetune:
+        raise CheckpointError(f"{path} holds weights only (no iteration, scheduler or optimizer state, "
+                              f"e.g. imported from HuggingFace); continue from it with --finetune")
     load_optim = not ck.finetune and not ck.no_load_optim and common["has_optimizer"]
     if not ck.finetune and not ck.no_load_optim and not common["has_optimizer"]:
         _print0(topo, "megafab: note: the checkpoint holds no optimizer state (--no-save-optim); "

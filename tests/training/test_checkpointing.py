@@ -218,3 +218,25 @@ def _mismatch(rank, world, path):
 def test_a_different_model_is_refused_with_one_message_on_every_rank(tmp_path):
     messages = run_ranks(_mismatch, 2, str(tmp_path), timeout=180)
     assert all(m and "global shape" in m and "linear_fc1" in m for m in messages), messages
+
+
+def _weights_only_needs_finetune(rank, world, path):
+    from megafab.convert.checkpoint import write_checkpoint
+
+    source = _state(tp=1, pp=1, dp=1, dist_opt=False)
+    sd = {n: p.detach().clone() for n, p in source.model[0].module.named_parameters()}
+    write_checkpoint(path, sd, source.cfg)
+    resume = _state(tp=1, pp=1, dp=1, dist_opt=False, load=path)
+    try:
+        checkpointing.load_checkpoint(resume)
+        refused = None
+    except CheckpointError as e:
+        refused = str(e)
+    resume.cfg.checkpoint.finetune = True
+    assert checkpointing.load_checkpoint(resume) == 0
+    return refused
+
+
+def test_weights_only_checkpoint_without_finetune_is_refused_by_name(tmp_path):
+    [message] = run_ranks(_weights_only_needs_finetune, 1, str(tmp_path), timeout=120)
+    assert message and "holds weights only" in message and "--finetune" in message
