@@ -5,7 +5,9 @@
 #
 #   bash tools/setup_env.sh && bash examples/quickstart.sh [OUTPUT_DIR]     (default runs/quickstart)
 #
-# About 10 minutes on 2 CPU cores. Everything goes under OUTPUT_DIR. Re-running reuses the corpus,
+# About 10 minutes on 2 CPU cores (1108 CPU-seconds measured: 940 user + 168 sys, fp32). Validation
+# loss measured: 5.47 at iteration 50 -> 4.51 at 300 (ln 4096 = 8.3 untrained); expect below 4.8.
+# Everything goes under OUTPUT_DIR. Re-running reuses the corpus,
 # tokenizer and preprocessed data, and resumes from the checkpoint (a finished run is only evaluated
 # again); delete OUTPUT_DIR/checkpoints to train from scratch.
 # Environment: QS_ITERS (default 300), QS_PRECISION auto|fp32|bf16 (auto: bf16 only where this CPU
