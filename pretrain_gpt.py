@@ -13,6 +13,15 @@ def main(argv=None):
     if cfg.training.dry_run:  # the plan only: no process group, no tensors
         from megafab.training.planner import format_plan, plan
 
+        if cfg.model.padded_vocab_size is None:
+            if cfg.data.tokenizer_type is None:
+                print("megafab: error: --dry-run needs the vocabulary size: give --vocab-size or the "
+                      "tokenizer flags (--tokenizer-type ...)", file=sys.stderr)
+                return 2
+            from megafab.training.data_setup import attach_tokenizer
+
+            attach_tokenizer(cfg)
+
         print(format_plan(cfg, plan(cfg)))
         return 0
     from megafab.training.pretrain import pretrain

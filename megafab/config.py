@@ -531,6 +531,15 @@ def training_problems(cfg: Config) -> list[str]:
                               ("--lr-warmup-samples", o.lr_warmup_samples)) if v]
     if len(warmups) > 1:
         out.append(f"give only one of {', '.join(warmups)}")
+    gbs = t.global_batch_size
+    if gbs:
+        decay = o.lr_decay_samples or (o.lr_decay_iters or 0) * gbs
+        warmup = int(o.lr_warmup_fraction * decay) if o.lr_warmup_fraction is not None else \
+            (o.lr_warmup_samples or o.lr_warmup_iters * gbs)
+        if decay and warmup >= decay:
+            out.append(f"the learning-rate warmup ({warmup} samples) is not shorter than the decay "
+                       f"({decay} samples = --lr-decay-iters/--train-iters x global batch {gbs}); "
+                       f"shorten the warmup or lengthen --lr-decay-iters")
     if o.lr_decay_style not in ("constant", "linear", "cosine", "inverse-square-root", "WSD"):
         out.append(f"--lr-decay-style {o.lr_decay_style!r} is not constant, linear, cosine, "
                    f"inverse-square-root or WSD")

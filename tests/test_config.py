@@ -121,3 +121,16 @@ def test_help_works_without_torch_distributed():
                           text=True, timeout=120)
     assert proc.returncode == 0
     assert "--tensor-model-parallel-size" in proc.stdout
+
+
+def test_warmup_not_shorter_than_decay_is_a_config_error_not_a_traceback():
+    expected = r"warmup \(40 samples\) is not shorter than the decay \(20 samples"
+    with pytest.raises(ConfigError, match=expected):
+        config_from_args(BASE + ["--lr-warmup-iters", "20", "--global-batch-size", "2"], world_size=1)
+
+
+def test_dry_run_without_a_vocabulary_says_what_to_give():
+    argv = [a for a in BASE if a not in ("--vocab-size", "1000", "--mock-data")] + ["--dry-run"]
+    proc = subprocess.run([sys.executable, "pretrain_gpt.py", *argv], capture_output=True, text=True,
+                          timeout=120, env={"PATH": ""})
+    assert proc.returncode == 2 and "--dry-run needs the vocabulary size" in proc.stderr

@@ -34,7 +34,7 @@ def _synthetic_log(path):
     for it in (10, 20, 30):
         lines.append(_megafab_line(it, 8.0 - it / 10, 1e-3 * it / 30, 1000.0 + it))
         if it % 20 == 10:
-            lines += ["-" * 100, validation_line("validation", it, 7.5 - it / 10), "-" * 100]
+            lines += ["-" * 100, validation_line("validation", f"iteration {it}", 7.5 - it / 10), "-" * 100]
     lines.append(_megafab_line(30, 4.25, 2e-4, 1500.0))  # a resumed run re-logs iteration 30: last wins
     path.write_text("\n".join(lines) + "\n")
 

@@ -35,9 +35,10 @@ def iteration_line(iteration: int, train_iters: int, metrics: dict) -> str:
     return " |".join(parts) + " |"
 
 
-def validation_line(label: str, iteration: int, loss: float) -> str:
+def validation_line(label: str, where: str, loss: float) -> str:
+    """Megatron's evaluation line; where is "iteration N" or "the end of training for val data"."""
     ppl = math.exp(min(20.0, loss))
-    return f" {label} loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
+    return f" {label} loss at {where} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
 
 
 class ScalarWriters:

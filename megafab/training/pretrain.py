@@ -120,11 +120,13 @@ def train(state: TrainState, iterators, writers: ScalarWriters) -> None:
             return
 
 
-def run_evaluation(state, data_iterator, label: str, writers: ScalarWriters) -> float | None:
+def run_evaluation(state, data_iterator, label: str, writers: ScalarWriters,
+                   where: str | None = None) -> float | None:
+    """where: Megatron's prefix after "<label> loss at", default "iteration N"."""
     loss = evaluate(state, data_iterator, state.cfg.training.eval_iters)
     if log_rank(state.topology):
-        print("-" * 100 + "\n" + validation_line(label, state.iteration, loss) + "\n" + "-" * 100,
-              flush=True)
+        line = validation_line(label, where or f"iteration {state.iteration}", loss)
+        print("-" * 100 + "\n" + line + "\n" + "-" * 100, flush=True)
         writers.scalars(state.iteration, {f"{label} loss": loss,
                                           f"{label} ppl": math.exp(min(loss, 60.0))})
     return loss
@@ -146,9 +148,10 @@ def pretrain(cfg) -> int:
             train(state, iterators, writers)
         total = train_iters(cfg)
         if iterators[1] is not None and cfg.training.eval_iters and state.iteration >= total:
-            run_evaluation(state, iterators[1], "validation", writers)
+            run_evaluation(state, iterators[1], "validation", writers,
+                           "the end of training for val data")
         if iterators[2] is not None and cfg.training.eval_iters and state.iteration >= total:
-            run_evaluation(state, iterators[2], "test", writers)
+            run_evaluation(state, iterators[2], "test", writers, "the end of training for test data")
         if cfg.checkpoint.save and state.iteration >= total and \
                 checkpointing.latest_iteration(cfg.checkpoint.save) != state.iteration:
             checkpointing.save_checkpoint(state)
