@@ -52,14 +52,19 @@ def main(argv=None) -> int:
     from megafab.data.tokenizers import build_tokenizer
 
     d = cfg.data
-    tokenizer = build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.tokenizer_model,
-                                cfg.model.vocab_size)
-    prompt = tokenizer.tokenize(args.prompt)
+    if d.tokenizer_type in (None, "NullTokenizer"):  # no tokenizer: the prompt is token ids
+        tokenizer = None
+        prompt = [int(t) for t in args.prompt.split()]
+    else:
+        tokenizer = build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.tokenizer_model,
+                                    cfg.model.vocab_size)
+        prompt = tokenizer.tokenize(args.prompt)
     # No EOD stop on either side, so both produce exactly max_new_tokens tokens.
     ours = generate(model, prompt, SamplingParams(args.max_new_tokens, 0.0, 0, 1.0, None, None))
     theirs = hf_greedy(args.hf_dir, prompt, args.max_new_tokens)
-    print(f"megafab:      {tokenizer.detokenize(ours)!r}")
-    print(f"transformers: {tokenizer.detokenize(theirs)!r}")
+    show = tokenizer.detokenize if tokenizer is not None else (lambda ids: " ".join(map(str, ids)))
+    print(f"megafab:      {show(ours)!r}")
+    print(f"transformers: {show(theirs)!r}")
     same = ours == theirs
     print(f"greedy continuations of {len(ours)} tokens identical: {'yes' if same else 'NO'}")
     return 0 if same else 1

@@ -127,3 +127,24 @@ def test_load_model_from_checkpoint(tmp_path):
     assert not model.training and loaded_cfg.model.padded_vocab_size == 128
     for name, p in model.state_dict().items():
         assert torch.equal(p, sd[name]), name
+
+
+def test_compare_tool_accepts_a_faithful_export_and_catches_a_broken_one(tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    from tools.compare_hf_generation import main as compare
+    from tools.convert_checkpoint import main as convert
+
+    sd, cfg = _imported(hf_gpt2(), tmp_path)
+    write_checkpoint(str(tmp_path / "ck"), sd, cfg)
+    out = str(tmp_path / "exported")
+    assert convert(["export-hf", "--load", str(tmp_path / "ck"), "--hf-dir", out]) == 0
+    args = ["--load", str(tmp_path / "ck"), "--hf-dir", out, "--prompt", " ".join(map(str, _prompt(6))),
+            "--max-new-tokens", "16"]
+    assert compare(args) == 0
+    assert "identical: yes" in capsys.readouterr().out
+    weights = load_file(f"{out}/model.safetensors")
+    name = next(k for k in weights if k.endswith("mlp.c_fc.weight"))
+    weights[name] = weights[name] * 3.0
+    save_file(weights, f"{out}/model.safetensors", metadata={"format": "pt"})
+    assert compare(args) == 1
