@@ -1,0 +1,111 @@
+"""Scaling on this machine: TP 2, DP 2 and PP 2 (two gloo processes, one thread each) against one
+process with two threads, same model and global batch.
+
+    python benchmarks/scaling.py [--layers 4 --hidden 512 --heads 8 --seq 256 --batch 8 --vocab 8192
+                                  --steps 2 --rounds 3]
+
+Every run goes through megafab's build_model / build_optimizer / train_step (fp32, one fixed
+synthetic batch per micro-batch). Each layout is compared with a one-process run of the same global
+batch and the same micro-batch size (so DP 2 is compared with 2 accumulated micro-batches of b/2,
+PP 2 with m = 4 micro-batches of b/4):
+
+    efficiency = (1 process, 2 threads step time) / (2 processes x 1 thread step time)
+
+1.0 means the two processes use the two cores as well as intra-op threading does. Rounds are
+interleaved (ref, layout, ref, layout, ...); step times are medians over rounds, the efficiency is
+the median of per-round ratios. The 1-thread reference shows how far intra-op threading itself is
+from 2x on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.bench_util import (  # noqa: E402
+    build_state,
+    fmt_spread,
+    gpt_flags,
+    load_average,
+    repeat_batch,
+    synthetic_batch,
+)
+from megafab.training.step import train_step  # noqa: E402
+from tests.harness import run_ranks  # noqa: E402
+
+LAYOUTS = {  # name: (tp, pp, dp, micro-batches per global batch per DP rank)
+    "TP2": (2, 1, 1, 1),
+    "DP2": (1, 1, 2, 1),
+    "PP2": (1, 2, 1, 4),
+}
+
+
+def _step_seconds(rank, world, args, tp, pp, dp, micro, threads):
+    torch.set_num_threads(threads)
+    mbs = args.batch // (dp * micro)
+    flags = gpt_flags(args.layers, args.hidden, args.heads, args.seq, mbs, args.vocab)
+    flags[flags.index("--global-batch-size") + 1] = str(args.batch)
+    flags += ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
+    state = build_state(flags, world_size=world)
+    data = repeat_batch(synthetic_batch(mbs, args.seq, args.vocab))
+    for _ in range(args.warmup):
+        train_step(state, data)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        train_step(state, data)
+    dist.barrier()
+    return (time.perf_counter() - start) / args.steps
+
+
+def run(args, tp, pp, dp, micro, world, threads) -> float:
+    return max(run_ranks(_step_seconds, world, args, tp, pp, dp, micro, threads, timeout=args.timeout))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=8, help="global batch (divisible by 4)")
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--layouts", default="TP2,DP2,PP2")
+    ap.add_argument("--timeout", type=float, default=900.0)
+    args = ap.parse_args(argv)
+    if args.batch % 4:
+        raise SystemExit(f"--batch {args.batch} must be divisible by 4 (DP 2 x 2 and PP 2 x 4 micro-batches)")
+
+    print(f"Scaling, fp32: layers {args.layers}, hidden {args.hidden}, heads {args.heads}, seq {args.seq}, "
+          f"global batch {args.batch}, vocab {args.vocab}; {args.steps} steps x {args.rounds} rounds; "
+          f"{load_average()}")
+    print(f"{'layout':<8}{'micro-batch':>12}{'1p x 1t s/step':>18}{'1p x 2t s/step':>18}"
+          f"{'2p x 1t s/step':>18}{'efficiency':>20}{'2t speedup':>12}")
+    for name in args.layouts.split(","):
+        tp, pp, dp, micro = LAYOUTS[name]
+        one_thread, two_threads, layout = [], [], []
+        for _ in range(args.rounds):
+            two_threads.append(run(args, 1, 1, 1, dp * micro, 1, 2))
+            layout.append(run(args, tp, pp, dp, micro, 2, 1))
+            one_thread.append(run(args, 1, 1, 1, dp * micro, 1, 1))
+        efficiency = [r / t for r, t in zip(two_threads, layout)]
+        speedup = statistics.median(one_thread) / statistics.median(two_threads)
+        print(f"{name:<8}{args.batch // (dp * micro):>12}{fmt_spread(one_thread, 3):>18}"
+              f"{fmt_spread(two_threads, 3):>18}{fmt_spread(layout, 3):>18}{fmt_spread(efficiency, 2):>20}"
+              f"{speedup:>12.2f}")
+    print(f"after: {load_average()}")
+
+
+if __name__ == "__main__":
+    main()

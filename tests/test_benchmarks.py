@@ -1,0 +1,61 @@
+"""Each benchmark script runs with its smallest flags, exits 0 and prints its table (no timings
+are asserted: benchmarks measure, tests do not)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_GPT = ["--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--vocab", "128"]
+
+
+def run_script(name: str, *flags: str) -> str:
+    result = subprocess.run([sys.executable, f"benchmarks/{name}", *flags], cwd=ROOT, capture_output=True,
+                            text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return result.stdout
+
+
+@pytest.mark.timeout(300)
+def test_step_throughput_prints_every_implementation_and_precision():
+    out = run_script("step_throughput.py", *TINY_GPT, "--batch", "2", "--steps", "1", "--rounds", "2",
+                     "--warmup", "1")
+    assert "tokens/s med [min-max]" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("fp32", "bf16"))]
+    names = {(row[0], row[-5]) for row in rows}
+    for precision in ("fp32", "bf16"):
+        for impl in ("megafab", "torch", "hf"):
+            assert (precision, impl) in names, out
+    torch_rows = [row for row in rows if row[-5] == "torch"]
+    assert all(row[-2] == "1.00" for row in torch_rows), out  # the baseline's ratio to itself
+
+
+@pytest.mark.timeout(300)
+def test_scaling_prints_an_efficiency_per_layout():
+    out = run_script("scaling.py", "--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "16",
+                     "--vocab", "128", "--batch", "4", "--steps", "1", "--warmup", "1", "--rounds", "1")
+    assert "efficiency" in out
+    for layout in ("TP2", "DP2", "PP2"):
+        row = next(line for line in out.splitlines() if line.startswith(layout))
+        assert float(row.split()[-2]) > 0, row
+
+
+@pytest.mark.timeout(300)
+def test_memory_prints_measured_and_planned_bytes():
+    out = run_script("memory.py", *TINY_GPT, "--batch", "2")
+    rows = {line[:24].strip(): line[24:].split() for line in out.splitlines() if line.startswith("DP2")}
+    assert set(rows) == {"DP2", "DP2 dist-opt", "DP2 recompute", "DP2 dist-opt recompute"}, out
+    # the distributed optimizer halves the optimizer state on each of the 2 ranks
+    assert float(rows["DP2 dist-opt"][2]) < float(rows["DP2"][2]), out
+
+
+@pytest.mark.timeout(300)
+def test_data_throughput_prints_its_three_tables():
+    out = run_script("data_throughput.py", "--index-tokens", "1000000", "--seq", "128", "--loader-samples",
+                     "64", "--rounds", "1", "--max-docs", "20")
+    assert "preprocess_data.py" in out and "GPTDataset index build" in out and "Data loader" in out
+    worker_rows = [line.split()[0] for line in out.splitlines()
+                   if line[:1].isdigit() and len(line.split()) >= 3]
+    assert {"1", "2", "0"} <= set(worker_rows), out
