@@ -27,6 +27,16 @@ def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return x
 
 
+def _single_rank_forward(flat: torch.Tensor, target: torch.Tensor, label_smoothing: float):
+    """One rank holds the whole vocabulary: one fused log_softmax pass over [n, V] instead of the
+    max / subtract / exp / sum / divide passes (each a fresh [n, V] on the CPU) the collectives need."""
+    log_probs = torch.log_softmax(flat, dim=-1)  # [n, V]
+    loss = -log_probs.gather(1, target.unsqueeze(1)).squeeze(1)
+    if label_smoothing > 0.0:
+        loss = (1.0 - label_smoothing) * loss - label_smoothing * log_probs.mean(dim=-1)
+    return loss, log_probs.exp_()  # the softmax, in place
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, label_smoothing):
@@ -36,6 +46,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         start = group_rank(group) * part
         flat = logits.reshape(-1, part).to(compute_dtype)  # [n, V/tp], a new tensor when upcast
         flat_target = target.reshape(-1)
+        if group_size(group) == 1:
+            loss, softmax = _single_rank_forward(flat, flat_target, label_smoothing)
+            local_target, outside = flat_target, torch.zeros_like(flat_target, dtype=torch.bool)
+            ctx.save_for_backward(softmax, local_target, outside)
+            ctx.label_smoothing, ctx.vocab, ctx.logits_dtype = label_smoothing, vocab, logits.dtype
+            ctx.logits_shape = logits.shape
+            return loss.view(target.shape)
 
         row_max = _all_reduce(flat.max(dim=-1).values, group, dist.ReduceOp.MAX)
         shifted = flat - row_max.unsqueeze(-1)  # out of place: the caller's logits stay intact

@@ -190,6 +190,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)  # [s, b, in] -> [s, b, in/tp]
+        if group_size(self.tp_group) == 1 and not self.skip_bias_add:
+            return F.linear(x, self.weight, self.bias), None  # nothing to reduce: bias fused (addmm)
         partial = F.linear(x, self.weight)  # [s, b, out], a partial sum on each rank
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)  # [s/tp, b, out]
