@@ -90,8 +90,8 @@ def main(argv=None):
     print(f"Scaling, fp32: layers {args.layers}, hidden {args.hidden}, heads {args.heads}, seq {args.seq}, "
           f"global batch {args.batch}, vocab {args.vocab}; {args.steps} steps x {args.rounds} rounds; "
           f"{load_average()}")
-    print(f"{'layout':<8}{'micro-batch':>12}{'1p x 1t s/step':>18}{'1p x 2t s/step':>18}"
-          f"{'2p x 1t s/step':>18}{'efficiency':>20}{'2t speedup':>12}")
+    print(f"{'layout':<8}{'micro-batch':>12}{'1p x 1t s/step':>24}{'1p x 2t s/step':>24}"
+          f"{'2p x 1t s/step':>24}{'efficiency':>20}{'2t speedup':>12}")
     for name in args.layouts.split(","):
         tp, pp, dp, micro = LAYOUTS[name]
         one_thread, two_threads, layout = [], [], []
@@ -101,8 +101,8 @@ def main(argv=None):
             one_thread.append(run(args, 1, 1, 1, dp * micro, 1, 1))
         efficiency = [r / t for r, t in zip(two_threads, layout)]
         speedup = statistics.median(one_thread) / statistics.median(two_threads)
-        print(f"{name:<8}{args.batch // (dp * micro):>12}{fmt_spread(one_thread, 3):>18}"
-              f"{fmt_spread(two_threads, 3):>18}{fmt_spread(layout, 3):>18}{fmt_spread(efficiency, 2):>20}"
+        print(f"{name:<8}{args.batch // (dp * micro):>12}{fmt_spread(one_thread, 3):>24}"
+              f"{fmt_spread(two_threads, 3):>24}{fmt_spread(layout, 3):>24}{fmt_spread(efficiency, 2):>20}"
               f"{speedup:>12.2f}")
     print(f"after: {load_average()}")
 
