@@ -77,6 +77,7 @@ step "4/7 train: TP 2 x PP 2 x DP 2 on 8 gloo processes, $ITERS iterations, $PRE
 TRAIN_FLAGS=(
     --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
     --sequence-parallel --use-distributed-optimizer --distributed-backend gloo
+    --num-workers 0  # loader workers cost more than they save for these small samples on CPU
     --num-layers 4 --hidden-size 256 --num-attention-heads 8
     --seq-length 128 --max-position-embeddings 128
     --micro-batch-size 8 --global-batch-size 32 --train-iters "$ITERS"

@@ -68,8 +68,10 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 60.0, env: dict | Non
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="megafab-ranks-") as tmp:
         store = os.path.join(tmp, "store")
+        # Not daemonic: ranks may start their own children (DataLoader workers); the finally
+        # below kills whatever is still alive.
         procs = [ctx.Process(target=_child, args=(fn, r, world_size, store, timeout, env or {},
-                                                  args, kwargs, results), daemon=True)
+                                                  args, kwargs, results))
                  for r in range(world_size)]
         for p in procs:
             p.start()

@@ -45,4 +45,4 @@ def build_data_iterators(cfg, topo, consumed_train_samples: int, tokenizer=None)
         test_data_path=d.test_data_path, barrier=dist.barrier, is_builder=topo.rank == 0)
     consumed = [consumed_train_samples, 0, 0]
     return tuple(build_data_iterator(ds, consumed[i], t.micro_batch_size, topo.dp_rank, topo.dp,
-                                     num_workers=0) for i, ds in enumerate(datasets))
+                                     num_workers=d.num_workers) for i, ds in enumerate(datasets))

@@ -14,7 +14,7 @@ from tests.training.launch import ROOT, free_port, losses, torchrun
 
 # NullTokenizer adds an eod id: 127 + 1 = 128 pads to 128 at TP 1, 2 and 4 alike.
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-        "--micro-batch-size", "1", "--mock-data", "--vocab-size", "127",
+        "--micro-batch-size", "1", "--num-workers", "0", "--mock-data", "--vocab-size", "127",
         "--make-vocab-size-divisible-by", "32", "--lr", "1e-2", "--lr-warmup-iters", "1",
         "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1"]
 
