@@ -29,11 +29,12 @@ from megafab.distributed.random import RNGStatesTracker, model_parallel_seed  # 
 from megafab.distributed.topology import build_topology  # noqa: E402
 from megafab.model.te import te_available  # noqa: E402
 from megafab.training.build import TrainState, build_model, build_optimizer, build_scheduler  # noqa: E402
+from megafab.training.flops import PEAK_TFLOPS as FLOPS_TABLE  # noqa: E402
 from megafab.training.flops import flops_per_iteration  # noqa: E402
 from megafab.training.planner import plan  # noqa: E402
 from megafab.training.step import train_step  # noqa: E402
 
-PEAK_TFLOPS = 989.0  # H100/H200 dense bf16
+PEAK_TFLOPS = FLOPS_TABLE["H200"]  # H100/H200 dense bf16, as the training log uses
 
 
 def parse(argv=None):

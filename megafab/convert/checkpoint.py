@@ -22,7 +22,14 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from megafab.config import Config
 from megafab.convert.state_dict import WORD_EMBEDDING, ConversionError, finalize_model_config
 from megafab.training.checkpoint_io import SafeFileSystemReader, read_metadata
-from megafab.training.checkpointing import COMMON, FORMAT_VERSION, TRACKER, iteration_dir, latest_iteration
+from megafab.training.checkpointing import (
+    COMMON,
+    FORMAT_VERSION,
+    TRACKER,
+    commit_checkpoint,
+    iteration_dir,
+    latest_iteration,
+)
 
 MODEL_PREFIX = "model."
 
@@ -86,9 +93,5 @@ def write_checkpoint(save_dir: str, sd: dict[str, torch.Tensor], cfg: Config, it
               "layout": {"world_size": 1, "tp": 1, "pp": 1, "dp": 1, "vpp": 1}, "config": cfg.to_flat()}
     with open(os.path.join(tmp, COMMON), "w") as f:
         json.dump(common, f, indent=1, default=str)
-    shutil.rmtree(final, ignore_errors=True)
-    os.rename(tmp, final)
-    with open(os.path.join(save_dir, TRACKER + ".tmp"), "w") as f:
-        f.write(str(iteration))
-    os.replace(os.path.join(save_dir, TRACKER + ".tmp"), os.path.join(save_dir, TRACKER))
+    commit_checkpoint(save_dir, iteration)  # the training saver's rename + tracker, same guarantees
     return final

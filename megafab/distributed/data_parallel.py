@@ -34,17 +34,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megafab.config import default_bucket_size
+
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class DataParallelConfigError(ValueError):
     """A data-parallel setting that cannot work; the message names the value and the fix."""
-
-
-def default_bucket_size(dp: int) -> int:
-    """Megatron's `--ddp-bucket-size` default in elements: max(40M, 1M x DP)."""
-    return max(40_000_000, 1_000_000 * dp)
 
 
 def main_grad_dtype(params: list[nn.Parameter], grad_dtype: torch.dtype | None) -> torch.dtype:

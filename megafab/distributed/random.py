@@ -139,7 +139,7 @@ def model_parallel_seed(seed: int, tp_rank: int, pp_rank: int, device, tracker: 
     return {"default": default_seed, DATA_PARALLEL_RNG: default_seed, MODEL_PARALLEL_RNG: tp_seed}
 
 
-def checkpoint_rng_state(tracker: RNGStatesTracker, device) -> dict:
+def checkpoint_rng_state(tracker: RNGStatesTracker | None, device) -> dict:
     """Snapshot of the CPU stream, the device stream and every tracker stream (all CPU tensors).
 
     Activation recompute restores it before re-running a forward so dropout draws the same masks.
@@ -147,13 +147,14 @@ def checkpoint_rng_state(tracker: RNGStatesTracker, device) -> dict:
     device = torch.device(device)
     return {"cpu": torch.get_rng_state(),
             "device": _DeviceRNG(device).get_state() if device.type == "cuda" else None,
-            "tracker": tracker.get_states()}
+            "tracker": tracker.get_states() if tracker is not None else None}
 
 
-def restore_rng_state(state: dict, tracker: RNGStatesTracker, device) -> None:
+def restore_rng_state(state: dict, tracker: RNGStatesTracker | None, device) -> None:
     """Put back a snapshot from checkpoint_rng_state."""
     device = torch.device(device)
     torch.set_rng_state(state["cpu"])
     if device.type == "cuda" and state["device"] is not None:
         _DeviceRNG(device).set_state(state["device"])
-    tracker.set_states(state["tracker"])
+    if tracker is not None:
+        tracker.set_states(state["tracker"])

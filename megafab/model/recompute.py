@@ -88,36 +88,19 @@ def layer_groups(num_layers: int, settings: RecomputeSettings) -> list[tuple[int
 @contextlib.contextmanager
 def _replay_rng(snapshot: dict, tracker, device):
     """During the recompute: the forward's RNG states; afterwards: the backward's again."""
-    current = _snapshot(tracker, device)
-    _restore(snapshot, tracker, device)
+    current = checkpoint_rng_state(tracker, device)
+    restore_rng_state(snapshot, tracker, device)
     try:
         yield
     finally:
-        _restore(current, tracker, device)
-
-
-def _snapshot(tracker, device) -> dict:
-    if tracker is not None:
-        return checkpoint_rng_state(tracker, device)
-    device = torch.device(device)
-    return {"cpu": torch.get_rng_state(),
-            "device": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
-
-
-def _restore(state: dict, tracker, device) -> None:
-    if tracker is not None:
-        restore_rng_state(state, tracker, device)
-        return
-    torch.set_rng_state(state["cpu"])
-    if state["device"] is not None:
-        torch.cuda.set_rng_state(state["device"], torch.device(device))
+        restore_rng_state(current, tracker, device)
 
 
 def recompute(fn, *args, tracker=None, device="cpu"):
     """fn(*args), keeping only the inputs for backward; the rest is recomputed with the same RNG."""
     if not torch.is_grad_enabled():
         return fn(*args)
-    snapshot = _snapshot(tracker, device)
+    snapshot = checkpoint_rng_state(tracker, device)
     return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False,
                       context_fn=lambda: (contextlib.nullcontext(), _replay_rng(snapshot, tracker, device)))
 

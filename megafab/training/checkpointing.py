@@ -105,7 +105,7 @@ def _test_pause(iteration: int) -> None:
         time.sleep(float(spec.split(":")[1]))
 
 
-def _commit(root: str, iteration: int) -> None:
+def commit_checkpoint(root: str, iteration: int) -> None:
     """Rank 0: make the temporary directory the checkpoint, then point the tracker at it."""
     final, tmp = iteration_dir(root, iteration), iteration_dir(root, iteration) + ".tmp"
     old = final + ".old"
@@ -147,7 +147,7 @@ def save_checkpoint(state) -> str:
         _test_pause(iteration)
     dist.barrier()
     if topo.rank == 0:
-        _commit(root, iteration)
+        commit_checkpoint(root, iteration)
     dist.barrier()
     _print0(topo, f"saved checkpoint at iteration {iteration:7d} to {root} "
                   f"({time.time() - start:.1f} s)")
@@ -157,7 +157,7 @@ def save_checkpoint(state) -> str:
 # ---- load ----------------------------------------------------------------------------------------
 def _checkpoint_path(root: str, iteration: int) -> str:
     path = iteration_dir(root, iteration)
-    if not os.path.isdir(path) and os.path.isdir(path + ".old"):  # killed mid re-save (_commit)
+    if not os.path.isdir(path) and os.path.isdir(path + ".old"):  # killed mid re-save (commit_checkpoint)
         return path + ".old"
     if not os.path.isdir(path):
         raise CheckpointError(f"{os.path.join(root, TRACKER)} names iteration {iteration} but {path} does "

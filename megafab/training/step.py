@@ -31,10 +31,6 @@ def gpt_forward_step(data_iterator, model):
     return output, functools.partial(loss_func, batch["loss_mask"])
 
 
-def _unwrap(chunk):
-    return getattr(chunk, "module", chunk)
-
-
 def run_schedule(state, data_iterator, forward_only: bool) -> list:
     cfg, topo = state.cfg, state.topology
     p, t, m = cfg.parallel, cfg.training, cfg.model

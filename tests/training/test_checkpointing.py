@@ -68,11 +68,11 @@ def test_commit_renames_then_points_the_tracker(tmp_path):
     root = str(tmp_path)
     for it in (5, 10):
         os.makedirs(checkpointing.iteration_dir(root, it) + ".tmp")
-        checkpointing._commit(root, it)
+        checkpointing.commit_checkpoint(root, it)
     assert checkpointing.latest_iteration(root) == 10
     os.makedirs(checkpointing.iteration_dir(root, 10) + ".tmp")  # re-save of the same iteration
     open(checkpointing.iteration_dir(root, 10) + ".tmp/new", "w").close()
-    checkpointing._commit(root, 10)
+    checkpointing.commit_checkpoint(root, 10)
     assert sorted(os.listdir(root)) == ["iter_0000005", "iter_0000010", checkpointing.TRACKER]
     assert os.listdir(checkpointing.iteration_dir(root, 10)) == ["new"]
 
