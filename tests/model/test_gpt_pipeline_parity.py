@@ -10,19 +10,18 @@ from megafab.distributed.pipeline import get_forward_backward_func
 from megafab.distributed.topology import build_topology
 from megafab.model.gpt import WORD_EMBEDDING, build_model_chunks, masked_mean_loss
 from tests.harness import run_ranks
-from tests.model.tiny import GPT2_STYLE, LLAMA_STYLE, batch, context, full_grad, reference_model, tiny_config
+from tests.model.tiny import (
+    GPT2_STYLE,
+    LLAMA_STYLE,
+    batch,
+    context,
+    forward_step,
+    full_grad,
+    reference_model,
+    tiny_config,
+)
 
 MICRO_BATCHES = 4
-
-
-def _loss_func(mask, per_token_loss):
-    loss = masked_mean_loss(per_token_loss, mask)
-    return loss, {"lm loss": loss.detach()}
-
-
-def _forward_step(data_iterator, model):
-    tokens, labels, mask = next(data_iterator)
-    return model(tokens, labels=labels), functools.partial(_loss_func, mask)
 
 
 def _reference(cfg, batches):
@@ -43,7 +42,7 @@ def _pipeline_parity(rank, world, layouts):
         chunks = build_model_chunks(cfg, context(tp_group, sp), pp, topo.pp_rank, vpp)
         schedule = get_forward_backward_func(pp, vpp)
         logs = schedule(
-            forward_step_func=_forward_step, data_iterator=[iter(batches) for _ in chunks],
+            forward_step_func=forward_step, data_iterator=[iter(batches) for _ in chunks],
             model=chunks if vpp > 1 else chunks[0], num_microbatches=MICRO_BATCHES,
             seq_length=cfg.seq_length, micro_batch_size=2, hidden_size=cfg.hidden_size, topology=topo,
             dtype=torch.float64, sequence_parallel=sp,

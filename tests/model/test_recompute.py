@@ -19,6 +19,7 @@ from tests.model.tiny import (
     LLAMA_STYLE,
     batch,
     context,
+    forward_step,
     full_grad,
     reduce_sequence_parallel_grads,
     reference_model,
@@ -116,16 +117,6 @@ def test_recompute_under_tp2_and_sequence_parallel_equals_single_process():
     assert checked[0] == list(SETTINGS) * 2
 
 
-def _loss_func(mask, per_token_loss):
-    loss = masked_mean_loss(per_token_loss, mask)
-    return loss, {"lm loss": loss.detach()}
-
-
-def _forward_step(data_iterator, model):
-    tokens, labels, mask = next(data_iterator)
-    return model(tokens, labels=labels), functools.partial(_loss_func, mask)
-
-
 def _pp_recompute(rank, world):
     topo = build_topology(pp=world)
     ref_cfg = tiny_config(pp=world).model
@@ -139,7 +130,7 @@ def _pp_recompute(rank, world):
         cfg = tiny_config(pp=world, **settings).model
         chunk = build_model_chunks(cfg, context(), world, topo.pp_rank)[0]
         logs = get_forward_backward_func(world, 1)(
-            forward_step_func=_forward_step, data_iterator=iter(batches), model=chunk, num_microbatches=4,
+            forward_step_func=forward_step, data_iterator=iter(batches), model=chunk, num_microbatches=4,
             seq_length=cfg.seq_length, micro_batch_size=2, hidden_size=cfg.hidden_size, topology=topo,
             dtype=torch.float64, finalize_model_grads_func=functools.partial(
                 finalize_model_grads, topology=topo, sequence_parallel=False))

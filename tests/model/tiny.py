@@ -1,11 +1,13 @@
 """Tiny GPT configurations and gradient gathering shared by the model and pipeline parity tests."""
 
+import functools
+
 import torch
 import torch.distributed as dist
 
 from megafab.config import Config
 from megafab.distributed.layers import join_partitions
-from megafab.model.gpt import GPTModel
+from megafab.model.gpt import GPTModel, masked_mean_loss
 from megafab.model.transformer import LayerContext
 
 GPT2_STYLE = dict(position_embedding_type="learned_absolute", normalization="LayerNorm", swiglu=False,
@@ -58,3 +60,15 @@ def reduce_sequence_parallel_grads(model, tp_group):
     for p in model.parameters():
         if getattr(p, "sequence_parallel", False) and p.grad is not None:
             dist.all_reduce(p.grad, group=tp_group)
+
+
+def loss_func(mask, per_token_loss):
+    """Megatron's loss_func for test schedules: masked mean and its log."""
+    loss = masked_mean_loss(per_token_loss, mask)
+    return loss, {"lm loss": loss.detach()}
+
+
+def forward_step(data_iterator, model):
+    """forward_step_func over an iterator of (tokens, labels, mask) micro-batches."""
+    tokens, labels, mask = next(data_iterator)
+    return model(tokens, labels=labels), functools.partial(loss_func, mask)
