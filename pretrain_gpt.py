@@ -6,27 +6,29 @@
 import sys
 
 from megafab.arguments import config_or_exit
+from megafab.errors import exit_on_user_error
 
 
 def main(argv=None):
-    cfg = config_or_exit(argv)
-    if cfg.training.dry_run:  # the plan only: no process group, no tensors
-        from megafab.training.planner import format_plan, plan
+    with exit_on_user_error():
+        cfg = config_or_exit(argv)
+        if cfg.training.dry_run:  # the plan only: no process group, no tensors
+            from megafab.training.planner import format_plan, plan
 
-        if cfg.model.padded_vocab_size is None:
-            if cfg.data.tokenizer_type is None:
-                print("megafab: error: --dry-run needs the vocabulary size: give --vocab-size or the "
-                      "tokenizer flags (--tokenizer-type ...)", file=sys.stderr)
-                return 2
-            from megafab.training.data_setup import attach_tokenizer
+            if cfg.model.padded_vocab_size is None:
+                if cfg.data.tokenizer_type is None:
+                    print("megafab: error: --dry-run needs the vocabulary size: give --vocab-size or the "
+                          "tokenizer flags (--tokenizer-type ...)", file=sys.stderr)
+                    return 2
+                from megafab.training.data_setup import attach_tokenizer
 
-            attach_tokenizer(cfg)
+                attach_tokenizer(cfg)
 
-        print(format_plan(cfg, plan(cfg)))
-        return 0
-    from megafab.training.pretrain import pretrain
+            print(format_plan(cfg, plan(cfg)))
+            return 0
+        from megafab.training.pretrain import pretrain
 
-    return pretrain(cfg)
+        return pretrain(cfg)
 
 
 if __name__ == "__main__":

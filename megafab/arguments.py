@@ -11,7 +11,8 @@ import argparse
 import sys
 
 from megafab.config import Config, ConfigError
-from megafab.distributed.topology import read_launch_env
+from megafab.errors import MegafabError
+from megafab.launch import read_launch_env
 
 # Megatron flags megafab knows but does not implement. Values that mean "feature off" pass.
 UNSUPPORTED = {
@@ -62,7 +63,7 @@ ACCEPTED_NO_OPS = ["--use-mcore-models", "--use-flash-attn", "--no-masked-softma
                    "--masked-softmax-fusion", "--no-rope-fusion", "--use-checkpoint-opt_param-scheduler"]
 
 
-class UnsupportedFlagError(ValueError):
+class UnsupportedFlagError(MegafabError):
     pass
 
 

@@ -13,8 +13,10 @@ import os
 import warnings
 from dataclasses import dataclass, field
 
+from megafab.errors import MegafabError
 
-class ConfigError(ValueError):
+
+class ConfigError(MegafabError):
     """Every problem found in a configuration, one per line."""
 
     def __init__(self, problems: list[str]):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from megafab.config import Config, ModelConfig, pad_vocab_size, swiglu_ffn_size
+from megafab.errors import MegafabError
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 POSITION_EMBEDDING = "embedding.position_embeddings.weight"
@@ -18,7 +19,7 @@ FINAL_NORM = "decoder.final_layernorm"
 OUTPUT_LAYER = "output_layer.weight"
 
 
-class ConversionError(ValueError):
+class ConversionError(MegafabError):
     """A model or file that cannot be converted; the message names the value, the rule and the fix."""
 
 

@@ -35,12 +35,13 @@ import torch.distributed as dist
 from torch import nn
 
 from megafab.config import default_bucket_size
+from megafab.errors import MegafabError
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class DataParallelConfigError(ValueError):
+class DataParallelConfigError(MegafabError):
     """A data-parallel setting that cannot work; the message names the value and the fix."""
 
 

@@ -31,11 +31,12 @@ from megafab.distributed.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from megafab.errors import MegafabError
 
 InitMethod = Callable[[torch.Tensor], object]
 
 
-class ParallelLayerError(ValueError):
+class ParallelLayerError(MegafabError):
     """A layer configuration that cannot be built; the message names the value and the fix."""
 
 

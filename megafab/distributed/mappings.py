@@ -26,12 +26,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megafab.errors import MegafabError
+
 # torch renamed the single-tensor collectives; the old names still work but warn.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-class ShardingError(ValueError):
+class ShardingError(MegafabError):
     """A tensor that cannot be split evenly over the parallel group."""
 
 

@@ -24,12 +24,13 @@ import torch
 import torch.distributed as dist
 
 from megafab.distributed.topology import Topology
+from megafab.errors import MegafabError
 
 FORWARD_TAG = 1  # activations, stage r -> r+1
 BACKWARD_TAG = 2  # activation gradients, stage r+1 -> r
 
 
-class PipelineShapeError(ValueError):
+class PipelineShapeError(MegafabError):
     """The pipeline tensor shape cannot be derived from the given sizes."""
 
 

@@ -16,8 +16,10 @@ from collections.abc import Callable
 import torch
 from torch.autograd.variable import Variable
 
+from megafab.errors import MegafabError
 
-class PipelineScheduleError(ValueError):
+
+class PipelineScheduleError(MegafabError):
     """A schedule that cannot run with the given arguments; the message names the fix."""
 
 

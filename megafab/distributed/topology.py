@@ -1,4 +1,5 @@
-"""The parallel grid: world -> (tp, dp, pp) ranks, process groups, device and backend.
+"""The parallel grid: world -> (tp, dp, pp) ranks and process groups (the launch environment,
+device and backend come from megafab.launch).
 
 Rank order is tp-dp-pp with TP fastest, Megatron's default:
 
@@ -16,15 +17,16 @@ One Topology per process, made once at initialize and passed to whatever needs g
 from __future__ import annotations
 
 import datetime
-import os
-import re
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from megafab.errors import MegafabError
+from megafab.launch import pick_device_and_backend, read_launch_env
 
-class TopologyError(ValueError):
+
+class TopologyError(MegafabError):
     """A parallel layout that cannot be built; the message names every problem."""
 
 
@@ -68,63 +70,6 @@ def all_group_ranks(world_size: int, tp: int, pp: int) -> dict[str, list[list[in
     embedding_groups = [sorted({g[0], g[-1]}) for g in pp_groups]
     return {"tp": tp_groups, "dp": dp_groups, "pp": pp_groups, "mp": mp_groups,
             "tp_dp": tp_dp_groups, "embedding": embedding_groups}
-
-
-@dataclass
-class LaunchEnv:
-    """Where this process sits in the job, read from torchrun or SLURM variables."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    master_addr: str
-    master_port: int
-    launcher: str  # "torchrun", "slurm" or "single"
-
-
-def first_slurm_host(nodelist: str) -> str:
-    """First host of a SLURM node list: 'gpu[003-005,9],cpu1' -> 'gpu003'."""
-    nodelist = nodelist.strip()
-    m = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist)
-    if not m:
-        raise ValueError(f"cannot read SLURM node list {nodelist!r}")
-    prefix, bracket = m.group(1), m.group(3)
-    if bracket is None:
-        return prefix
-    first = bracket.split(",")[0].split("-")[0]
-    return prefix + first
-
-
-def read_launch_env(env: dict[str, str] | None = None, default_port: int = 29500) -> LaunchEnv:
-    """torchrun's RANK/WORLD_SIZE/LOCAL_RANK first; else srun's SLURM_* variables; else 1 process."""
-    env = dict(os.environ if env is None else env)
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return LaunchEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
-                         env.get("MASTER_ADDR", "127.0.0.1"),
-                         int(env.get("MASTER_PORT", default_port)), "torchrun")
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        addr = env.get("MASTER_ADDR") or first_slurm_host(
-            env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1")
-        # A port derived from the job id lets two jobs share a node without colliding.
-        port = env.get("MASTER_PORT")
-        if port is None:
-            job = env.get("SLURM_JOB_ID", "0")
-            port = 10000 + int(job[-4:]) if job[-4:].isdigit() else default_port
-        return LaunchEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]),
-                         int(env.get("SLURM_LOCALID", 0)), addr, int(port), "slurm")
-    return LaunchEnv(0, 1, 0, env.get("MASTER_ADDR", "127.0.0.1"),
-                     int(env.get("MASTER_PORT", default_port)), "single")
-
-
-def pick_device_and_backend(local_rank: int, backend: str | None = None) -> tuple[torch.device, str]:
-    """cuda:LOCAL_RANK + nccl when CUDA is present, cpu + gloo otherwise; backend overrides."""
-    if torch.cuda.is_available() and backend != "gloo":
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        return device, backend or "nccl"
-    if backend == "nccl":
-        raise TopologyError("--distributed-backend nccl needs CUDA GPUs, and none is visible; "
-                            "use --distributed-backend gloo to run on CPU")
-    return torch.device("cpu"), backend or "gloo"
 
 
 @dataclass

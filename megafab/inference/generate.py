@@ -7,11 +7,12 @@ from dataclasses import dataclass
 
 import torch
 
+from megafab.errors import MegafabError
 from megafab.inference.kv_cache import KVCache, causal_mask
 from megafab.inference.sampling import sample_next
 
 
-class GenerationError(ValueError):
+class GenerationError(MegafabError):
     """A generation request the model cannot serve; the message names the value and the fix."""
 
 

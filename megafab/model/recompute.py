@@ -23,11 +23,12 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from megafab.distributed.random import checkpoint_rng_state, restore_rng_state
+from megafab.errors import MegafabError
 
 SUPPORTED_MODULES = ("core_attn",)
 
 
-class RecomputeConfigError(ValueError):
+class RecomputeConfigError(MegafabError):
     pass
 
 

@@ -31,6 +31,7 @@ from torch import nn
 
 from megafab.distributed.layers import partition_of
 from megafab.distributed.mappings import group_rank, group_size
+from megafab.errors import MegafabError
 from megafab.model.init import normal_init, output_layer_std
 from megafab.model.recompute import RecomputeSettings
 from megafab.model.transformer import TransformerLayer, apply_rotary
@@ -46,7 +47,7 @@ _NAME_PAIRS = [  # (local suffix, TE suffix) inside decoder.layers.N.
 _LAYER = re.compile(r"^(.*decoder\.layers\.\d+\.)(.+)$")
 
 
-class TransformerEngineError(ValueError):
+class TransformerEngineError(MegafabError):
     """TE or FP8 was asked for where it cannot run."""
 
 

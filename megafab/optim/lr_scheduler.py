@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import math
 
+from megafab.errors import MegafabError
+
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 WD_STYLES = ("constant", "linear", "cosine")
 
 
-class SchedulerConfigError(ValueError):
+class SchedulerConfigError(MegafabError):
     """A schedule setting that cannot work; the message names every problem."""
 
 

@@ -25,13 +25,14 @@ import torch
 from torch import nn
 
 from megafab.distributed.data_parallel import DistributedDataParallel
+from megafab.errors import MegafabError
 from megafab.optim import clip_grads
 from megafab.optim.grad_scaler import ConstantGradScaler
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-class OptimizerConfigError(ValueError):
+class OptimizerConfigError(MegafabError):
     """An optimizer setting that cannot work; the message names the value, the rule and the fix."""
 
 

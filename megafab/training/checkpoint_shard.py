@@ -10,8 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
+from megafab.errors import MegafabError
 
-class CheckpointError(ValueError):
+
+class CheckpointError(MegafabError):
     """A checkpoint that cannot be loaded here; the message names the key/file, the rule and the fix."""
 
 

@@ -5,10 +5,9 @@ from megafab.distributed.topology import (
     TopologyError,
     all_group_ranks,
     build_topology,
-    first_slurm_host,
     grid_rank,
-    read_launch_env,
 )
+from megafab.launch import first_slurm_host, read_launch_env
 from tests.harness import RankFailure, RankTimeout, run_ranks
 
 

@@ -1,0 +1,43 @@
+import subprocess
+import sys
+
+import pytest
+
+from megafab.config import ConfigError
+from megafab.data.errors import DataError
+from megafab.errors import MegafabError, exit_on_user_error, should_print
+from megafab.training.checkpoint_shard import CheckpointError
+
+
+def test_user_errors_share_one_base():
+    for cls in (ConfigError, DataError, CheckpointError):
+        assert issubclass(cls, MegafabError)
+
+
+def test_only_rank_zero_prints_an_error_every_rank_sees():
+    shared = MegafabError("bad flag")
+    local = MegafabError("shard 3 is truncated", every_rank=False)
+    assert should_print(shared, rank=0) and not should_print(shared, rank=3)
+    assert should_print(local, rank=3)
+
+
+def test_user_error_exits_2_with_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info, exit_on_user_error(rank=0):
+        raise DataError("data.idx: truncated; re-run tools/preprocess_data.py")
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "megafab: error: data.idx: truncated; re-run tools/preprocess_data.py"
+
+
+def test_internal_bug_keeps_its_traceback():
+    with pytest.raises(KeyError), exit_on_user_error(rank=0):
+        raise KeyError("internal")
+
+
+def test_non_zero_rank_stays_silent_under_torchrun_env():
+    code = ("from megafab.errors import MegafabError, exit_on_user_error\n"
+            "with exit_on_user_error():\n    raise MegafabError('every rank sees this')\n")
+    out = [subprocess.run([sys.executable, "-c", code], env={"RANK": str(r), "PATH": ""},
+                          capture_output=True, text=True) for r in (0, 1)]
+    assert [o.returncode for o in out] == [2, 2]
+    assert "every rank sees this" in out[0].stderr and out[1].stderr == ""
