@@ -138,7 +138,7 @@ def pretrain(cfg) -> int:
     topo = state.topology
     print_rank_0(topo, f"megafab: {topo.world_size} process(es), tp {topo.tp} pp {topo.pp} dp {topo.dp}, "
                        f"{topo.device} / {topo.backend}")
-    for note in cfg.notes:
+    for note in cfg.start_up_notes():
         print_rank_0(topo, f"megafab: note: {note}")
     iterators = build_data_iterators(cfg, topo, state.consumed_train_samples, tokenizer)
     checkpointing.restore_pending_rng(state)
