@@ -16,6 +16,7 @@ from megafab.optim.distributed_optimizer import DistributedOptimizer
 from megafab.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megafab.optim.lr_scheduler import OptimizerParamScheduler
 from megafab.optim.mixed_precision import MixedPrecisionOptimizer
+from megafab.pipeline_split import PipelineSplit
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
@@ -62,7 +63,8 @@ def build_model(cfg, topo: Topology, tracker, dtype: torch.dtype | None = None) 
     ctx = LayerContext(topo.tp_group if topo.tp > 1 else None, cfg.parallel.sequence_parallel, dtype,
                        topo.device, cfg.training.seed, tracker, precision=cfg.precision)
     chunks = build_model_chunks(cfg.model, ctx, topo.pp, topo.pp_rank,
-                                cfg.parallel.virtual_pipeline_model_parallel_size or 1)
+                                cfg.parallel.virtual_pipeline_model_parallel_size or 1,
+                                PipelineSplit.from_config(cfg))
     p = cfg.parallel
     bucket = p.ddp_bucket_size if p.overlap_grad_reduce or p.use_distributed_optimizer else None
     return [DistributedDataParallel(c, dp_group=topo.dp_group, bucket_size=bucket,
