@@ -92,6 +92,16 @@ class GPTModel(nn.Module):
         if self.share_embeddings:
             for p in self.shared_embedding_params():
                 p.shared_embedding = True
+        for p in self.embedding_or_output_params():
+            p.is_embedding_or_output_parameter = True  # their own LR with --decoupled-lr
+
+    def embedding_or_output_params(self) -> list[nn.Parameter]:
+        """Megatron's is_embedding_or_output_parameter: word embedding (first stage), output layer
+        weight (last stage; the tied copy there too)."""
+        out = [self.embedding.word_embeddings.weight] if self.pre_process else []
+        if self.post_process and hasattr(self, "output_layer"):
+            out.append(self.output_layer.weight)
+        return out
 
     def shared_embedding_params(self) -> list[nn.Parameter]:
         """The tied word-embedding weights this chunk holds (first and/or last stage)."""

@@ -8,6 +8,7 @@ from megafab.config import pad_vocab_size
 from megafab.data.builder import build_gpt_datasets
 from megafab.data.samplers import build_data_iterator
 from megafab.data.tokenizers import build_tokenizer
+from megafab.training.batch_size import train_iterations
 
 
 def attach_tokenizer(cfg):
@@ -32,13 +33,11 @@ def sample_counts(cfg, train_iters: int) -> tuple[int, int, int]:
 
 
 def build_data_iterators(cfg, topo, consumed_train_samples: int, tokenizer=None):
-    from megafab.training.build import train_iters
-
     d, t = cfg.data, cfg.training
     tokenizer = tokenizer or attach_tokenizer(cfg)
     datasets = build_gpt_datasets(
         data_path=d.data_path, split=d.split or "969,30,1", seq_length=cfg.model.seq_length,
-        seed=t.seed, num_samples=sample_counts(cfg, train_iters(cfg)), tokenizer=tokenizer,
+        seed=t.seed, num_samples=sample_counts(cfg, train_iterations(cfg)), tokenizer=tokenizer,
         cache_path=d.data_cache_path, eod_mask_loss=d.eod_mask_loss,
         reset_position_ids=d.reset_position_ids, reset_attention_mask=d.reset_attention_mask,
         mock=d.mock_data, train_data_path=d.train_data_path, valid_data_path=d.valid_data_path,
