@@ -150,7 +150,8 @@ class GPTModel(nn.Module):
         logits = F.linear(x, self.output_weight())  # [s, b, V/tp]
         if labels is None:
             return logits
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.ctx.tp_group)  # [s, b]
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.ctx.tp_group,  # [s, b]
+                                            fused=self.cfg.cross_entropy_loss_fusion)
         return loss.t()  # [b, s]
 
 

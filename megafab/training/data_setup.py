@@ -41,7 +41,8 @@ def build_data_iterators(cfg, topo, consumed_train_samples: int, tokenizer=None)
         cache_path=d.data_cache_path, eod_mask_loss=d.eod_mask_loss,
         reset_position_ids=d.reset_position_ids, reset_attention_mask=d.reset_attention_mask,
         mock=d.mock_data, train_data_path=d.train_data_path, valid_data_path=d.valid_data_path,
-        test_data_path=d.test_data_path, barrier=dist.barrier, is_builder=topo.rank == 0)
+        test_data_path=d.test_data_path, barrier=dist.barrier, is_builder=topo.rank == 0,
+        mmap_bin_files=d.mmap_bin_files)
     consumed = [consumed_train_samples, 0, 0]
     return tuple(build_data_iterator(ds, consumed[i], t.micro_batch_size, topo.dp_rank, topo.dp,
                                      num_workers=d.num_workers) for i, ds in enumerate(datasets))
