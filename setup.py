@@ -27,10 +27,11 @@ setup(
         "tokenizers>=0.19",
     ],
     extras_require={
-        "dev": TEST_TOOLS + HF + ORACLE + DATA_INPUTS + ["tensorboard>=2.15", "matplotlib>=3.7"],
+        "dev": TEST_TOOLS + HF + ORACLE + DATA_INPUTS + ["tensorboard>=2.15", "matplotlib>=3.7", "tiktoken>=0.7"],
         "data": DATA_INPUTS,
         "hf": HF,
         "tensorboard": ["tensorboard>=2.15"],
+        "tiktoken": ["tiktoken>=0.7"],  # --tokenizer-type TikTokenizer
         "wandb": ["wandb>=0.17"],
         # Builds against CUDA; install on GPU machines only.
         "te": ["transformer-engine[pytorch]>=1.9"],

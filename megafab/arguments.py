@@ -173,7 +173,8 @@ def _data_flags(p):
     g.add_argument("--tokenizer-model")
     g.add_argument("--tiktoken-pattern", choices=["v1", "v2"])
     g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000)
-    g.add_argument("--tiktoken-special-tokens", nargs="+")
+    g.add_argument("--tokenizer-special-tokens", "--tiktoken-special-tokens", nargs="+",
+                   dest="tokenizer_special_tokens")
     g.add_argument("--eod-mask-loss", action="store_true")
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
@@ -335,7 +336,7 @@ def no_effect_flags(cfg: Config, given: set[str], argv: list[str]) -> list[str]:
         out.extend(f"--{n.replace('_', '-')} ({why})" for n in dests if n in given)
 
     if d.tokenizer_type != "TikTokenizer":
-        unused(["tiktoken_pattern", "tiktoken_num_special_tokens", "tiktoken_special_tokens"],
+        unused(["tiktoken_pattern", "tiktoken_num_special_tokens"],
                "only --tokenizer-type TikTokenizer reads it")
     if d.mock_data and "mmap_bin_files" in given:
         out.append("--no-mmap-bin-files (--mock-data reads no .bin files)")

@@ -261,8 +261,9 @@ class DataConfig:
     """TikTokenizer's pre-tokenization pattern: v1 or v2."""
     tiktoken_num_special_tokens: int = 1000
     """TikTokenizer: ids reserved for special tokens in front of the BPE ranks."""
-    tiktoken_special_tokens: list[str] | None = None
-    """TikTokenizer's named special tokens (must include <unk> <s> </s>); default those three."""
+    tokenizer_special_tokens: list[str] | None = None
+    """TikTokenizer's named special tokens, first in the id space (must include <unk> <s> </s>
+    <mask> <pad> <cls> <sep>, the default)."""
     eod_mask_loss: bool = False
     """Do not train on end-of-document tokens."""
     reset_position_ids: bool = False
@@ -758,6 +759,9 @@ def data_problems(cfg: Config) -> list[str]:
     elif needs_data or d.mock_data:
         if m.vocab_size is None:
             out.append("no tokenizer: give --tokenizer-type (or --vocab-size with --mock-data)")
+    if d.tokenizer_special_tokens and kind != "TikTokenizer":
+        out.append(f"--tokenizer-special-tokens is implemented for --tokenizer-type TikTokenizer only, not "
+                   f"{kind}; drop it")
     if d.tiktoken_pattern not in (None, "v1", "v2"):
         out.append(f"--tiktoken-pattern {d.tiktoken_pattern!r} is not v1 or v2")
     if d.reset_attention_mask and not d.create_attention_mask_in_dataloader:

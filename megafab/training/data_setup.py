@@ -15,7 +15,8 @@ def attach_tokenizer(cfg):
     """Build the tokenizer (no process group needed) and size the vocabulary from it."""
     d, m = cfg.data, cfg.model
     kind = d.tokenizer_type or "NullTokenizer"
-    tokenizer = build_tokenizer(kind, d.vocab_file, d.merge_file, d.tokenizer_model, m.vocab_size)
+    tokenizer = build_tokenizer(kind, d.vocab_file, d.merge_file, d.tokenizer_model, m.vocab_size,
+                                d.tiktoken_pattern, d.tiktoken_num_special_tokens, d.tokenizer_special_tokens)
     m.vocab_size = tokenizer.vocab_size
     m.padded_vocab_size = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by,
                                          cfg.parallel.tensor_model_parallel_size)
