@@ -4,7 +4,8 @@ Tensor keys (identical in every TP/PP/DP layout, so any layout loads any other):
     model.<name>                   the parameter, global shape, this rank's TP block
     optim.<name>.main_param        fp32 main copy (only when the model is bf16/fp16)
     optim.<name>.exp_avg / .exp_avg_sq   Adam moments, parameter-shaped (global shape)
-    optim.<name>.step              Adam's step count (0-d)
+    optim.<name>.momentum_buffer   SGD's momentum instead (--optimizer sgd, momentum > 0)
+    optim.<name>.step              Adam's step count (0-d; SGD keeps none, stored as 0)
 <name> is megatron-core's global parameter name (global layer numbers). A TP-sharded parameter
 with partition_stride s > 1 (SwiGLU's packed fc1 [gate; up], rank r holding [gate_r; up_r]) is
 stored under a view that puts the s blocks on a leading axis: [2*f/tp, h] -> [2, f/tp, h], global
@@ -35,7 +36,6 @@ from megafab.model.gpt import WORD_EMBEDDING
 from megafab.training.checkpoint_shard import Shard
 
 OUTPUT_LAYER = "output_layer.weight"
-ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def named_parameters(state) -> list[tuple[str, torch.nn.Parameter]]:
@@ -99,15 +99,17 @@ def _entries_by_param(optimizer) -> dict:
 
 
 def _full_blocks(state) -> dict[str, dict[str, torch.Tensor]]:
-    """Per parameter name: main_param (if a copy), exp_avg, exp_avg_sq (param-shaped TP blocks)
-    and step (0-d), assembled over DP when the optimizer holds only flat ranges."""
+    """Per parameter name: main_param (if a copy), the optimizer's moments (Adam exp_avg, exp_avg_sq;
+    SGD momentum_buffer) as param-shaped TP blocks and step (0-d), assembled over DP when the
+    optimizer holds only flat ranges."""
     opt, topo = state.optimizer, state.topology
     entries = _entries_by_param(opt)
     named = named_parameters(state)
     sharded = any(e.param_range is not None for e in opt.entries)
     dtype = opt.entries[0].main.dtype
     has_copy = any(e.is_copy for e in opt.entries)
-    kinds = ADAM_MOMENTS + (("main_param",) if has_copy else ())
+    moments = opt.state_keys
+    kinds = moments + (("main_param",) if has_copy else ())
     offsets, total = {}, 0
     for name, p in named:
         offsets[name] = total
@@ -121,8 +123,8 @@ def _full_blocks(state) -> dict[str, dict[str, torch.Tensor]]:
         lo, hi = e.param_range or (0, p.numel())
         base = offsets[name]
         adam = opt.optimizer.state.get(e.main, {})
-        for k in ADAM_MOMENTS:
-            if k in adam:
+        for k in moments:
+            if adam.get(k) is not None:
                 flat[k][base + lo:base + hi] = adam[k].reshape(-1)
         if has_copy:
             flat["main_param"][base + lo:base + hi] = e.main.reshape(-1)
@@ -163,7 +165,7 @@ def optimizer_shards_for_load(state, with_main: bool) -> tuple[dict[str, Shard],
         if e is None:
             continue
         key = stored_name(name, p)
-        kinds = ADAM_MOMENTS + (("main_param",) if (with_main and e.is_copy) else ())
+        kinds = opt.state_keys + (("main_param",) if (with_main and e.is_copy) else ())
         buffers = {}
         for kind in kinds + ("step",):
             full_key = f"optim.{key}.{kind}"
@@ -186,7 +188,7 @@ def _scalar_dtype(fused: bool) -> torch.dtype:
 
 @torch.no_grad()
 def apply_optimizer_blocks(state, plan: list) -> None:
-    """Keep this rank's flat range of every loaded block as its main param and Adam state."""
+    """Keep this rank's flat range of every loaded block as its main param and optimizer state."""
     opt = state.optimizer
     fused = bool(opt.optimizer.defaults.get("fused"))
     for e, buffers in plan:
@@ -194,10 +196,12 @@ def apply_optimizer_blocks(state, plan: list) -> None:
         ranged = {k: v.reshape(-1)[lo:hi].view(e.main.shape) for k, v in buffers.items() if k != "step"}
         if "main_param" in ranged:
             e.main.copy_(ranged["main_param"])
-        step_device = e.main.device if fused else torch.device("cpu")
-        opt.optimizer.state[e.main] = {
-            "step": torch.tensor(float(buffers["step"]), dtype=_scalar_dtype(fused), device=step_device),
-            **{k: ranged[k].clone() for k in ADAM_MOMENTS}}
+        loaded = {k: ranged[k].clone() for k in opt.state_keys}
+        if opt.optimizer_name == "adam":  # torch SGD keeps no step count
+            step_device = e.main.device if fused else torch.device("cpu")
+            loaded["step"] = torch.tensor(float(buffers["step"]), dtype=_scalar_dtype(fused),
+                                          device=step_device)
+        opt.optimizer.state[e.main] = loaded
 
 
 @torch.no_grad()
