@@ -1,23 +1,20 @@
 """Per-stage memory and FLOPs plan for Megatron flags, without starting any process.
 
-    python tools/estimate_memory.py --world-size 8 --tensor-model-parallel-size 2 \
+    megafab-estimate --world-size 8 --tensor-model-parallel-size 2 \
         --pipeline-model-parallel-size 2 --num-layers 24 --hidden-size 2048 --num-attention-heads 16 \
         --seq-length 2048 --vocab-size 50304 --micro-batch-size 4 --global-batch-size 64 --bf16 \
         --use-distributed-optimizer --gpu-memory-gb 80
 
-Formulas: megafab/training/planner.py.
+Formulas: megafab/training/planner.py. Also: python -m megafab.cli.estimate, python tools/estimate_memory.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megafab.arguments import config_or_exit  # noqa: E402
-from megafab.training.planner import format_plan, plan  # noqa: E402
+from megafab.arguments import config_or_exit
+from megafab.training.planner import format_plan, plan
 
 
 def split_args(argv):

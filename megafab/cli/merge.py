@@ -1,6 +1,7 @@
 """Merge every .bin/.idx dataset in a directory (sorted by name) into one; all must share a dtype.
 
-    python tools/merge_datasets.py --input data/parts --output-prefix data/all_text_document
+    megafab-merge --input data/parts --output-prefix data/all_text_document
+    (also: python -m megafab.cli.merge, python tools/merge_datasets.py)
 """
 
 from __future__ import annotations
@@ -10,12 +11,8 @@ import glob
 import os
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
-
-from megafab.data.errors import DataError  # noqa: E402
-from megafab.data.indexed_dataset import merge_datasets  # noqa: E402
+from megafab.data.errors import DataError
+from megafab.data.indexed_dataset import merge_datasets
 
 
 def prefixes_in(directory: str) -> list[str]:

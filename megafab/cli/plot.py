@@ -4,10 +4,10 @@ Reads Megatron-format training logs (the ` iteration N/ T | ... |` and ` validat
 iteration N | lm loss value: ...` lines, from megafab or Megatron-LM) or TensorBoard directories,
 and draws every run given on one figure so runs can be compared.
 
-    python tools/plot_logs.py runs/a/train.log runs/b/tensorboard --out compare.png \
-        --labels baseline "tp2 pp2"
+    megafab-plot runs/a/train.log runs/b/tensorboard --out compare.png --labels baseline "tp2 pp2"
+    (also: python -m megafab.cli.plot, python tools/plot_logs.py)
 
-Needs matplotlib (pip install matplotlib).
+Needs matplotlib (pip install 'megafab[plot]').
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ _VALIDATION = re.compile(
 # Megatron's "key: value" fields of the iteration line -> series name.
 _FIELDS = {"lm loss": "train_loss", "learning rate": "lr", "tokens per second": "tokens_per_sec",
            "throughput per GPU (TFLOP/s/GPU)": "tflops"}
-# TensorBoard tags written by megafab and by Megatron-LM -> series name (first tag found wins).
-_TB_TAGS = {"train_loss": ("lm loss",), "valid_loss": ("validation loss", "lm loss validation"),
+# TensorBoard tags -> series name (first tag found wins): Megatron-LM's tags, which megafab writes,
+# then those of megafab before it used Megatron's names.
+_TB_TAGS = {"train_loss": ("lm loss",), "valid_loss": ("lm loss validation", "validation loss"),
             "lr": ("learning-rate",), "tokens_per_sec": ("throughput/tokens-per-sec",),
-            "tflops": ("throughput/tflops", "throughput")}
+            "tflops": ("throughput", "throughput/tflops")}
 
 
 class PlotLogsError(ValueError):
@@ -122,7 +123,7 @@ def plot_runs(runs: list[Run], out: str, title: str | None = None) -> None:
     try:
         import matplotlib
     except ImportError as err:
-        raise PlotLogsError("tools/plot_logs.py needs matplotlib: pip install matplotlib") from err
+        raise PlotLogsError("plotting needs matplotlib: pip install matplotlib") from err
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

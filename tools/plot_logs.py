@@ -1,0 +1,12 @@
+"""Shim for Megatron habits: `python tools/plot_logs.py` runs megafab-plot
+(megafab/cli/plot.py)."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # a checkout, not installed
+
+from megafab.cli.plot import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())
