@@ -24,8 +24,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_util import build_state, gpt_flags, load_average, repeat_batch, synthetic_batch  # noqa: E402
-from benchmarks.pipeline_bubble import peak_cpu_bytes  # noqa: E402
+from benchmarks.bench_util import (  # noqa: E402
+    build_state,
+    gpt_flags,
+    load_average,
+    peak_cpu_bytes,
+    repeat_batch,
+    synthetic_batch,
+)
 from megafab.optim.memory import measure_memory  # noqa: E402
 from megafab.training.planner import plan  # noqa: E402
 from megafab.training.step import gpt_forward_step, train_step  # noqa: E402

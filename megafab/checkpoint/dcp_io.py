@@ -73,7 +73,18 @@ class _ShardSavePlanner(DefaultSavePlanner):
         return self.plan
 
     def lookup_object(self, index: MetadataIndex):
-        return self.views[(index.fqn, tuple(index.offset))]
+        return _exact_storage(self.views[(index.fqn, tuple(index.offset))])
+
+
+def _exact_storage(view: torch.Tensor) -> torch.Tensor:
+    """`view` on a storage of exactly its own bytes, sharing memory. DCP's writer clones a CPU tensor
+    whose storage is larger than itself (every box of a flat buffer) and keeps each written tensor
+    until the rank's file is closed: without this, a save would hold a copy of all it writes."""
+    storage = view.untyped_storage()
+    if view.device.type != "cpu" or not view.is_contiguous() or storage.nbytes() == view.nbytes:
+        return view
+    start = view.storage_offset() * view.element_size()
+    return torch.empty(0, dtype=view.dtype).set_(storage[start:start + view.nbytes], 0, view.shape)
 
 
 class _ShardLoadPlanner(DefaultLoadPlanner):
