@@ -15,6 +15,7 @@ from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
 from megafab.distributed.topology import build_topology
 from megafab.training.build import TrainState, build_model, build_optimizer, build_scheduler
 from megafab.training.step import train_step
+from tests.checkpoint.util import read_everything
 from tests.harness import run_ranks
 from tests.model.tiny import LLAMA_STYLE, batch, tiny_config
 
@@ -112,21 +113,13 @@ def _load_and_resave(rank, world, src, dst):
             state.optimizer.optimizer.state[entry.main]["exp_avg"].clone())
 
 
-def _read_everything(path):
-    metadata = dcp_io.read_metadata(path).state_dict_metadata
-    shards = {k: Shard.whole(torch.empty(tuple(md.size), dtype=md.properties.dtype))
-              for k, md in metadata.items()}
-    dcp_io.load_shards(shards, path)
-    return {k: s.views[0] for k, s in shards.items()}
-
-
 def test_tp2_dp2_state_loads_into_pp2_dp2_and_saves_back_bit_identical(tmp_path):
     """bf16 + distributed optimizer (fp32 main copies and Adam moments in flat DP ranges), SwiGLU,
     tied embeddings: TP2 x DP2 -> TP1 x PP2 x DP2 -> saved again: every tensor identical."""
     first, second = str(tmp_path / "a"), str(tmp_path / "b")
     run_ranks(_train_and_save, 4, first, timeout=180)
     tied = run_ranks(_load_and_resave, 4, first, second, timeout=180)
-    a, b = _read_everything(directory.iteration_dir(first, 2)), _read_everything(
+    a, b = read_everything(directory.iteration_dir(first, 2)), read_everything(
         directory.iteration_dir(second, 2))
     for weight, (lo, hi), exp_avg in tied[2:]:  # last stage, both DP ranks
         assert torch.equal(weight, a["model.embedding.word_embeddings.weight"])

@@ -5,72 +5,30 @@ vocabulary changes (real rows kept exactly, padding rows as initialization, zero
 import torch
 
 from megafab.checkpoint import checkpointing, dcp_io, directory
-from megafab.checkpoint.layout import Shard
-from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
-from megafab.distributed.topology import build_topology
-from megafab.training.build import TrainState, build_model, build_optimizer, build_scheduler
-from megafab.training.step import train_step
+from tests.checkpoint.util import make_state, read_everything, train
 from tests.harness import run_ranks
-from tests.model.tiny import GPT2_STYLE, LLAMA_STYLE, batch, tiny_config
-
-GLOBAL_BATCH = 4
-
-
-def _state(tp, dp, dist_opt, style=GPT2_STYLE, dtype=torch.float64, save=None, load=None, **overrides):
-    flat = dict(tp=tp, style=style, dp=dp, vocab_size=101, make_vocab_size_divisible_by=8,
-                micro_batch_size=1, global_batch_size=GLOBAL_BATCH, use_distributed_optimizer=dist_opt,
-                ddp_bucket_size=700, lr=1e-2, train_iters=10, bf16=dtype == torch.bfloat16, save=save,
-                load=load)
-    cfg = tiny_config(**{**flat, **overrides})
-    topo = build_topology(tp=tp)
-    tracker = RNGStatesTracker("cpu")
-    model_parallel_seed(1234, topo.tp_rank, topo.pp_rank, topo.device, tracker)
-    model = build_model(cfg, topo, tracker, dtype=dtype)
-    optimizer = build_optimizer(cfg, topo, model)
-    return TrainState(cfg, topo, tracker, model, optimizer, build_scheduler(cfg, optimizer))
-
-
-def _train(state, steps: int) -> list[float]:
-    """Global sample g of step s is batch(seed=1000 s + g) whatever the DP size."""
-    m = state.cfg.training.num_micro_batches
-    losses = []
-    for _ in range(steps):
-        s = state.iteration
-        mbs = []
-        for k in range(m):
-            tokens, labels, mask = batch(state.cfg.model, 1, seed=1000 * s + state.topology.dp_rank * m + k)
-            mbs.append({"tokens": tokens, "labels": labels, "loss_mask": mask})
-        losses.append(train_step(state, iter(mbs))["lm loss"])
-    return losses
-
-
-def _read_everything(path):
-    metadata = dcp_io.read_metadata(path).state_dict_metadata
-    shards = {k: Shard.whole(torch.empty(tuple(md.size), dtype=md.properties.dtype))
-              for k, md in metadata.items()}
-    dcp_io.load_shards(shards, path)
-    return {k: s.views[0] for k, s in shards.items()}
+from tests.model.tiny import LLAMA_STYLE
 
 
 # ---- DP and optimizer changes ---------------------------------------------------------------------
 def _straight(rank, world, path):
-    state = _state(tp=1, dp=2, dist_opt=True, save=path)
-    _train(state, 2)
+    state = make_state(tp=1, dp=2, dist_opt=True, save=path)
+    train(state, 2)
     checkpointing.save_checkpoint(state)
-    return _train(state, 2)
+    return train(state, 2)
 
 
 def _dp4_resave_then_train(rank, world, src, dst):
-    state = _state(tp=1, dp=4, dist_opt=True, load=src, save=dst)
+    state = make_state(tp=1, dp=4, dist_opt=True, load=src, save=dst)
     assert checkpointing.load_checkpoint(state) == 2
     checkpointing.save_checkpoint(state)
-    return _train(state, 2)
+    return train(state, 2)
 
 
 def _plain_dp1(rank, world, src):
-    state = _state(tp=1, dp=1, dist_opt=False, load=src)
+    state = make_state(tp=1, dp=1, dist_opt=False, load=src)
     assert checkpointing.load_checkpoint(state) == 2
-    return _train(state, 2)
+    return train(state, 2)
 
 
 def test_distributed_optimizer_dp2_to_dp4_to_plain_dp1_continues_the_same_losses(tmp_path):
@@ -83,7 +41,7 @@ def test_distributed_optimizer_dp2_to_dp4_to_plain_dp1_continues_the_same_losses
         for x, y in zip(got, expected):
             assert abs(x - y) <= 1e-10 * abs(y), (got, expected)
     # DP 2 and DP 4 (different boxes per rank) stored the same global tensors
-    first, second = (_read_everything(directory.iteration_dir(d, 2)) for d in (a, b))
+    first, second = (read_everything(directory.iteration_dir(d, 2)) for d in (a, b))
     assert sorted(first) == sorted(second) and any(k.endswith(".exp_avg_sq") for k in first)
     for k in first:
         assert torch.equal(first[k], second[k]), k
@@ -96,9 +54,9 @@ EMBEDDINGS = ("embedding.word_embeddings.weight", "output_layer.weight")  # LLAM
 
 
 def _save_tp1(rank, world, path):
-    state = _state(tp=1, dp=1, dist_opt=False, style=LLAMA_STYLE, save=path)
+    state = make_state(tp=1, dp=1, dist_opt=False, style=LLAMA_STYLE, save=path)
     assert state.cfg.model.padded_vocab_size == 104
-    _train(state, 2)
+    train(state, 2)
     checkpointing.save_checkpoint(state)
 
 
@@ -109,7 +67,7 @@ def _full(param, topo):
 
 
 def _load_padded(rank, world, src, tp, divisible_by, dp=1, dist_opt=False, dtype=torch.float64, steps=2):
-    state = _state(tp=tp, dp=dp, dist_opt=dist_opt, style=LLAMA_STYLE, dtype=dtype, load=src,
+    state = make_state(tp=tp, dp=dp, dist_opt=dist_opt, style=LLAMA_STYLE, dtype=dtype, load=src,
                    make_vocab_size_divisible_by=divisible_by)
     chunk = state.model[0].module
     params = {n: p for n, p in chunk.named_parameters() if n in EMBEDDINGS}
@@ -125,7 +83,7 @@ def _load_padded(rank, world, src, tp, divisible_by, dp=1, dist_opt=False, dtype
                   "model": p.detach().clone().view(-1)[lo:hi],
                   **{k: adam[k].clone().view(-1) for k in ("exp_avg", "exp_avg_sq")}}
     return {"padded": state.cfg.model.padded_vocab_size, "initial": initial, "loaded": loaded, "opt": opt,
-            "tp_rank": state.topology.tp_rank, "losses": _train(state, steps)}
+            "tp_rank": state.topology.tp_rank, "losses": train(state, steps)}
 
 
 def _check_rows(result, saved, vocab=101):
@@ -160,7 +118,7 @@ def test_tp1_to_tp2_with_a_different_padded_vocabulary_keeps_real_rows_and_train
     (--make-vocab-size-divisible-by 16), both from the 104-row checkpoint, train alike."""
     src = str(tmp_path / "tp1")
     run_ranks(_save_tp1, 1, src, timeout=180)
-    saved = _read_everything(directory.iteration_dir(src, 2))
+    saved = read_everything(directory.iteration_dir(src, 2))
     tp2 = run_ranks(_load_padded, 2, src, 2, 8, timeout=180)
     [tp1_wide] = run_ranks(_load_padded, 1, src, 1, 16, timeout=180)
     for result in tp2 + [tp1_wide]:
@@ -171,9 +129,9 @@ def test_tp1_to_tp2_with_a_different_padded_vocabulary_keeps_real_rows_and_train
 
 
 def _save_tp2_bf16(rank, world, path):
-    state = _state(tp=2, dp=1, dist_opt=True, style=LLAMA_STYLE, dtype=torch.bfloat16, save=path)
+    state = make_state(tp=2, dp=1, dist_opt=True, style=LLAMA_STYLE, dtype=torch.bfloat16, save=path)
     assert state.cfg.model.padded_vocab_size == 112
-    _train(state, 2)
+    train(state, 2)
     checkpointing.save_checkpoint(state)
 
 
@@ -181,7 +139,7 @@ def test_tp2_to_tp1_dp2_distributed_optimizer_bf16_with_fewer_padding_rows(tmp_p
     """The other direction, in bf16 (fp32 main params in the checkpoint), into DP 2 ranges."""
     src = str(tmp_path / "tp2")
     run_ranks(_save_tp2_bf16, 2, src, timeout=180)
-    saved = _read_everything(directory.iteration_dir(src, 2))
+    saved = read_everything(directory.iteration_dir(src, 2))
     results = run_ranks(_load_padded, 2, src, 1, 8, 2, True, torch.bfloat16, 1, timeout=180)
     for result in results:
         assert result["padded"] == 104
