@@ -4,7 +4,7 @@ vocabulary changes (real rows kept exactly, padding rows as initialization, zero
 
 import torch
 
-from megafab.checkpoint import checkpointing, dcp_io, directory
+from megafab.checkpoint import CheckpointError, checkpointing, dcp_io, directory
 from tests.checkpoint.util import make_state, read_everything, train
 from tests.harness import run_ranks
 from tests.model.tiny import LLAMA_STYLE
@@ -145,3 +145,19 @@ def test_tp2_to_tp1_dp2_distributed_optimizer_bf16_with_fewer_padding_rows(tmp_p
         assert result["padded"] == 104
         _check_rows(result, saved)
         assert all(torch.isfinite(torch.tensor(result["losses"])))
+
+
+def _other_vocabulary(rank, world, path):
+    state = make_state(tp=1, dp=1, dist_opt=False, style=LLAMA_STYLE, save=path)
+    checkpointing.save_checkpoint(state)
+    other = make_state(tp=1, dp=1, dist_opt=False, style=LLAMA_STYLE, load=path, vocab_size=90)
+    try:
+        checkpointing.load_checkpoint(other)
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def test_a_different_real_vocabulary_is_refused_by_name(tmp_path):
+    [message] = run_ranks(_other_vocabulary, 1, str(tmp_path), timeout=120)
+    assert message and "vocabulary of 101 tokens" in message and "has 90 tokens" in message, message
