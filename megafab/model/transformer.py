@@ -32,6 +32,7 @@ class LayerContext:
     seed: int
     rng_tracker: object = None
     precision: object = None  # PrecisionConfig: the Transformer Engine layers read --fp8-* here
+    gradient_accumulation_fusion: bool = True  # weight grads straight into DDP's main_grad buffer
 
     def tp_region_rng(self):
         """Dropout on tensors that differ across TP ranks draws from the per-rank stream."""
@@ -95,11 +96,13 @@ class SelfAttention(nn.Module):
         self.linear_qkv = ColumnParallelLinear(
             cfg.hidden_size, qkv_out, tp_group=ctx.tp_group, bias=cfg.add_bias_linear or cfg.add_qkv_bias,
             sequence_parallel=ctx.sequence_parallel, params_dtype=ctx.params_dtype, device=ctx.device,
+            gradient_accumulation_fusion=ctx.gradient_accumulation_fusion,
             init_method=normal_init(ctx.seed, prefix + "linear_qkv.weight", cfg.init_method_std))
         self.linear_proj = RowParallelLinear(
             cfg.num_attention_heads * self.d, cfg.hidden_size, tp_group=ctx.tp_group,
             bias=cfg.add_bias_linear, input_is_parallel=True, sequence_parallel=ctx.sequence_parallel,
             params_dtype=ctx.params_dtype, device=ctx.device,
+            gradient_accumulation_fusion=ctx.gradient_accumulation_fusion,
             init_method=normal_init(ctx.seed, prefix + "linear_proj.weight",
                                     output_layer_std(cfg.init_method_std, cfg.num_layers)))
 
@@ -149,11 +152,13 @@ class MLP(nn.Module):
             cfg.hidden_size, fc1_out, tp_group=ctx.tp_group, bias=cfg.add_bias_linear,
             sequence_parallel=ctx.sequence_parallel, stride=2 if cfg.swiglu else 1,
             params_dtype=ctx.params_dtype, device=ctx.device,
+            gradient_accumulation_fusion=ctx.gradient_accumulation_fusion,
             init_method=normal_init(ctx.seed, prefix + "linear_fc1.weight", cfg.init_method_std))
         self.linear_fc2 = RowParallelLinear(
             cfg.ffn_hidden_size, cfg.hidden_size, tp_group=ctx.tp_group, bias=cfg.add_bias_linear,
             input_is_parallel=True, sequence_parallel=ctx.sequence_parallel,
             params_dtype=ctx.params_dtype, device=ctx.device,
+            gradient_accumulation_fusion=ctx.gradient_accumulation_fusion,
             init_method=normal_init(ctx.seed, prefix + "linear_fc2.weight",
                                     output_layer_std(cfg.init_method_std, cfg.num_layers)))
 
