@@ -38,7 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-MARK = "CHECKPOINT_BENCH "
+RECORDS_ENV = "MEGAFAB_CHECKPOINT_BENCH_DIR"  # each rank writes rank_<r>.json there at exit
 
 
 # ---- inside each rank ------------------------------------------------------------------------------
@@ -93,7 +93,8 @@ def rank_entry(argv: list[str]) -> int:
     def report():
         record["hwm_train_kib"] = _vm_kib("VmHWM")
         record["hwm_kib"] = max(record["hwm_setup_kib"], record["hwm_train_kib"])
-        print(MARK + json.dumps(record), flush=True)
+        with open(os.path.join(os.environ[RECORDS_ENV], f"rank_{record['rank']}.json"), "w") as f:
+            json.dump(record, f)
 
     atexit.register(report)
     return pretrain_gpt.main(argv)
@@ -116,13 +117,15 @@ def launch(nproc: int, flags: list[str], cwd: str, timeout: float) -> tuple[dict
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
            "127.0.0.1", "--master-port", str(free_port()), os.path.abspath(__file__), "--rank-entry", *flags]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    records_dir = tempfile.mkdtemp(dir=cwd)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, RECORDS_ENV: records_dir}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
     if out.returncode != 0:
         raise SystemExit(f"run failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    lines = [line[len(MARK):] for line in out.stdout.splitlines() if line.startswith(MARK)]
-    records = sorted((json.loads(line) for line in lines), key=lambda r: r["rank"])
-    assert len(records) == nproc, out.stdout[-3000:]
+    records = []
+    for rank in range(nproc):
+        with open(os.path.join(records_dir, f"rank_{rank}.json")) as f:
+            records.append(json.load(f))
     return losses(out.stdout), records
 
 
