@@ -8,6 +8,7 @@ from setuptools import find_packages, setup
 
 TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6"]
 HF = ["transformers>=4.44", "safetensors>=0.4"]
+TIKTOKEN = ["tiktoken>=0.7"]  # --tokenizer-type TikTokenizer
 ORACLE = ["megatron-core==0.16.1"]  # test oracle for data formats and sample order, never the engine
 # preprocess_data.py inputs beyond jsonl: parquet, HF save_to_disk datasets, language filter.
 DATA_INPUTS = ["pyarrow>=14", "datasets>=2.18", "langdetect>=1.0.9"]
@@ -27,10 +28,11 @@ setup(
         "tokenizers>=0.19",
     ],
     extras_require={
-        "dev": TEST_TOOLS + HF + ORACLE + DATA_INPUTS + ["tensorboard>=2.15", "matplotlib>=3.7"],
+        "dev": TEST_TOOLS + HF + ORACLE + DATA_INPUTS + TIKTOKEN + ["tensorboard>=2.15", "matplotlib>=3.7"],
         "data": DATA_INPUTS,
         "hf": HF,
         "tensorboard": ["tensorboard>=2.15"],
+        "tiktoken": TIKTOKEN,
         "wandb": ["wandb>=0.17"],
         # Builds against CUDA; install on GPU machines only.
         "te": ["transformer-engine[pytorch]>=1.9"],

@@ -56,9 +56,13 @@ def index_file_path(path_prefix: str) -> str:
 
 
 class IndexedDataset:
-    """Memory-mapped reader of one `.bin/.idx` pair; item i is sequence i as a numpy array."""
+    """Reader of one `.bin/.idx` pair; item i is sequence i as a numpy array.
 
-    def __init__(self, path_prefix: str, multimodal: bool = False):
+    The .bin is memory-mapped; with mmap=False (--no-mmap-bin-files) each read opens the file and
+    reads just that range (Megatron's file reader: for file systems where mmap is slow or scarce).
+    """
+
+    def __init__(self, path_prefix: str, multimodal: bool = False, mmap: bool = True):
         self.path_prefix = path_prefix
         self.multimodal = multimodal
         idx_path, bin_path = index_file_path(path_prefix), data_file_path(path_prefix)
@@ -69,7 +73,9 @@ class IndexedDataset:
         self._read_index(idx_path)
         self._check_bin(bin_path)
         self.bin_path = bin_path
-        self._bin = np.memmap(bin_path, dtype=np.uint8, mode="r") if os.path.getsize(bin_path) else None
+        self.mmap = mmap
+        self._bin = np.memmap(bin_path, dtype=np.uint8, mode="r") if mmap and os.path.getsize(bin_path) \
+            else None
 
     def _read_index(self, idx_path: str) -> None:
         size = os.path.getsize(idx_path)
@@ -131,6 +137,10 @@ class IndexedDataset:
         if length == 0:
             return np.empty(0, dtype=self.dtype)
         start = int(self.sequence_pointers[idx]) + offset * np.dtype(self.dtype).itemsize
+        if not self.mmap:
+            with open(self.bin_path, "rb") as f:
+                f.seek(start)
+                return np.fromfile(f, dtype=self.dtype, count=length)
         return np.frombuffer(self._bin, dtype=self.dtype, count=length, offset=start)
 
     def __getitem__(self, idx: int) -> np.ndarray:
