@@ -99,10 +99,15 @@ def _gpt2_tokenizers(spec: TokenizerSpec):
     return tok
 
 
-def _hf_file_tokenizers(spec: TokenizerSpec):
+def _tokenizer_json(path: str) -> str:
+    """A tokenizer.json file, or the one inside a saved tokenizer directory."""
+    return os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+
+
+def _hf_file_tokenizers(spec: TokenizerSpec, path: str | None = None):
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(spec.tokenizer_model)
+    tok = Tokenizer.from_file(path or spec.tokenizer_model)
     if spec.special_tokens_as_text:
         tok.encode_special_tokens = True
     return tok
@@ -178,8 +183,8 @@ def _gigatoken(spec: TokenizerSpec, vocab_size: int, eod: int) -> Encoder | None
     suffix: list[int] = []
     if kind == "GPT2BPETokenizer":
         backend = gigatoken.Tokenizer(_gpt2_tokenizers(spec))
-    elif kind == "HuggingFaceTokenizer" and os.path.isfile(spec.tokenizer_model):
-        tok = _hf_file_tokenizers(spec)
+    elif kind == "HuggingFaceTokenizer" and os.path.isfile(_tokenizer_json(spec.tokenizer_model)):
+        tok = _hf_file_tokenizers(spec, _tokenizer_json(spec.tokenizer_model))
         prefix, suffix = _post_processor_wrap(tok)
         text = tok.to_str()
         if spec.special_tokens_as_text:
