@@ -67,6 +67,8 @@ def _source_for(path: str, keys: list[str], hf_split: str | None) -> InputSource
     if path.endswith(".parquet"):
         _check_columns(path, _open_parquet(path).schema_arrow.names, keys)
         return InputSource(path, "parquet")
+    if path.endswith(".zst"):
+        require("zstandard", f"--input {path} (zstd-compressed jsonl)", "zstandard")
     return InputSource(path, "jsonl")
 
 

@@ -40,12 +40,27 @@ from megafab.data.preprocess import cli
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TOKENIZERS = {
-    "gpt2": ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(FIXTURES / "gpt2_tiny" / "vocab.json"),
-             "--merge-file", str(FIXTURES / "gpt2_tiny" / "merges.txt")],
+    "gpt2": [
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--vocab-file",
+        str(FIXTURES / "gpt2_tiny" / "vocab.json"),
+        "--merge-file",
+        str(FIXTURES / "gpt2_tiny" / "merges.txt"),
+    ],
     "hf": ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(FIXTURES / "hf_tiny")],
-    "hf_file": ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
-                str(FIXTURES / "hf_tiny" / "tokenizer.json")],
-    "sp": ["--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", str(FIXTURES / "sp_tiny.model")],
+    "hf_file": [
+        "--tokenizer-type",
+        "HuggingFaceTokenizer",
+        "--tokenizer-model",
+        str(FIXTURES / "hf_tiny" / "tokenizer.json"),
+    ],
+    "sp": [
+        "--tokenizer-type",
+        "GPTSentencePieceTokenizer",
+        "--tokenizer-model",
+        str(FIXTURES / "sp_tiny.model"),
+    ],
 }
 EXPECTED = {  # sha256 of Megatron's outputs, see the module docstring
     "gpt2": {
@@ -71,7 +86,9 @@ EXPECTED["hf_file"] = EXPECTED["hf"]  # the same tokenizer.json, given as a file
 
 
 def edge_records():
-    long_text = "".join(f"Paragraph {i}: the river runs past the old mill; 日本語 {i}.\n" for i in range(6000))
+    long_text = "".join(
+        f"Paragraph {i}: the river runs past the old mill; 日本語 {i}.\n" for i in range(6000)
+    )
     return [
         {"text": "An ordinary first document.", "title": "first"},
         {"text": "", "title": "empty text"},
@@ -103,16 +120,37 @@ def sha(path):
 def preprocess(tmp_path, tokenizer, *extra, name="out"):
     corpus = write_edge_corpus(tmp_path / "edge.jsonl")
     prefix = tmp_path / name
-    assert cli.main(["--input", str(corpus), "--json-keys", "text", "title", "--append-eod",
-                     "--output-prefix", str(prefix), *TOKENIZERS[tokenizer], *extra]) == 0
+    assert (
+        cli.main(
+            [
+                "--input",
+                str(corpus),
+                "--json-keys",
+                "text",
+                "title",
+                "--append-eod",
+                "--output-prefix",
+                str(prefix),
+                *TOKENIZERS[tokenizer],
+                *extra,
+            ]
+        )
+        == 0
+    )
     return prefix
 
 
 @pytest.mark.parametrize("engine", ["gigatoken", "reference"])
 @pytest.mark.parametrize("tokenizer", ["gpt2", "hf", "hf_file", "sp"])
 def test_edge_corpus_bytes_equal_megatron(tmp_path, tokenizer, engine):
-    prefix = preprocess(tmp_path, tokenizer, "--tokenizer-engine", engine, "--workers", "2", "--block-mb", "0.1")
-    got = {f"{key}.{ext}": sha(f"{prefix}_{key}_document.{ext}") for key in ("text", "title") for ext in ("bin", "idx")}
+    prefix = preprocess(
+        tmp_path, tokenizer, "--tokenizer-engine", engine, "--workers", "2", "--block-mb", "0.1"
+    )
+    got = {
+        f"{key}.{ext}": sha(f"{prefix}_{key}_document.{ext}")
+        for key in ("text", "title")
+        for ext in ("bin", "idx")
+    }
     assert got == EXPECTED[tokenizer]
 
 
@@ -128,7 +166,9 @@ def test_special_tokens_as_text_keeps_the_string(tmp_path):
 
     tokenizer = build_tokenizer("GPT2BPETokenizer", *TOKENIZERS["gpt2"][3::2])
     compatible = IndexedDataset(f"{preprocess(tmp_path, 'gpt2', name='c')}_text_document")
-    safe = IndexedDataset(f"{preprocess(tmp_path, 'gpt2', '--special-tokens-as-text', name='s')}_text_document")
+    safe = IndexedDataset(
+        f"{preprocess(tmp_path, 'gpt2', '--special-tokens-as-text', name='s')}_text_document"
+    )
     doc = 4  # "before<|endoftext|>after ..."
     assert (compatible.document(doc)[:-1] == tokenizer.eod).sum() == 1  # Megatron: an eod inside the text
     assert (safe.document(doc)[:-1] == tokenizer.eod).sum() == 0

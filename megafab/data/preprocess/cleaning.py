@@ -143,7 +143,7 @@ def language_identifier():
 def check_language_code(lang: str) -> None:
     if not re.fullmatch(r"[a-z]{2,3}(_[A-Za-z]+)?", lang):
         raise DataError(
-            f"--lang {lang}: give an ISO 639 language code as fastText's lid.176 model names "
+            f"--filter-lang {lang}: give an ISO 639 language code as fastText's lid.176 model names "
             "them, e.g. en, fr, de, zh"
         )
     identify = language_identifier()
