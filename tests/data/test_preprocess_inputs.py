@@ -173,7 +173,7 @@ def test_missing_package_is_one_error_line_with_the_pip_install(tmp_path, tokeni
     ("parquet", ["--json-keys", "body"], r"a.parquet: no column 'body' \(columns: id, title, text\)"),
     ("single", ["--json-keys", "body"], r"no column 'body'"),
     ("jsonl", ["--filter-lang", "english"], r"--filter-lang english: give an ISO 639 language code"),
-    ("jsonl", ["--lang", "en"], r"--lang en: this is Megatron's sentence-splitter language.*--filter-lang en"),
+    ("jsonl", ["--lang", "en"], r"--lang en: this is Megatron's sentence-splitter.*--filter-lang en"),
     ("jsonl", ["--hf-split", "train"], r"--hf-split train applies only to a HuggingFace"),
 ])
 def test_bad_inputs_give_one_clear_line(tmp_path, tokenizer_json, capsys, setup, extra, message):
@@ -209,5 +209,6 @@ def test_zstd_and_gzip_jsonl_equal_plain(tmp_path, tokenizer_json):
     (tmp_path / "all.jsonl.gz").write_bytes(gzip.compress(raw))
     assert preprocess(tokenizer_json, tmp_path / "all.jsonl", tmp_path / "j") == 0
     for ext in ("zst", "gz"):
-        assert preprocess(tokenizer_json, tmp_path / f"all.jsonl.{ext}", tmp_path / ext, "--workers", "2") == 0
+        source = tmp_path / f"all.jsonl.{ext}"
+        assert preprocess(tokenizer_json, source, tmp_path / ext, "--workers", "2") == 0
         assert outputs(tmp_path / ext) == outputs(tmp_path / "j")

@@ -97,9 +97,10 @@ def test_partitions_and_merge_tool_equal_one_pass(tmp_path, english):
     (tmp_path / "dir").mkdir()
     for name, part in (("a", lines[:15]), ("b", lines[15:])):
         (tmp_path / f"{name}.jsonl").write_text("\n".join(part) + "\n")
-        assert preprocess_data.main(["--input", str(tmp_path / f"{name}.jsonl"), "--append-eod", *sp_flags(model),
-                                     "--output-prefix", str(tmp_path / "dir" / name)]) == 0
-    assert merge_datasets.main(["--input", str(tmp_path / "dir"), "--output-prefix", str(tmp_path / "m")]) == 0
+        assert preprocess_data.main(["--input", str(tmp_path / f"{name}.jsonl"), "--append-eod",
+                                     *sp_flags(model), "--output-prefix", str(tmp_path / "dir" / name)]) == 0
+    merged = str(tmp_path / "m")
+    assert merge_datasets.main(["--input", str(tmp_path / "dir"), "--output-prefix", merged]) == 0
     for ext in (".bin", ".idx"):
         one = (tmp_path / f"one_text_document{ext}").read_bytes()
         assert (tmp_path / f"parts_text_document{ext}").read_bytes() == one

@@ -199,7 +199,10 @@ def _pack(encoder: Encoder, documents: list[list[str]], append_eod: bool) -> Pac
     )
 
 
-def process_block(block: Block) -> BlockResult:
+def process_block(block: Block, tokenize: bool = True, drop: frozenset = frozenset()) -> BlockResult:
+    """Parse, clean and tokenize block. tokenize=False computes only verdicts and fingerprints (the Ray
+    pipeline's first pass); drop names documents (by their rank among those the cleaning rules keep)
+    that the deduplicator removed, so they are neither tokenized nor returned."""
     context: WorkerContext = _worker["context"]
     encoder: Encoder = _worker["encoder"]
     cleaner: DocumentCleaner | None = _worker["cleaner"]
@@ -210,6 +213,7 @@ def process_block(block: Block) -> BlockResult:
     digests, signatures = [], []
     bad: list[str] = []
     html_removed = 0
+    rank = -1
     for number, raw in block.records:
         try:
             texts = _parse(block.path, number, raw, keys)
@@ -231,8 +235,12 @@ def process_block(block: Block) -> BlockResult:
                 digest, signature = cleaner.fingerprint(joined)
                 digests.append(digest)
                 signatures.append(signature)
-        verdicts.append(verdict)
         if verdict is None:
+            rank += 1
+            if rank in drop:
+                verdict = "dropped"
+        verdicts.append(verdict)
+        if verdict is None and tokenize:
             for key in keys:
                 kept[key].append(texts[key])
     packed = {key: _pack(encoder, kept[key], context.append_eod) for key in keys}
