@@ -16,10 +16,8 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import time
 
 EXIT_USER_ERROR = 2
-SILENT_RANK_GRACE_S = 5.0
 
 
 class MegafabError(ValueError):
@@ -63,16 +61,4 @@ def exit_on_user_error(rank: int | None = None):
     except MegafabError as error:
         if should_print(error, rank):
             print(format_error(error), file=sys.stderr, flush=True)
-        elif _job_size() > 1:
-            # torchrun/srun stop the whole job when the first process exits: the silent ranks wait
-            # a moment so that rank 0's message is printed, not cut off by that stop.
-            time.sleep(SILENT_RANK_GRACE_S)
         raise SystemExit(EXIT_USER_ERROR) from None
-
-
-def _job_size() -> int:
-    for name in ("WORLD_SIZE", "SLURM_NTASKS"):
-        value = os.environ.get(name, "")
-        if value.isdigit():
-            return int(value)
-    return 1
