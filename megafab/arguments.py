@@ -81,6 +81,9 @@ def _parallel_flags(p):
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")
     g.add_argument("--ddp-bucket-size", type=int)
+    g.add_argument("--gradient-accumulation-fusion", action="store_true", default=True)
+    g.add_argument("--no-gradient-accumulation-fusion", action="store_false",
+                   dest="gradient_accumulation_fusion")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true", default=True)
     g.add_argument("--grad-reduce-in-bf16", action="store_true")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"])

@@ -84,7 +84,6 @@ NO_EFFECT: dict[str, str] = {
     "--bias-dropout-fusion": KERNELS,
     "--no-rope-fusion": KERNELS,
     "--no-persist-layer-norm": "persistent LayerNorm is an Apex kernel; megafab uses PyTorch's norms",
-    "--no-gradient-accumulation-fusion": "megafab accumulates weight gradients into main_grad itself",
     "--no-async-tensor-model-parallel-allreduce": "deprecated in Megatron-LM; nothing to turn off",
     "--use-checkpoint-opt_param-scheduler": "megafab always restores the LR schedule from the checkpoint",
     "--init-model-with-meta-device": "megafab initializes each rank's own shard directly; the full "
