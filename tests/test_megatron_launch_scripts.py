@@ -223,6 +223,7 @@ def test_shrunk_llama3_8b_trains_three_iterations_on_cpu(paths, tmp_path):
     assert traces, os.listdir(tmp_path / "tb")
 
 
+@pytest.mark.slow
 def test_three_mistakes_under_torchrun_print_one_message_once():
     from tests.training.launch import torchrun
 
