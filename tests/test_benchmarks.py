@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from tests.training.launch import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_GPT = ["--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--vocab", "128"]
 
@@ -59,6 +61,17 @@ def test_data_throughput_prints_its_three_tables():
     worker_rows = [line.split()[0] for line in out.splitlines()
                    if line[:1].isdigit() and len(line.split()) >= 3]
     assert {"1", "2", "0"} <= set(worker_rows), out
+
+
+@pytest.mark.timeout(300)
+def test_gpu_tp_check_runs_on_cpu_and_checks_parity_and_saved_bytes():
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                             "benchmarks/gpu_tp_check.py", "--device", "cpu", "--tiny"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "-> ok" in result.stdout.split("parity")[1].splitlines()[0], result.stdout
+    assert "-> ok" in result.stdout.split("memory")[1].splitlines()[0], result.stdout
 
 
 @pytest.mark.slow
