@@ -519,6 +519,11 @@ class Config:
             t.num_micro_batches = t.global_batch_size // (t.micro_batch_size * p.data_parallel_size)
         if o.lr_decay_iters is None and o.lr_decay_samples is None:
             o.lr_decay_iters, o.lr_decay_samples = t.train_iters, t.train_samples
+        d = self.data
+        if d.tokenizer_type is None and d.vocab_file and d.merge_file:
+            d.tokenizer_type = "GPT2BPETokenizer"
+            self.notes.append("--vocab-file and --merge-file without --tokenizer-type: using "
+                              "GPT2BPETokenizer (as Megatron-LM's GPT-3 example scripts assume)")
         if p.grad_reduce_in_bf16:  # Megatron's rule: the grad buffer takes the (bf16) param dtype
             p.accumulate_allreduce_grads_in_fp32 = False
         if p.ddp_bucket_size is None and p.data_parallel_size:

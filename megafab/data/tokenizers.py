@@ -38,6 +38,8 @@ class GPT2BPETokenizer:
         self._tok = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
         self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         self._tok.decoder = decoders.ByteLevel()
+        # As transformers' GPT-2 tokenizer (Megatron's): '<|endoftext|>' written in text is that token.
+        self._tok.add_special_tokens(["<|endoftext|>"])
         self.vocab_size = len(vocab)
         self.eod = vocab["<|endoftext|>"]
         self.pad = None

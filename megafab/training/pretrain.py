@@ -9,7 +9,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megafab.training import checkpointing
+from megafab.checkpoint import checkpointing
 from megafab.training.batch_size import train_iterations
 from megafab.training.build import (
     TrainState,
