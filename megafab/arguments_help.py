@@ -8,6 +8,7 @@ text and regroups the flags for display. Parsing does not depend on either.
 from __future__ import annotations
 
 import argparse
+import textwrap
 
 from megafab.config import field_docs
 from megafab.megatron_flags import NO_EFFECT, REFUSED
@@ -71,8 +72,9 @@ def help_text(action: argparse.Action, docs: dict[str, str]) -> str | None:
 
 
 def refused_epilog() -> str:
-    return ("Refused by name (megafab does not implement them; a run with one stops with the reason): "
+    text = ("Refused by name (megafab does not implement them; a run with one stops with the reason): "
             + ", ".join(sorted(REFUSED)) + ".")
+    return textwrap.fill(text, width=100, break_on_hyphens=False, break_long_words=False)
 
 
 def document(parser: argparse.ArgumentParser) -> None:
@@ -96,3 +98,4 @@ def document(parser: argparse.ArgumentParser) -> None:
     for title, action in placement:
         groups[title]._group_actions.append(action)
     parser.epilog = refused_epilog()
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter  # keeps flags in the epilog whole
