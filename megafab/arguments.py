@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import sys
 from collections.abc import Callable
 
@@ -248,7 +249,13 @@ class _Parser(argparse.ArgumentParser):
         raise argparse.ArgumentError(None, message)
 
 
-def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
+def _prog() -> str:
+    """The name a user typed: Megatron's pretrain_gpt.py shim, else megafab's console script."""
+    return "pretrain_gpt.py" if os.path.basename(sys.argv[0]) == "pretrain_gpt.py" else "megafab-pretrain"
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    prog = prog or _prog()
     parser = _Parser(
         prog=prog, allow_abbrev=False, exit_on_error=False,
         usage="%(prog)s [--config FILE] [Megatron-LM flags ...]",

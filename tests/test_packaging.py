@@ -11,9 +11,13 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import tomllib
 
 import pytest
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ("megafab-pretrain", "megafab-preprocess", "megafab-merge", "megafab-convert", "megafab-generate",
@@ -32,16 +36,20 @@ def run(cmd, cwd, env, timeout=300):
 def installed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pkg")
     source = tmp / "checkout"
+    source.mkdir()
     for name in SOURCES:
-        copy = shutil.copytree if os.path.isdir(os.path.join(ROOT, name)) else shutil.copy2
-        copy(os.path.join(ROOT, name), source / name, **(
-            {"ignore": shutil.ignore_patterns("__pycache__")} if copy is shutil.copytree else {}))
+        if os.path.isdir(os.path.join(ROOT, name)):
+            shutil.copytree(os.path.join(ROOT, name), source / name,
+                            ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(os.path.join(ROOT, name), source / name)
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     site = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()"
                            "['purelib'])"], capture_output=True, text=True, check=True).stdout.strip()
     with open(os.path.join(site, "host_packages.pth"), "w") as f:  # torch & co. from this environment
-        f.write("\n".join(sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})) + "\n")
+        paths = sysconfig.get_paths()
+        f.write("\n".join(sorted({paths["purelib"], paths["platlib"]})) + "\n")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}", OMP_NUM_THREADS="1",
                PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INDEX="1")

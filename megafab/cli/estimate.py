@@ -17,18 +17,30 @@ from megafab.arguments import config_or_exit
 from megafab.training.planner import format_plan, plan
 
 
-def split_args(argv):
-    own = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    own.add_argument("--world-size", type=int, default=1)
-    own.add_argument("--gpu-memory-gb", type=float)
+def own_parser() -> argparse.ArgumentParser:
+    own = argparse.ArgumentParser(
+        prog="megafab-estimate", add_help=False, allow_abbrev=False,
+        usage="%(prog)s [flags below] [megafab-pretrain flags ...]", description=__doc__,
+        epilog="Every megafab-pretrain flag is accepted too (megafab-pretrain --help lists them).",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    own.add_argument("--world-size", type=int, default=1, help="processes of the planned job")
+    own.add_argument("--gpu-memory-gb", type=float, help="flag stages that would not fit in this much")
     own.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilization")
     own.add_argument("--peak-tflops", type=float, default=989.0, help="per-GPU dense bf16 peak")
-    own.add_argument("--attention-kernels", choices=["flash", "unfused", "cpu"], default="flash")
-    return own.parse_known_args(argv)
+    own.add_argument("--attention-kernels", choices=["flash", "unfused", "cpu"], default="flash",
+                     help="the attention kernels whose activation memory to count")
+    return own
+
+
+def split_args(argv):
+    return own_parser().parse_known_args(argv)
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        own_parser().print_help()
+        return 0
     own, megatron_argv = split_args(argv)
     if "--dry-run" not in megatron_argv:
         megatron_argv.append("--dry-run")  # training-only requirements (--lr, --train-iters, data) off

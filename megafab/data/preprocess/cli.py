@@ -50,7 +50,6 @@ REFUSED = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="preprocess_data.py",
         description=__doc__,
         allow_abbrev=False,
         formatter_class=argparse.RawDescriptionHelpFormatter,
