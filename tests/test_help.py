@@ -60,3 +60,9 @@ def test_help_output_lists_every_flag_and_the_refused_ones(tmp_path):
         assert action.option_strings[0] in out.stdout
     epilog = " ".join(out.stdout.split("Refused by name")[1].split())
     assert all(flag in epilog for flag in REFUSED)
+
+
+def test_preprocess_has_no_flag_without_help():
+    from megafab.data.preprocess.cli import build_parser as preprocess_parser
+
+    assert [a.option_strings[0] for a in flag_actions(preprocess_parser()) if not a.help] == []
