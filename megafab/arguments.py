@@ -16,7 +16,7 @@ from megafab.launch import read_launch_env
 
 # Megatron flags megafab knows but does not implement. Values that mean "feature off" pass.
 UNSUPPORTED = {
-    "--context-parallel-size": "1",
+    "--hierarchical-context-parallel-sizes": None,
     "--expert-model-parallel-size": "1",
     "--expert-tensor-parallel-size": None,
     "--num-experts": None,
@@ -115,6 +115,9 @@ def _parallel_flags(p):
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
     g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int)
     g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--cp-comm-type", nargs="+", default=["p2p"],
+                   help="p2p, allgather (or all_gather) or a2a; one value for every layer")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")
@@ -277,6 +280,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.recompute_granularity = "selective"
     if args.transformer_impl is None:
         args.transformer_impl = "local"
+    if len(set(args.cp_comm_type)) > 1:
+        raise UnsupportedFlagError(
+            f"--cp-comm-type {' '.join(args.cp_comm_type)}: per-layer CP communication types are not "
+            f"supported by megafab yet; give one type for every layer")
+    args.cp_comm_type = args.cp_comm_type[0]
     return args
 
 

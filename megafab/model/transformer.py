@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megafab.distributed.context_parallel import context_parallel_attention
 from megafab.distributed.layers import ColumnParallelLinear, RowParallelLinear
 from megafab.distributed.mappings import group_size
 from megafab.model.init import normal_init, output_layer_std
@@ -32,6 +33,8 @@ class LayerContext:
     seed: int
     rng_tracker: object = None
     precision: object = None  # PrecisionConfig: the Transformer Engine layers read --fp8-* here
+    cp_group: object = None  # context parallel: this rank holds 2 of 2*cp sequence chunks
+    cp_comm_type: str = "p2p"
 
     def tp_region_rng(self):
         """Dropout on tensors that differ across TP ranks draws from the per-rank stream."""
@@ -116,9 +119,6 @@ class SelfAttention(nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)  # [b, groups/tp, s_cached + s, d]
-        if self.heads_per_group > 1:
-            k = k.repeat_interleave(self.heads_per_group, dim=1)
-            v = v.repeat_interleave(self.heads_per_group, dim=1)
         dropout = self.dropout if self.training else 0.0
         if self.recompute_core_attention and self.training:
             ctx = recompute(self.core_attention, q, k, v, attention_mask, dropout,
@@ -130,8 +130,15 @@ class SelfAttention(nn.Module):
         return out
 
     def core_attention(self, q, k, v, attention_mask, dropout):
-        """[b, heads, s, d] -> [b, heads, s, d]; what selective recompute recomputes."""
+        """q [b, heads, s, d], k, v [b, groups, s, d] -> [b, heads, s, d]; what selective recompute
+        recomputes. Under context parallelism s is this rank's s/cp tokens."""
         with self.ctx.tp_region_rng() if dropout > 0 else contextlib.nullcontext():
+            if self.ctx.cp_group is not None:
+                assert attention_mask is None, "context parallel attention takes no attention mask"
+                return context_parallel_attention(q, k, v, self.ctx.cp_group, self.ctx.cp_comm_type, dropout)
+            if self.heads_per_group > 1:
+                k = k.repeat_interleave(self.heads_per_group, dim=1)
+                v = v.repeat_interleave(self.heads_per_group, dim=1)
             if attention_mask is None:
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
             # Megatron's mask: True where attention is NOT allowed
