@@ -15,7 +15,7 @@ receives the same gradient and therefore the same Adam updates) is not stored; o
 filled from `embedding.word_embeddings.weight`.
 
 Distributed optimizer: each DP rank holds main params and Adam moments for a flat range of each
-parameter's TP block only. Before saving, the ranges are assembled over the DP group into full
+parameter's TP block only. Before saving, the ranges are assembled over the DP x CP group into full
 TP blocks (every DP rank contributes its range into a zero buffer; one all-reduce per kind). The
 DP replicas then write identical blocks, which DCP de-duplicates. Loading reads the full TP
 block and keeps this rank's range. This costs a transient copy of the TP block's optimizer
@@ -128,10 +128,10 @@ def _full_blocks(state) -> dict[str, dict[str, torch.Tensor]]:
             flat["main_param"][base + lo:base + hi] = e.main.reshape(-1)
         if "step" in adam:
             steps[i] = float(adam["step"])
-    if sharded and topo.dp > 1:
+    if sharded and topo.dp * topo.cp > 1:  # the distributed optimizer shards over DP x CP
         for k in kinds:
-            dist.all_reduce(flat[k], group=topo.dp_group)
-        dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=topo.dp_group)
+            dist.all_reduce(flat[k], group=topo.dp_cp_group)
+        dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=topo.dp_cp_group)
     out = {}
     for i, (name, p) in enumerate(named):
         base = offsets[name]

@@ -136,7 +136,8 @@ def pretrain(cfg) -> int:
     tokenizer = attach_tokenizer(cfg)
     state = setup(cfg)
     topo = state.topology
-    print_rank_0(topo, f"megafab: {topo.world_size} process(es), tp {topo.tp} pp {topo.pp} dp {topo.dp}, "
+    cp = f" cp {topo.cp}" if topo.cp > 1 else ""
+    print_rank_0(topo, f"megafab: {topo.world_size} process(es), tp {topo.tp}{cp} pp {topo.pp} dp {topo.dp}, "
                        f"{topo.device} / {topo.backend}")
     for note in cfg.notes:
         print_rank_0(topo, f"megafab: note: {note}")

@@ -8,6 +8,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from megafab.distributed.context_parallel import context_parallel_masked_mean, split_for_context_parallel
 from megafab.distributed.finalize_grads import finalize_model_grads
 from megafab.distributed.pipeline import get_forward_backward_func
 from megafab.model.gpt import masked_mean_loss
@@ -17,18 +18,40 @@ def _to_device(batch: dict, device) -> dict:
     return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
 
 
-def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
-    loss = masked_mean_loss(per_token_loss.float() if per_token_loss.dtype != torch.float64
-                            else per_token_loss, loss_mask)
+def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor, cp_group=None):
+    """The micro-batch's masked mean; under CP over the whole sequence (all CP ranks' tokens)."""
+    per_token_loss = per_token_loss.float() if per_token_loss.dtype != torch.float64 else per_token_loss
+    if cp_group is None:
+        loss = masked_mean_loss(per_token_loss, loss_mask)
+    else:
+        loss = context_parallel_masked_mean(per_token_loss, loss_mask, cp_group)
     return loss, {"lm loss": loss.detach()}
 
 
-def gpt_forward_step(data_iterator, model):
-    """Megatron's contract: (output, loss_func). Every stage reads the batch (RoPE needs positions)."""
+def get_batch_on_this_cp_rank(batch: dict, cp_group) -> dict:
+    """Megatron's name: this CP rank's two chunks of every [b, s] field (positions made explicit,
+    so learned and rotary embeddings see the tokens' global positions)."""
+    if cp_group is None:
+        return batch
+    assert batch.get("attention_mask") is None, "config refuses --reset-attention-mask under CP"
+    cp, cp_rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
+    batch = dict(batch)
+    if batch.get("position_ids") is None:
+        b, s = batch["tokens"].shape
+        batch["position_ids"] = torch.arange(s, device=batch["tokens"].device).expand(b, s)
+    for key in ("tokens", "labels", "loss_mask", "position_ids"):
+        batch[key] = split_for_context_parallel(batch[key], 1, cp_rank, cp)
+    return batch
+
+
+def gpt_forward_step(data_iterator, model, cp_group=None):
+    """Megatron's contract: (output, loss_func). Every stage reads the batch (RoPE needs positions);
+    with context parallelism every CP rank reads the same samples and keeps its chunks."""
     batch = _to_device(next(data_iterator), next(model.parameters()).device)
+    batch = get_batch_on_this_cp_rank(batch, cp_group)
     output = model(batch["tokens"], batch.get("position_ids"), labels=batch["labels"],
                    attention_mask=batch.get("attention_mask"))
-    return output, functools.partial(loss_func, batch["loss_mask"])
+    return output, functools.partial(loss_func, batch["loss_mask"], cp_group=cp_group)
 
 
 def run_schedule(state, data_iterator, forward_only: bool) -> list:
@@ -42,10 +65,11 @@ def run_schedule(state, data_iterator, forward_only: bool) -> list:
     iterators = [iter(batches) for _ in range(vpp)] if vpp > 1 else iter(batches)
     finalize = functools.partial(finalize_model_grads, topology=topo, sequence_parallel=p.sequence_parallel)
     scaler = getattr(state.optimizer, "grad_scaler", None)
+    forward_step = functools.partial(gpt_forward_step, cp_group=topo.cp_group if topo.cp > 1 else None)
     return schedule(
-        forward_step_func=gpt_forward_step, data_iterator=iterators,
+        forward_step_func=forward_step, data_iterator=iterators,
         model=state.model if vpp > 1 else state.model[0], num_microbatches=t.num_micro_batches,
-        seq_length=m.seq_length, micro_batch_size=t.micro_batch_size, hidden_size=m.hidden_size,
+        seq_length=m.seq_length // topo.cp, micro_batch_size=t.micro_batch_size, hidden_size=m.hidden_size,
         topology=topo, dtype=next(state.model[0].parameters()).dtype, forward_only=forward_only,
         sequence_parallel=p.sequence_parallel,
         finalize_model_grads_func=None if forward_only else finalize,
@@ -54,7 +78,8 @@ def run_schedule(state, data_iterator, forward_only: bool) -> list:
 
 
 def average_loss_across_dp(logs: list, topo, device) -> float | None:
-    """Mean over micro-batches on this rank, then over DP ranks (last stage only)."""
+    """Mean over micro-batches on this rank, then over DP ranks (last stage only; every CP rank
+    already holds its samples' whole-sequence loss)."""
     if not topo.is_last_stage:
         return None
     local = torch.stack([log["lm loss"].double() for log in logs]).mean() if logs else \

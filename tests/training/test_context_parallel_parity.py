@@ -1,0 +1,140 @@
+"""Context parallelism through the driver equals one process: loss, every gradient, the step.
+
+float64, tiny models; each layout runs megafab's build_model / build_optimizer and the training
+schedule (run_schedule: CP batch split, CP loss, finalize_model_grads over DP x CP), then compares
+  - the logged lm loss with the single-process loss,
+  - every parameter's main_grad (TP shards gathered; under the distributed optimizer only the
+    ranges this rank owns, which tile every parameter over DP x CP) with the reference gradient,
+  - the grad norm of the optimizer step and the parameters after it.
+"""
+
+import pytest
+import torch
+
+from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
+from megafab.distributed.topology import build_topology
+from megafab.model.gpt import masked_mean_loss
+from megafab.optim.distributed_optimizer import owned_param_ranges
+from megafab.optim.mixed_precision import MixedPrecisionOptimizer
+from megafab.training.build import TrainState, build_model, build_optimizer, build_scheduler
+from megafab.training.step import run_schedule
+from tests.harness import run_ranks
+from tests.model.tiny import GPT2_STYLE, LLAMA_STYLE, batch, full_grad, reference_model, tiny_config
+
+MICRO = 2
+TOL = 1e-10
+WORD = "embedding.word_embeddings.weight"
+
+
+def _micro_batches(cfg, dp_rank, dp, count):
+    """Megatron's sampler order: micro-batch k of DP rank d holds samples k*b*dp + d*b ... + b."""
+    samples = [batch(cfg.model, micro_batch=1, seed=100 + i) for i in range(count * MICRO * dp)]
+    for k in range(count):
+        chunk = samples[k * MICRO * dp + dp_rank * MICRO:][:MICRO]
+        yield {"tokens": torch.cat([c[0] for c in chunk]), "labels": torch.cat([c[1] for c in chunk]),
+               "loss_mask": torch.cat([c[2] for c in chunk])}
+
+
+def _reference(cfg, ref_cfg, micro_batches):
+    model = reference_model(ref_cfg.model)
+    total = 0.0
+    for mb in micro_batches:
+        loss = masked_mean_loss(model(mb["tokens"], labels=mb["labels"]), mb["loss_mask"])
+        (loss / len(micro_batches)).backward()
+        total += loss.item() / len(micro_batches)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    o = cfg.optimizer
+    opt = MixedPrecisionOptimizer([model], lr=o.lr, weight_decay=o.weight_decay, clip_grad=o.clip_grad)
+    for name, p in model.named_parameters():
+        p.grad = grads[name].clone()
+    _, norm, _ = opt.step()
+    return total, grads, norm, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _gathered(p, values, tp_group):
+    """`values` shaped like this rank's `p`, as the unsharded parameter (TP shards joined)."""
+    holder = torch.nn.Parameter(torch.empty_like(p), requires_grad=False)
+    holder.grad = values
+    for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
+        if hasattr(p, attr):
+            setattr(holder, attr, getattr(p, attr))
+    return full_grad(holder, tp_group)
+
+
+def _cp_parity(rank, world, tp, cp, pp, sp, dist_opt, comm, style):
+    dp = world // (tp * cp * pp)
+    gbs = MICRO * dp * 2
+    common = dict(style=style, vocab_size=112, lr=1e-2, clip_grad=0.5, lr_decay_style="constant")
+    cfg = tiny_config(tp=tp, pp=pp, dp=dp * cp, micro_batch_size=MICRO, global_batch_size=gbs,
+                      sequence_parallel=sp, use_distributed_optimizer=dist_opt, context_parallel_size=cp,
+                      cp_comm_type=comm, ddp_bucket_size=2000, **common)
+    assert cfg.parallel.data_parallel_size == dp
+    ref_loss, ref_grads, ref_norm, ref_params = _reference(
+        cfg, tiny_config(**common), list(_micro_batches(cfg, 0, 1, gbs // MICRO)))
+
+    topo = build_topology(tp=tp, pp=pp, cp=cp)
+    assert (topo.cp, topo.dp) == (cp, dp)
+    tracker = RNGStatesTracker("cpu")
+    model_parallel_seed(1234, topo.tp_rank, topo.pp_rank, topo.device, tracker, cp_rank=topo.cp_rank)
+    model = build_model(cfg, topo, tracker, dtype=torch.float64)
+    optimizer = build_optimizer(cfg, topo, model)
+    state = TrainState(cfg, topo, tracker, model, optimizer, build_scheduler(cfg, optimizer))
+    tp_group = topo.tp_group if tp > 1 else None
+
+    optimizer.zero_grad()
+    logs = run_schedule(state, _micro_batches(cfg, topo.dp_rank, dp, cfg.training.num_micro_batches),
+                        forward_only=False)
+    if topo.is_last_stage:
+        loss = _dp_mean(sum(log["lm loss"].item() for log in logs) / len(logs), topo)
+        assert abs(loss - ref_loss) < TOL, (loss, ref_loss)
+    checked = 0
+    for chunk in model:
+        owned = owned_param_ranges(chunk) if dist_opt else None
+        for name, p in chunk.module.named_parameters():
+            ref = ref_grads[WORD if name == "output_layer.weight" and
+                            not cfg.model.untie_embeddings_and_output_weights else name]
+            mask = torch.zeros(p.numel(), dtype=torch.float64)
+            lo, hi = owned.get(p, (0, 0)) if dist_opt else (0, p.numel())
+            mask[lo:hi] = 1.0
+            grad = _gathered(p, p.main_grad.detach().clone(), tp_group)
+            where = _gathered(p, mask.view(p.shape), tp_group) > 0
+            err = (grad - ref).abs()[where].max().item() if where.any() else 0.0
+            assert err < TOL, (name, err)
+            checked += int(where.sum())
+    ok, norm, _ = optimizer.step()
+    assert ok and abs(norm - ref_norm) < TOL * max(1.0, ref_norm), (norm, ref_norm)
+    for chunk in model:
+        for name, p in chunk.module.named_parameters():
+            ref = ref_params[WORD if name == "output_layer.weight" and
+                             not cfg.model.untie_embeddings_and_output_weights else name]
+            assert (_gathered(p, p.detach(), tp_group) - ref).abs().max().item() < TOL, name
+    return checked
+
+
+def _dp_mean(value, topo):
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, group=topo.dp_group)
+    return t.item() / topo.dp
+
+
+LAYOUTS = [  # world, tp, cp, pp, sp, dist_opt, comm, style
+    (2, 1, 2, 1, False, False, "p2p", GPT2_STYLE),
+    (2, 1, 2, 1, False, False, "allgather", LLAMA_STYLE),
+    (2, 1, 2, 1, False, False, "a2a", LLAMA_STYLE),
+    (4, 1, 4, 1, False, False, "p2p", LLAMA_STYLE),
+    (4, 1, 4, 1, False, False, "allgather", GPT2_STYLE),
+    (4, 1, 4, 1, False, False, "a2a", GPT2_STYLE),
+    (4, 2, 2, 1, True, False, "p2p", LLAMA_STYLE),
+    (4, 1, 2, 2, False, False, "p2p", GPT2_STYLE),
+    (4, 1, 2, 1, False, True, "p2p", LLAMA_STYLE),
+]
+IDS = ["cp2-p2p", "cp2-allgather-gqa-rope", "cp2-a2a-gqa-rope", "cp4-p2p-gqa-rope", "cp4-allgather",
+       "cp4-a2a", "cp2-tp2-sp-gqa-rope", "cp2-pp2", "cp2-dp2-distopt-gqa-rope"]
+
+
+@pytest.mark.parametrize("world,tp,cp,pp,sp,dist_opt,comm,style", LAYOUTS, ids=IDS)
+def test_context_parallel_equals_one_process(world, tp, cp, pp, sp, dist_opt, comm, style):
+    checked = run_ranks(_cp_parity, world, tp, cp, pp, sp, dist_opt, comm, style, timeout=240)
+    assert sum(checked) > 0
