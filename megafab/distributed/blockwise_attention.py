@@ -96,7 +96,7 @@ def block_backward(q, k, v, q_pos, k_pos, lse, dout, delta, scale: float,
         p = torch.exp(_scores(q_tile, k, q_pos[rows], k_pos, scale) - lse[..., rows, None])
         dp = torch.matmul(dout_tile, v.unsqueeze(2).transpose(-1, -2))  # [b, g, hpg, t, sk]
         if dropout is not None:
-            keep = dropout.keep(block_id, tile, p.shape, p.device) / (1.0 - dropout.p)
+            keep = dropout.keep(block_id, tile, p.shape, p.device).to(acc) / (1.0 - dropout.p)
             dv += torch.einsum("bghts,bghtd->bgsd", p * keep, dout_tile)
             dp = dp * keep
         else:
