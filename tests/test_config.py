@@ -82,10 +82,10 @@ def test_world_size_layers_gqa_and_seq_length_violations_are_all_reported():
 def test_unsupported_megatron_flag_is_refused_by_name():
     with pytest.raises(UnsupportedFlagError, match="--num-experts.*not supported by megafab yet"):
         config_from_args(BASE + ["--num-experts", "8"], world_size=1)
-    with pytest.raises(UnsupportedFlagError, match="--context-parallel-size"):
-        config_from_args(BASE + ["--context-parallel-size", "2"], world_size=1)
+    with pytest.raises(UnsupportedFlagError, match="--expert-model-parallel-size"):
+        config_from_args(BASE + ["--expert-model-parallel-size", "2"], world_size=1)
     # the value meaning "off" is accepted
-    config_from_args(BASE + ["--context-parallel-size", "1"], world_size=1)
+    config_from_args(BASE + ["--expert-model-parallel-size", "1"], world_size=1)
 
 
 def test_abbreviations_are_not_accepted():

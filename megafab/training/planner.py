@@ -29,6 +29,14 @@ recomputed group (its input) and, during backward, one group's activations at a 
 Embedding (first stage): a 1-byte dropout mask s*b*h / r. Logits + loss (last stage): final norm
 input e*s*b*h / r, output-layer input e*s*b*h, fp32 softmax 4*s*b*V / t.
 
+Context parallelism (cp > 1): every activation above is per rank with s -> s/cp (each rank holds
+s/cp tokens). Core attention under p2p/allgather is megafab's block kernels, which keep only the
+fp32 log-sum-exp (4*a*s/cp*b / t); under a2a the chosen kernel runs on a/cp heads of all s tokens.
+The K/V exchange adds a transient per rank, one layer at a time (kv = 2*b*g/t*d*s/cp elements):
+p2p kv*(2e + 8) (K/V being sent and received, dK/dV in fp32 travelling with them in backward),
+allgather cp*kv*(2e + 8) (gathered and reordered K/V, their fp32 gradients), a2a
+2*e*b*(a + 2g)/t*d*s/cp (one all-to-all's send and receive buffers for q, k, v).
+
 In flight (micro-batches whose activations are alive at once): 1F1B stage i holds min(pp - i, M);
 interleaved: min(2*(pp - i - 1) + (vpp - 1)*pp + 1, M*vpp) chunk-micro-batches (Megatron's warmup
 + 1); without pipelining one.
@@ -55,6 +63,7 @@ class StagePlan:
     logits_bytes: int  # last stage only
     in_flight: float  # micro-batches of this stage's activations alive at the peak
     activation_peak_bytes: int
+    kv_exchange_bytes: int = 0  # context parallel: transient K/V exchange buffers (in the peak)
 
     @property
     def state_bytes(self) -> int:
@@ -109,6 +118,7 @@ def layer_activation_bytes(cfg, kernels: str = "flash", recompute_core_attention
     CPU math SDPA: q, k, v, probabilities and dropout mask upcast to fp32; dropout masks of e bytes)."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
     s, b, h = m.seq_length, t.micro_batch_size, m.hidden_size
+    s //= p.context_parallel_size  # CP: each rank holds s/cp tokens of every activation
     a, g, d, f = m.num_attention_heads, m.num_query_groups, m.kv_channels, m.ffn_hidden_size
     tp = p.tensor_model_parallel_size
     r = tp if p.sequence_parallel else 1
@@ -128,7 +138,27 @@ def layer_activation_bytes(cfg, kernels: str = "flash", recompute_core_attention
         core = 4 * (3 * s * b * a * d + a * s * s * b * (3 if dropout else 1)) / tp
     else:
         core = a * s * s * b * (e + ((1 + e) if dropout else 0)) / tp
+    cp = p.context_parallel_size
+    if cp > 1 and p.cp_comm_type != "a2a" and not recompute_core_attention:
+        core = 4 * a * s * b / tp  # megafab's block kernels keep only the fp32 log-sum-exp
+    elif cp > 1 and kernels != "flash" and not recompute_core_attention:  # a2a: a/cp heads, s*cp tokens
+        linear = 4 * 3 * s * b * a * d / tp if kernels == "cpu" else 0
+        core = linear + (core - linear) * cp  # the [heads, s, s] terms grow by cp
     return int(replicated + tp_region + core)
+
+
+def kv_exchange_bytes(cfg) -> int:
+    """Transient buffers of one layer's CP K/V exchange per rank (see the module docstring)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    cp, tp = p.context_parallel_size, p.tensor_model_parallel_size
+    if cp == 1:
+        return 0
+    e = BYTES[cfg.precision.params_dtype_name]
+    s, b, d = m.seq_length // cp, t.micro_batch_size, m.kv_channels
+    kv = 2 * b * m.num_query_groups // tp * d * s
+    if p.cp_comm_type == "a2a":
+        return 2 * e * b * (m.num_attention_heads + 2 * m.num_query_groups) // tp * d * s
+    return kv * (2 * e + 8) * (cp if p.cp_comm_type == "allgather" else 1)
 
 
 def in_flight_chunks(pp: int, vpp: int, pp_rank: int, micro_batches: int) -> int:
@@ -146,6 +176,8 @@ def plan(cfg, kernels: str = "flash") -> list[StagePlan]:
         p.tensor_model_parallel_size
     dp = p.data_parallel_size or 1
     s, b, h = m.seq_length, t.micro_batch_size, m.hidden_size
+    s //= p.context_parallel_size  # CP: each rank holds s/cp tokens
+    kv_exchange = kv_exchange_bytes(cfg)
     r = tp if p.sequence_parallel else 1
     e = BYTES[pr.params_dtype_name]
     mixed = pr.bf16 or pr.fp16
@@ -171,13 +203,14 @@ def plan(cfg, kernels: str = "flash") -> list[StagePlan]:
         logits = int(e * s * b * h / r + e * s * b * h + 4 * s * b * m.padded_vocab_size / tp) if last else 0
         chunks = in_flight_chunks(pp, vpp, rank, t.num_micro_batches or 1)
         peak = chunks * chunk_kept + transient + embed * min(chunks, pp if pp > 1 else 1) + logits
+        peak += kv_exchange
         optimizer = (12 if mixed else 8) * params
         out.append(StagePlan(
             pp_rank=rank, params=params, weights_bytes=e * params, grads_bytes=4 * params,
             optimizer_bytes=optimizer // dp if p.use_distributed_optimizer else optimizer,
             activation_bytes_per_micro_batch=vpp * (chunk_kept + transient) + embed + logits,
             layer_activation_bytes=layer, logits_bytes=logits, in_flight=chunks / vpp,
-            activation_peak_bytes=int(peak)))
+            activation_peak_bytes=int(peak), kv_exchange_bytes=kv_exchange))
     return out
 
 
@@ -197,7 +230,8 @@ def format_plan(cfg, stages: list[StagePlan], mfu: float = 0.4, peak_tflops: flo
     vpp = f" (VPP {p.virtual_pipeline_model_parallel_size})" if p.virtual_pipeline_model_parallel_size else ""
     lines = [f"megafab plan: world {p.world_size} = TP {p.tensor_model_parallel_size} x PP "
              f"{p.pipeline_model_parallel_size} x DP {p.data_parallel_size}{vpp}"
-             f", {cfg.precision.params_dtype_name}, recompute {cfg.model.recompute_granularity or 'none'}, "
+             + (f" x CP {p.context_parallel_size} ({p.cp_comm_type})" if p.context_parallel_size > 1 else "")
+             + f", {cfg.precision.params_dtype_name}, recompute {cfg.model.recompute_granularity or 'none'}, "
              f"distributed optimizer {'on' if p.use_distributed_optimizer else 'off'}"]
     for st in stages:
         fits = ""
@@ -209,7 +243,9 @@ def format_plan(cfg, stages: list[StagePlan], mfu: float = 0.4, peak_tflops: flo
             f" | grads {st.grads_bytes / gib:.2f} GiB | optimizer {st.optimizer_bytes / gib:.2f} GiB"
             f" | activations {st.activation_bytes_per_micro_batch / gib:.2f} GiB/micro-batch"
             f" (layer {st.layer_activation_bytes / 2**20:.1f} MiB, logits {st.logits_bytes / gib:.2f} GiB)"
-            f" x {st.in_flight:g} in flight = {st.activation_peak_bytes / gib:.2f} GiB"
+            f" x {st.in_flight:g} in flight"
+            + (f" + K/V exchange {st.kv_exchange_bytes / 2**20:.1f} MiB" if st.kv_exchange_bytes else "")
+            + f" = {st.activation_peak_bytes / gib:.2f} GiB"
             f" | total {st.total_bytes / gib:.2f} GiB{fits}")
     model, hardware = iteration_flops(cfg)
     seconds = hardware / (p.world_size * peak_tflops * 1e12 * mfu)
