@@ -10,6 +10,7 @@ schedule (run_schedule: CP batch split, CP loss, finalize_model_grads over DP x 
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
 from megafab.distributed.topology import build_topology
@@ -61,24 +62,20 @@ def _gathered(p, values, tp_group):
     return full_grad(holder, tp_group)
 
 
-def _cp_parity(rank, world, tp, cp, pp, sp, dist_opt, comm, style):
+def _cp_parity(rank, world, tp, cp, pp, sp, dist_opt, comm, style, extra=None):
     dp = world // (tp * cp * pp)
     gbs = MICRO * dp * 2
     common = dict(style=style, vocab_size=112, lr=1e-2, clip_grad=0.5, lr_decay_style="constant")
     cfg = tiny_config(tp=tp, pp=pp, dp=dp * cp, micro_batch_size=MICRO, global_batch_size=gbs,
                       sequence_parallel=sp, use_distributed_optimizer=dist_opt, context_parallel_size=cp,
-                      cp_comm_type=comm, ddp_bucket_size=2000, **common)
+                      cp_comm_type=comm, ddp_bucket_size=2000, **common, **(extra or {}))
     assert cfg.parallel.data_parallel_size == dp
     ref_loss, ref_grads, ref_norm, ref_params = _reference(
         cfg, tiny_config(**common), list(_micro_batches(cfg, 0, 1, gbs // MICRO)))
 
-    topo = build_topology(tp=tp, pp=pp, cp=cp)
+    state = _state(cfg)
+    topo, model, optimizer = state.topology, state.model, state.optimizer
     assert (topo.cp, topo.dp) == (cp, dp)
-    tracker = RNGStatesTracker("cpu")
-    model_parallel_seed(1234, topo.tp_rank, topo.pp_rank, topo.device, tracker, cp_rank=topo.cp_rank)
-    model = build_model(cfg, topo, tracker, dtype=torch.float64)
-    optimizer = build_optimizer(cfg, topo, model)
-    state = TrainState(cfg, topo, tracker, model, optimizer, build_scheduler(cfg, optimizer))
     tp_group = topo.tp_group if tp > 1 else None
 
     optimizer.zero_grad()
@@ -111,9 +108,19 @@ def _cp_parity(rank, world, tp, cp, pp, sp, dist_opt, comm, style):
     return checked
 
 
-def _dp_mean(value, topo):
-    import torch.distributed as dist
+def _state(cfg):
+    """What pretrain_gpt.py builds for `cfg`, in float64, on the harness's process group."""
+    p = cfg.parallel
+    topo = build_topology(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
+                          cp=p.context_parallel_size)
+    tracker = RNGStatesTracker("cpu")
+    model_parallel_seed(1234, topo.tp_rank, topo.pp_rank, topo.device, tracker, cp_rank=topo.cp_rank)
+    model = build_model(cfg, topo, tracker, dtype=torch.float64)
+    optimizer = build_optimizer(cfg, topo, model)
+    return TrainState(cfg, topo, tracker, model, optimizer, build_scheduler(cfg, optimizer))
 
+
+def _dp_mean(value, topo):
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, group=topo.dp_group)
     return t.item() / topo.dp
@@ -138,3 +145,45 @@ IDS = ["cp2-p2p", "cp2-allgather-gqa-rope", "cp2-a2a-gqa-rope", "cp4-p2p-gqa-rop
 def test_context_parallel_equals_one_process(world, tp, cp, pp, sp, dist_opt, comm, style):
     checked = run_ranks(_cp_parity, world, tp, cp, pp, sp, dist_opt, comm, style, timeout=240)
     assert sum(checked) > 0
+
+
+FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)
+
+
+@pytest.mark.parametrize("comm,extra", [("p2p", FULL_RECOMPUTE),
+                                        ("allgather", dict(recompute_granularity="selective"))],
+                         ids=["p2p-full-recompute", "allgather-selective-recompute"])
+def test_context_parallel_with_recompute_equals_one_process(comm, extra):
+    run_ranks(_cp_parity, 2, 1, 2, 1, False, False, comm, LLAMA_STYLE, extra, timeout=240)
+
+
+def _cp2_llama(comm, **overrides):
+    return tiny_config(style=LLAMA_STYLE, dp=2, vocab_size=112, micro_batch_size=MICRO,
+                       global_batch_size=MICRO, context_parallel_size=2, cp_comm_type=comm, **overrides)
+
+
+def _grads_with_dropout(rank, world, comm, recompute):
+    state = _state(_cp2_llama(comm, hidden_dropout=0.2, attention_dropout=0.2, **(recompute or {})))
+    state.optimizer.zero_grad()
+    logs = run_schedule(state, _micro_batches(state.cfg, 0, 1, 1), forward_only=False)
+    grads = {n: p.main_grad.clone() for n, p in state.model[0].module.named_parameters()}
+    return logs[0]["lm loss"].item(), grads
+
+
+@pytest.mark.parametrize("comm", ["p2p", "a2a"])
+def test_dropout_masks_replay_under_recompute(comm):
+    """Same seeds, dropout on: recomputed attention (selective) and recomputed layers (full) draw
+    exactly the masks of the run that keeps its activations."""
+    plain = run_ranks(_grads_with_dropout, 2, comm, None, timeout=120)
+    for recompute in (dict(recompute_granularity="selective"), FULL_RECOMPUTE):
+        again = run_ranks(_grads_with_dropout, 2, comm, recompute, timeout=120)
+        for (loss, grads), (loss2, grads2) in zip(plain, again):
+            assert abs(loss - loss2) < TOL
+            assert all((grads[n] - grads2[n]).abs().max() < TOL for n in grads)
+    no_dropout = run_ranks(_loss_without_dropout, 2, comm, timeout=120)
+    assert abs(plain[0][0] - no_dropout[0]) > 1e-6  # dropout did act
+
+
+def _loss_without_dropout(rank, world, comm):
+    state = _state(_cp2_llama(comm))
+    return run_schedule(state, _micro_batches(state.cfg, 0, 1, 1), forward_only=True)[0]["lm loss"].item()
