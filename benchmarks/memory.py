@@ -54,7 +54,8 @@ def saved_bytes(state, data) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        output, loss_func = gpt_forward_step(data, chunk)
+        topo = state.topology
+        output, loss_func = gpt_forward_step(data, chunk, cp_group=topo.cp_group if topo.cp > 1 else None)
         loss, _ = loss_func(output)
     loss.backward()
     chunk.zero_grad_buffer()
