@@ -209,64 +209,93 @@ def _ring_blocks(q_chunks, k_chunks, c: int) -> list[tuple[slice, slice]]:
     return [(slice(a * c, (a + 1) * c), keys) for a, keys in per_half]
 
 
+def _forward_blocks(merge: LseMerge, qg, kv, q_pos, k_pos, blocks, scale, dropout, first_id: int):
+    """Attend qg's rows to kv's rows block by block, merging into `merge`."""
+    for i, (rows, keys) in enumerate(blocks):
+        out, lse = block_forward(qg[..., rows, :], kv[0][:, :, keys], kv[1][:, :, keys], q_pos[rows],
+                                 k_pos[keys], scale, dropout, first_id + i)
+        merge.add(rows, out, lse)
+
+
+class _Grads:
+    """What a block backward reads, from the forward's saved q, k, v, out, lse and dout."""
+
+    def __init__(self, ctx, dout: torch.Tensor, q_pos: torch.Tensor):
+        q, k, v, out, self.lse = ctx.saved_tensors
+        acc = compute_dtype(q.dtype)
+        self.q, self.k, self.v = q, k, v
+        self.qg = _grouped(q, k.shape[1])
+        self.dout = _grouped(dout.to(acc), k.shape[1])
+        self.delta = (self.dout * _grouped(out, k.shape[1]).to(acc)).sum(-1)  # rowsum(dout * out)
+        self.dq = torch.zeros_like(self.qg, dtype=acc)
+        self.q_pos, self.scale, self.dropout = q_pos, ctx.scale, ctx.dropout
+
+    def result(self, dkv: torch.Tensor) -> tuple:
+        q, k, v = self.q, self.k, self.v
+        return self.dq.view_as(q).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+
+
+def _backward_blocks(grads: _Grads, kv, dkv, k_pos, blocks, first_id: int):
+    """Add the blocks' dq into grads.dq and their dk, dv into dkv [2, b, g, sk, d]."""
+    for i, (rows, keys) in enumerate(blocks):
+        dq, dk, dv = block_backward(
+            grads.qg[..., rows, :], kv[0][:, :, keys], kv[1][:, :, keys], grads.q_pos[rows], k_pos[keys],
+            grads.lse[..., rows], grads.dout[..., rows, :], grads.delta[..., rows], grads.scale,
+            grads.dropout, first_id + i)
+        grads.dq[..., rows, :] += dq
+        dkv[0][:, :, keys] += dk
+        dkv[1][:, :, keys] += dv
+
+
+def _save(ctx, q, k, v, merge: LseMerge, group, dropout, scale) -> torch.Tensor:
+    out = merge.out.to(q.dtype).view_as(q)
+    ctx.save_for_backward(q, k, v, out, merge.lse)
+    ctx.group, ctx.dropout, ctx.scale = group, dropout, scale
+    return out
+
+
+def _setup(q, group, dropout_p: float, seed: int):
+    """(cp, rank, chunk length c, scale, dropout, this rank's query positions)."""
+    cp, r = dist.get_world_size(group), dist.get_rank(group)
+    dropout = BlockDropout(dropout_p, seed) if dropout_p > 0 else None
+    q_pos = local_token_positions(q.shape[2] * cp, r, cp, q.device)
+    return cp, r, q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1]), dropout, q_pos
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, dropout_p: float, seed: int):
+        cp, r, c, scale, dropout, q_pos = _setup(q, group, dropout_p, seed)
         ring = _Ring(group)
-        cp, r = ring.size, ring.rank
-        s_local, c = q.shape[2], q.shape[2] // 2
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        dropout = BlockDropout(dropout_p, seed) if dropout_p > 0 else None
         qg = _grouped(q, k.shape[1])
-        q_pos = local_token_positions(s_local * cp, r, cp, q.device)
         merge = LseMerge(qg)
         kv = torch.stack([k, v])
         for step in range(cp):
             pending = ring.start(kv, KV_TAG) if step < cp - 1 else None
             src = (r - step) % cp
-            k_pos = local_token_positions(s_local * cp, src, cp, q.device)
-            for i, (rows, keys) in enumerate(_ring_blocks(chunk_ids(r, cp), chunk_ids(src, cp), c)):
-                out, lse = block_forward(qg[..., rows, :], kv[0][:, :, keys], kv[1][:, :, keys],
-                                         q_pos[rows], k_pos[keys], scale, dropout, 4 * step + i)
-                merge.add(rows, out, lse)
+            _forward_blocks(merge, qg, kv, q_pos, local_token_positions(2 * c * cp, src, cp, q.device),
+                            _ring_blocks(chunk_ids(r, cp), chunk_ids(src, cp), c), scale, dropout, 4 * step)
             if pending is not None:
                 kv = ring.finish(pending)
-        out = merge.out.to(q.dtype).view_as(q)
-        ctx.save_for_backward(q, k, v, out, merge.lse)
-        ctx.group, ctx.dropout, ctx.scale = group, dropout, scale
-        return out
+        return _save(ctx, q, k, v, merge, group, dropout, scale)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        cp, r, c, _, _, q_pos = _setup(ctx.saved_tensors[0], ctx.group, 0.0, 0)
         ring = _Ring(ctx.group)
-        cp, r = ring.size, ring.rank
-        s_local, c = q.shape[2], q.shape[2] // 2
-        acc = compute_dtype(q.dtype)
-        qg = _grouped(q, k.shape[1])
-        dout = _grouped(dout.to(acc), k.shape[1])
-        delta = (dout * _grouped(out, k.shape[1]).to(acc)).sum(-1)
-        q_pos = local_token_positions(s_local * cp, r, cp, q.device)
-        dq = torch.zeros_like(qg, dtype=acc)
-        kv = torch.stack([k, v])
-        dkv = torch.zeros_like(kv, dtype=acc)
+        grads = _Grads(ctx, dout, q_pos)
+        kv = torch.stack([grads.k, grads.v])
+        dkv = torch.zeros_like(kv, dtype=grads.dq.dtype)
         for step in range(cp):
             pending = ring.start(kv, KV_TAG) if step < cp - 1 else None
             src = (r - step) % cp
-            k_pos = local_token_positions(s_local * cp, src, cp, q.device)
-            for i, (rows, keys) in enumerate(_ring_blocks(chunk_ids(r, cp), chunk_ids(src, cp), c)):
-                dq_b, dk_b, dv_b = block_backward(
-                    qg[..., rows, :], kv[0][:, :, keys], kv[1][:, :, keys], q_pos[rows], k_pos[keys],
-                    lse[..., rows], dout[..., rows, :], delta[..., rows], ctx.scale, ctx.dropout,
-                    4 * step + i)
-                dq[..., rows, :] += dq_b
-                dkv[0][:, :, keys] += dk_b
-                dkv[1][:, :, keys] += dv_b
+            _backward_blocks(grads, kv, dkv, local_token_positions(2 * c * cp, src, cp, dout.device),
+                             _ring_blocks(chunk_ids(r, cp), chunk_ids(src, cp), c), 4 * step)
             # dK/dV follow K/V round the ring; after the last step each rank holds its own, complete.
             dkv = ring.finish(ring.start(dkv, DKV_TAG))
             if pending is not None:
                 kv = ring.finish(pending)
-        return (dq.view_as(q).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None)
+        return grads.result(dkv)
 
 
 def _allgather_blocks(r: int, cp: int, c: int) -> list[tuple[slice, slice]]:
@@ -277,47 +306,23 @@ def _allgather_blocks(r: int, cp: int, c: int) -> list[tuple[slice, slice]]:
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, dropout_p: float, seed: int):
-        cp, r = dist.get_world_size(group), dist.get_rank(group)
-        s_local, c = q.shape[2], q.shape[2] // 2
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        dropout = BlockDropout(dropout_p, seed) if dropout_p > 0 else None
+        cp, r, c, scale, dropout, q_pos = _setup(q, group, dropout_p, seed)
         qg = _grouped(q, k.shape[1])
-        q_pos = local_token_positions(s_local * cp, r, cp, q.device)
-        k_pos = torch.arange(s_local * cp, device=q.device)
-        kv = _all_gather_kv(torch.stack([k, v]), group)
         merge = LseMerge(qg)
-        for i, (rows, keys) in enumerate(_allgather_blocks(r, cp, c)):
-            out, lse = block_forward(qg[..., rows, :], kv[0][:, :, keys], kv[1][:, :, keys],
-                                     q_pos[rows], k_pos[keys], scale, dropout, i)
-            merge.add(rows, out, lse)
-        out = merge.out.to(q.dtype).view_as(q)
-        ctx.save_for_backward(q, k, v, out, merge.lse)
-        ctx.group, ctx.dropout, ctx.scale = group, dropout, scale
-        return out
+        _forward_blocks(merge, qg, _all_gather_kv(torch.stack([k, v]), group), q_pos,
+                        torch.arange(2 * c * cp, device=q.device), _allgather_blocks(r, cp, c), scale,
+                        dropout, 0)
+        return _save(ctx, q, k, v, merge, group, dropout, scale)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        cp, r = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        s_local, c = q.shape[2], q.shape[2] // 2
-        acc = compute_dtype(q.dtype)
-        qg = _grouped(q, k.shape[1])
-        dout = _grouped(dout.to(acc), k.shape[1])
-        delta = (dout * _grouped(out, k.shape[1]).to(acc)).sum(-1)
-        q_pos = local_token_positions(s_local * cp, r, cp, q.device)
-        k_pos = torch.arange(s_local * cp, device=q.device)
-        kv = _all_gather_kv(torch.stack([k, v]), ctx.group)
-        dq = torch.zeros_like(qg, dtype=acc)
-        dkv = torch.zeros_like(kv, dtype=acc)
-        for i, (rows, keys) in enumerate(_allgather_blocks(r, cp, c)):
-            dq_b, dk_b, dv_b = block_backward(
-                qg[..., rows, :], kv[0][:, :, keys], kv[1][:, :, keys], q_pos[rows], k_pos[keys],
-                lse[..., rows], dout[..., rows, :], delta[..., rows], ctx.scale, ctx.dropout, i)
-            dq[..., rows, :] += dq_b
-            dkv[0][:, :, keys] += dk_b
-            dkv[1][:, :, keys] += dv_b
-        dkv = _reduce_scatter_kv(dkv, ctx.group)
-        return (dq.view_as(q).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None)
+        cp, r, c, _, _, q_pos = _setup(ctx.saved_tensors[0], ctx.group, 0.0, 0)
+        grads = _Grads(ctx, dout, q_pos)
+        kv = _all_gather_kv(torch.stack([grads.k, grads.v]), ctx.group)  # gathered again, not saved
+        dkv = torch.zeros_like(kv, dtype=grads.dq.dtype)
+        _backward_blocks(grads, kv, dkv, torch.arange(2 * c * cp, device=dout.device),
+                         _allgather_blocks(r, cp, c), 0)
+        return grads.result(_reduce_scatter_kv(dkv, ctx.group))
 
 
 def _ulysses_attention(q, k, v, group, dropout_p: float) -> torch.Tensor:
