@@ -220,8 +220,8 @@ def _forward_blocks(merge: LseMerge, qg, kv, q_pos, k_pos, blocks, scale, dropou
 class _Grads:
     """What a block backward reads, from the forward's saved q, k, v, out, lse and dout."""
 
-    def __init__(self, ctx, dout: torch.Tensor, q_pos: torch.Tensor):
-        q, k, v, out, self.lse = ctx.saved_tensors
+    def __init__(self, ctx, saved: tuple, dout: torch.Tensor, q_pos: torch.Tensor):
+        q, k, v, out, self.lse = saved  # ctx.saved_tensors, read once (recompute allows no more)
         acc = compute_dtype(q.dtype)
         self.q, self.k, self.v = q, k, v
         self.qg = _grouped(q, k.shape[1])
@@ -281,9 +281,10 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        cp, r, c, _, _, q_pos = _setup(ctx.saved_tensors[0], ctx.group, 0.0, 0)
+        saved = ctx.saved_tensors
+        cp, r, c, _, _, q_pos = _setup(saved[0], ctx.group, 0.0, 0)
         ring = _Ring(ctx.group)
-        grads = _Grads(ctx, dout, q_pos)
+        grads = _Grads(ctx, saved, dout, q_pos)
         kv = torch.stack([grads.k, grads.v])
         dkv = torch.zeros_like(kv, dtype=grads.dq.dtype)
         for step in range(cp):
@@ -316,8 +317,9 @@ class _AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        cp, r, c, _, _, q_pos = _setup(ctx.saved_tensors[0], ctx.group, 0.0, 0)
-        grads = _Grads(ctx, dout, q_pos)
+        saved = ctx.saved_tensors
+        cp, r, c, _, _, q_pos = _setup(saved[0], ctx.group, 0.0, 0)
+        grads = _Grads(ctx, saved, dout, q_pos)
         kv = _all_gather_kv(torch.stack([grads.k, grads.v]), ctx.group)  # gathered again, not saved
         dkv = torch.zeros_like(kv, dtype=grads.dq.dtype)
         _backward_blocks(grads, kv, dkv, torch.arange(2 * c * cp, device=dout.device),
