@@ -1,6 +1,6 @@
 """Context parallelism through the driver equals one process: loss, every gradient, the step.
 
-float64, tiny models; each layout runs megafab's build_model / build_optimizer and the training
+float64, tiny models (2 layers); each layout runs megafab's build_model / build_optimizer and the training
 schedule (run_schedule: CP batch split, CP loss, finalize_model_grads over DP x CP), then compares
   - the logged lm loss with the single-process loss,
   - every parameter's main_grad (TP shards gathered; under the distributed optimizer only the
@@ -65,7 +65,8 @@ def _gathered(p, values, tp_group):
 def _cp_parity(rank, world, tp, cp, pp, sp, dist_opt, comm, style, extra=None):
     dp = world // (tp * cp * pp)
     gbs = MICRO * dp * 2
-    common = dict(style=style, vocab_size=112, lr=1e-2, clip_grad=0.5, lr_decay_style="constant")
+    common = dict(style=style, vocab_size=112, lr=1e-2, clip_grad=0.5, lr_decay_style="constant",
+                  num_layers=2)
     cfg = tiny_config(tp=tp, pp=pp, dp=dp * cp, micro_batch_size=MICRO, global_batch_size=gbs,
                       sequence_parallel=sp, use_distributed_optimizer=dist_opt, context_parallel_size=cp,
                       cp_comm_type=comm, ddp_bucket_size=2000, **common, **(extra or {}))
@@ -147,7 +148,7 @@ def test_context_parallel_equals_one_process(world, tp, cp, pp, sp, dist_opt, co
     assert sum(checked) > 0
 
 
-FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)
+FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 
 
 @pytest.mark.parametrize("comm,extra", [("p2p", FULL_RECOMPUTE),
@@ -158,7 +159,7 @@ def test_context_parallel_with_recompute_equals_one_process(comm, extra):
 
 
 def _cp2_llama(comm, **overrides):
-    return tiny_config(style=LLAMA_STYLE, dp=2, vocab_size=112, micro_batch_size=MICRO,
+    return tiny_config(style=LLAMA_STYLE, dp=2, vocab_size=112, micro_batch_size=MICRO, num_layers=2,
                        global_batch_size=MICRO, context_parallel_size=2, cp_comm_type=comm, **overrides)
 
 
