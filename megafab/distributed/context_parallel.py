@@ -247,8 +247,14 @@ def _backward_blocks(grads: _Grads, kv, dkv, k_pos, blocks, first_id: int):
         dkv[1][:, :, keys] += dv
 
 
+def _sbhd_layout(x: torch.Tensor) -> torch.Tensor:
+    """x [b, heads, s, d] stored as [s, b, heads, d], the layout SDPA's flash kernels return: the
+    caller's permute-and-reshape to [s, b, h] is then a view, not a second saved copy."""
+    return x.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+
+
 def _save(ctx, q, k, v, merge: LseMerge, group, dropout, scale) -> torch.Tensor:
-    out = merge.out.to(q.dtype).view_as(q)
+    out = _sbhd_layout(merge.out.view_as(q)).to(q.dtype)
     ctx.save_for_backward(q, k, v, out, merge.lse)
     ctx.group, ctx.dropout, ctx.scale = group, dropout, scale
     return out
@@ -339,7 +345,7 @@ def _ulysses_attention(q, k, v, group, dropout_p: float) -> torch.Tensor:
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-    return _AllToAll.apply(_to_rank_order(out, 2, cp), group, 2, 1)
+    return _sbhd_layout(_AllToAll.apply(_to_rank_order(out, 2, cp), group, 2, 1))
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group,

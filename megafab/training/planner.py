@@ -31,7 +31,8 @@ input e*s*b*h / r, output-layer input e*s*b*h, fp32 softmax 4*s*b*V / t.
 
 Context parallelism (cp > 1): every activation above is per rank with s -> s/cp (each rank holds
 s/cp tokens). Core attention under p2p/allgather is megafab's block kernels, which keep only the
-fp32 log-sum-exp (4*a*s/cp*b / t); under a2a the chosen kernel runs on a/cp heads of all s tokens.
+fp32 log-sum-exp (4*a*s/cp*b / t); under a2a the chosen kernel runs on a/cp heads of all s tokens
+and its output is kept in head layout too (e*s/cp*b*a*d / t more than CP 1 / cp).
 The K/V exchange adds a transient per rank, one layer at a time (kv = 2*b*g/t*d*s/cp elements):
 p2p kv*(2e + 8) (K/V being sent and received, dK/dV in fp32 travelling with them in backward),
 allgather cp*kv*(2e + 8) (gathered and reordered K/V, their fp32 gradients), a2a
@@ -141,9 +142,11 @@ def layer_activation_bytes(cfg, kernels: str = "flash", recompute_core_attention
     cp = p.context_parallel_size
     if cp > 1 and p.cp_comm_type != "a2a" and not recompute_core_attention:
         core = 4 * a * s * b / tp  # megafab's block kernels keep only the fp32 log-sum-exp
-    elif cp > 1 and kernels != "flash" and not recompute_core_attention:  # a2a: a/cp heads, s*cp tokens
-        linear = 4 * 3 * s * b * a * d / tp if kernels == "cpu" else 0
-        core = linear + (core - linear) * cp  # the [heads, s, s] terms grow by cp
+    elif cp > 1 and not recompute_core_attention:  # a2a: the kernel on a/cp heads of all s*cp tokens
+        if kernels != "flash":
+            linear = 4 * 3 * s * b * a * d / tp if kernels == "cpu" else 0
+            core = linear + (core - linear) * cp  # the [heads, s, s] terms grow by cp
+        core += e * s * b * a * d / tp  # its output in head layout, besides the projection input
     return int(replicated + tp_region + core)
 
 
