@@ -104,9 +104,11 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--comm-types", default="p2p,allgather,a2a")
     ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--skip-memory", action="store_true")
     ap.add_argument("--timeout", type=float, default=900.0)
     args = ap.parse_args(argv)
-    memory(args)
+    if not args.skip_memory:
+        memory(args)
     if not args.skip_speed:
         speed(args)
     print(f"after: {load_average()}")

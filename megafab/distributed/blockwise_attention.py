@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-TILE_ELEMENTS = 1 << 23  # scores per query tile (32 MiB in fp32), bounds the transient memory
+TILE_ELEMENTS = 1 << 21  # scores per query tile (8 MiB in fp32), bounds the transient memory
 _SEED_MIX = 1_000_003
 
 
@@ -48,19 +48,26 @@ class BlockDropout:
         return torch.rand(shape, generator=gen, device=device) >= self.p
 
 
-def _tiles(q: torch.Tensor, sk: int):
+def _tiles(q: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor):
+    """(tile index, query rows, visible keys) over tiles of query rows; keys after a tile's last
+    query are never computed (k_pos ascending, as every caller's blocks are)."""
     b, g, hpg, sq, _ = q.shape
-    rows = max(1, TILE_ELEMENTS // max(1, b * g * hpg * sk))
+    rows = max(1, TILE_ELEMENTS // max(1, b * g * hpg * k_pos.numel()))
     for tile, start in enumerate(range(0, sq, rows)):
-        yield tile, slice(start, min(start + rows, sq))
+        tile_rows = slice(start, min(start + rows, sq))
+        visible = int(torch.searchsorted(k_pos, q_pos[tile_rows].max(), right=True))
+        yield tile, tile_rows, slice(0, visible)
 
 
-def _scores(q_tile, k, q_pos_tile, k_pos, scale):
-    """[b, g, hpg, t, sk] scaled scores, -inf where the key lies after the query."""
-    s = torch.matmul(q_tile, k.unsqueeze(2).transpose(-1, -2)) * scale
-    if k_pos.max() > q_pos_tile.min():
-        s = s.masked_fill(k_pos[None, :] > q_pos_tile[:, None], float("-inf"))
-    return s
+def _probabilities(q_tile, k, q_pos_tile, k_pos, scale, lse_tile=None):
+    """exp(q k^T * scale - lse) [b, g, hpg, t, sk], 0 where the key lies after the query; with
+    lse_tile None the tile's own log-sum-exp is computed and returned too."""
+    s = torch.matmul(q_tile, k.unsqueeze(2).transpose(-1, -2)).mul_(scale)
+    if k_pos[-1] > q_pos_tile[0]:
+        s.masked_fill_(k_pos[None, :] > q_pos_tile[:, None], float("-inf"))
+    if lse_tile is None:
+        lse_tile = torch.logsumexp(s, dim=-1)
+    return s.sub_(lse_tile[..., None]).exp_(), lse_tile
 
 
 def block_forward(q, k, v, q_pos, k_pos, scale: float, dropout: BlockDropout | None = None,
@@ -72,14 +79,21 @@ def block_forward(q, k, v, q_pos, k_pos, scale: float, dropout: BlockDropout | N
     k, v = k.to(acc), v.to(acc)
     out = q.new_empty(q.shape, dtype=acc)
     lse = q.new_empty(q.shape[:-1], dtype=acc)
-    for tile, rows in _tiles(q, k.shape[-2]):
-        s = _scores(q[..., rows, :].to(acc), k, q_pos[rows], k_pos, scale)
-        lse[..., rows] = torch.logsumexp(s, dim=-1)
-        p = torch.exp(s - lse[..., rows, None])
+    for tile, rows, keys in _tiles(q, q_pos, k_pos):
+        p, lse[..., rows] = _probabilities(q[..., rows, :].to(acc), k[:, :, keys], q_pos[rows],
+                                           k_pos[keys], scale)
         if dropout is not None:
-            p = p * dropout.keep(block_id, tile, p.shape, p.device) / (1.0 - dropout.p)
-        out[..., rows, :] = torch.matmul(p, v.unsqueeze(2))
+            p.mul_(dropout.keep(block_id, tile, p.shape, p.device)).div_(1.0 - dropout.p)
+        out[..., rows, :] = torch.matmul(p, v[:, :, keys].unsqueeze(2))
     return out, lse
+
+
+def _sum_heads_of_group(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """sum over a group's hpg heads and the tile's rows of x^T y: [b, g, hpg, t, sk] x
+    [b, g, hpg, t, d] -> [b, g, sk, d]."""
+    if x.shape[2] == 1:
+        return torch.matmul(x.squeeze(2).transpose(-1, -2), y.squeeze(2))
+    return torch.einsum("bghts,bghtd->bgsd", x, y)
 
 
 def block_backward(q, k, v, q_pos, k_pos, lse, dout, delta, scale: float,
@@ -91,19 +105,20 @@ def block_backward(q, k, v, q_pos, k_pos, lse, dout, delta, scale: float,
     dq = q.new_empty(q.shape, dtype=acc)
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
-    for tile, rows in _tiles(q, k.shape[-2]):
+    for tile, rows, keys in _tiles(q, q_pos, k_pos):
         q_tile, dout_tile = q[..., rows, :].to(acc), dout[..., rows, :]
-        p = torch.exp(_scores(q_tile, k, q_pos[rows], k_pos, scale) - lse[..., rows, None])
-        dp = torch.matmul(dout_tile, v.unsqueeze(2).transpose(-1, -2))  # [b, g, hpg, t, sk]
+        k_tile, v_tile = k[:, :, keys], v[:, :, keys]
+        p, _ = _probabilities(q_tile, k_tile, q_pos[rows], k_pos[keys], scale, lse[..., rows])
+        dp = torch.matmul(dout_tile, v_tile.unsqueeze(2).transpose(-1, -2))  # [b, g, hpg, t, sk]
         if dropout is not None:
-            keep = dropout.keep(block_id, tile, p.shape, p.device).to(acc) / (1.0 - dropout.p)
-            dv += torch.einsum("bghts,bghtd->bgsd", p * keep, dout_tile)
-            dp = dp * keep
+            keep = dropout.keep(block_id, tile, p.shape, p.device).to(acc).div_(1.0 - dropout.p)
+            dv[:, :, keys] += _sum_heads_of_group(p * keep, dout_tile)
+            dp.mul_(keep)
         else:
-            dv += torch.einsum("bghts,bghtd->bgsd", p, dout_tile)
-        ds = p * (dp - delta[..., rows, None])
-        dq[..., rows, :] = torch.matmul(ds, k.unsqueeze(2)) * scale
-        dk += torch.einsum("bghts,bghtd->bgsd", ds, q_tile) * scale
+            dv[:, :, keys] += _sum_heads_of_group(p, dout_tile)
+        ds = dp.sub_(delta[..., rows, None]).mul_(p)  # p * (dp - delta)
+        dq[..., rows, :] = torch.matmul(ds, k_tile.unsqueeze(2)).mul_(scale)
+        dk[:, :, keys] += _sum_heads_of_group(ds, q_tile).mul_(scale)
     return dq, dk, dv
 
 
