@@ -49,21 +49,23 @@ class BlockDropout:
 
 
 def _tiles(q: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor):
-    """(tile index, query rows, visible keys) over tiles of query rows; keys after a tile's last
-    query are never computed (k_pos ascending, as every caller's blocks are)."""
+    """(tile index, query rows, visible keys, whether a causal mask is needed) over tiles of query
+    rows; keys after a tile's last query are never computed (k_pos ascending, as every caller's
+    blocks are)."""
     b, g, hpg, sq, _ = q.shape
+    q_pos, k_pos = q_pos.cpu(), k_pos.cpu()  # one device sync per block, none per tile
     rows = max(1, TILE_ELEMENTS // max(1, b * g * hpg * k_pos.numel()))
     for tile, start in enumerate(range(0, sq, rows)):
         tile_rows = slice(start, min(start + rows, sq))
         visible = int(torch.searchsorted(k_pos, q_pos[tile_rows].max(), right=True))
-        yield tile, tile_rows, slice(0, visible)
+        yield tile, tile_rows, slice(0, visible), bool(k_pos[visible - 1] > q_pos[tile_rows].min())
 
 
-def _probabilities(q_tile, k, q_pos_tile, k_pos, scale, lse_tile=None):
+def _probabilities(q_tile, k, q_pos_tile, k_pos, scale, masked: bool, lse_tile=None):
     """exp(q k^T * scale - lse) [b, g, hpg, t, sk], 0 where the key lies after the query; with
     lse_tile None the tile's own log-sum-exp is computed and returned too."""
     s = torch.matmul(q_tile, k.unsqueeze(2).transpose(-1, -2)).mul_(scale)
-    if k_pos[-1] > q_pos_tile[0]:
+    if masked:
         s.masked_fill_(k_pos[None, :] > q_pos_tile[:, None], float("-inf"))
     if lse_tile is None:
         lse_tile = torch.logsumexp(s, dim=-1)
@@ -79,9 +81,9 @@ def block_forward(q, k, v, q_pos, k_pos, scale: float, dropout: BlockDropout | N
     k, v = k.to(acc), v.to(acc)
     out = q.new_empty(q.shape, dtype=acc)
     lse = q.new_empty(q.shape[:-1], dtype=acc)
-    for tile, rows, keys in _tiles(q, q_pos, k_pos):
+    for tile, rows, keys, masked in _tiles(q, q_pos, k_pos):
         p, lse[..., rows] = _probabilities(q[..., rows, :].to(acc), k[:, :, keys], q_pos[rows],
-                                           k_pos[keys], scale)
+                                           k_pos[keys], scale, masked)
         if dropout is not None:
             p.mul_(dropout.keep(block_id, tile, p.shape, p.device)).div_(1.0 - dropout.p)
         out[..., rows, :] = torch.matmul(p, v[:, :, keys].unsqueeze(2))
@@ -105,10 +107,10 @@ def block_backward(q, k, v, q_pos, k_pos, lse, dout, delta, scale: float,
     dq = q.new_empty(q.shape, dtype=acc)
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
-    for tile, rows, keys in _tiles(q, q_pos, k_pos):
+    for tile, rows, keys, masked in _tiles(q, q_pos, k_pos):
         q_tile, dout_tile = q[..., rows, :].to(acc), dout[..., rows, :]
         k_tile, v_tile = k[:, :, keys], v[:, :, keys]
-        p, _ = _probabilities(q_tile, k_tile, q_pos[rows], k_pos[keys], scale, lse[..., rows])
+        p, _ = _probabilities(q_tile, k_tile, q_pos[rows], k_pos[keys], scale, masked, lse[..., rows])
         dp = torch.matmul(dout_tile, v_tile.unsqueeze(2).transpose(-1, -2))  # [b, g, hpg, t, sk]
         if dropout is not None:
             keep = dropout.keep(block_id, tile, p.shape, p.device).to(acc).div_(1.0 - dropout.p)
