@@ -24,10 +24,10 @@ if REPO not in sys.path:
 
 import torch  # noqa: E402
 
+from megafab.checkpoint import CheckpointError  # noqa: E402
 from megafab.config import ConfigError  # noqa: E402
 from megafab.convert import ConversionError, export_hf, import_hf, read_checkpoint, write_checkpoint  # noqa: E402
 from megafab.data.errors import DataError  # noqa: E402
-from megafab.training.checkpoint_io import CheckpointError  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

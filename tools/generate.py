@@ -23,10 +23,10 @@ if REPO not in sys.path:
 
 import torch  # noqa: E402
 
+from megafab.checkpoint import CheckpointError  # noqa: E402
 from megafab.convert.state_dict import ConversionError  # noqa: E402
 from megafab.data.errors import DataError  # noqa: E402
 from megafab.inference import GenerationError, SamplingParams, generate, load_model  # noqa: E402
-from megafab.training.checkpoint_io import CheckpointError  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 

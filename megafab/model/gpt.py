@@ -15,15 +15,13 @@ from torch import nn
 from megafab.distributed.context_parallel import local_position_ids
 from megafab.distributed.cross_entropy import vocab_parallel_cross_entropy
 from megafab.distributed.layers import VocabParallelEmbedding
-from megafab.distributed.mappings import (
-    copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
-    scatter_to_sequence_parallel_region,
-)
+from megafab.distributed.linear import linear_with_grad_accumulation_and_async_allreduce
+from megafab.distributed.mappings import group_size, scatter_to_sequence_parallel_region
 from megafab.model.init import normal_init
 from megafab.model.recompute import RecomputeSettings, forward_layers
 from megafab.model.te import transformer_layer_class
 from megafab.model.transformer import LayerContext, RotaryEmbedding, build_norm
+from megafab.pipeline_split import PipelineSplit
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
@@ -33,23 +31,30 @@ class Embedding(nn.Module):
         super().__init__()
         self.ctx = ctx
         self.dropout = cfg.hidden_dropout
+        learned = cfg.position_embedding_type == "learned_absolute"
+        # Without learned positions the SP scatter folds into the embedding's reduction (Megatron).
+        self.reduce_scatter = ctx.sequence_parallel and not learned and group_size(ctx.tp_group) > 1
         self.word_embeddings = VocabParallelEmbedding(
             cfg.padded_vocab_size, cfg.hidden_size, tp_group=ctx.tp_group, params_dtype=ctx.params_dtype,
-            device=ctx.device, init_method=normal_init(ctx.seed, WORD_EMBEDDING, cfg.init_method_std))
+            device=ctx.device, init_method=normal_init(ctx.seed, WORD_EMBEDDING, cfg.init_method_std),
+            reduce_scatter_embeddings=self.reduce_scatter)
         self.position_embeddings = None
-        if cfg.position_embedding_type == "learned_absolute":
+        if learned:
             self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size,
                                                     device=ctx.device, dtype=ctx.params_dtype)
             normal_init(ctx.seed, "embedding.position_embeddings.weight",
                         cfg.init_method_std)(self.position_embeddings.weight)
 
     def forward(self, input_ids, position_ids):
-        x = self.word_embeddings(input_ids)  # [b, s, h]
-        if self.position_embeddings is not None:
-            x = x + self.position_embeddings(position_ids)
-        x = x.transpose(0, 1).contiguous()  # [s, b, h]
-        if self.ctx.sequence_parallel:
-            x = scatter_to_sequence_parallel_region(x, self.ctx.tp_group)  # [s/tp, b, h]
+        if self.reduce_scatter:
+            x = self.word_embeddings(input_ids)  # [s/tp, b, h]
+        else:
+            x = self.word_embeddings(input_ids)  # [b, s, h]
+            if self.position_embeddings is not None:
+                x = x + self.position_embeddings(position_ids)
+            x = x.transpose(0, 1).contiguous()  # [s, b, h]
+            if self.ctx.sequence_parallel:
+                x = scatter_to_sequence_parallel_region(x, self.ctx.tp_group)  # [s/tp, b, h], a copy
         if self.training and self.dropout > 0:
             with self.ctx.residual_rng():
                 x = F.dropout(x, self.dropout, training=True)
@@ -92,6 +97,16 @@ class GPTModel(nn.Module):
         if self.share_embeddings:
             for p in self.shared_embedding_params():
                 p.shared_embedding = True
+        for p in self.embedding_or_output_params():
+            p.is_embedding_or_output_parameter = True  # their own LR with --decoupled-lr
+
+    def embedding_or_output_params(self) -> list[nn.Parameter]:
+        """Megatron's is_embedding_or_output_parameter: word embedding (first stage), output layer
+        weight (last stage; the tied copy there too)."""
+        out = [self.embedding.word_embeddings.weight] if self.pre_process else []
+        if self.post_process and hasattr(self, "output_layer"):
+            out.append(self.output_layer.weight)
+        return out
 
     def shared_embedding_params(self) -> list[nn.Parameter]:
         """The tied word-embedding weights this chunk holds (first and/or last stage)."""
@@ -124,7 +139,7 @@ class GPTModel(nn.Module):
             position_ids = local_position_ids(input_ids.shape[1], self.ctx.cp_group,
                                               input_ids.device).expand_as(input_ids)
         x = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor
-        angles = self.rotary(position_ids) if self.rotary is not None else None
+        angles = self.rotary(position_ids, self.ctx.params_dtype) if self.rotary is not None else None
         if kv_cache is None:
             x = forward_layers(self.decoder.layers.values(), x, self.recompute, self.ctx, angles,
                                attention_mask)
@@ -133,31 +148,28 @@ class GPTModel(nn.Module):
                 x = layer(x, angles, attention_mask, kv_cache=kv_cache.layer(int(number)))
         if not self.post_process:
             return x
-        x = self.decoder.final_layernorm(x)
-        if self.ctx.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.ctx.tp_group)  # [s, b, h]
-        else:
-            x = copy_to_tensor_model_parallel_region(x, self.ctx.tp_group)
-        logits = F.linear(x, self.output_weight())  # [s, b, V/tp]
+        x = self.decoder.final_layernorm(x)  # [s(/tp), b, h]
+        sp = self.ctx.sequence_parallel
+        logits = linear_with_grad_accumulation_and_async_allreduce(  # [s, b, V/tp]
+            x, self.output_weight(), None, group=self.ctx.tp_group,
+            gradient_accumulation_fusion=self.ctx.gradient_accumulation_fusion,
+            allreduce_dgrad=group_size(self.ctx.tp_group) > 1 and not sp, sequence_parallel=sp)
         if labels is None:
             return logits
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.ctx.tp_group)  # [s, b]
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.ctx.tp_group,  # [s, b]
+                                            fused=self.cfg.cross_entropy_loss_fusion)
         return loss.t()  # [b, s]
 
 
-def chunk_layer_range(num_layers: int, pp: int, vpp: int, pp_rank: int, chunk: int) -> tuple[int, int]:
-    """Layers of virtual chunk `chunk` on pipeline rank `pp_rank`: Megatron places global chunk
-    chunk * pp + pp_rank there, each holding num_layers / (pp * vpp) consecutive layers."""
-    per_chunk = num_layers // (pp * vpp)
-    start = (chunk * pp + pp_rank) * per_chunk
-    return start, start + per_chunk
-
-
-def build_model_chunks(cfg, ctx: LayerContext, pp: int = 1, pp_rank: int = 0, vpp: int = 1) -> list[GPTModel]:
-    """This pipeline rank's model chunks (one without interleaving)."""
+def build_model_chunks(cfg, ctx: LayerContext, pp: int = 1, pp_rank: int = 0, vpp: int = 1,
+                       split: PipelineSplit | None = None) -> list[GPTModel]:
+    """This pipeline rank's model chunks (one without interleaving). `split` places the layers
+    (uneven first/last stages, embedding/loss counted as layers); default: an even split."""
+    split = split or PipelineSplit(cfg.num_layers, pp, vpp)
+    assert (split.pp, split.vpp) == (pp, vpp), "the split was made for another pipeline layout"
     chunks = []
     for c in range(vpp):
-        first, last = chunk_layer_range(cfg.num_layers, pp, vpp, pp_rank, c)
+        first, last = split.layer_range(pp_rank, c)
         chunks.append(GPTModel(cfg, ctx, first, last, pre_process=(pp_rank == 0 and c == 0),
                                post_process=(pp_rank == pp - 1 and c == vpp - 1)))
     return chunks

@@ -10,7 +10,6 @@ schedule (run_schedule: CP batch split, CP loss, finalize_model_grads over DP x 
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
 from megafab.distributed.topology import build_topology
@@ -18,7 +17,7 @@ from megafab.model.gpt import masked_mean_loss
 from megafab.optim.distributed_optimizer import owned_param_ranges
 from megafab.optim.mixed_precision import MixedPrecisionOptimizer
 from megafab.training.build import TrainState, build_model, build_optimizer, build_scheduler
-from megafab.training.step import run_schedule
+from megafab.training.step import average_loss_across_dp, run_schedule
 from tests.harness import run_ranks
 from tests.model.tiny import GPT2_STYLE, LLAMA_STYLE, batch, full_grad, reference_model, tiny_config
 
@@ -37,12 +36,19 @@ def _micro_batches(cfg, dp_rank, dp, count):
 
 
 def _reference(cfg, ref_cfg, micro_batches):
+    """One process: mean of micro-batch masked means, or (--calculate-per-token-loss) the masked
+    mean over every token of the global batch."""
     model = reference_model(ref_cfg.model)
     total = 0.0
+    tokens = sum(mb["loss_mask"].sum() for mb in micro_batches)
     for mb in micro_batches:
-        loss = masked_mean_loss(model(mb["tokens"], labels=mb["labels"]), mb["loss_mask"])
-        (loss / len(micro_batches)).backward()
-        total += loss.item() / len(micro_batches)
+        per_token = model(mb["tokens"], labels=mb["labels"])
+        if cfg.training.calculate_per_token_loss:
+            loss = (per_token * mb["loss_mask"]).sum() / tokens
+        else:
+            loss = masked_mean_loss(per_token, mb["loss_mask"]) / len(micro_batches)
+        loss.backward()
+        total += loss.item()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     o = cfg.optimizer
     opt = MixedPrecisionOptimizer([model], lr=o.lr, weight_decay=o.weight_decay, clip_grad=o.clip_grad)
@@ -83,7 +89,7 @@ def _cp_parity(rank, world, tp, cp, pp, sp, dist_opt, comm, style, extra=None):
     logs = run_schedule(state, _micro_batches(cfg, topo.dp_rank, dp, cfg.training.num_micro_batches),
                         forward_only=False)
     if topo.is_last_stage:
-        loss = _dp_mean(sum(log["lm loss"].item() for log in logs) / len(logs), topo)
+        loss = average_loss_across_dp(logs, topo, topo.device)
         assert abs(loss - ref_loss) < TOL, (loss, ref_loss)
     checked = 0
     for chunk in model:
@@ -121,12 +127,6 @@ def _state(cfg):
     return TrainState(cfg, topo, tracker, model, optimizer, build_scheduler(cfg, optimizer))
 
 
-def _dp_mean(value, topo):
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, group=topo.dp_group)
-    return t.item() / topo.dp
-
-
 LAYOUTS = [  # world, tp, cp, pp, sp, dist_opt, comm, style
     (2, 1, 2, 1, False, False, "p2p", GPT2_STYLE),
     (2, 1, 2, 1, False, False, "allgather", LLAMA_STYLE),
@@ -151,11 +151,12 @@ def test_context_parallel_equals_one_process(world, tp, cp, pp, sp, dist_opt, co
 FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 
 
-@pytest.mark.parametrize("comm,extra", [("p2p", FULL_RECOMPUTE),
-                                        ("allgather", dict(recompute_granularity="selective"))],
-                         ids=["p2p-full-recompute", "allgather-selective-recompute"])
-def test_context_parallel_with_recompute_equals_one_process(comm, extra):
-    run_ranks(_cp_parity, 2, 1, 2, 1, False, False, comm, LLAMA_STYLE, extra, timeout=240)
+@pytest.mark.parametrize("world,comm,extra", [
+    (2, "p2p", FULL_RECOMPUTE), (2, "allgather", dict(recompute_granularity="selective")),
+    (4, "a2a", dict(calculate_per_token_loss=True))],
+    ids=["p2p-full-recompute", "allgather-selective-recompute", "cp2-dp2-a2a-per-token-loss"])
+def test_context_parallel_with_recompute_or_per_token_loss_equals_one_process(world, comm, extra):
+    run_ranks(_cp_parity, world, 1, 2, 1, False, False, comm, LLAMA_STYLE, extra, timeout=240)
 
 
 def _cp2_llama(comm, **overrides):
