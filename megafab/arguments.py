@@ -80,6 +80,9 @@ def _parallel_flags(p):
     g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true")
     g.add_argument("--account-for-loss-in-pipeline-split", action="store_true")
     g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--cp-comm-type", nargs="+", default=["p2p"],
+                   help="p2p, allgather (or all_gather) or a2a; one value for every layer")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")
@@ -360,6 +363,8 @@ def _resolve_spellings(args: argparse.Namespace) -> None:
         args.recompute_granularity = "selective"
     if args.transformer_impl is None:  # FP8 exists only in Transformer Engine's layers
         args.transformer_impl = "transformer_engine" if args.fp8_format else "local"
+    # Megatron's per-layer list; one distinct type is what megafab runs (config refuses several)
+    args.cp_comm_type = " ".join(dict.fromkeys(args.cp_comm_type))
 
 
 def no_effect_flags(cfg: Config, given: set[str], argv: list[str]) -> list[str]:

@@ -22,8 +22,8 @@ class Refused:
 
 
 REFUSED: dict[str, Refused] = {
-    "--context-parallel-size": Refused(f"context parallelism is {NOT_YET}", off=("1",)),
-    "--cp-comm-type": Refused(f"context parallelism is {NOT_YET}", off=("p2p",)),
+    "--hierarchical-context-parallel-sizes": Refused(
+        f"hierarchical context parallelism (--cp-comm-type a2a+p2p) is {NOT_YET}"),
     "--expert-model-parallel-size": Refused(MOE, off=("1",)),
     "--expert-tensor-parallel-size": Refused(MOE),
     "--num-experts": Refused(MOE),

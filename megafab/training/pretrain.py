@@ -133,7 +133,8 @@ def pretrain(cfg) -> int:
     tokenizer = attach_tokenizer(cfg)
     state = setup(cfg)
     topo = state.topology
-    print_rank_0(topo, f"megafab: {topo.world_size} process(es), tp {topo.tp} pp {topo.pp} dp {topo.dp}, "
+    cp = f" cp {topo.cp}" if topo.cp > 1 else ""
+    print_rank_0(topo, f"megafab: {topo.world_size} process(es), tp {topo.tp}{cp} pp {topo.pp} dp {topo.dp}, "
                        f"{topo.device} / {topo.backend}")
     notes = cfg.start_up_notes()
     if cfg.training.empty_unused_memory_level and topo.device.type != "cuda":
