@@ -217,6 +217,7 @@ def _checkpoint_flags(p):
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true")
     g.add_argument("--ckpt-format", default="torch_dist")
+    g.add_argument("--auto-detect-ckpt-format", action="store_true")
 
 
 def _logging_flags(p):

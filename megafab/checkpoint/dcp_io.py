@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import os
 import pickle
 import warnings
 
@@ -34,7 +35,15 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megafab.checkpoint.errors import CheckpointError
@@ -59,20 +68,24 @@ def _dcp_state_dict(shards: dict[str, Shard]) -> dict:
 
 class _ShardSavePlanner(DefaultSavePlanner):
     """DCP's default planner (dedup of replicas, validation of the global plan) fed with the
-    boxes of explicit Shards."""
+    boxes of explicit Shards, and plain objects DCP torch.saves as bytes."""
 
-    def __init__(self, shards: dict[str, Shard]):
+    def __init__(self, shards: dict[str, Shard], objects: dict | None = None):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.shards = shards
+        self.shards, self.objects = shards, objects or {}
         self.views = {(fqn, box.offsets): view for fqn, s in shards.items() if s.write
                       for box, view in zip(s.boxes, s.views)}
 
     def create_local_plan(self) -> SavePlan:
-        self.plan = SavePlan([_write_item(fqn, s, box, view) for fqn, s in self.shards.items() if s.write
-                              for box, view in zip(s.boxes, s.views)])
+        items = [_write_item(fqn, s, box, view) for fqn, s in self.shards.items() if s.write
+                 for box, view in zip(s.boxes, s.views)]
+        items += [WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO) for fqn in self.objects]
+        self.plan = SavePlan(items)
         return self.plan
 
     def lookup_object(self, index: MetadataIndex):
+        if index.fqn in self.objects:
+            return self.objects[index.fqn]
         return _exact_storage(self.views[(index.fqn, tuple(index.offset))])
 
 
@@ -108,6 +121,22 @@ class _ShardLoadPlanner(DefaultLoadPlanner):
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         return self.shards[index.fqn].views[index.index]
+
+
+class _BytesLoadPlanner(DefaultLoadPlanner):
+    """Reads byte objects as raw bytes: DCP's default would torch.load (unpickle) them."""
+
+    def __init__(self, keys: list[str]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.keys, self.raw = keys, {}
+
+    def create_local_plan(self) -> LoadPlan:
+        none = torch.Size((0,))
+        return LoadPlan([ReadItem(LoadItemType.BYTE_IO, MetadataIndex(k), none, MetadataIndex(k), none, none)
+                         for k in self.keys])
+
+    def load_bytes(self, read_item: ReadItem, value) -> None:
+        self.raw[read_item.dest_index.fqn] = value.getvalue()
 
 
 def check_stored_shape(fqn: str, md, global_shape) -> None:
@@ -184,12 +213,33 @@ def _maybe_without_process_group():
         yield not dist.is_initialized()
 
 
-def save_shards(shards: dict[str, Shard], path: str) -> None:
-    """Collective: write every rank's boxes into `path` (also works in a process without
-    torch.distributed, e.g. a conversion tool)."""
+def check_files(path: str, metadata: Metadata) -> None:
+    """Refuse a partial checkpoint (a rank's file missing) before any rank starts reading."""
+    files = sorted({info.relative_path for info in metadata.storage_data.values()})
+    missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
+    if missing:
+        raise CheckpointError(
+            f"{path} is incomplete: its .metadata lists {len(files)} data files but {', '.join(missing[:4])}"
+            f"{' ...' if len(missing) > 4 else ''} are missing (a save that did not finish, or a partial "
+            f"copy); copy the whole directory, or load an earlier iteration")
+
+
+def save_shards(shards: dict[str, Shard], path: str, objects: dict | None = None) -> None:
+    """Collective: write every rank's boxes into `path`, and `objects` (key -> picklable plain
+    data, torch.saved as DCP bytes; write each from one rank). Also works in a process without
+    torch.distributed, e.g. a conversion tool."""
     with _maybe_without_process_group() as no_dist:
         dcp.save(_dcp_state_dict(shards), storage_writer=FileSystemWriter(path, thread_count=1),
-                 planner=_ShardSavePlanner(shards), no_dist=no_dist)
+                 planner=_ShardSavePlanner(shards, objects), no_dist=no_dist)
+
+
+def read_objects(path: str, keys: list[str]) -> dict[str, bytes]:
+    """The raw (still pickled) bytes of byte objects `keys`; this rank alone, no collective."""
+    planner = _BytesLoadPlanner(keys)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({}, storage_reader=SafeFileSystemReader(path), planner=planner, no_dist=True)
+    return planner.raw
 
 
 def load_shards(shards: dict[str, Shard], path: str) -> None:

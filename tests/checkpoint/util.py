@@ -14,13 +14,14 @@ from tests.model.tiny import GPT2_STYLE, batch, tiny_config
 GLOBAL_BATCH = 4
 
 
-def make_state(tp, dp, dist_opt, style=GPT2_STYLE, dtype=torch.float64, save=None, load=None, **overrides):
-    flat = dict(tp=tp, style=style, dp=dp, vocab_size=101, make_vocab_size_divisible_by=8,
+def make_state(tp, dp, dist_opt, style=GPT2_STYLE, dtype=torch.float64, save=None, load=None, pp=1,
+               **overrides):
+    flat = dict(tp=tp, pp=pp, style=style, dp=dp, vocab_size=101, make_vocab_size_divisible_by=8,
                 micro_batch_size=1, global_batch_size=GLOBAL_BATCH, use_distributed_optimizer=dist_opt,
                 ddp_bucket_size=700, lr=1e-2, train_iters=10, bf16=dtype == torch.bfloat16, save=save,
                 load=load)
     cfg = tiny_config(**{**flat, **overrides})
-    topo = build_topology(tp=tp)
+    topo = build_topology(tp=tp, pp=pp)
     tracker = RNGStatesTracker("cpu")
     model_parallel_seed(1234, topo.tp_rank, topo.pp_rank, topo.device, tracker)
     model = build_model(cfg, topo, tracker, dtype=dtype)
@@ -48,3 +49,30 @@ def read_everything(path):
               for k, md in metadata.items()}
     dcp_io.load_shards(shards, path)
     return {k: s.views[0] for k, s in shards.items()}
+
+
+@torch.no_grad()
+def full_logits(state, tokens):
+    """Logits [b, s, V_padded] of the state's model (one chunk per rank, any TP, PP through p2p) on
+    the last stage's ranks; None on the others."""
+    import torch.distributed as dist
+
+    topo = state.topology
+    model = state.model[0].module.eval()
+    b, s = tokens.shape
+    positions = torch.arange(s).expand_as(tokens)
+    if topo.is_first_stage:
+        out = model(tokens, positions)
+    else:
+        hidden = torch.empty(s, b, state.cfg.model.hidden_size, dtype=next(model.parameters()).dtype)
+        dist.recv(hidden, src=topo.prev_pp_rank)
+        model.set_input_tensor(hidden)
+        out = model(None, positions)
+    if not topo.is_last_stage:
+        dist.send(out.contiguous(), dst=topo.next_pp_rank)
+        return None
+    if topo.tp > 1:
+        parts = [torch.empty_like(out) for _ in range(topo.tp)]
+        dist.all_gather(parts, out.contiguous(), group=topo.tp_group)
+        out = torch.cat(parts, dim=-1)
+    return out.transpose(0, 1)  # [b, s, V]
