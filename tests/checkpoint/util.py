@@ -76,3 +76,21 @@ def full_logits(state, tokens):
         dist.all_gather(parts, out.contiguous(), group=topo.tp_group)
         out = torch.cat(parts, dim=-1)
     return out.transpose(0, 1)  # [b, s, V]
+
+
+@torch.no_grad()
+def perturb(state, scale=0.05):
+    """Give every weight (biases and norms included) values off its initialization, the same for
+    every copy of a tensor (TP replicas, the tied embedding's two stages): noise keyed by the
+    stored name and this rank's TP block."""
+    from megafab.checkpoint.layout import param_layout
+    from megafab.checkpoint.state import named_parameters
+
+    topo = state.topology
+    for name, p in named_parameters(state):
+        layout = param_layout(name, p, topo.tp, topo.tp_rank)
+        seed = sum(map(ord, layout.name)) * 1009 + sum(layout.block_offsets)
+        g = torch.Generator().manual_seed(seed)
+        p.add_(torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype) * scale)
+    for chunk in state.model:
+        chunk.module.train()
