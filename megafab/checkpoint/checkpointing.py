@@ -19,7 +19,13 @@ import torch.distributed as dist
 
 from megafab.checkpoint import formats, megatron_dist
 from megafab.checkpoint import state as cs
-from megafab.checkpoint.directory import FORMAT_VERSION, TRACKER, commit_checkpoint, iteration_dir
+from megafab.checkpoint.directory import (  # noqa: F401
+    FORMAT_VERSION,
+    TRACKER,
+    commit_checkpoint,
+    iteration_dir,
+    latest_iteration,
+)
 from megafab.checkpoint.errors import CheckpointError
 from megafab.checkpoint.layout import STEP, split_key
 from megafab.checkpoint.megatron_args import check_model_args, megatron_namespace
@@ -209,8 +215,8 @@ def load_checkpoint(state) -> int | None:
         state.scheduler.load_state_dict({**state.scheduler.state_dict(), **counters.scheduler})
         _load_rng(state, source)
     dist.barrier()
-    _print0(topo, f"loaded {source.format} checkpoint from {ck.load} at iteration {iteration}"
-                  + (" (finetune: weights only, starting at iteration 0)" if finetune else ""))
+    _print0(topo, f"loaded checkpoint from {ck.load} at iteration {iteration} ({source.format} format"
+                  + ("; finetune: weights only, starting at iteration 0)" if finetune else ")"))
     return iteration
 
 

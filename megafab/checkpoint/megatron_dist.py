@@ -142,12 +142,29 @@ def _megatron_counters(common: dict, args: dict) -> Counters | None:
                     scheduler=scheduler, optimizer_iteration=int(common["iteration"]), grad_scaler=scaler)
 
 
-class TorchDistSource(CheckpointSource):
-    """A torch_dist checkpoint read into megafab keys (megatron_keys.to_megatron at read time)."""
+def saved_config(common: dict, path: str):
+    """The Config a torch_dist checkpoint was saved with: megafab's own, or built from Megatron's args
+    (whose names are megafab's config fields; Megatron's validate_args derived the sizes)."""
+    from megafab.config import Config
 
-    def __init__(self, path: str, model_cfg, release: bool = False):
+    ours = common.get(MEGAFAB)
+    flat = ours["config"] if ours is not None else flat_from_args(common.get("args"))
+    if not flat.get("num_layers"):
+        raise CheckpointError(f"{path} records no args (a bare dist_checkpointing.save), so its model "
+                              f"configuration is unknown; load it into a model built from flags with "
+                              f"--load ... --finetune instead of converting it alone")
+    return Config.from_flat(flat)
+
+
+class TorchDistSource(CheckpointSource):
+    """A torch_dist checkpoint read into megafab keys (megatron_keys.to_megatron at read time);
+    model_cfg None: the model the checkpoint records (saved_config)."""
+
+    def __init__(self, path: str, model_cfg=None, release: bool = False):
         read_metadata_json(path)
         common = read_common(path)
+        self.common = common
+        model_cfg = model_cfg or saved_config(common, path).model
         metadata = dcp_io().read_metadata(path)
         dcp_io().check_files(path, metadata)
         self.model_cfg, self.stacked = model_cfg, mk.is_stacked(metadata.state_dict_metadata)
@@ -180,6 +197,14 @@ class TorchDistSource(CheckpointSource):
                     view.fill_(self.step)
         megatron = mk.to_megatron(shards, self.model_cfg, self.main_kind, self.stacked)
         dcp_io().load_shards(megatron, self.path)
+
+    def read_all(self, prefix: str = "") -> dict[str, torch.Tensor]:
+        """Every stored tensor whose megafab key starts with `prefix`, whole (for one process:
+        conversion, inspection)."""
+        shards = {k: Shard.whole(torch.empty(tuple(md.size), dtype=md.properties.dtype))
+                  for k, md in self.stored.items() if k.startswith(prefix)}
+        self.read(shards)
+        return {k: s.views[0] for k, s in shards.items()}
 
 
 # ---- writing -------------------------------------------------------------------------------------

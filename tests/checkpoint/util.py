@@ -3,8 +3,7 @@ global samples do not depend on the DP size, and every tensor of a saved checkpo
 
 import torch
 
-from megafab.checkpoint import dcp_io
-from megafab.checkpoint.layout import Shard
+from megafab.checkpoint.megatron_dist import TorchDistSource
 from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
 from megafab.distributed.topology import build_topology
 from megafab.training.build import TrainState, build_model, build_optimizer, build_scheduler
@@ -44,11 +43,8 @@ def train(state, steps: int) -> list[float]:
 
 
 def read_everything(path):
-    metadata = dcp_io.read_metadata(path).state_dict_metadata
-    shards = {k: Shard.whole(torch.empty(tuple(md.size), dtype=md.properties.dtype))
-              for k, md in metadata.items()}
-    dcp_io.load_shards(shards, path)
-    return {k: s.views[0] for k, s in shards.items()}
+    """Every tensor of a torch_dist checkpoint, under megafab keys (model.* / optim.*)."""
+    return TorchDistSource(path).read_all()
 
 
 @torch.no_grad()
