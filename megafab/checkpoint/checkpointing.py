@@ -97,7 +97,7 @@ def save_checkpoint(state) -> str:
     if ck.ckpt_format == formats.TORCH:
         from megafab.checkpoint import megatron_legacy
 
-        megatron_legacy.save_rank_file(state, tmp, with_optim)
+        megatron_legacy.save_rank_file(state, tmp, _common_state(state, False))
     else:
         _save_torch_dist(state, tmp, with_optim)
     if not ck.no_save_rng:

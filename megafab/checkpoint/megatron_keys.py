@@ -46,10 +46,12 @@ from megafab.model.te import local_to_te_name, te_to_local_name
 LAYERS = "decoder.layers."
 OPTIM_STATE = "optimizer.state."
 MAIN_PARAM_KINDS = ("fp32_param", "param")  # plain optimizer, distributed optimizer
-# Megatron's linear modules carry an `_extra_state` object in torch_dist (None for the local
-# spec, FP8 metadata under Transformer Engine); megatron-core's loader asks for each.
-EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
-                       "mlp.linear_fc2")
+# Megatron's linear modules carry an `_extra_state` (None for the local spec, FP8 metadata under
+# Transformer Engine, whose core attention has one too); megatron-core's torch_dist loader asks for
+# each its model has.
+LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
+                  "mlp.linear_fc2")
+EXTRA_STATE_MODULES = LINEAR_MODULES + ("self_attention.core_attention",)
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
