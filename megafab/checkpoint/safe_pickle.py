@@ -84,31 +84,34 @@ def _globals_for(source, what: str) -> list:
         raise CheckpointError(
             f"{what} refers to {', '.join(refused)}, which a Megatron-LM checkpoint never holds; refusing "
             f"to unpickle it (it could run code). Re-save the checkpoint from a trusted Megatron-LM run")
-    real = {_full_name(c): c for c in _DATA_CLASSES}
-    out = []
+    # Every data class, named or not: an object built by calling an allowed global (np.dtype('u4')
+    # is a UInt32DType) must have an allowed type too for its state to be set.
+    out = list(_DATA_CLASSES)
     for name in names:
-        if name in real:
-            out.append(real[name])
-        elif name.endswith("multiarray._reconstruct"):
+        if name.endswith("multiarray._reconstruct"):
             out.append((_reconstruct, name))
-        else:
+        elif name.startswith(INERT_PREFIXES):
             out.append((_stand_in(name), name))
     return out
 
 
 def load(path: str, mmap: bool = False):
     """torch.load of a Megatron-LM file (see the module docstring); tensors on CPU."""
-    entries = _globals_for(path, path)
-    try:
-        with torch.serialization.safe_globals(entries):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except _READ_ERRORS as e:
-        raise CheckpointError(f"{path} could not be read as a torch file ({e}); the file is truncated or "
-                              f"not a checkpoint: restore it from the original run") from None
+    return _load(path, path, mmap)
 
 
 def loads(data: bytes, what: str):
     """load() of bytes (a torch.save'd object stored inside a torch_dist checkpoint)."""
-    entries = _globals_for(data, what)
-    with torch.serialization.safe_globals(entries):
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    return _load(data, what, False)
+
+
+def _load(source, what: str, mmap: bool):
+    try:
+        entries = _globals_for(source, what)
+        with torch.serialization.safe_globals(entries):
+            if isinstance(source, (bytes, bytearray)):
+                return torch.load(io.BytesIO(source), map_location="cpu", weights_only=True)
+            return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
+    except _READ_ERRORS as e:
+        raise CheckpointError(f"{what} could not be read as a torch file ({str(e).splitlines()[0]}); it is "
+                              f"truncated or not a checkpoint: restore it from the original run") from None
