@@ -30,6 +30,7 @@ from megafab.checkpoint.errors import CheckpointError
 from megafab.checkpoint.layout import (
     MODEL_PREFIX,
     OUTPUT_LAYER,
+    WORD_EMBEDDING,
     Shard,
     split_key,
     strided_shape,
@@ -46,7 +47,7 @@ from megafab.checkpoint.megatron_dist import (
 )
 from megafab.checkpoint.megatron_keys import LINEAR_MODULES
 from megafab.checkpoint.source import CheckpointSource, Counters, counters_from_common
-from megafab.distributed.layers import join_partitions
+from megafab.distributed.layers import join_partitions, partition_of
 from megafab.model.gpt import chunk_layer_range
 from megafab.model.te import local_to_te_name, te_to_local_name
 
@@ -196,20 +197,51 @@ def _counters(state: dict, args: dict) -> Counters | None:
 
 
 # ---- writing -------------------------------------------------------------------------------------
-def local_state_dict(chunk, first_layer: int, te_names: bool) -> dict:
-    """A megafab model chunk's parameters as Megatron's legacy state dict: layers numbered from 0
-    within the stage, a None `_extra_state` per linear module (megatron-core's local layers)."""
-    out = {}
-    for name, p in chunk.named_parameters():
-        match = _LAYER.match(name)
-        if match:
-            name = f"decoder.layers.{int(match.group(1)) - first_layer}.{match.group(2)}"
-        out[local_to_te_name(name) if te_names else name] = p.detach().cpu().clone()
+def _stage_name(name: str, first_layer: int) -> str:
+    match = _LAYER.match(name)
+    return f"decoder.layers.{int(match.group(1)) - first_layer}.{match.group(2)}" if match else name
+
+
+def _with_extra_states(out: dict) -> dict:
+    """A None `_extra_state` per linear module of each layer, as megatron-core's local layers save."""
     layers = {int(_LAYER.match(n).group(1)) for n in out if _LAYER.match(n)}
     for layer in sorted(layers):
         for module in LINEAR_MODULES:
             out[f"decoder.layers.{layer}.{module}._extra_state"] = None
     return out
+
+
+def local_state_dict(chunk, first_layer: int, te_names: bool) -> dict:
+    """A megafab model chunk's parameters as Megatron's legacy state dict (layers numbered from 0
+    within the stage; a tied last stage's output_layer copy included, as Megatron keeps it)."""
+    out = {}
+    for name, p in chunk.named_parameters():
+        name = _stage_name(name, first_layer)
+        out[local_to_te_name(name) if te_names else name] = p.detach().cpu().clone()
+    return _with_extra_states(out)
+
+
+def rank_state_dict(sd: dict, model_cfg, tp: int, tp_rank: int, pp: int, pp_rank: int) -> dict:
+    """The legacy state dict of TP rank tp_rank, stage pp_rank, cut from a full megafab state dict."""
+    first, last = chunk_layer_range(model_cfg.num_layers, pp, 1, pp_rank, 0)
+    tied = not model_cfg.untie_embeddings_and_output_weights
+    stage = {}
+    for name, full in sd.items():
+        match = _LAYER.match(name)
+        if match and not first <= int(match.group(1)) < last:
+            continue
+        if not match and (name.startswith("embedding.") and pp_rank > 0
+                          or not name.startswith("embedding.") and pp_rank < pp - 1):
+            continue
+        stage[name] = full
+    if tied and pp > 1 and pp_rank == pp - 1:  # the last stage's copy of the tied embedding
+        stage[OUTPUT_LAYER] = sd[WORD_EMBEDDING]
+    out = {}
+    for name, full in stage.items():
+        split = tp_partition(name, model_cfg)
+        local = partition_of(full, split[0], tp_rank, tp, split[1]) if split else full
+        out[_stage_name(name, first)] = local.contiguous().clone()
+    return _with_extra_states(out)
 
 
 def save_rank_file(state, tmp: str, megafab_common: dict) -> None:
