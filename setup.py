@@ -25,6 +25,7 @@ setup(
         "numpy>=1.24",
         "sentencepiece>=0.2",
         "tokenizers>=0.19",
+        "tqdm>=4.60",  # tools/convert_checkpoint.py's progress bars
     ],
     extras_require={
         "dev": TEST_TOOLS + HF + ORACLE + DATA_INPUTS + ["tensorboard>=2.15", "matplotlib>=3.7"],

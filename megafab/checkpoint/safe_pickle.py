@@ -107,7 +107,9 @@ def loads(data: bytes, what: str):
 
 def _load(source, what: str, mmap: bool):
     try:
-        entries = _globals_for(source, what)
+        # torch's context removes what it added on exit: never list what is registered already
+        registered = set(torch.serialization.get_safe_globals())
+        entries = [e for e in _globals_for(source, what) if e not in registered]
         with torch.serialization.safe_globals(entries):
             if isinstance(source, (bytes, bytearray)):
                 return torch.load(io.BytesIO(source), map_location="cpu", weights_only=True)

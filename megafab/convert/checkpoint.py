@@ -102,6 +102,18 @@ def repad_vocab(sd: dict[str, torch.Tensor], cfg: Config, tp: int) -> dict[str, 
     return out
 
 
+def _check_layout(m, tp: int, pp: int) -> None:
+    """The TP/PP a written checkpoint records must be one training can run (Megatron's rules)."""
+    problems = [f"{what} {value} is not divisible by the target tensor-parallel size {tp}"
+                for what, value in (("--num-attention-heads", m.num_attention_heads),
+                                    ("--num-query-groups", m.num_query_groups),
+                                    ("--ffn-hidden-size", m.ffn_hidden_size)) if value % tp]
+    if m.num_layers % pp:
+        problems.append(f"--num-layers {m.num_layers} is not divisible by the target pipeline size {pp}")
+    if problems:
+        raise ConversionError("; ".join(problems) + "; choose target sizes that divide them")
+
+
 def write_checkpoint(save_dir: str, sd: dict[str, torch.Tensor], cfg: Config, iteration: int = 0,
                      ckpt_format: str = formats.TORCH_DIST, tp: int | None = None, pp: int | None = None,
                      progress: Progress = no_progress) -> str:
@@ -111,6 +123,7 @@ def write_checkpoint(save_dir: str, sd: dict[str, torch.Tensor], cfg: Config, it
     p = cfg.parallel
     tp = tp or p.tensor_model_parallel_size or 1
     pp = pp or p.pipeline_model_parallel_size or 1
+    _check_layout(cfg.model, tp, pp)
     p.tensor_model_parallel_size, p.pipeline_model_parallel_size = tp, pp
     sd = repad_vocab(sd, cfg, tp)
     final = iteration_dir(save_dir, iteration)
@@ -146,9 +159,6 @@ def _write_torch_dist(tmp, sd, cfg, args, iteration, ours, progress) -> None:
 def _write_legacy(tmp, sd, cfg, args, iteration, ours, tp, pp, progress) -> None:
     from megafab.checkpoint import megatron_legacy
 
-    if cfg.model.num_layers % pp:
-        raise ConversionError(f"--num-layers {cfg.model.num_layers} is not divisible by the target pipeline "
-                              f"size {pp}; choose a size that divides it")
     for tp_rank, pp_rank in progress([(t, p) for p in range(pp) for t in range(tp)], "writing torch"):
         model = megatron_legacy.rank_state_dict(sd, cfg.model, tp, tp_rank, pp, pp_rank)
         state = {"args": args, "checkpoint_version": megatron_dist.CHECKPOINT_VERSION, "iteration": iteration,
