@@ -194,7 +194,15 @@ class SafeFileSystemReader(FileSystemReader):
 
 def read_metadata(path: str) -> Metadata:
     """The DCP metadata of the checkpoint directory `path` (keys, global shapes, chunks)."""
-    return SafeFileSystemReader(path).read_metadata()
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise CheckpointError(f"{path} has no .metadata (the index of its DCP tensor files): the save did "
+                              f"not finish or the copy is partial; copy the whole directory, or load an "
+                              f"earlier iteration")
+    try:
+        return SafeFileSystemReader(path).read_metadata()
+    except (EOFError, pickle.UnpicklingError) as e:
+        raise CheckpointError(f"{path}/.metadata is truncated or corrupt ({e}); restore it from the "
+                              f"original run") from None
 
 
 def check_shards(shards: dict[str, Shard], stored: dict) -> None:

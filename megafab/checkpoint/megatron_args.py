@@ -77,6 +77,12 @@ def check_model_args(args, model_cfg, path: str) -> None:
               "they were trained as)")
 
 
+def unknown_model(path: str) -> CheckpointError:
+    return CheckpointError(f"{path} records no args (a bare dist_checkpointing.save), so its model "
+                           f"configuration is unknown; load it into a model built from flags with --load ... "
+                           f"--finetune (then save) instead of converting it alone")
+
+
 def megatron_namespace(cfg, iteration: int, consumed_train_samples: int, ckpt_format: str,
                        no_save_optim: bool, no_save_rng: bool) -> argparse.Namespace:
     """The args a Megatron-LM checkpoint of this run records (plain values only)."""

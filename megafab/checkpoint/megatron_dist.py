@@ -35,7 +35,7 @@ from megafab.checkpoint import megatron_keys as mk
 from megafab.checkpoint.errors import CheckpointError
 from megafab.checkpoint.formats import METADATA_JSON
 from megafab.checkpoint.layout import MODEL_PREFIX, STEP, Shard, split_key
-from megafab.checkpoint.megatron_args import flat_from_args
+from megafab.checkpoint.megatron_args import flat_from_args, unknown_model
 from megafab.checkpoint.source import CheckpointSource, Counters, counters_from_common
 
 COMMON_PT = "common.pt"
@@ -150,9 +150,7 @@ def saved_config(common: dict, path: str):
     ours = common.get(MEGAFAB)
     flat = ours["config"] if ours is not None else flat_from_args(common.get("args"))
     if not flat.get("num_layers"):
-        raise CheckpointError(f"{path} records no args (a bare dist_checkpointing.save), so its model "
-                              f"configuration is unknown; load it into a model built from flags with "
-                              f"--load ... --finetune instead of converting it alone")
+        raise unknown_model(path)
     return Config.from_flat(flat)
 
 

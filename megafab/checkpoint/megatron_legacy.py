@@ -37,7 +37,7 @@ from megafab.checkpoint.layout import (
     to_stored,
     tp_partition,
 )
-from megafab.checkpoint.megatron_args import flat_from_args, megatron_namespace
+from megafab.checkpoint.megatron_args import flat_from_args, megatron_namespace, unknown_model
 from megafab.checkpoint.megatron_dist import (
     CHECKPOINT_VERSION,
     MEGAFAB,
@@ -112,6 +112,8 @@ class LegacySource(CheckpointSource):
         if model_cfg is None:
             from megafab.config import Config
 
+            if not args.get("num_layers"):
+                raise unknown_model(path)
             model_cfg = Config.from_flat(args).model
         self.model_cfg, self.files, self._cache = model_cfg, files, {(0, 0): first}
         self.vpp = len(_model_keys(first))

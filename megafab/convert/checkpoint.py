@@ -22,7 +22,7 @@ import torch
 from megafab.checkpoint import formats, layout, megatron_dist, megatron_keys
 from megafab.checkpoint.directory import FORMAT_VERSION, TRACKER, commit_checkpoint, iteration_dir
 from megafab.checkpoint.errors import CheckpointError
-from megafab.checkpoint.megatron_args import megatron_namespace
+from megafab.checkpoint.megatron_args import megatron_namespace, unknown_model
 from megafab.config import Config, pad_vocab_size
 from megafab.convert.state_dict import ConversionError, finalize_model_config, pad_vocab, unpad_vocab
 
@@ -49,9 +49,7 @@ def open_checkpoint(load_dir: str, iteration: int | None = None):
         found = formats.Found(path, iteration, False, formats.detect_format(path))
     source = open_source(found, None)
     if source.saved_args is None:
-        raise ConversionError(f"{found.path} records no args (a bare dist_checkpointing.save), so its model "
-                              f"is unknown; load it into training with the model's flags and --finetune, "
-                              f"then save")
+        raise unknown_model(found.path)
     cfg = Config.from_flat(source.saved_args)
     cfg.model.transformer_impl = "local"  # full state dicts use local-spec names
     cfg.model = finalize_model_config(vars(cfg.model), cfg.parallel.tensor_model_parallel_size)
