@@ -22,9 +22,9 @@ MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_hea
               "max_position_embeddings", "normalization", "norm_epsilon", "swiglu", "add_bias_linear",
               "add_qkv_bias", "untie_embeddings_and_output_weights")
 # Megatron model options megafab does not implement (a ModelConfig field of the same name wins).
-MEGATRON_ONLY_ARGS = ("apply_layernorm_1p", "qk_layernorm", "squared_relu", "openai_gelu",
+MEGATRON_ONLY_ARGS = ("apply_layernorm_1p", "qk_layernorm", "qk_l2_norm", "squared_relu", "openai_gelu",
                       "apply_residual_connection_post_layernorm", "num_experts", "multi_latent_attention",
-                      "mtp_num_layers", "apply_query_key_layer_scaling")
+                      "mtp_num_layers", "rotary_interleaved", "use_rope_scaling", "window_size")
 
 
 def flag(name: str) -> str:
@@ -32,10 +32,13 @@ def flag(name: str) -> str:
 
 
 def _effective(name: str, args) -> object:
-    """The value an argument has after Megatron's validate_args derived it."""
+    """The value an argument has after Megatron's validate_args derived it (megafab's ModelConfig
+    or a checkpoint's args alike)."""
     value = getattr(args, name, None)
     if name == "num_query_groups" and not getattr(args, "group_query_attention", False):
         return getattr(args, "num_attention_heads", None)
+    if name == "add_qkv_bias":  # --add-bias-linear biases qkv too (Megatron sets add_qkv_bias then)
+        return bool(value or getattr(args, "add_bias_linear", False))
     if name == "position_embedding_type" and value is None:
         return "learned_absolute"
     return value
@@ -51,9 +54,7 @@ def model_arg_mismatches(args, model_cfg) -> list[str]:
             continue
         if name == "max_position_embeddings" and model_cfg.position_embedding_type != "learned_absolute":
             continue  # only learned positions store a table of this size
-        saved, here = _effective(name, args), getattr(model_cfg, name)
-        if name == "num_query_groups" and not model_cfg.group_query_attention:
-            here = model_cfg.num_attention_heads
+        saved, here = _effective(name, args), _effective(name, model_cfg)
         if saved != here and not (isinstance(saved, float) and isinstance(here, float) and
                                   abs(saved - here) <= 1e-12 * max(abs(here), 1.0)):
             lines.append(f"{flag(name)}: checkpoint {saved!r}, this run {here!r}")

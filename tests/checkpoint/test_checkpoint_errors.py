@@ -108,6 +108,11 @@ def test_each_model_arg_mismatch_is_one_line():
                      "--swiglu: checkpoint False, this run True",
                      "--qk-layernorm: the checkpoint was trained with True, which megafab does not implement"]
     assert model_arg_mismatches(argparse.Namespace(num_layers=m.num_layers), m) == []
+    # Megatron's validate_args sets add_qkv_bias with add_bias_linear; megafab derives the same bias
+    gpt2 = tiny_config().model
+    saved = dict(add_bias_linear=True, add_qkv_bias=True, apply_query_key_layer_scaling=True,
+                 rotary_interleaved=False)
+    assert model_arg_mismatches(saved, gpt2) == []
 
 
 def test_unsupported_ckpt_formats_and_legacy_optimizer_saves_are_config_errors():
