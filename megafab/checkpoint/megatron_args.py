@@ -19,12 +19,13 @@ from megafab.checkpoint.errors import CheckpointError
 # ModelConfig fields that define the model's weights or its function.
 MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
               "kv_channels", "position_embedding_type", "rotary_percent", "rotary_base",
-              "max_position_embeddings", "normalization", "norm_epsilon", "swiglu", "add_bias_linear",
-              "add_qkv_bias", "untie_embeddings_and_output_weights")
-# Megatron model options megafab does not implement (a ModelConfig field of the same name wins).
-MEGATRON_ONLY_ARGS = ("apply_layernorm_1p", "qk_layernorm", "qk_l2_norm", "squared_relu", "openai_gelu",
-                      "apply_residual_connection_post_layernorm", "num_experts", "multi_latent_attention",
-                      "mtp_num_layers", "rotary_interleaved", "use_rope_scaling", "window_size")
+              "max_position_embeddings", "normalization", "norm_epsilon", "swiglu", "openai_gelu",
+              "squared_relu", "apply_layernorm_1p", "qk_layernorm",
+              "apply_residual_connection_post_layernorm", "add_bias_linear", "add_qkv_bias",
+              "untie_embeddings_and_output_weights")
+# Megatron model options megafab does not implement (once ModelConfig has the field, it is compared).
+MEGATRON_ONLY_ARGS = ("qk_l2_norm", "num_experts", "multi_latent_attention", "mtp_num_layers",
+                      "rotary_interleaved", "use_rope_scaling", "window_size")
 
 
 def flag(name: str) -> str:

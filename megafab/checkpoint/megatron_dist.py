@@ -180,8 +180,8 @@ class TorchDistSource(CheckpointSource):
         has_optimizer = any(split_key(k)[1] is not None for k in view)
         self.step = adam_step(common)
         problem = _optimizer_problem(common, view) if has_optimizer else None
-        if has_optimizer and problem is None and self.step is None:
-            problem = "it records no Adam step for its optimizer state (common.pt holds no param_groups step)"
+        if problem is None and self.step is None and any(k.endswith(".exp_avg") for k in view):
+            problem = "it records no Adam step for its Adam moments (common.pt holds no param_groups step)"
         stored_keys = metadata.state_dict_metadata
         self.main_kind = next((kind for kind in mk.MAIN_PARAM_KINDS if any(
             k.startswith(mk.megatron_optim_key(kind, "")) for k in stored_keys)), "fp32_param")
@@ -192,7 +192,7 @@ class TorchDistSource(CheckpointSource):
         for key, shard in shards.items():
             if split_key(key)[1] == STEP:
                 for view in shard.views:
-                    view.fill_(self.step)
+                    view.fill_(self.step or 0.0)  # SGD keeps no step
         megatron = mk.to_megatron(shards, self.model_cfg, self.main_kind, self.stacked)
         dcp_io().load_shards(megatron, self.path)
 

@@ -14,9 +14,9 @@ not stored), named and stacked differently:
   bytes), so a megafab box at stride s, rows [o, o + n) is Megatron's rows [s f + o, s f + o + n).
 
 There is no `model.` prefix. Optimizer state is `optimizer.state.<kind>.<key>`, shaped and boxed
-like the parameter: exp_avg, exp_avg_sq, and the fp32 main copy -- `fp32_param` for megatron-core's
-plain optimizer, `param` for its distributed optimizer's fully_reshardable format. Adam's step is
-in common.pt.
+like the parameter: the torch optimizer's own kinds (Adam's exp_avg, exp_avg_sq; SGD's
+momentum_buffer) and the fp32 main copy -- `fp32_param` for megatron-core's plain optimizer, `param`
+for its distributed optimizer's fully_reshardable format. Adam's step is in common.pt.
 
 Every translated box is a view of the megafab box's view: translating copies nothing.
 """
@@ -30,7 +30,6 @@ import torch
 from megafab.checkpoint.boxes import Box
 from megafab.checkpoint.errors import CheckpointError
 from megafab.checkpoint.layout import (
-    ADAM_MOMENTS,
     MAIN_PARAM,
     MODEL_PREFIX,
     STEP,
@@ -144,8 +143,6 @@ def megafab_view(stored: dict, model_cfg) -> dict:
         if not isinstance(md, TensorStorageMetadata) or key.endswith("_extra_state"):
             continue
         param, kind = _split_megatron_key(key)
-        if kind is not None and kind not in ADAM_MOMENTS + MAIN_PARAM_KINDS:
-            continue
         size = tuple(md.size)
         layers = [None]
         match = _LAYER.match(param)

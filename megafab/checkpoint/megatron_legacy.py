@@ -48,8 +48,8 @@ from megafab.checkpoint.megatron_dist import (
 from megafab.checkpoint.megatron_keys import LINEAR_MODULES
 from megafab.checkpoint.source import CheckpointSource, Counters, counters_from_common
 from megafab.distributed.layers import join_partitions, partition_of
-from megafab.model.gpt import chunk_layer_range
 from megafab.model.te import local_to_te_name, te_to_local_name
+from megafab.pipeline_split import PipelineSplit
 
 FILE = "model_optim_rng.pt"
 DIST_OPTIM_FILE = "distrib_optim.pt"
@@ -105,10 +105,6 @@ class LegacySource(CheckpointSource):
             raise CheckpointError(f"{path} is a legacy checkpoint saved at TP {self.tp} x PP {self.pp} but "
                                   f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''} (/{FILE}) "
                                   f"are missing; copy the whole iteration directory")
-        for key in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
-            if args.get(key):
-                raise CheckpointError(f"{path} was saved with --{key.replace('_', '-')} {args[key]} (an "
-                                      f"uneven pipeline split), which megafab does not read")
         if model_cfg is None:
             from megafab.config import Config
 
@@ -117,6 +113,11 @@ class LegacySource(CheckpointSource):
             model_cfg = Config.from_flat(args).model
         self.model_cfg, self.files, self._cache = model_cfg, files, {(0, 0): first}
         self.vpp = len(_model_keys(first))
+        saved = args.get  # the saving run's layers per stage (uneven first/last stages too)
+        self.split = PipelineSplit(
+            model_cfg.num_layers, self.pp, self.vpp, saved("decoder_first_pipeline_num_layers"),
+            saved("decoder_last_pipeline_num_layers"), bool(saved("account_for_embedding_in_pipeline_split")),
+            bool(saved("account_for_loss_in_pipeline_split")))
         self.index = self._index()
         stored = {}
         for name, pieces in self.index.items():
@@ -138,11 +139,11 @@ class LegacySource(CheckpointSource):
     def _index(self) -> dict[str, list]:
         """megafab (local-spec) name -> [(tp_rank, tensor)] in TP order, every stage's file read."""
         index: dict[str, list] = {}
-        num_layers, tied = self.model_cfg.num_layers, not self.model_cfg.untie_embeddings_and_output_weights
+        tied = not self.model_cfg.untie_embeddings_and_output_weights
         for (t, p) in sorted(self.files, key=lambda tp: (tp[1], tp[0])):
             state = self._file(t, p)
             for chunk, key in enumerate(_model_keys(state)):
-                first_layer, _ = chunk_layer_range(num_layers, self.pp, self.vpp, p, chunk)
+                first_layer, _ = self.split.layer_range(p, chunk)
                 for local_name, tensor in state[key].items():
                     name = te_to_local_name(local_name)
                     if name is None or not torch.is_tensor(tensor) or (tied and name == OUTPUT_LAYER):
@@ -225,7 +226,7 @@ def local_state_dict(chunk, first_layer: int, te_names: bool) -> dict:
 
 def rank_state_dict(sd: dict, model_cfg, tp: int, tp_rank: int, pp: int, pp_rank: int) -> dict:
     """The legacy state dict of TP rank tp_rank, stage pp_rank, cut from a full megafab state dict."""
-    first, last = chunk_layer_range(model_cfg.num_layers, pp, 1, pp_rank, 0)
+    first, last = PipelineSplit(model_cfg.num_layers, pp).layer_range(pp_rank, 0)
     tied = not model_cfg.untie_embeddings_and_output_weights
     stage = {}
     for name, full in sd.items():
@@ -254,9 +255,10 @@ def save_rank_file(state, tmp: str, megafab_common: dict) -> None:
         return
     vpp = cfg.parallel.virtual_pipeline_model_parallel_size or 1
     te = cfg.model.transformer_impl == "transformer_engine"
+    split = PipelineSplit.from_config(cfg)
     models = {}
     for c, chunk in enumerate(state.model):
-        first, _ = chunk_layer_range(cfg.model.num_layers, topo.pp, vpp, topo.pp_rank, c)
+        first, _ = split.layer_range(topo.pp_rank, c)
         module = getattr(chunk, "module", chunk)
         models["model" if vpp == 1 else f"model{c}"] = local_state_dict(module, first, te)
     args = megatron_namespace(cfg, state.iteration, state.consumed_train_samples, "torch", True,

@@ -101,12 +101,15 @@ def test_each_model_arg_mismatch_is_one_line():
     m = tiny_config(style=LLAMA_STYLE).model
     saved = dict(num_layers=m.num_layers, hidden_size=64, num_attention_heads=m.num_attention_heads,
                  group_query_attention=False, num_query_groups=None, swiglu=False, normalization="RMSNorm",
-                 qk_layernorm=True, apply_layernorm_1p=False, dropout_is_not_compared=0.3)
+                 qk_layernorm=True, apply_layernorm_1p=False, multi_latent_attention=True,
+                 dropout_is_not_compared=0.3)
     lines = model_arg_mismatches(saved, m)
     assert lines == ["--hidden-size: checkpoint 64, this run 32",
                      f"--num-query-groups: checkpoint {m.num_attention_heads}, this run 2",
                      "--swiglu: checkpoint False, this run True",
-                     "--qk-layernorm: the checkpoint was trained with True, which megafab does not implement"]
+                     "--qk-layernorm: checkpoint True, this run False",
+                     "--multi-latent-attention: the checkpoint was trained with True, which megafab does not "
+                     "implement"]
     assert model_arg_mismatches(argparse.Namespace(num_layers=m.num_layers), m) == []
     # Megatron's validate_args sets add_qkv_bias with add_bias_linear; megafab derives the same bias
     gpt2 = tiny_config().model

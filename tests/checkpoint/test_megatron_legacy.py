@@ -133,9 +133,9 @@ def test_megafab_writes_the_legacy_format_and_reads_it_at_another_layout(tmp_pat
     assert (got[..., :vocab] - expected[..., :vocab]).abs().max().item() < 1e-6 and consumed == 12
 
 
-def _legacy_vpp_save(rank, world, root):
+def _legacy_split_save(rank, world, root, split):
     saver = make_state(tp=1, pp=2, dp=1, dist_opt=False, style=GPT2_STYLE, dtype=torch.float32, save=root,
-                       ckpt_format="torch", no_save_optim=True, num_layers_per_virtual_pipeline_stage=1)
+                       ckpt_format="torch", no_save_optim=True, **split)
     perturb(saver)
     checkpointing.save_checkpoint(saver)
     return {n: p.detach().clone() for chunk in saver.model for n, p in chunk.module.named_parameters()}
@@ -148,14 +148,20 @@ def _legacy_vpp_load(rank, world, root):
     return {n: p.detach().clone() for n, p in state.model[0].module.named_parameters()}
 
 
-def test_legacy_files_of_virtual_pipeline_stages_read_back_at_pp1(tmp_path):
+@pytest.mark.parametrize("split, last_stage_models", [
+    ({"num_layers_per_virtual_pipeline_stage": 1}, {"model0": 1, "model1": 1}),  # layers 1 and 3
+    ({"decoder_first_pipeline_num_layers": 1}, {"model": 3}),  # uneven: layers 1, 2, 3
+])
+def test_legacy_files_of_virtual_or_uneven_stages_read_back_at_pp1(tmp_path, split, last_stage_models):
     root = str(tmp_path / "legacy")
     saved = {}
-    for part in run_ranks(_legacy_vpp_save, 2, root, timeout=240):
+    for part in run_ranks(_legacy_split_save, 2, root, split, timeout=240):
         saved.update(part)
     state = torch.load(os.path.join(root, "iter_0000000", "mp_rank_00_001", "model_optim_rng.pt"),
                        weights_only=False)
-    assert {"model0", "model1"} <= set(state) and "decoder.layers.0.mlp.linear_fc1.weight" in state["model1"]
+    layers = {key: len({n.split(".")[2] for n in state[key] if n.startswith("decoder.layers.")})
+              for key in last_stage_models}
+    assert layers == last_stage_models
     loaded = run_ranks(_legacy_vpp_load, 1, root, timeout=240)[0]
     assert sorted(loaded) == sorted(n for n in saved if n != "output_layer.weight")  # tied: one copy
     for name, tensor in loaded.items():
