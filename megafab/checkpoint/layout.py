@@ -20,8 +20,11 @@ under its *global* shape, that of the TP=1 parameter, with two rules:
   `embedding.word_embeddings.weight`.
 
 Dim 0 of the word embedding and of an untied output layer is the *padded* vocabulary (Megatron
-pads vocab_size to a multiple of make-vocab-size-divisible-by x TP); common.json records
+pads vocab_size to a multiple of make-vocab-size-divisible-by x TP); the checkpoint's args record
 vocab_size, so a model padded otherwise keeps the real rows (megafab.checkpoint.vocab).
+
+These keys are megafab's own, used in memory; on disk they are Megatron's (megatron_keys.py maps
+each (key, box) to Megatron's, stacked layers and all).
 
 What a rank holds of a parameter is described by its ParamLayout: the stored name, the global
 shape and this rank's TP block (offsets and shape in the stored view). Any flat range [lo, hi) of
