@@ -353,6 +353,12 @@ class CheckpointConfig:
     torch: Megatron's legacy per-rank model_optim_rng.pt files."""
     auto_detect_ckpt_format: bool = False
     """Load whatever format the checkpoint has (torch_dist loads every format anyway)."""
+    ckpt_step: int | None = None
+    """Load this iteration instead of the one the tracker file names."""
+    pretrained_checkpoint: str | None = None
+    """When --load holds no checkpoint, fine-tune from the one in this directory."""
+    exit_on_missing_checkpoint: bool = False
+    """Stop with an error when --load holds no checkpoint, instead of training from scratch."""
 
 
 @dataclass

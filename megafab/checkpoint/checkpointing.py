@@ -149,14 +149,24 @@ def load_checkpoint(state) -> int | None:
     iteration loaded, or None when the directory holds no checkpoint (training starts fresh)."""
     cfg, topo = state.cfg, state.topology
     ck = cfg.checkpoint
-    found = formats.find_checkpoint(ck.load)
+    load_dir, finetune = ck.load, ck.finetune
+    found = formats.find_checkpoint(load_dir, ck.ckpt_step) if load_dir else None
+    if found is None and ck.pretrained_checkpoint:  # Megatron: fine-tune from it until --load has one
+        load_dir, finetune = ck.pretrained_checkpoint, True
+        found = formats.find_checkpoint(load_dir)
+        if found is None:
+            raise CheckpointError(f"neither --load {ck.load} nor --pretrained-checkpoint {load_dir} holds a "
+                                  f"checkpoint ({TRACKER} not found); point them at a --save directory")
     if found is None:
+        if ck.exit_on_missing_checkpoint:
+            raise CheckpointError(f"--load {ck.load} holds no checkpoint ({TRACKER} not found) and "
+                                  f"--exit-on-missing-checkpoint is set; fix the path or drop the flag")
         _print0(topo, f"megafab: no checkpoint in {ck.load} ({TRACKER} not found); training from scratch")
         return None
     formats.check_requested_format(found, ck.ckpt_format, ck.auto_detect_ckpt_format)
     source = open_source(found, cfg.model)
     path, iteration = found.path, found.iteration
-    finetune = ck.finetune or found.release  # Megatron: a release checkpoint is always fine-tuned from
+    finetune = finetune or found.release  # Megatron: a release checkpoint is always fine-tuned from
     if source.saved_args is not None:
         check_model_args(source.saved_args, cfg.model, path)
     else:
@@ -215,7 +225,7 @@ def load_checkpoint(state) -> int | None:
         state.scheduler.load_state_dict({**state.scheduler.state_dict(), **counters.scheduler})
         _load_rng(state, source)
     dist.barrier()
-    _print0(topo, f"loaded checkpoint from {ck.load} at iteration {iteration} ({source.format} format"
+    _print0(topo, f"loaded checkpoint from {load_dir} at iteration {iteration} ({source.format} format"
                   + ("; finetune: weights only, starting at iteration 0)" if finetune else ")"))
     return iteration
 

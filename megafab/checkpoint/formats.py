@@ -39,9 +39,10 @@ class Found:
     format: str
 
 
-def find_checkpoint(load_dir: str) -> Found | None:
-    """The checkpoint in load_dir, or None when it has no tracker file (training starts fresh)."""
-    tracked = read_tracker(load_dir)
+def find_checkpoint(load_dir: str, step: int | None = None) -> Found | None:
+    """The checkpoint in load_dir: iteration `step` (Megatron's --ckpt-step), else the one its tracker
+    file names; None without either (training starts fresh)."""
+    tracked = step if step is not None else read_tracker(load_dir)
     if tracked is None:
         return None
     path = existing_iteration_dir(load_dir, tracked)
