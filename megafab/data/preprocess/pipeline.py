@@ -1,9 +1,11 @@
 """The single-machine pipeline: blocks -> worker processes -> one writer per key, in input order.
 
 Memory is bounded by the blocks in flight (2 x workers x --block-bytes of input and their tokens), not
-by the corpus; the index grows by 12 bytes per document. --workers 1 runs in this process (no IPC);
-N > 1 forks N workers that each parse, clean and tokenize whole blocks on one core, while this process
-only reads bytes, decides duplicates and writes.
+by the corpus; the index grows by 12 bytes per document. --workers 1 runs in this process (no IPC).
+N > 1 forks N workers after this process has built the tokenizer and the cleaners, so they start at
+once with both; each reads its own span of a plain jsonl file, parses, cleans and tokenizes it on one
+core and sends back the tokens in the .bin's dtype. This process only cuts the spans, decides
+duplicates and writes.
 
 --partitions P follows Megatron's preprocess_data.py: the input's lines are dealt round-robin to P
 partitions (contiguous ranges with --keep-sequential-samples), the P partitions run at the same time
@@ -93,7 +95,10 @@ class Assembler:
     def keep(self, result: BlockResult) -> np.ndarray:
         if result.bad:
             if not self.skip_bad_lines:
-                raise DataError(result.bad[0] + "; fix the line or pass --skip-bad-lines")
+                number, reason = result.bad[0]
+                raise DataError(
+                    f"{result.bad_line_label(number)}: {reason}; fix the line or pass --skip-bad-lines"
+                )
             self.summary.bad += len(result.bad)
             self.summary.report.remove("bad", 0, len(result.bad))
         report = self.summary.report
@@ -118,22 +123,15 @@ class Assembler:
         return np.asarray(keep, dtype=bool)
 
 
-def ordered_map(
-    fn: Callable,
-    items: Iterable,
-    workers: int,
-    initializer: Callable,
-    initargs: tuple,
-    depth: int | None = None,
-) -> Iterator:
-    """fn over items in order, on `workers` forked processes with at most `depth` items in flight."""
+def ordered_map(fn: Callable, items: Iterable, workers: int, depth: int | None = None) -> Iterator:
+    """fn over items in order, on `workers` forked processes (which inherit this process's state) with
+    at most `depth` items in flight."""
     if workers == 1:
-        initializer(*initargs)
         yield from map(fn, items)
         return
     depth = depth or 2 * workers
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    with multiprocessing.get_context("fork").Pool(workers, initializer, initargs) as pool:
+    with multiprocessing.get_context("fork").Pool(workers) as pool:
         pending: deque = deque()
         for item in items:
             pending.append(pool.apply_async(fn, (item,)))
@@ -178,8 +176,9 @@ def run_local(
     start = time.time()
     next_log = plan.log_interval
     try:
+        init_worker(plan.context)  # here, before the fork: the workers inherit the tokenizer
         blocks = read_blocks(list(plan.sources), list(plan.keys), plan.block_bytes, select)
-        for result in ordered_map(process_block, blocks, plan.workers, init_worker, (plan.context,)):
+        for result in ordered_map(process_block, blocks, plan.workers):
             keep = assembler.keep(result)
             for key, writer in writers.items():
                 part = result.keys[key].select(keep)
