@@ -70,7 +70,7 @@ class Block:
 class PackedKey:
     """One key's tokenized documents of a block, back to back."""
 
-    tokens: np.ndarray  # all ids
+    tokens: np.ndarray | str  # all ids (or, between a worker and the writer, the file holding them)
     sequence_lengths: np.ndarray  # int32, one per sequence
     sequences_per_document: np.ndarray  # int64, 0 for an empty document
     tokens_per_document: np.ndarray  # int64
@@ -210,6 +210,10 @@ def init_worker(context: WorkerContext) -> None:
     _worker["cleaner"] = DocumentCleaner(cleaning, context.html_extractor) if active else None
 
 
+def utf8_bytes(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
 def _parse(raw: bytes | dict, keys: tuple[str, ...]) -> dict[str, list[str]]:
     """The key -> sentences of one record, or DataError saying what is wrong with it."""
     if isinstance(raw, bytes):
@@ -282,13 +286,13 @@ def process_block(block: Block, tokenize: bool = True, drop: frozenset = frozens
         except DataError as e:
             bad.append((number, str(e)))
             continue
-        text_bytes.append(sum(len(s.encode("utf-8", "surrogatepass")) for v in texts.values() for s in v))
+        text_bytes.append(sum(map(utf8_bytes, (s for v in texts.values() for s in v))))
         verdict = None
         if cleaner is not None:
             if cleaner.html_text is not None:
                 cleaned = {k: [cleaner.transform(s) for s in v] for k, v in texts.items()}
                 html_removed += text_bytes[-1] - sum(
-                    len(s.encode("utf-8", "surrogatepass")) for v in cleaned.values() for s in v
+                    map(utf8_bytes, (s for v in cleaned.values() for s in v))
                 )
                 texts = cleaned
             joined = "\n".join(s for v in texts.values() for s in v)

@@ -4,8 +4,10 @@ Memory is bounded by the blocks in flight (2 x workers x --block-bytes of input 
 by the corpus; the index grows by 12 bytes per document. --workers 1 runs in this process (no IPC).
 N > 1 forks N workers after this process has built the tokenizer and the cleaners, so they start at
 once with both; each reads its own span of a plain jsonl file, parses, cleans and tokenizes it on one
-core and sends back the tokens in the .bin's dtype. This process only cuts the spans, decides
-duplicates and writes.
+core, writes the block's tokens in the .bin's dtype to a part file next to the output and sends back
+only the index (lengths, verdicts, fingerprints). This process cuts the spans, decides duplicates,
+appends each part to the .bin in input order (from a memory map) and deletes it: the parts on disk
+are the blocks in flight. Tokens through pipes cost more CPU than tokenizing them with gigatoken.
 
 --partitions P follows Megatron's preprocess_data.py: the input's lines are dealt round-robin to P
 partitions (contiguous ranges with --keep-sequential-samples), the P partitions run at the same time
@@ -18,6 +20,8 @@ import dataclasses
 import math
 import multiprocessing
 import os
+import shutil
+import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -33,7 +37,15 @@ from megafab.data.indexed_dataset import (
     index_file_path,
     merge_datasets,
 )
-from megafab.data.preprocess.blocks import BlockResult, WorkerContext, init_worker, process_block, read_blocks
+from megafab.data.preprocess.blocks import (
+    Block,
+    BlockResult,
+    PackedKey,
+    WorkerContext,
+    init_worker,
+    process_block,
+    read_blocks,
+)
 from megafab.data.preprocess.dedup import Deduplicator
 from megafab.data.preprocess.progress import Progress
 from megafab.data.preprocess.report import CleaningReport
@@ -104,6 +116,12 @@ class Assembler:
         report = self.summary.report
         if result.html_bytes_removed:
             report.remove("html", result.html_bytes_removed, 0)
+        if self.dedup is None and all(v is None for v in result.verdicts):  # the common case, at once
+            total = int(result.text_bytes.sum())
+            report.keep(total, len(result.verdicts))
+            self.summary.documents += len(result.verdicts)
+            self.summary.bytes += total
+            return np.ones(len(result.verdicts), dtype=bool)
         keep = []  # one entry per document the cleaning rules kept (those result.keys holds)
         for verdict, nbytes in zip(result.verdicts, result.text_bytes.tolist()):
             if verdict is None:
@@ -141,6 +159,32 @@ def ordered_map(fn: Callable, items: Iterable, workers: int, depth: int | None =
             yield pending.popleft().get()
 
 
+@dataclass(frozen=True)
+class SpillTokens:
+    """process_block in a worker, with each key's tokens written to a part file in `directory` (read
+    back by load_tokens) instead of pickled through the pool's pipe."""
+
+    directory: str
+
+    def __call__(self, block: Block) -> BlockResult:
+        result = process_block(block)
+        for number, part in enumerate(result.keys.values()):
+            path = os.path.join(self.directory, f"{block.index}.{number}.bin")
+            part.tokens.tofile(path)
+            part.tokens = path
+        return result
+
+
+def load_tokens(part: PackedKey, dtype) -> np.ndarray:
+    """A block's tokens: the array itself, or a memory map of its part file (deleted; the map stays)."""
+    if not isinstance(part.tokens, str):
+        return part.tokens
+    path = part.tokens
+    tokens = np.memmap(path, dtype, mode="r") if os.path.getsize(path) else np.zeros(0, dtype)
+    os.remove(path)
+    return tokens
+
+
 def _remove_outputs(prefix: str, keys: Iterable[str]) -> None:
     for key in keys:
         for path in (
@@ -175,13 +219,22 @@ def run_local(
     progress = Progress(total_input_bytes(plan.sources), describe, enabled=plan.progress)
     start = time.time()
     next_log = plan.log_interval
+    parts_dir = None
     try:
         init_worker(plan.context)  # here, before the fork: the workers inherit the tokenizer
+        work = process_block
+        if plan.workers > 1:
+            parts_dir = tempfile.mkdtemp(
+                prefix=f".{os.path.basename(prefix)}_parts_", dir=os.path.dirname(prefix) or "."
+            )
+            work = SpillTokens(parts_dir)
         blocks = read_blocks(list(plan.sources), list(plan.keys), plan.block_bytes, select)
-        for result in ordered_map(process_block, blocks, plan.workers):
+        for result in ordered_map(work, blocks, plan.workers):
             keep = assembler.keep(result)
             for key, writer in writers.items():
-                part = result.keys[key].select(keep)
+                packed = result.keys[key]
+                packed.tokens = load_tokens(packed, dtype)
+                part = packed.select(keep)
                 writer.add_packed(part.tokens, part.sequence_lengths, part.sequences_per_document)
                 summary.tokens += int(part.tokens.size)
             progress.update(result.source_bytes, docs=summary.documents)
@@ -201,6 +254,8 @@ def run_local(
         raise
     finally:
         progress.close()
+        if parts_dir is not None:
+            shutil.rmtree(parts_dir, ignore_errors=True)
     summary.seconds = time.time() - start
     return summary
 
