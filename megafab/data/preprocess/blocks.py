@@ -119,13 +119,24 @@ def count_lines(path: str, end: int) -> int:
     return lines
 
 
-def cut_spans(path: str, block_bytes: int) -> list[tuple[int, int]]:
-    """[start, end) byte spans of about block_bytes covering the file, each starting at a line start."""
+MIN_TAIL_SPAN = 1 << 18
+
+
+def cut_spans(path: str, block_bytes: int, workers: int = 1) -> list[tuple[int, int]]:
+    """[start, end) byte spans of about block_bytes covering the file, each starting at a line start.
+    For workers > 1 the last spans shrink (each 1 / (2 x workers) of what is left, down to 256 KiB)
+    so that the workers run out of work together rather than one block apart."""
     size = os.path.getsize(path)
     cuts = [0]
     with open(path, "rb") as f:
-        while cuts[-1] + block_bytes < size:
-            f.seek(cuts[-1] + block_bytes)
+        while True:
+            left = size - cuts[-1]
+            step = block_bytes
+            if workers > 1:
+                step = min(block_bytes, max(MIN_TAIL_SPAN, left // (2 * workers)))
+            if step >= left:
+                break
+            f.seek(cuts[-1] + step)
             f.readline()  # to the next line start
             if f.tell() >= size:
                 break
@@ -142,14 +153,16 @@ def read_blocks(
     keys: list[str],
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     select: Callable[[int], bool] | None = None,
+    workers: int = 1,
 ) -> Iterator[Block]:
-    """Blocks of about block_bytes of input, in order. select(i) chooses records by their position i
-    among all physical lines/rows of all sources (Megatron's --partitions counts blank lines too)."""
+    """Blocks of about block_bytes of input, in order, for `workers` processes (cut_spans). select(i)
+    chooses records by their position i among all physical lines/rows of all sources (Megatron's
+    --partitions counts blank lines too)."""
     index = 0
     position = 0
     for source in sources:
         if select is None and is_plain_jsonl(source):
-            for start, end in cut_spans(source.path, block_bytes):
+            for start, end in cut_spans(source.path, block_bytes, workers):
                 yield Block(index, source.path, None, end - start, (start, end))
                 index += 1
             continue
@@ -242,7 +255,8 @@ def _parse(raw: bytes | dict, keys: tuple[str, ...]) -> dict[str, list[str]]:
 
 def _pack(encoder: Encoder, documents: list[list[str]], append_eod: bool) -> PackedKey:
     ids = encoder.encode([s for sentences in documents for s in sentences])
-    eod = np.array([encoder.eod], dtype=np.int64)
+    dtype = ids[0].dtype if ids else np.int64  # the engine's (gigatoken: uint32), half of int64
+    eod = np.array([encoder.eod], dtype=dtype) if append_eod else None
     pieces, lengths, seqs, toks = [], [], [], []
     at = 0
     for sentences in documents:
@@ -258,7 +272,7 @@ def _pack(encoder: Encoder, documents: list[list[str]], append_eod: bool) -> Pac
         seqs.append(len(doc))
         toks.append(tokens)
     return PackedKey(
-        np.concatenate(pieces, dtype=np.int64) if pieces else np.zeros(0, dtype=np.int64),
+        np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64),
         np.asarray(lengths, dtype=np.int32),
         np.asarray(seqs, dtype=np.int64),
         np.asarray(toks, dtype=np.int64),

@@ -1,13 +1,14 @@
 """The single-machine pipeline: blocks -> worker processes -> one writer per key, in input order.
 
-Memory is bounded by the blocks in flight (2 x workers x --block-bytes of input and their tokens), not
-by the corpus; the index grows by 12 bytes per document. --workers 1 runs in this process (no IPC).
-N > 1 forks N workers after this process has built the tokenizer and the cleaners, so they start at
-once with both; each reads its own span of a plain jsonl file, parses, cleans and tokenizes it on one
-core, writes the block's tokens in the .bin's dtype to a part file next to the output and sends back
-only the index (lengths, verdicts, fingerprints). This process cuts the spans, decides duplicates,
-appends each part to the .bin in input order (from a memory map) and deletes it: the parts on disk
-are the blocks in flight. Tokens through pipes cost more CPU than tokenizing them with gigatoken.
+Memory is bounded by the blocks in flight (3 x workers x --block-bytes of input and their tokens), not
+by the corpus; the index grows by 12 bytes per document. --workers N tokenizes on N processes: this
+one and N - 1 forked after it built the tokenizer and the cleaners (ordered_pool.py), so they start at
+once with both. A worker reads its own span of a plain jsonl file, parses, cleans and tokenizes it on
+one core, writes the block's tokens in the .bin's dtype to a part file next to the output and sends
+back only the index (lengths, verdicts, fingerprints): tokens through pipes cost more CPU than
+tokenizing them with gigatoken. This process cuts the spans, tokenizes blocks itself whenever it
+would otherwise wait, decides duplicates, appends each part to the .bin in input order and deletes
+it. The spans shrink towards the end of a file, so the processes finish together (blocks.cut_spans).
 
 --partitions P follows Megatron's preprocess_data.py: the input's lines are dealt round-robin to P
 partitions (contiguous ranges with --keep-sequential-samples), the P partitions run at the same time
@@ -23,8 +24,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,6 +47,7 @@ from megafab.data.preprocess.blocks import (
     read_blocks,
 )
 from megafab.data.preprocess.dedup import Deduplicator
+from megafab.data.preprocess.ordered_pool import ordered_map
 from megafab.data.preprocess.progress import Progress
 from megafab.data.preprocess.report import CleaningReport
 from megafab.data.readers import InputSource, jsonl_lines, read_records
@@ -141,24 +142,6 @@ class Assembler:
         return np.asarray(keep, dtype=bool)
 
 
-def ordered_map(fn: Callable, items: Iterable, workers: int, depth: int | None = None) -> Iterator:
-    """fn over items in order, on `workers` forked processes (which inherit this process's state) with
-    at most `depth` items in flight."""
-    if workers == 1:
-        yield from map(fn, items)
-        return
-    depth = depth or 2 * workers
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    with multiprocessing.get_context("fork").Pool(workers) as pool:
-        pending: deque = deque()
-        for item in items:
-            pending.append(pool.apply_async(fn, (item,)))
-            if len(pending) >= depth:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
-
-
 @dataclass(frozen=True)
 class SpillTokens:
     """process_block in a worker, with each key's tokens written to a part file in `directory` (read
@@ -176,12 +159,11 @@ class SpillTokens:
 
 
 def load_tokens(part: PackedKey, dtype) -> np.ndarray:
-    """A block's tokens: the array itself, or a memory map of its part file (deleted; the map stays)."""
+    """A block's tokens: the array itself, or read from its part file (which is deleted)."""
     if not isinstance(part.tokens, str):
         return part.tokens
-    path = part.tokens
-    tokens = np.memmap(path, dtype, mode="r") if os.path.getsize(path) else np.zeros(0, dtype)
-    os.remove(path)
+    tokens = np.fromfile(part.tokens, dtype)
+    os.remove(part.tokens)
     return tokens
 
 
@@ -228,8 +210,8 @@ def run_local(
                 prefix=f".{os.path.basename(prefix)}_parts_", dir=os.path.dirname(prefix) or "."
             )
             work = SpillTokens(parts_dir)
-        blocks = read_blocks(list(plan.sources), list(plan.keys), plan.block_bytes, select)
-        for result in ordered_map(work, blocks, plan.workers):
+        blocks = read_blocks(list(plan.sources), list(plan.keys), plan.block_bytes, select, plan.workers)
+        for result in ordered_map(work, blocks, plan.workers, local_fn=process_block):
             keep = assembler.keep(result)
             for key, writer in writers.items():
                 packed = result.keys[key]
