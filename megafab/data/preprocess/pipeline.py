@@ -47,7 +47,7 @@ from megafab.data.preprocess.blocks import (
     read_blocks,
 )
 from megafab.data.preprocess.dedup import Deduplicator
-from megafab.data.preprocess.ordered_pool import ordered_map
+from megafab.data.preprocess.ordered_pool import keep_freed_memory, ordered_map
 from megafab.data.preprocess.progress import Progress
 from megafab.data.preprocess.report import CleaningReport
 from megafab.data.readers import InputSource, jsonl_lines, read_records
@@ -204,6 +204,7 @@ def run_local(
     parts_dir = None
     try:
         init_worker(plan.context)  # here, before the fork: the workers inherit the tokenizer
+        keep_freed_memory()  # this process tokenizes too
         work = process_block
         if plan.workers > 1:
             parts_dir = tempfile.mkdtemp(
