@@ -14,16 +14,9 @@ from megafab.data.errors import DataError
 from megafab.data.preprocess import cli
 from megafab.data.preprocess.blocks import cut_spans
 from megafab.data.preprocess.ordered_pool import ordered_map
+from tests.data.test_preprocess_fidelity import TOKENIZERS
 
-FIXTURES = Path(__file__).parent / "fixtures"
-GPT2 = [
-    "--tokenizer-type",
-    "GPT2BPETokenizer",
-    "--vocab-file",
-    str(FIXTURES / "gpt2_tiny" / "vocab.json"),
-    "--merge-file",
-    str(FIXTURES / "gpt2_tiny" / "merges.txt"),
-]
+GPT2 = TOKENIZERS["gpt2"]
 
 
 def _slow_square(x):
