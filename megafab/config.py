@@ -8,8 +8,12 @@ raises one ConfigError listing all of them with the values and the fix.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
+import inspect
 import os
+import textwrap
 from dataclasses import dataclass, field
 
 from megafab.errors import MegafabError
@@ -365,7 +369,8 @@ class LoggingConfig:
     tensorboard_log_interval: int = 1
     """Write TensorBoard scalars every this many iterations."""
     wandb_project: str = ""
-    """Log to this wandb project (offline unless WANDB_MODE says otherwise)."""
+    """Log to this wandb project: online, unless the environment's WANDB_MODE says otherwise (offline,
+    disabled)."""
     wandb_exp_name: str = ""
     """wandb run name."""
     wandb_save_dir: str = ""
@@ -384,11 +389,50 @@ class LoggingConfig:
     """Iteration at which profiling stops (not profiled)."""
     profile_ranks: list[int] = field(default_factory=lambda: [0])
     """Global ranks that profile."""
+    timing_log_level: int = 0
+    """Timers printed after each iteration line (min and max over ranks, ms per iteration): 0 none
+    (only the iteration time), 1 once-per-step operations (forward-backward, all-grads-sync,
+    optimizer), 2 also per-micro-batch ones (forward-compute, backward-compute, pipeline send/recv,
+    batch-generator), which synchronize the device and may slow the step."""
+    timing_log_option: str = "minmax"
+    """How timers are reported across ranks: max, minmax, or all (every rank's value)."""
+    log_timers_to_tensorboard: bool = False
+    """Write the timers (as "<name>-time") and the iteration time to TensorBoard / wandb."""
+    log_memory_to_tensorboard: bool = False
+    """Write memory to TensorBoard: mem-allocated/max-allocated/reserved-bytes on CUDA, the process's
+    mem-resident/max-resident-bytes on CPU."""
+    log_validation_ppl_to_tensorboard: bool = False
+    """Also write the validation perplexity to TensorBoard ("lm loss validation ppl")."""
+    log_world_size_to_tensorboard: bool = False
+    """Write the number of processes to TensorBoard ("world-size")."""
+    log_loss_scale_to_tensorboard: bool = True
+    """Write the loss scale to TensorBoard ("loss-scale")."""
+    tensorboard_queue_size: int = 1000
+    """TensorBoard events held in memory before a write to disk."""
+    wandb_entity: str = ""
+    """wandb entity (team or user) of the run."""
+    metrics_jsonl: str | None = None
+    """megafab: file that gets each iteration line (and each evaluation) also as one JSON object per
+    line; default metrics.jsonl in --save, else in --tensorboard-dir, else none."""
 
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "precision": PrecisionConfig,
             "optimizer": OptimizerConfig, "data": DataConfig, "training": TrainingConfig,
             "checkpoint": CheckpointConfig, "logging": LoggingConfig}
+
+
+
+@functools.cache
+def field_docs() -> dict[str, str]:
+    """{field name: its docstring on one line} for every field of every section (the --help text)."""
+    docs = {}
+    for section in SECTIONS.values():
+        body = ast.parse(textwrap.dedent(inspect.getsource(section))).body[0].body
+        for node, after in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) \
+                    and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
+                docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
 
 
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
@@ -475,6 +519,11 @@ class Config:
             t.num_micro_batches = t.global_batch_size // (t.micro_batch_size * p.data_parallel_size)
         if o.lr_decay_iters is None and o.lr_decay_samples is None:
             o.lr_decay_iters, o.lr_decay_samples = t.train_iters, t.train_samples
+        d = self.data
+        if d.tokenizer_type is None and d.vocab_file and d.merge_file:
+            d.tokenizer_type = "GPT2BPETokenizer"
+            self.notes.append("--vocab-file and --merge-file without --tokenizer-type: using "
+                              "GPT2BPETokenizer (as Megatron-LM's GPT-3 example scripts assume)")
         if p.grad_reduce_in_bf16:  # Megatron's rule: the grad buffer takes the (bf16) param dtype
             p.accumulate_allreduce_grads_in_fp32 = False
         if p.ddp_bucket_size is None and p.data_parallel_size:

@@ -135,3 +135,38 @@ def test_dry_run_without_a_vocabulary_says_what_to_give():
     proc = subprocess.run([sys.executable, "pretrain_gpt.py", *argv], capture_output=True, text=True,
                           timeout=120, env={"PATH": ""})
     assert proc.returncode == 2 and "--dry-run needs the vocabulary size" in proc.stderr
+
+
+def test_new_flag_rules_are_reported_together_in_one_message():
+    argv = BASE + ["--reset-attention-mask", "--no-create-attention-mask-in-dataloader",
+                   "--decoupled-min-lr", "1e-5", "--grad-reduce-in-bf16", "--swiglu", "--squared-relu",
+                   "--tokenizer-special-tokens", "<unk>", "--attention-backend", "fast",
+                   "--profile", "--profile-step-start", "5", "--profile-step-end", "5",
+                   "--profile-ranks", "0", "7"]
+    with pytest.raises(ConfigError) as info:
+        config_from_args(argv, world_size=2)
+    text = str(info.value)
+    for expected in ("--reset-attention-mask needs the attention mask the data loader builds",
+                     "--decoupled-min-lr needs --decoupled-lr",
+                     "--grad-reduce-in-bf16 needs --bf16",
+                     "--swiglu and --squared-relu each choose the MLP activation",
+                     "--tokenizer-special-tokens is implemented for --tokenizer-type TikTokenizer only",
+                     "--attention-backend: invalid choice: 'fast'",
+                     "--profile-step-start 5 must be before --profile-step-end 5",
+                     "--profile-ranks 7: not a rank of this 2-process job"):
+        assert expected in text, expected
+    assert len(info.value.problems) == 8, info.value.problems
+
+
+def test_megatron_semantics_of_new_flags():
+    cfg = config_from_args(BASE + ["--bf16", "--grad-reduce-in-bf16", "--no-check-for-nan-in-loss-and-grad",
+                                   "--fp8-format", "hybrid"], world_size=1)
+    assert cfg.parallel.accumulate_allreduce_grads_in_fp32 is False  # Megatron's rule
+    assert cfg.training.check_for_nan_in_loss_and_grad is False
+    assert cfg.model.transformer_impl == "transformer_engine"  # FP8 exists only in TE's layers
+    assert config_from_args(BASE, world_size=1).training.check_for_nan_in_loss_and_grad is True
+    notes = config_from_args(BASE + ["--use-mcore-models", "--adam-beta2", "0.95", "--optimizer", "sgd"],
+                             world_size=1).start_up_notes()
+    assert len([n for n in notes if n.startswith("accepted, no effect in megafab:")]) == 1
+    assert "--use-mcore-models (" in notes[-1]
+    assert "--adam-beta2 (--optimizer sgd keeps no Adam moments)" in notes[-1]

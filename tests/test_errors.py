@@ -3,10 +3,10 @@ import sys
 
 import pytest
 
+from megafab.checkpoint import CheckpointError
 from megafab.config import ConfigError
 from megafab.data.errors import DataError
 from megafab.errors import MegafabError, exit_on_user_error, should_print
-from megafab.training.checkpoint_shard import CheckpointError
 
 
 def test_user_errors_share_one_base():

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import torch
 
+from megafab.checkpoint.layout import OUTPUT_LAYER, WORD_EMBEDDING
 from megafab.config import Config, ModelConfig, pad_vocab_size, swiglu_ffn_size
 from megafab.errors import MegafabError
 
-WORD_EMBEDDING = "embedding.word_embeddings.weight"
 POSITION_EMBEDDING = "embedding.position_embeddings.weight"
 FINAL_NORM = "decoder.final_layernorm"
-OUTPUT_LAYER = "output_layer.weight"
 
 
 class ConversionError(MegafabError):

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from megafab.distributed.finalize_grads import finalize_model_grads
 from megafab.distributed.pipeline import get_forward_backward_func
+from megafab.distributed.pipeline_steps import timed
 from megafab.model.gpt import masked_mean_loss
 from megafab.training.batch_size import global_batch_size_at, num_micro_batches_at
 from megafab.training.loop_hooks import empty_unused_memory
@@ -37,9 +38,10 @@ def per_token_loss_func(scale: float, loss_mask: torch.Tensor, per_token_loss: t
     return total * scale, {"lm loss sum": total.detach(), "tokens": mask.sum().detach()}
 
 
-def gpt_forward_step(data_iterator, model, token_scale: float | None = None):
+def gpt_forward_step(data_iterator, model, token_scale: float | None = None, timers=None):
     """Megatron's contract: (output, loss_func). Every stage reads the batch (RoPE needs positions)."""
-    batch = _to_device(next(data_iterator), next(model.parameters()).device)
+    with timed(timers, "batch-generator", 2):
+        batch = _to_device(next(data_iterator), next(model.parameters()).device)
     output = model(batch["tokens"], batch.get("position_ids"), labels=batch["labels"],
                    attention_mask=batch.get("attention_mask"))
     if token_scale is not None:
@@ -56,9 +58,10 @@ def global_batch_tokens(batches: list, topo) -> float:
     return local.item()
 
 
-def run_schedule(state, data_iterator, forward_only: bool, num_micro_batches: int | None = None) -> list:
+def run_schedule(state, data_iterator, forward_only: bool, num_micro_batches: int | None = None,
+                 timers=None) -> list:
     """One forward(-backward) pass over a global batch of num_micro_batches (default: the config's;
-    fewer while --rampup-batch-size ramps up)."""
+    fewer while --rampup-batch-size ramps up). timers: megafab.timers.Timers (or None)."""
     cfg, topo = state.cfg, state.topology
     p, t, m = cfg.parallel, cfg.training, cfg.model
     num_micro_batches = num_micro_batches or t.num_micro_batches
@@ -68,12 +71,15 @@ def run_schedule(state, data_iterator, forward_only: bool, num_micro_batches: in
     # iterator over the same data): take this step's batches once and replay them per chunk.
     batches = [next(data_iterator) for _ in range(num_micro_batches)]
     iterators = [iter(batches) for _ in range(vpp)] if vpp > 1 else iter(batches)
-    forward_step = gpt_forward_step
+    forward_step = functools.partial(gpt_forward_step, timers=timers)
     if t.calculate_per_token_loss:
         tokens = global_batch_tokens(batches, topo)
-        forward_step = functools.partial(gpt_forward_step,
+        forward_step = functools.partial(gpt_forward_step, timers=timers,
                                          token_scale=num_micro_batches * topo.dp / max(tokens, 1.0))
-    finalize = functools.partial(finalize_model_grads, topology=topo, sequence_parallel=p.sequence_parallel)
+
+    def finalize(models):
+        with timed(timers, "all-grads-sync", 1):
+            finalize_model_grads(models, topology=topo, sequence_parallel=p.sequence_parallel)
     scaler = getattr(state.optimizer, "grad_scaler", None)
     return schedule(
         forward_step_func=forward_step, data_iterator=iterators,
@@ -83,7 +89,7 @@ def run_schedule(state, data_iterator, forward_only: bool, num_micro_batches: in
         sequence_parallel=p.sequence_parallel,
         finalize_model_grads_func=None if forward_only else finalize,
         no_sync_func=None if forward_only else [c.no_sync for c in state.model],
-        loss_scale=scaler.scale if scaler is not None else 1.0)
+        loss_scale=scaler.scale if scaler is not None else 1.0, timers=timers)
 
 
 def average_loss_across_dp(logs: list, topo, device) -> float | None:
@@ -103,14 +109,16 @@ def average_loss_across_dp(logs: list, topo, device) -> float | None:
     return local.item() / topo.dp
 
 
-def train_step(state, data_iterator) -> dict:
+def train_step(state, data_iterator, timers=None) -> dict:
     state.optimizer.zero_grad()  # zeroes every chunk's DDP grad buffer (once: it is a full memset)
     gbs = global_batch_size_at(state.cfg, state.consumed_train_samples)  # ramps with --rampup-batch-size
-    logs = run_schedule(state, data_iterator, forward_only=False,
-                        num_micro_batches=num_micro_batches_at(state.cfg, state.consumed_train_samples))
+    with timed(timers, "forward-backward", 1):
+        logs = run_schedule(state, data_iterator, forward_only=False, timers=timers,
+                            num_micro_batches=num_micro_batches_at(state.cfg, state.consumed_train_samples))
     memory_level = state.cfg.training.empty_unused_memory_level
     empty_unused_memory(memory_level, 1, state.topology.device)
-    ok, grad_norm, num_zeros = state.optimizer.step()
+    with timed(timers, "optimizer", 1):
+        ok, grad_norm, num_zeros = state.optimizer.step()
     empty_unused_memory(memory_level, 2, state.topology.device)
     state.consumed_train_samples += gbs
     state.iteration += 1

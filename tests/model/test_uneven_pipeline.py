@@ -135,3 +135,17 @@ PP2_VPP2 = [
 def test_uneven_pipelines_equal_one_process(world, layouts, first_stage, last_stage):
     checked = run_ranks(_uneven_parity, world, layouts, timeout=240)
     assert checked[0] == first_stage and checked[-1] == last_stage
+
+
+@pytest.mark.parametrize("pp,flat", [
+    (3, dict(num_layers=5, decoder_first_pipeline_num_layers=1, qk_layernorm=True)),
+    (2, dict(num_layers=7, num_virtual_stages_per_pipeline_rank=2, global_batch_size=8,
+             account_for_embedding_in_pipeline_split=True))])
+def test_planner_counts_the_parameters_each_uneven_stage_builds(pp, flat):
+    from megafab.training.planner import stage_params
+
+    cfg = tiny_config(pp=pp, style=LLAMA_STYLE, **flat)
+    split = PipelineSplit.from_config(cfg)
+    for rank in range(split.pp):
+        chunks = build_model_chunks(cfg.model, context(dtype=torch.float32), split.pp, rank, split.vpp, split)
+        assert stage_params(cfg, rank) == sum(p.numel() for c in chunks for p in c.parameters()), rank

@@ -71,6 +71,19 @@ def test_ramp_drives_the_steps_consumed_samples_and_lr(tmp_path):
     assert lrs == pytest.approx([1e-3 * (1 - c / 40) for c in consumed], rel=1e-6)
 
 
+def test_logging_level_sets_the_root_logger(monkeypatch):
+    import logging
+
+    from megafab.training.loop_hooks import setup_logging
+
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "level", root.level)  # restored after the test
+    setup_logging(10)
+    assert root.level == 10 and logging.getLogger("megafab.data").getEffectiveLevel() == 10
+    setup_logging(None)  # no flag: untouched
+    assert root.level == 10
+
+
 def test_manual_gc_disables_the_collector_and_collects_on_schedule(monkeypatch):
     cfg = tiny_config(manual_gc=True, manual_gc_interval=3)
     collected = []

@@ -48,9 +48,9 @@ from megafab.data.preprocess.blocks import (
 )
 from megafab.data.preprocess.dedup import Deduplicator
 from megafab.data.preprocess.ordered_pool import keep_freed_memory, ordered_map
-from megafab.data.preprocess.progress import Progress
 from megafab.data.preprocess.report import CleaningReport
 from megafab.data.readers import InputSource, jsonl_lines, read_records
+from megafab.progress import Progress
 
 
 def output_prefix_for(prefix: str, key: str) -> str:

@@ -44,8 +44,8 @@ from megafab.data.preprocess.blocks import (
     read_blocks,
 )
 from megafab.data.preprocess.pipeline import Assembler, Plan, Summary, output_prefix_for
-from megafab.data.preprocess.progress import Progress
 from megafab.data.readers import InputSource, require
+from megafab.progress import Progress
 
 
 @dataclass(frozen=True)

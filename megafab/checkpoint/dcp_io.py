@@ -1,0 +1,235 @@
+"""torch.distributed.checkpoint (DCP) for Shards: every rank writes and reads a list of
+rectangular boxes of each global tensor (megafab.checkpoint.layout).
+
+DCP stores each written box as one chunk of the global tensor, under the global shape; a reader
+asks for its own boxes and DCP assembles each from whatever chunks overlap it, so a checkpoint
+written in one split reads in any other. A key may have several boxes per rank (DCP supports
+several chunks per key): written items are indexed by (key, offsets), read requests by their
+position in the rank's box list. Boxes written by more than one rank (replicas) must be identical
+and DCP keeps one; DCP also checks that the written chunks of every key tile it exactly.
+
+No pickled code is ever executed on load: tensors are read by DCP as raw storage, and DCP's
+`.metadata` file (a pickle of its own dataclasses) is read with an unpickler that admits only
+those dataclasses, torch.Size and torch dtype/layout/memory-format constants.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import math
+import pickle
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from megafab.checkpoint.errors import CheckpointError
+from megafab.checkpoint.layout import Shard
+from megafab.progress import Progress
+
+LARGE = 1 << 30  # bytes on one rank from which a save or load shows a progress bar
+
+
+def _bar(total_bytes: int, desc: str) -> Progress:
+    return Progress(total_bytes, desc, enabled=None if total_bytes >= LARGE else False)
+
+
+def _write_item(fqn: str, shard: Shard, box, view: torch.Tensor) -> WriteItem:
+    offsets = torch.Size(box.offsets)
+    whole = box.sizes == tuple(shard.global_shape)
+    return WriteItem(
+        index=MetadataIndex(fqn, offsets),
+        type=WriteItemType.TENSOR if whole else WriteItemType.SHARD,
+        tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(box.sizes)),
+                                    properties=TensorProperties.create_from_tensor(view),
+                                    size=torch.Size(shard.global_shape)))
+
+
+def _dcp_state_dict(shards: dict[str, Shard]) -> dict:
+    """What dcp.save/load are handed; the planners below never look tensors up in it."""
+    return {k: list(s.views) for k, s in shards.items()}
+
+
+class _ShardSavePlanner(DefaultSavePlanner):
+    """DCP's default planner (dedup of replicas, validation of the global plan) fed with the
+    boxes of explicit Shards."""
+
+    def __init__(self, shards: dict[str, Shard]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.shards = shards
+        self.views = {(fqn, box.offsets): view for fqn, s in shards.items() if s.write
+                      for box, view in zip(s.boxes, s.views)}
+
+    def create_local_plan(self) -> SavePlan:
+        self.plan = SavePlan([_write_item(fqn, s, box, view) for fqn, s in self.shards.items() if s.write
+                              for box, view in zip(s.boxes, s.views)])
+        return self.plan
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        plan = super().finish_plan(new_plan)
+        self.progress = _bar(sum(self.views[(i.index.fqn, tuple(i.index.offset))].nbytes
+                                 for i in plan.items), "checkpoint save")
+        return plan
+
+    def lookup_object(self, index: MetadataIndex):
+        return _exact_storage(self.views[(index.fqn, tuple(index.offset))])
+
+    def resolve_data(self, write_item: WriteItem):
+        data = super().resolve_data(write_item)
+        self.progress.update(getattr(data, "nbytes", 0))
+        return data
+
+
+def _exact_storage(view: torch.Tensor) -> torch.Tensor:
+    """`view` on a storage of exactly its own bytes, sharing memory. DCP's writer clones a CPU tensor
+    whose storage is larger than itself (every box of a flat buffer) and keeps each written tensor
+    until the rank's file is closed: without this, a save would hold a copy of all it writes."""
+    storage = view.untyped_storage()
+    if view.device.type != "cpu" or not view.is_contiguous() or storage.nbytes() == view.nbytes:
+        return view
+    start = view.storage_offset() * view.element_size()
+    return torch.empty(0, dtype=view.dtype).set_(storage[start:start + view.nbytes], 0, view.shape)
+
+
+class _ShardLoadPlanner(DefaultLoadPlanner):
+    """Reads each requested box out of whatever chunks the checkpoint holds for its key."""
+
+    def __init__(self, shards: dict[str, Shard]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.shards = shards
+
+    def create_local_plan(self) -> LoadPlan:
+        requests = []
+        for fqn, shard in self.shards.items():
+            if not shard.boxes:
+                continue
+            md = self.metadata.state_dict_metadata.get(fqn)
+            check_stored_shape(fqn, md, shard.global_shape)
+            chunks = [ChunkStorageMetadata(offsets=torch.Size(b.offsets), sizes=torch.Size(b.sizes))
+                      for b in shard.boxes]
+            requests += create_read_items_for_chunk_list(fqn, md, chunks)
+        self.progress = _bar(sum(math.prod(r.lengths) * self.lookup_tensor(r.dest_index).element_size()
+                                 for r in requests), "checkpoint load")
+        return LoadPlan(requests)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self.shards[index.fqn].views[index.index]
+
+    def commit_tensor(self, read_item, tensor: torch.Tensor) -> None:
+        super().commit_tensor(read_item, tensor)
+        self.progress.update(math.prod(read_item.lengths) * tensor.element_size())
+
+
+def check_stored_shape(fqn: str, md, global_shape) -> None:
+    if md is None:
+        raise CheckpointError(
+            f"the checkpoint has no tensor {fqn!r}; it was saved from a different model (or without "
+            f"this state); load a matching checkpoint, or pass --no-load-optim / --finetune")
+    if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != tuple(global_shape):
+        stored = tuple(md.size) if isinstance(md, TensorStorageMetadata) else type(md).__name__
+        raise CheckpointError(
+            f"checkpoint tensor {fqn!r} has global shape {stored} but this model needs "
+            f"{tuple(global_shape)}; every layout must build the same global model (a different "
+            f"padded vocabulary is fine; other sizes must match the checkpoint's)")
+
+
+# ---- safe metadata -----------------------------------------------------------------------------
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
+                "torch.distributed.checkpoint.planner")
+_TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)
+# A dict lookup from a layout's name, and the checkpoint path DCP records in StorageMeta.
+_SAFE_CALLABLES = {("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                   ("pathlib", "PurePosixPath"), ("collections", "OrderedDict")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits DCP's metadata dataclasses/enums and torch's Size and dtype-like constants only."""
+
+    def find_class(self, module: str, name: str):
+        if module in _DCP_MODULES:
+            obj = super().find_class(module, name)
+            if isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)):
+                return obj
+        elif module == "torch":
+            obj = getattr(torch, name, None)
+            if obj is torch.Size or isinstance(obj, _TORCH_CONSTANTS):
+                return obj
+        elif (module, name) in _SAFE_CALLABLES:
+            return super().find_class(module, name)
+        raise CheckpointError(f"checkpoint metadata refers to {module}.{name}, which a DCP metadata "
+                              f"file never holds; refusing to unpickle it (the file is corrupt or unsafe)")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{path} does not hold DCP metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def read_metadata(path: str) -> Metadata:
+    """The DCP metadata of the checkpoint directory `path` (keys, global shapes, chunks)."""
+    return SafeFileSystemReader(path).read_metadata()
+
+
+def check_shards(shards: dict[str, Shard], stored: dict) -> None:
+    """Raise one CheckpointError (before any collective) if a key is missing from the checkpoint's
+    metadata `stored` (read_metadata(path).state_dict_metadata) or shaped otherwise."""
+    for fqn, shard in shards.items():
+        if shard.boxes:
+            check_stored_shape(fqn, stored.get(fqn), shard.global_shape)
+
+
+@contextlib.contextmanager
+def _maybe_without_process_group():
+    """DCP warns when it runs in one process without torch.distributed; that is what tools do."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield not dist.is_initialized()
+
+
+def save_shards(shards: dict[str, Shard], path: str) -> None:
+    """Collective: write every rank's boxes into `path` (also works in a process without
+    torch.distributed, e.g. a conversion tool)."""
+    planner = _ShardSavePlanner(shards)
+    try:
+        with _maybe_without_process_group() as no_dist:
+            dcp.save(_dcp_state_dict(shards), storage_writer=FileSystemWriter(path, thread_count=1),
+                     planner=planner, no_dist=no_dist)
+    finally:
+        if hasattr(planner, "progress"):
+            planner.progress.close()
+
+
+def load_shards(shards: dict[str, Shard], path: str) -> None:
+    """Collective: fill every Shard's views in place from the checkpoint in `path` (also works
+    in a process without torch.distributed)."""
+    planner = _ShardLoadPlanner(shards)
+    try:
+        with _maybe_without_process_group() as no_dist:
+            dcp.load(_dcp_state_dict(shards), storage_reader=SafeFileSystemReader(path),
+                     planner=planner, no_dist=no_dist)
+    finally:
+        if hasattr(planner, "progress"):
+            planner.progress.close()
