@@ -180,69 +180,158 @@ def same_outputs(a: str, b: str) -> bool:
     )
 
 
-def preprocess_table(args, tmp: str) -> str:
-    jsonl, docs, size = corpus(tmp, args.repeat, args.max_docs)
-    stage_table(tmp, jsonl, docs, size)
-    one_doc = os.path.join(tmp, "one.jsonl")
-    with open(jsonl) as f, open(one_doc, "w") as out:
-        out.write(f.readline())
-    tools = {"1 megafab": ["--workers", "1"], "2 megafab": ["--workers", "2"]}
-    if args.megatron_lm:
-        tools["2 megatron-fast"] = None
-    walls, steady = {t: [] for t in tools}, {t: [] for t in tools}
-    startup = []
+# tools/preprocess_data.py in a fresh interpreter, with its steady-state CPU (user + sys) accounted:
+# this process with all its threads, and each forked worker at its last block (its own getrusage).
+CPU_RUNNER = r"""
+import json, os, resource, sys
+sys.path.insert(0, os.getcwd())
+from megafab.data.preprocess import cli, pipeline
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+spill, keep, run_local, workers = pipeline.SpillTokens.__call__, pipeline.Assembler.keep, cli.run_local, {}
+def accounted(self, block):
+    result = spill(self, block)
+    result.worker_cpu = (os.getpid(), cpu())
+    return result
+def seen(self, result):
+    if hasattr(result, "worker_cpu"):
+        workers[result.worker_cpu[0]] = result.worker_cpu[1]
+    return keep(self, result)
+def timed(plan, *args, **kwargs):
+    start = cpu()
+    summary = run_local(plan, *args, **kwargs)
+    print("steady cpu " + json.dumps({"parent": cpu() - start, "workers": sorted(workers.values())}))
+    return summary
+pipeline.SpillTokens.__call__, pipeline.Assembler.keep, cli.run_local = accounted, seen, timed
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def steady_cpu(output: str) -> tuple[float, list[float]]:
+    found = json.loads(re.search(r"steady cpu (.*)", output).group(1))
+    return found["parent"], found["workers"]
+
+
+def cpu_control(processes: int, iterations: int = 10_000_000) -> float:
+    """Wall seconds of a fixed pure-Python loop split over `processes` forked processes: what the
+    machine gives 1 vs 2 processes of ours at this moment (the load comes and goes)."""
+    start = time.perf_counter()
+    children = []
+    for _ in range(processes):
+        pid = os.fork()
+        if pid == 0:
+            total = 0
+            for i in range(iterations // processes):
+                total += i
+            os._exit(0)
+        children.append(pid)
+    for pid in children:
+        os.waitpid(pid, 0)
+    return time.perf_counter() - start
+
+
+def megafab_preprocess(tmp: str, jsonl: str, prefix: str, workers: int, extra=()) -> tuple[float, str]:
+    return run_tool(
+        "-c",
+        CPU_RUNNER,
+        "--input",
+        jsonl,
+        "--output-prefix",
+        prefix,
+        *gpt2_flags(tmp),
+        "--append-eod",
+        "--workers",
+        str(workers),
+        *extra,
+    )
+
+
+def workers_table(args, tmp: str, jsonl: str, docs: int, size: int, megatron: bool) -> None:
+    """megafab --workers 1 and 2 (and Megatron's fast tool), interleaved with the CPU control."""
+    tools = ["1 megafab", "2 megafab"] + (["2 megatron-fast"] if megatron else [])
+    walls, steady, cpus = {t: [] for t in tools}, {t: [] for t in tools}, {t: [] for t in tools[:2]}
+    control, loads = [], []
     for _ in range(args.rounds):
-        for name, extra in tools.items():
+        loads.append(os.getloadavg()[0])
+        control.append(cpu_control(1) / cpu_control(2))
+        for name in tools:
             prefix = os.path.join(tmp, name.replace(" ", "_"))
-            if extra is None:
+            if name.endswith("megatron-fast"):
                 wall, out = megatron_fast(args.megatron_lm, tmp, jsonl, prefix)
             else:
-                wall, out = run_tool(
-                    "tools/preprocess_data.py",
-                    "--input",
-                    jsonl,
-                    "--output-prefix",
-                    prefix,
-                    *gpt2_flags(tmp),
-                    "--append-eod",
-                    *extra,
-                )
+                wall, out = megafab_preprocess(tmp, jsonl, prefix, int(name[0]), args.megafab_flags.split())
+                cpus[name].append(steady_cpu(out))
             walls[name].append(wall)
             steady[name].append(steady_seconds(out))
-        startup.append(
-            run_tool(
-                "tools/preprocess_data.py",
-                "--input",
-                one_doc,
-                "--output-prefix",
-                os.path.join(tmp, "one"),
-                *gpt2_flags(tmp),
-                "--append-eod",
-            )[0]
-        )
     first = os.path.join(tmp, "1_megafab")
     print(
-        f"\npreprocess_data.py end to end, GPT-2 BPE vocab 8192: {docs} documents, "
-        f"{size / 1e6:.1f} MB jsonl, "
-        f"{args.rounds} interleaved rounds (median); megafab start-up on a one-document file "
-        f"{statistics.median(startup):.2f} s; {load_average()}"
+        f"\npreprocess_data.py end to end, GPT-2 BPE vocab 8192: {docs} documents, {size / 1e6:.1f} MB "
+        f"jsonl, {args.rounds} interleaved rounds (median); 1-minute load {min(loads):.1f}-{max(loads):.1f} "
+        f"on {os.cpu_count()} CPUs"
     )
     print(
         f"{'workers tool':<20}{'wall s':>8}{'docs/s':>9}{'steady s':>10}{'docs/s':>9}{'MB/s':>7}"
-        f"{'  same bytes as --workers 1'}"
+        f"{'  steady CPU s: this process + workers':<44}same bytes as --workers 1"
     )
     for name in tools:
         wall, work = statistics.median(walls[name]), statistics.median(steady[name])
         same = same_outputs(os.path.join(tmp, name.replace(" ", "_")), first)
+        cpu = ""
+        if name in cpus:
+            parent = statistics.median(c[0] for c in cpus[name])
+            workers = range(len(cpus[name][0][1]))
+            per_worker = [statistics.median(c[1][i] for c in cpus[name]) for i in workers]
+            cpu = f"{parent:.2f}" + "".join(f" + {w:.2f}" for w in per_worker)
         print(
             f"{name:<20}{wall:>8.2f}{docs / wall:>9.0f}{work:>10.2f}{docs / work:>9.0f}"
-            f"{size / 1e6 / work:>7.1f}"
-            f"  {same}"
+            f"{size / 1e6 / work:>7.1f}  {cpu:<42}{same}"
         )
-    ratios = [a / b for a, b in zip(steady["1 megafab"], steady["2 megafab"])]
+
+    def per_round(values):
+        return ", ".join(f"{v:.2f}" for v in values)
+
+    def speedups(times):
+        return per_round(a / b for a, b in zip(times["1 megafab"], times["2 megafab"]))
+
+    print("--workers 2 / --workers 1, per round (interleaved):")
+    print(f"  steady-state speed-up     {speedups(steady)}")
+    print(f"  end-to-end speed-up       {speedups(walls)}")
+    print(f"  control (pure-CPU loop)   {per_round(control)}   <- what this machine gave 2 processes then")
+    one = [c[0] + sum(c[1]) for c in cpus["1 megafab"]]
+    two = [c[0] + sum(c[1]) for c in cpus["2 megafab"]]
+    # Work is handed out block by block, so on two free cores --workers 2 takes half its CPU.
+    efficiency = [a / b for a, b in zip(one, two)]
     print(
-        f"--workers 2 / --workers 1 steady-state speed-up per round: {', '.join(f'{r:.2f}' for r in ratios)}"
+        f"  CPU-time speed-up         {per_round(2 * e for e in efficiency)}   (2 x --workers 1 CPU / "
+        f"--workers 2 CPU, all processes); parallel efficiency {statistics.median(efficiency):.0%}"
     )
+
+
+def preprocess_table(args, tmp: str) -> str:
+    jsonl, docs, size = corpus(tmp, args.repeat, args.max_docs)
+    first = os.path.join(tmp, "1_megafab")
+    if args.workers_only:
+        workers_table(args, tmp, jsonl, docs, size, megatron=False)
+        return first + "_text_document"
+    stage_table(tmp, jsonl, docs, size)
+    one_doc = os.path.join(tmp, "one.jsonl")
+    with open(jsonl) as f, open(one_doc, "w") as out:
+        out.write(f.readline())
+    startup = [
+        run_tool(
+            "tools/preprocess_data.py",
+            "--input",
+            one_doc,
+            "--output-prefix",
+            os.path.join(tmp, "one"),
+            *gpt2_flags(tmp),
+            "--append-eod",
+        )[0]
+        for _ in range(args.rounds)
+    ]
+    print(f"\nmegafab start-up on a one-document file: {statistics.median(startup):.2f} s; {load_average()}")
+    workers_table(args, tmp, jsonl, docs, size, megatron=bool(args.megatron_lm))
     if args.ray:
         wall_local, _ = run_tool(
             "tools/preprocess_data.py",
@@ -348,10 +437,18 @@ def main(argv=None):
         help="a Megatron-LM source tree: adds its tools/preprocess_data_fast.py to the table",
     )
     ap.add_argument("--ray", action="store_true", help="also time the Ray pipeline on a local 2-CPU cluster")
+    ap.add_argument("--megafab-flags", default="", help="more flags for megafab's runs, e.g. '--block-mb 1'")
+    ap.add_argument(
+        "--workers-only",
+        action="store_true",
+        help="only the interleaved --workers 1 / 2 table with its CPU accounting and control",
+    )
     args = ap.parse_args(argv)
     print(f"Data throughput; {load_average()}")
     with tempfile.TemporaryDirectory(prefix="megafab_data_bench_") as tmp:
         prefix = preprocess_table(args, tmp)
+        if args.workers_only:
+            return
         index_table(args)
         loader_table(args, prefix)
     print(f"\nafter: {load_average()}")

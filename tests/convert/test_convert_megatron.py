@@ -1,4 +1,4 @@
-"""tools/convert_checkpoint.py between Megatron torch_dist (written by megatron-core 0.16.1), Megatron
+"""megafab-convert between Megatron torch_dist (written by megatron-core 0.16.1), Megatron
 legacy torch, HF and back, changing TP/PP at each step: every checkpoint it writes gives
 megatron-core's logits in megafab (fp32, 1e-5), the torch_dist one in megatron-core too, the HF one
 in transformers; each phase shows a progress bar; what is not a checkpoint is refused by name."""
@@ -13,7 +13,7 @@ from tests.checkpoint import mcore
 from tests.checkpoint.util import full_logits, make_state
 from tests.harness import run_ranks
 from tests.model.tiny import GPT2_STYLE, LLAMA_STYLE, tiny_config
-from tools.convert_checkpoint import main as convert
+from megafab.cli.convert import main as convert
 
 STYLES = {"gpt2": GPT2_STYLE, "llama": {**LLAMA_STYLE, "rotary_percent": 1.0}}  # HF Llama: full rotary
 TOKENS = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(5))

@@ -133,7 +133,7 @@ def test_compare_tool_accepts_a_faithful_export_and_catches_a_broken_one(tmp_pat
     from safetensors.torch import load_file, save_file
 
     from tools.compare_hf_generation import main as compare
-    from tools.convert_checkpoint import main as convert
+    from megafab.cli.convert import main as convert
 
     sd, cfg = _imported(hf_gpt2(), tmp_path)
     write_checkpoint(str(tmp_path / "ck"), sd, cfg)

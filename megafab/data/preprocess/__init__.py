@@ -5,6 +5,7 @@
     blocks.read_blocks / process_block  the unit of work both pipelines share
     cleaning / dedup / report           opt-in rules, first-copy-wins dedup, the per-rule report
     pipeline.run_local / run_partitions the single-machine driver (bounded memory, ordered output)
+    ordered_pool.ordered_map            --workers N: this process and N - 1 forked, in input order
     ray_pipeline.run_ray                the same on Ray Data, byte-identical
 
 Nothing here imports torch: the tool starts in well under a second.

@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--block-mb",
         type=float,
         default=DEFAULT_BLOCK_BYTES / (1 << 20),
-        help="input read per block of work; memory is about 2 x workers blocks",
+        help="input read per block of work; memory is about 3 x workers blocks",
     )
     group.add_argument(
         "--ray",

@@ -29,6 +29,7 @@ worker process = one core); parallelism comes from worker processes (pipeline.py
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -217,9 +218,35 @@ def _agrees(fast: Encoder, reference: Encoder) -> bool:
     )
 
 
+# Encoders built in this process, by spec and the state of its files: the tool's own check, its
+# in-process worker and the forked workers (which inherit this dict) build the tokenizer once.
+_built: dict[tuple, Encoder] = {}
+
+
+def _cache_key(spec: TokenizerSpec, vocab_size: int, eod: int) -> tuple:
+    files = []
+    for path in (spec.vocab_file, spec.merge_file, spec.tokenizer_model):
+        try:
+            stat = os.stat(_tokenizer_json(path)) if path else None
+        except OSError:
+            stat = None
+        files.append((path, stat and stat.st_mtime_ns, stat and stat.st_size))
+    return spec, vocab_size, eod, tuple(files)
+
+
 def build_encoder(spec: TokenizerSpec, vocab_size: int, eod: int, note=None) -> Encoder:
     """The engine for spec: gigatoken when asked or when auto finds it exact on the probes, else the
-    reference. note(message) reports a fallback (stderr by default)."""
+    reference. note(message) reports a fallback (stderr by default). Built once per process."""
+    key = _cache_key(spec, vocab_size, eod)
+    if key not in _built:
+        encoder = _build_encoder(spec, vocab_size, eod, note)
+        engine = "gigatoken" if encoder.name == "gigatoken" else "reference"
+        resolved = dataclasses.replace(spec, engine=engine)
+        _built[key] = _built[_cache_key(resolved, vocab_size, eod)] = encoder
+    return _built[key]
+
+
+def _build_encoder(spec: TokenizerSpec, vocab_size: int, eod: int, note) -> Encoder:
     if spec.engine not in ENGINES:
         raise DataError(f"--tokenizer-engine {spec.engine}: choose one of {', '.join(ENGINES)}")
     note = note or (lambda message: print(f"note: {message}", file=sys.stderr, flush=True))

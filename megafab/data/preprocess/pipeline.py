@@ -1,9 +1,14 @@
 """The single-machine pipeline: blocks -> worker processes -> one writer per key, in input order.
 
-Memory is bounded by the blocks in flight (2 x workers x --block-bytes of input and their tokens), not
-by the corpus; the index grows by 12 bytes per document. --workers 1 runs in this process (no IPC);
-N > 1 forks N workers that each parse, clean and tokenize whole blocks on one core, while this process
-only reads bytes, decides duplicates and writes.
+Memory is bounded by the blocks in flight (3 x workers x --block-bytes of input and their tokens), not
+by the corpus; the index grows by 12 bytes per document. --workers N tokenizes on N processes: this
+one and N - 1 forked after it built the tokenizer and the cleaners (ordered_pool.py), so they start at
+once with both. A worker reads its own span of a plain jsonl file, parses, cleans and tokenizes it on
+one core, writes the block's tokens in the .bin's dtype to a part file next to the output and sends
+back only the index (lengths, verdicts, fingerprints): tokens through pipes cost more CPU than
+tokenizing them with gigatoken. This process cuts the spans, tokenizes blocks itself whenever it
+would otherwise wait, decides duplicates, appends each part to the .bin in input order and deletes
+it. The spans shrink towards the end of a file, so the processes finish together (blocks.cut_spans).
 
 --partitions P follows Megatron's preprocess_data.py: the input's lines are dealt round-robin to P
 partitions (contiguous ranges with --keep-sequential-samples), the P partitions run at the same time
@@ -16,9 +21,10 @@ import dataclasses
 import math
 import multiprocessing
 import os
+import shutil
+import tempfile
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,8 +37,17 @@ from megafab.data.indexed_dataset import (
     index_file_path,
     merge_datasets,
 )
-from megafab.data.preprocess.blocks import BlockResult, WorkerContext, init_worker, process_block, read_blocks
+from megafab.data.preprocess.blocks import (
+    Block,
+    BlockResult,
+    PackedKey,
+    WorkerContext,
+    init_worker,
+    process_block,
+    read_blocks,
+)
 from megafab.data.preprocess.dedup import Deduplicator
+from megafab.data.preprocess.ordered_pool import keep_freed_memory, ordered_map
 from megafab.data.preprocess.report import CleaningReport
 from megafab.data.readers import InputSource, jsonl_lines, read_records
 from megafab.progress import Progress
@@ -93,12 +108,21 @@ class Assembler:
     def keep(self, result: BlockResult) -> np.ndarray:
         if result.bad:
             if not self.skip_bad_lines:
-                raise DataError(result.bad[0] + "; fix the line or pass --skip-bad-lines")
+                number, reason = result.bad[0]
+                raise DataError(
+                    f"{result.bad_line_label(number)}: {reason}; fix the line or pass --skip-bad-lines"
+                )
             self.summary.bad += len(result.bad)
             self.summary.report.remove("bad", 0, len(result.bad))
         report = self.summary.report
         if result.html_bytes_removed:
             report.remove("html", result.html_bytes_removed, 0)
+        if self.dedup is None and all(v is None for v in result.verdicts):  # the common case, at once
+            total = int(result.text_bytes.sum())
+            report.keep(total, len(result.verdicts))
+            self.summary.documents += len(result.verdicts)
+            self.summary.bytes += total
+            return np.ones(len(result.verdicts), dtype=bool)
         keep = []  # one entry per document the cleaning rules kept (those result.keys holds)
         for verdict, nbytes in zip(result.verdicts, result.text_bytes.tolist()):
             if verdict is None:
@@ -118,29 +142,29 @@ class Assembler:
         return np.asarray(keep, dtype=bool)
 
 
-def ordered_map(
-    fn: Callable,
-    items: Iterable,
-    workers: int,
-    initializer: Callable,
-    initargs: tuple,
-    depth: int | None = None,
-) -> Iterator:
-    """fn over items in order, on `workers` forked processes with at most `depth` items in flight."""
-    if workers == 1:
-        initializer(*initargs)
-        yield from map(fn, items)
-        return
-    depth = depth or 2 * workers
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    with multiprocessing.get_context("fork").Pool(workers, initializer, initargs) as pool:
-        pending: deque = deque()
-        for item in items:
-            pending.append(pool.apply_async(fn, (item,)))
-            if len(pending) >= depth:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
+@dataclass(frozen=True)
+class SpillTokens:
+    """process_block in a worker, with each key's tokens written to a part file in `directory` (read
+    back by load_tokens) instead of pickled through the pool's pipe."""
+
+    directory: str
+
+    def __call__(self, block: Block) -> BlockResult:
+        result = process_block(block)
+        for number, part in enumerate(result.keys.values()):
+            path = os.path.join(self.directory, f"{block.index}.{number}.bin")
+            part.tokens.tofile(path)
+            part.tokens = path
+        return result
+
+
+def load_tokens(part: PackedKey, dtype) -> np.ndarray:
+    """A block's tokens: the array itself, or read from its part file (which is deleted)."""
+    if not isinstance(part.tokens, str):
+        return part.tokens
+    tokens = np.fromfile(part.tokens, dtype)
+    os.remove(part.tokens)
+    return tokens
 
 
 def _remove_outputs(prefix: str, keys: Iterable[str]) -> None:
@@ -177,12 +201,23 @@ def run_local(
     progress = Progress(total_input_bytes(plan.sources), describe, enabled=plan.progress)
     start = time.time()
     next_log = plan.log_interval
+    parts_dir = None
     try:
-        blocks = read_blocks(list(plan.sources), list(plan.keys), plan.block_bytes, select)
-        for result in ordered_map(process_block, blocks, plan.workers, init_worker, (plan.context,)):
+        init_worker(plan.context)  # here, before the fork: the workers inherit the tokenizer
+        keep_freed_memory()  # this process tokenizes too
+        work = process_block
+        if plan.workers > 1:
+            parts_dir = tempfile.mkdtemp(
+                prefix=f".{os.path.basename(prefix)}_parts_", dir=os.path.dirname(prefix) or "."
+            )
+            work = SpillTokens(parts_dir)
+        blocks = read_blocks(list(plan.sources), list(plan.keys), plan.block_bytes, select, plan.workers)
+        for result in ordered_map(work, blocks, plan.workers, local_fn=process_block):
             keep = assembler.keep(result)
             for key, writer in writers.items():
-                part = result.keys[key].select(keep)
+                packed = result.keys[key]
+                packed.tokens = load_tokens(packed, dtype)
+                part = packed.select(keep)
                 writer.add_packed(part.tokens, part.sequence_lengths, part.sequences_per_document)
                 summary.tokens += int(part.tokens.size)
             progress.update(result.source_bytes, docs=summary.documents)
@@ -202,6 +237,8 @@ def run_local(
         raise
     finally:
         progress.close()
+        if parts_dir is not None:
+            shutil.rmtree(parts_dir, ignore_errors=True)
     summary.seconds = time.time() - start
     return summary
 

@@ -15,7 +15,7 @@ and writes only the survivors. Without dedup there is one pass. The driver holds
 the LSH buckets (~0.7 KB a document in flight, ~130 B kept): tens of millions of documents per run;
 beyond that, shard the corpus into runs and merge.
 
-Errors in a unit name the file and, for a cut jsonl, the byte where its unit starts ('f.jsonl@1048576:3').
+Errors in a unit name the file and the line, as the single-machine tool's do.
 """
 
 from __future__ import annotations
@@ -35,7 +35,14 @@ from megafab.data.indexed_dataset import (
     index_file_path,
 )
 from megafab.data.indexed_dataset import merge_datasets as merge_prefixes
-from megafab.data.preprocess.blocks import Block, init_worker, process_block, read_blocks
+from megafab.data.preprocess.blocks import (
+    Block,
+    cut_spans,
+    init_worker,
+    is_plain_jsonl,
+    process_block,
+    read_blocks,
+)
 from megafab.data.preprocess.pipeline import Assembler, Plan, Summary, output_prefix_for
 from megafab.data.readers import InputSource, require
 from megafab.progress import Progress
@@ -44,48 +51,26 @@ from megafab.progress import Progress
 @dataclass(frozen=True)
 class Unit:
     source: InputSource
-    start: int = 0  # byte range of a plain jsonl file; end None = to the end of the file
+    start: int = 0  # byte span of a plain jsonl file; end None: the whole file, whatever its kind
     end: int | None = None
 
 
 def plan_units(sources: tuple[InputSource, ...], block_bytes: int) -> list[Unit]:
     units = []
     for source in sources:
-        if source.kind != "jsonl" or source.path.endswith((".gz", ".zst")):
+        if is_plain_jsonl(source):
+            units.extend(Unit(source, a, b) for a, b in cut_spans(source.path, block_bytes))
+        else:
             units.append(Unit(source))
-            continue
-        size = os.path.getsize(source.path)
-        cuts = [0]
-        with open(source.path, "rb") as f:
-            while cuts[-1] + block_bytes < size:
-                f.seek(cuts[-1] + block_bytes)
-                f.readline()  # the next line start
-                if f.tell() >= size:
-                    break
-                cuts.append(f.tell())
-        units.extend(Unit(source, a, b) for a, b in zip(cuts, cuts[1:] + [None]))
     return units
 
 
 def read_unit(unit: Unit, keys: list[str]) -> Block:
-    if unit.start == 0 and unit.end is None:
-        blocks = list(read_blocks([unit.source], keys, block_bytes=1 << 62))
-        records = [r for b in blocks for r in b.records]
-        return Block(0, unit.source.path, records, sum(b.source_bytes for b in blocks))
-    records = []
-    with open(unit.source.path, "rb") as f:
-        f.seek(unit.start)
-        number = 0
-        while unit.end is None or f.tell() < unit.end:
-            line = f.readline()
-            if not line:
-                break
-            number += 1
-            if line.strip():
-                records.append((number, line))
-        consumed = f.tell() - unit.start
-    label = unit.source.path if unit.start == 0 else f"{unit.source.path}@{unit.start}"
-    return Block(0, label, records, consumed)
+    if unit.end is not None:
+        return Block(0, unit.source.path, None, unit.end - unit.start, (unit.start, unit.end))
+    blocks = list(read_blocks([unit.source], keys, block_bytes=1 << 62))
+    records = [r for b in blocks for r in b.read_records()]
+    return Block(0, unit.source.path, records, sum(b.source_bytes for b in blocks))
 
 
 class _UnitWorker:
