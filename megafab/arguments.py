@@ -52,7 +52,6 @@ UNSUPPORTED = {
     "--cpu-offloading": None,
     "--recompute-activations-offload": None,
     "--delay-wgrad-compute": None,
-    "--check-for-nan-in-loss-and-grad": None,
 }
 
 # Megatron flags that are defaults in megafab (accepted, nothing to do).
@@ -121,7 +120,7 @@ def _parallel_flags(p):
     g.add_argument("--ddp-bucket-size", type=int)
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true", default=True)
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"])
-    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10)
 
 
 def _precision_flags(p):
@@ -178,6 +177,11 @@ def _training_flags(p):
     g.add_argument("--exit-duration-in-mins", type=float)
     g.add_argument("--exit-signal-handler", action="store_true")
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true", default=True)
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
+                   dest="check_for_nan_in_loss_and_grad")
+    g.add_argument("--max-consecutive-skipped-iterations", type=int, default=100,
+                   help="megafab only: stop after this many skipped iterations in a row (0: never)")
     g.add_argument("--dry-run", action="store_true",
                    help="megafab: check the flags and print the memory/FLOPs plan, start nothing")
 

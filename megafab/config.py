@@ -119,8 +119,9 @@ class ParallelConfig:
     """Keep main gradients in fp32 for bf16/fp16 models (always on in megafab)."""
     distributed_backend: str | None = None
     """nccl or gloo; default nccl with CUDA, gloo without."""
-    distributed_timeout_minutes: int = 10
-    """Timeout of every collective; a dead rank fails the others after this long."""
+    distributed_timeout_minutes: float = 10
+    """Timeout of every collective; a frozen rank fails the others after this long (fractions of a
+    minute are accepted)."""
 
 
 @dataclass
@@ -258,6 +259,11 @@ class TrainingConfig:
     """On SIGTERM save a checkpoint and exit cleanly."""
     seed: int = 1234
     """Seed of initialization, dropout and data shuffling."""
+    check_for_nan_in_loss_and_grad: bool = True
+    """Stop at the first iteration whose loss or gradient norm is nan or inf (Megatron's check);
+    off, such iterations are skipped. fp16 loss-scale overflows are skipped either way."""
+    max_consecutive_skipped_iterations: int = 100
+    """megafab: stop after this many skipped iterations in a row (0: never)."""
     dry_run: bool = False
     """Validate the flags and print the memory/FLOPs plan without starting process groups."""
 
@@ -490,6 +496,8 @@ def parallel_problems(cfg: Config) -> list[str]:
                    f"--pipeline-model-parallel-size {pp}")
     if p.overlap_param_gather and not p.use_distributed_optimizer:
         out.append("--overlap-param-gather needs --use-distributed-optimizer")
+    if not p.distributed_timeout_minutes > 0:
+        out.append(f"--distributed-timeout-minutes {p.distributed_timeout_minutes} must be positive")
     if p.distributed_backend not in (None, "nccl", "gloo"):
         out.append(f"--distributed-backend {p.distributed_backend!r} is not nccl or gloo")
     return out
@@ -547,6 +555,9 @@ def training_problems(cfg: Config) -> list[str]:
                    f"inverse-square-root or WSD")
     if o.optimizer not in ("adam", "sgd"):
         out.append(f"--optimizer {o.optimizer!r} is not adam or sgd")
+    if t.max_consecutive_skipped_iterations < 0:
+        out.append(f"--max-consecutive-skipped-iterations {t.max_consecutive_skipped_iterations} must be "
+                   f"at least 0 (0: never stop for skipped iterations)")
     if t.eval_interval is not None and t.eval_interval <= 0:
         out.append(f"--eval-interval {t.eval_interval} must be positive")
     return out

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megafab.errors import MegafabError
-from megafab.launch import pick_device_and_backend, read_launch_env
+from megafab.launch import pick_device_and_backend, read_launch_env, rendezvous_store
 
 
 class TopologyError(MegafabError):
@@ -131,11 +131,12 @@ class Topology:
 
 
 def build_topology(tp: int = 1, pp: int = 1, vpp: int = 1, device: torch.device | None = None,
-                   backend: str | None = None) -> Topology:
+                   backend: str | None = None, timeout: datetime.timedelta | None = None) -> Topology:
     """Make the groups of an already initialized default process group.
 
     Groups are made with new_group for every layout group, in the same order on every rank
-    (gloo on CPU cannot use split_group, and DeviceMesh's CPU path would need it).
+    (gloo on CPU cannot use split_group, and DeviceMesh's CPU path would need it). timeout: of
+    every group's collectives (torch's default for a new group is 30 minutes, not the world's).
     """
     if not dist.is_initialized():
         raise RuntimeError("initialize torch.distributed first (megafab.distributed.initialize)")
@@ -148,7 +149,8 @@ def build_topology(tp: int = 1, pp: int = 1, vpp: int = 1, device: torch.device 
                     backend or dist.get_backend())
     for kind, groups in layouts.items():
         for ranks in groups:
-            group = dist.new_group(ranks) if len(groups) > 1 or len(ranks) != world else dist.group.WORLD
+            group = dist.new_group(ranks, timeout=timeout) if len(groups) > 1 or len(ranks) != world \
+                else dist.group.WORLD
             if rank in ranks:
                 setattr(topo, f"{kind}_group", group)
                 topo.group_ranks[kind] = ranks
@@ -169,8 +171,7 @@ def initialize(tp: int = 1, pp: int = 1, vpp: int = 1, backend: str | None = Non
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend=backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
-            rank=launch.rank, world_size=launch.world_size,
-            timeout=datetime.timedelta(minutes=timeout_minutes))
-    return build_topology(tp, pp, vpp, device, backend)
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        dist.init_process_group(backend=backend, store=rendezvous_store(launch, timeout, env),
+                                rank=launch.rank, world_size=launch.world_size, timeout=timeout)
+    return build_topology(tp, pp, vpp, device, backend, datetime.timedelta(minutes=timeout_minutes))

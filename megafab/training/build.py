@@ -31,7 +31,9 @@ class TrainState:
     scheduler: OptimizerParamScheduler
     iteration: int = 0
     consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
     skipped_iterations: int = 0
+    consecutive_skipped: int = 0
     nan_iterations: int = 0
     extra: dict = field(default_factory=dict)
 

@@ -76,6 +76,7 @@ def _common_state(state, with_optim: bool) -> dict:
     scaler = getattr(opt, "grad_scaler", None)
     return {"format_version": FORMAT_VERSION, "iteration": state.iteration,
             "consumed_train_samples": state.consumed_train_samples,
+            "consumed_valid_samples": state.consumed_valid_samples,
             "skipped_iterations": state.skipped_iterations, "nan_iterations": state.nan_iterations,
             "scheduler": state.scheduler.state_dict(), "optimizer_iteration": opt.iteration,
             "grad_scaler": scaler.state_dict() if scaler is not None else None,
@@ -210,6 +211,7 @@ def load_checkpoint(state) -> int | None:
     if not ck.finetune:
         state.iteration = common["iteration"]
         state.consumed_train_samples = common["consumed_train_samples"]
+        state.consumed_valid_samples = common.get("consumed_valid_samples", 0)  # older checkpoints: 0
         state.skipped_iterations = common["skipped_iterations"]
         state.nan_iterations = common["nan_iterations"]
         state.scheduler.load_state_dict(common["scheduler"])

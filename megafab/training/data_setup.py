@@ -31,7 +31,8 @@ def sample_counts(cfg, train_iters: int) -> tuple[int, int, int]:
     return train, valid, t.eval_iters * gbs
 
 
-def build_data_iterators(cfg, topo, consumed_train_samples: int, tokenizer=None):
+def build_data_iterators(cfg, topo, consumed_train_samples: int, tokenizer=None,
+                         consumed_valid_samples: int = 0):
     from megafab.training.build import train_iters
 
     d, t = cfg.data, cfg.training
@@ -43,6 +44,8 @@ def build_data_iterators(cfg, topo, consumed_train_samples: int, tokenizer=None)
         reset_position_ids=d.reset_position_ids, reset_attention_mask=d.reset_attention_mask,
         mock=d.mock_data, train_data_path=d.train_data_path, valid_data_path=d.valid_data_path,
         test_data_path=d.test_data_path, barrier=dist.barrier, is_builder=topo.rank == 0)
-    consumed = [consumed_train_samples, 0, 0]
+    # Validation restarts from its first batch once a resumed run has evaluated on all of it.
+    valid = consumed_valid_samples % len(datasets[1]) if datasets[1] is not None and len(datasets[1]) else 0
+    consumed = [consumed_train_samples, valid, 0]
     return tuple(build_data_iterator(ds, consumed[i], t.micro_batch_size, topo.dp_rank, topo.dp,
                                      num_workers=d.num_workers) for i, ds in enumerate(datasets))

@@ -9,6 +9,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from megafab.distributed.faults import FaultWatch
+from megafab.launch import restart_count
 from megafab.training import checkpointing
 from megafab.training.build import (
     TrainState,
@@ -49,12 +51,26 @@ def print_rank_0(topo, text: str) -> None:
         print(text, flush=True)
 
 
-def setup(cfg) -> TrainState:
-    topo, tracker = init_distributed(cfg)
+def resume_after_restart(cfg, topo) -> None:
+    """Under torchrun --max-restarts a restarted job continues from the newest checkpoint in --save
+    (whatever --load or --finetune asked for the first attempt), so no step is trained twice."""
+    ck = cfg.checkpoint
+    attempt = restart_count()
+    if attempt == 0 or not ck.save or checkpointing.latest_iteration(ck.save) is None:
+        return
+    if (ck.load, ck.finetune) != (ck.save, False):
+        print_rank_0(topo, f"megafab: note: torchrun restart {attempt}: resuming from the latest "
+                           f"checkpoint in --save {ck.save} (instead of --load {ck.load}"
+                           f"{' --finetune' if ck.finetune else ''})")
+    ck.load, ck.finetune = ck.save, False
+
+
+def setup(cfg, topo, tracker) -> TrainState:
     model = build_model(cfg, topo, tracker)
     optimizer = build_optimizer(cfg, topo, model)
     scheduler = build_scheduler(cfg, optimizer)
     state = TrainState(cfg, topo, tracker, model, optimizer, scheduler)
+    resume_after_restart(cfg, topo)
     if cfg.checkpoint.load:
         checkpointing.load_checkpoint(state)
     return state
@@ -74,7 +90,7 @@ def _should_exit(state, start_time: float, sigterm: _SigtermFlag) -> str | None:
     return None
 
 
-def train(state: TrainState, iterators, writers: ScalarWriters) -> None:
+def train(state: TrainState, iterators, writers: ScalarWriters, watch: FaultWatch | None = None) -> None:
     cfg, topo = state.cfg, state.topology
     t, lg = cfg.training, cfg.logging
     total = train_iters(cfg)
@@ -85,6 +101,8 @@ def train(state: TrainState, iterators, writers: ScalarWriters) -> None:
     peak = peak_tflops(topo.device)
     window_start, window_iters = time.time(), 0
     while state.iteration < total:
+        if watch is not None:
+            watch.where = f"iteration {state.iteration + 1}"
         metrics = train_step(state, train_iter)
         window_iters += 1
         if state.iteration % lg.log_interval == 0:
@@ -108,9 +126,13 @@ def train(state: TrainState, iterators, writers: ScalarWriters) -> None:
                     "throughput/tflops": tflops, "iteration-time-ms": line["elapsed_ms"]})
             window_start, window_iters = time.time(), 0
         if t.eval_interval and state.iteration % t.eval_interval == 0 and valid_iter is not None:
+            if watch is not None:
+                watch.where = f"the validation after iteration {state.iteration}"
             run_evaluation(state, valid_iter, "validation", writers)
         if cfg.checkpoint.save and cfg.checkpoint.save_interval and \
                 state.iteration % cfg.checkpoint.save_interval == 0:
+            if watch is not None:
+                watch.where = f"the checkpoint save of iteration {state.iteration}"
             checkpointing.save_checkpoint(state)
         reason = _should_exit(state, start, sigterm)
         if reason:
@@ -123,7 +145,8 @@ def train(state: TrainState, iterators, writers: ScalarWriters) -> None:
 def run_evaluation(state, data_iterator, label: str, writers: ScalarWriters,
                    where: str | None = None) -> float | None:
     """where: Megatron's prefix after "<label> loss at", default "iteration N"."""
-    loss = evaluate(state, data_iterator, state.cfg.training.eval_iters)
+    loss = evaluate(state, data_iterator, state.cfg.training.eval_iters,
+                    counts_as_validation=label == "validation")
     if log_rank(state.topology):
         line = validation_line(label, where or f"iteration {state.iteration}", loss)
         print("-" * 100 + "\n" + line + "\n" + "-" * 100, flush=True)
@@ -134,31 +157,36 @@ def run_evaluation(state, data_iterator, label: str, writers: ScalarWriters,
 
 def pretrain(cfg) -> int:
     tokenizer = attach_tokenizer(cfg)
-    state = setup(cfg)
-    topo = state.topology
-    print_rank_0(topo, f"megafab: {topo.world_size} process(es), tp {topo.tp} pp {topo.pp} dp {topo.dp}, "
-                       f"{topo.device} / {topo.backend}")
-    for note in cfg.notes:
-        print_rank_0(topo, f"megafab: note: {note}")
-    iterators = build_data_iterators(cfg, topo, state.consumed_train_samples, tokenizer)
-    checkpointing.restore_pending_rng(state)
-    writers = ScalarWriters(cfg if log_rank(topo) else None, cfg.to_flat())
-    try:
-        if not cfg.training.skip_train:
-            train(state, iterators, writers)
-        total = train_iters(cfg)
-        if iterators[1] is not None and cfg.training.eval_iters and state.iteration >= total:
-            run_evaluation(state, iterators[1], "validation", writers,
-                           "the end of training for val data")
-        if iterators[2] is not None and cfg.training.eval_iters and state.iteration >= total:
-            run_evaluation(state, iterators[2], "test", writers, "the end of training for test data")
-        if cfg.checkpoint.save and state.iteration >= total and \
-                checkpointing.latest_iteration(cfg.checkpoint.save) != state.iteration:
-            checkpointing.save_checkpoint(state)
-    finally:
-        writers.close()
-    dist.barrier()
+    topo, tracker = init_distributed(cfg)
+    with FaultWatch.start(timeout_s=cfg.parallel.distributed_timeout_minutes * 60) as watch:
+        state = setup(cfg, topo, tracker)
+        print_rank_0(topo, f"megafab: {topo.world_size} process(es), tp {topo.tp} pp {topo.pp} "
+                           f"dp {topo.dp}, {topo.device} / {topo.backend}")
+        for note in cfg.notes:
+            print_rank_0(topo, f"megafab: note: {note}")
+        watch.where = "building the datasets"
+        iterators = build_data_iterators(cfg, topo, state.consumed_train_samples, tokenizer,
+                                         state.consumed_valid_samples)
+        checkpointing.restore_pending_rng(state)
+        writers = ScalarWriters(cfg if log_rank(topo) else None, cfg.to_flat())
+        try:
+            if not cfg.training.skip_train:
+                train(state, iterators, writers, watch)
+            watch.where = "the evaluation at the end of training"
+            total = train_iters(cfg)
+            if iterators[1] is not None and cfg.training.eval_iters and state.iteration >= total:
+                run_evaluation(state, iterators[1], "validation", writers,
+                               "the end of training for val data")
+            if iterators[2] is not None and cfg.training.eval_iters and state.iteration >= total:
+                run_evaluation(state, iterators[2], "test", writers, "the end of training for test data")
+            if cfg.checkpoint.save and state.iteration >= total and \
+                    checkpointing.latest_iteration(cfg.checkpoint.save) != state.iteration:
+                watch.where = f"the checkpoint save of iteration {state.iteration}"
+                checkpointing.save_checkpoint(state)
+        finally:
+            writers.close()
+        watch.where = "the barrier at the end of training"
+        dist.barrier()
+        watch.close()
     dist.destroy_process_group()
     return 0
-
-
