@@ -594,26 +594,32 @@ def data_problems(cfg: Config) -> list[str]:
     elif needs_data or d.mock_data:
         if m.vocab_size is None:
             out.append("no tokenizer: give --tokenizer-type (or --vocab-size with --mock-data)")
-    for prefix in _data_prefixes(d.data_path) + _data_prefixes(d.train_data_path):
-        if not os.path.exists(prefix + ".idx"):
-            out.append(f"data prefix {prefix}: {prefix}.idx not found (a Megatron dataset is "
-                       f"PREFIX.bin + PREFIX.idx, e.g. made by tools/preprocess_data.py)")
+    out += data_path_problems(cfg)
     return out
 
 
-def _data_prefixes(paths: list[str] | None) -> list[str]:
-    """Prefixes of a Megatron data path list: 'p' | 'w1 p1 w2 p2' | 'p1 p2'."""
-    if not paths:
-        return []
-    def is_weight(s):
+def data_path_problems(cfg: Config) -> list[str]:
+    """Each data-path flag parses (megafab.data.blend_spec's rules) and names existing datasets."""
+    from megafab.data.blend_spec import parse_blend, parse_split
+    from megafab.data.errors import DataError
+
+    d, out = cfg.data, []
+    for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
         try:
-            float(s)
-            return True
-        except ValueError:
-            return False
-    if len(paths) % 2 == 0 and all(is_weight(w) for w in paths[0::2]):
-        return list(paths[1::2])
-    return list(paths)
+            blend = parse_blend(getattr(d, flag))
+        except DataError as e:
+            out.append(f"--{flag.replace('_', '-')}: {e}")
+            continue
+        for prefix in blend[0] if blend else []:
+            if not os.path.exists(prefix + ".idx"):
+                out.append(f"data prefix {prefix}: {prefix}.idx not found (a Megatron dataset is "
+                           f"PREFIX.bin + PREFIX.idx, e.g. made by tools/preprocess_data.py)")
+    if d.split is not None:
+        try:
+            parse_split(d.split)
+        except DataError as e:
+            out.append(str(e))
+    return out
 
 
 def checkpoint_problems(cfg: Config) -> list[str]:

@@ -83,6 +83,11 @@ def restart_count(env: dict[str, str] | None = None) -> int:
     return int(value) if value.isdigit() else 0
 
 
+def agent_hosts_store(env: dict[str, str] | None = None) -> bool:
+    """True under torchrun: its agent hosts the rendezvous store (else rank 0 does)."""
+    return (os.environ if env is None else env).get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
 def rendezvous_store(launch: LaunchEnv, timeout: datetime.timedelta,
                      env: dict[str, str] | None = None) -> dist.Store:
     """The store init_process_group meets in, its keys scoped to this torchrun restart attempt.
@@ -92,8 +97,7 @@ def rendezvous_store(launch: LaunchEnv, timeout: datetime.timedelta,
     Under torchrun the agent hosts the store; otherwise rank 0 does.
     """
     env = dict(os.environ if env is None else env)
-    agent_hosted = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size,
-                          is_master=launch.rank == 0 and not agent_hosted, timeout=timeout,
+                          is_master=launch.rank == 0 and not agent_hosts_store(env), timeout=timeout,
                           multi_tenant=True)
     return dist.PrefixStore(f"megafab/attempt_{restart_count(env)}", store)

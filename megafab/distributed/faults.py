@@ -36,6 +36,7 @@ import time
 import torch.distributed as dist
 
 from megafab.errors import EXIT_JOB_FAULT, JobFault, MegafabError, ReportedElsewhere, report
+from megafab.launch import agent_hosts_store
 
 ABORT = "megafab/abort"
 CLAIMS = "megafab/claims"
@@ -131,7 +132,7 @@ class FaultWatch:
         from torch.distributed.distributed_c10d import _get_default_store
 
         rank = dist.get_rank()
-        kwargs.setdefault("hosts_store", rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True")
+        kwargs.setdefault("hosts_store", rank == 0 and not agent_hosts_store())
         return cls(_get_default_store(), rank, dist.get_world_size(), timeout_s, **kwargs)
 
     # ---- store traffic ------------------------------------------------------------------------
