@@ -6,7 +6,7 @@
 import sys
 
 from megafab.arguments import config_or_exit
-from megafab.errors import exit_on_user_error
+from megafab.errors import MegafabError, exit_on_user_error
 
 
 def main(argv=None):
@@ -17,9 +17,8 @@ def main(argv=None):
 
             if cfg.model.padded_vocab_size is None:
                 if cfg.data.tokenizer_type is None:
-                    print("megafab: error: --dry-run needs the vocabulary size: give --vocab-size or the "
-                          "tokenizer flags (--tokenizer-type ...)", file=sys.stderr)
-                    return 2
+                    raise MegafabError("--dry-run needs the vocabulary size: give --vocab-size or the "
+                                       "tokenizer flags (--tokenizer-type ...)")
                 from megafab.training.data_setup import attach_tokenizer
 
                 attach_tokenizer(cfg)

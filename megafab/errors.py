@@ -125,3 +125,12 @@ def exit_on_user_error(rank: int | None = None):
     except MegafabError as error:
         sys.stdout.flush()
         raise SystemExit(report(error, rank)) from None
+
+
+def exit_status(body, rank: int | None = None) -> int:
+    """body() under exit_on_user_error, as the status a `sys.exit(main())` tool returns."""
+    try:
+        with exit_on_user_error(rank):
+            return body() or 0
+    except SystemExit as stop:
+        return stop.code if isinstance(stop.code, int) else 1

@@ -24,10 +24,8 @@ if REPO not in sys.path:
 
 import torch  # noqa: E402
 
-from megafab.config import ConfigError  # noqa: E402
-from megafab.convert import ConversionError, export_hf, import_hf, read_checkpoint, write_checkpoint  # noqa: E402
-from megafab.data.errors import DataError  # noqa: E402
-from megafab.training.checkpoint_io import CheckpointError  # noqa: E402
+from megafab.convert import export_hf, import_hf, read_checkpoint, write_checkpoint  # noqa: E402
+from megafab.errors import exit_status  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -51,25 +49,24 @@ def parse(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def run(args, dtype) -> None:
+    if args.command == "import-hf":
+        sd, cfg = import_hf(args.hf_dir, args.tensor_model_parallel_size,
+                            args.make_vocab_size_divisible_by, dtype)
+        path = write_checkpoint(args.save, sd, cfg)
+        print(f"imported {args.hf_dir} ({sum(t.numel() for t in sd.values()):,} parameters, vocabulary "
+              f"{cfg.model.vocab_size} padded to {cfg.model.padded_vocab_size}) into {path}; continue "
+              f"with pretrain_gpt.py --load {args.save} --finetune")
+    else:
+        sd, cfg = read_checkpoint(args.load, args.iteration)
+        arch = export_hf(sd, cfg, args.hf_dir, dtype)
+        print(f"exported {args.load} as {arch} to {args.hf_dir}")
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     dtype = DTYPES[args.dtype] if args.dtype else None
-    try:
-        if args.command == "import-hf":
-            sd, cfg = import_hf(args.hf_dir, args.tensor_model_parallel_size,
-                                args.make_vocab_size_divisible_by, dtype)
-            path = write_checkpoint(args.save, sd, cfg)
-            print(f"imported {args.hf_dir} ({sum(t.numel() for t in sd.values()):,} parameters, vocabulary "
-                  f"{cfg.model.vocab_size} padded to {cfg.model.padded_vocab_size}) into {path}; continue "
-                  f"with pretrain_gpt.py --load {args.save} --finetune")
-        else:
-            sd, cfg = read_checkpoint(args.load, args.iteration)
-            arch = export_hf(sd, cfg, args.hf_dir, dtype)
-            print(f"exported {args.load} as {arch} to {args.hf_dir}")
-    except (ConversionError, CheckpointError, ConfigError, DataError) as e:
-        print(f"convert_checkpoint: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_status(lambda: run(args, dtype))
 
 
 if __name__ == "__main__":

@@ -23,10 +23,8 @@ if REPO not in sys.path:
 
 import torch  # noqa: E402
 
-from megafab.convert.state_dict import ConversionError  # noqa: E402
-from megafab.data.errors import DataError  # noqa: E402
+from megafab.errors import exit_status  # noqa: E402
 from megafab.inference import GenerationError, SamplingParams, generate, load_model  # noqa: E402
-from megafab.training.checkpoint_io import CheckpointError  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -103,12 +101,13 @@ def run(args) -> list[int]:
 
 
 def main(argv=None) -> int:
-    try:
-        run(parse(argv))
-    except (GenerationError, ConversionError, CheckpointError, DataError, OSError) as e:
-        print(f"generate: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    def body():
+        try:
+            run(parse(argv))
+        except OSError as e:  # e.g. an unreadable --prompt-file
+            raise GenerationError(f"{e.filename or ''}: {e.strerror or e}") from None
+
+    return exit_status(body)
 
 
 if __name__ == "__main__":

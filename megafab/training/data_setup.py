@@ -31,19 +31,27 @@ def sample_counts(cfg, train_iters: int) -> tuple[int, int, int]:
     return train, valid, t.eval_iters * gbs
 
 
-def build_data_iterators(cfg, topo, consumed_train_samples: int, tokenizer=None,
-                         consumed_valid_samples: int = 0):
+def build_datasets(cfg, topo, tokenizer=None) -> list:
+    """(train, valid, test) datasets; every data file is opened and checked here, so a run builds
+    them before its model (a bad file is reported before minutes of model building)."""
     from megafab.training.build import train_iters
 
     d, t = cfg.data, cfg.training
     tokenizer = tokenizer or attach_tokenizer(cfg)
-    datasets = build_gpt_datasets(
+    return build_gpt_datasets(
         data_path=d.data_path, split=d.split or "969,30,1", seq_length=cfg.model.seq_length,
         seed=t.seed, num_samples=sample_counts(cfg, train_iters(cfg)), tokenizer=tokenizer,
         cache_path=d.data_cache_path, eod_mask_loss=d.eod_mask_loss,
         reset_position_ids=d.reset_position_ids, reset_attention_mask=d.reset_attention_mask,
         mock=d.mock_data, train_data_path=d.train_data_path, valid_data_path=d.valid_data_path,
         test_data_path=d.test_data_path, barrier=dist.barrier, is_builder=topo.rank == 0)
+
+
+def build_data_iterators(cfg, topo, consumed_train_samples: int, tokenizer=None,
+                         consumed_valid_samples: int = 0, datasets: list | None = None):
+    """Iterators over `datasets` (built here when not given) from the consumed sample counts."""
+    d, t = cfg.data, cfg.training
+    datasets = datasets if datasets is not None else build_datasets(cfg, topo, tokenizer)
     # Validation restarts from its first batch once a resumed run has evaluated on all of it.
     valid = consumed_valid_samples % len(datasets[1]) if datasets[1] is not None and len(datasets[1]) else 0
     consumed = [consumed_train_samples, valid, 0]

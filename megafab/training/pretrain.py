@@ -20,7 +20,7 @@ from megafab.training.build import (
     init_distributed,
     train_iters,
 )
-from megafab.training.data_setup import attach_tokenizer, build_data_iterators
+from megafab.training.data_setup import attach_tokenizer, build_data_iterators, build_datasets
 from megafab.training.flops import flops_per_iteration, peak_tflops
 from megafab.training.log_line import ScalarWriters, iteration_line, validation_line
 from megafab.training.step import evaluate, train_step
@@ -159,14 +159,16 @@ def pretrain(cfg) -> int:
     tokenizer = attach_tokenizer(cfg)
     topo, tracker = init_distributed(cfg)
     with FaultWatch.start(timeout_s=cfg.parallel.distributed_timeout_minutes * 60) as watch:
-        state = setup(cfg, topo, tracker)
         print_rank_0(topo, f"megafab: {topo.world_size} process(es), tp {topo.tp} pp {topo.pp} "
                            f"dp {topo.dp}, {topo.device} / {topo.backend}")
         for note in cfg.notes:
             print_rank_0(topo, f"megafab: note: {note}")
         watch.where = "building the datasets"
-        iterators = build_data_iterators(cfg, topo, state.consumed_train_samples, tokenizer,
-                                         state.consumed_valid_samples)
+        datasets = build_datasets(cfg, topo, tokenizer)
+        watch.where = "building the model and loading the checkpoint"
+        state = setup(cfg, topo, tracker)
+        iterators = build_data_iterators(cfg, topo, state.consumed_train_samples, datasets=datasets,
+                                         consumed_valid_samples=state.consumed_valid_samples)
         checkpointing.restore_pending_rng(state)
         writers = ScalarWriters(cfg if log_rank(topo) else None, cfg.to_flat())
         try:

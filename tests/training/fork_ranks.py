@@ -17,6 +17,10 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
+import torch._dynamo  # noqa: F401 - imported once here (torch.optim's first use takes seconds), DCP too,
+
+import pretrain_gpt  # noqa: F401 - so that every forked rank starts warm
+from megafab.training import checkpoint_io, pretrain  # noqa: F401
 from tests.training.launch import free_port
 
 
@@ -95,7 +99,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def _rank_main(argv: list[str], env: dict[str, str], out_path: str, err_path: str) -> None:
+def _rank_main(argv: list[str], env: dict[str, str], out_path: str, err_path: str, before_main) -> None:
     code = 1
     try:
         _die_with_parent()
@@ -105,9 +109,14 @@ def _rank_main(argv: list[str], env: dict[str, str], out_path: str, err_path: st
             f = os.open(path, os.O_WRONLY | os.O_APPEND)
             os.dup2(f, fd)
             os.close(f)
+        # pytest's capture replaced the Python-level streams; this rank writes to its own files.
+        sys.stdout = sys.__stdout__ = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+        sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
         import torch
 
         torch.set_num_threads(1)
+        if before_main is not None:
+            before_main(int(env["RANK"]))
         from pretrain_gpt import main
 
         code = main(argv) or 0
@@ -122,8 +131,10 @@ def _rank_main(argv: list[str], env: dict[str, str], out_path: str, err_path: st
         os._exit(code)
 
 
-def start_ranks(nproc: int, argv: list[str], workdir, env: dict | None = None) -> Ranks:
+def start_ranks(nproc: int, argv: list[str], workdir, env: dict | None = None, before_main=None) -> Ranks:
+    """before_main(rank), when given, runs in each rank before main() (e.g. to patch a constant)."""
     port = free_port()
+    os.makedirs(workdir, exist_ok=True)
     pids, paths = [], []
     started = time.monotonic()
     for rank in range(nproc):
@@ -137,15 +148,15 @@ def start_ranks(nproc: int, argv: list[str], workdir, env: dict | None = None) -
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            _rank_main(list(argv), rank_env, out, err)
+            _rank_main(list(map(str, argv)), rank_env, out, err, before_main)
         pids.append(pid)
         paths.append((out, err))
     return Ranks(pids, paths, started)
 
 
 def run_ranks_main(nproc: int, argv: list[str], workdir, env: dict | None = None,
-                   timeout: float = 120) -> RanksResult:
-    return start_ranks(nproc, argv, workdir, env).wait(timeout)
+                   timeout: float = 120, before_main=None) -> RanksResult:
+    return start_ranks(nproc, argv, workdir, env, before_main).wait(timeout)
 
 
 def wait_for_text(job: Ranks, rank: int, text: str, timeout: float = 120) -> str:
