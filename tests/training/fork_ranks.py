@@ -57,9 +57,11 @@ class Ranks:
                 self.codes[rank] = os.waitstatus_to_exitcode(status)
                 self.exited_at[rank] = time.monotonic() - self.started
 
-    def wait(self, timeout: float = 120) -> RanksResult:
+    def wait(self, timeout: float = 120, ranks=None) -> RanksResult:
+        """Wait for every rank (or those in `ranks`) to exit, then kill the rest."""
         deadline = time.monotonic() + timeout
-        while len(self.codes) < len(self.pids) and time.monotonic() < deadline:
+        ranks = set(range(len(self.pids)) if ranks is None else ranks)
+        while not ranks <= set(self.codes) and time.monotonic() < deadline:
             self.poll()
             time.sleep(0.05)
         running = {r for r in range(len(self.pids)) if r not in self.codes}
