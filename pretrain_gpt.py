@@ -5,13 +5,13 @@
 
 import sys
 
-from megafab.arguments import config_or_exit
+from megafab.arguments import config_from_args
 from megafab.errors import MegafabError, exit_on_user_error
 
 
 def main(argv=None):
     with exit_on_user_error():
-        cfg = config_or_exit(argv)
+        cfg = config_from_args(argv)
         if cfg.training.dry_run:  # the plan only: no process group, no tensors
             from megafab.training.planner import format_plan, plan
 

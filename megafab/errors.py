@@ -23,12 +23,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
+import threading
 import time
 
 EXIT_USER_ERROR = 2
 EXIT_JOB_FAULT = 3
 ELASTIC_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
+SILENT_EXIT_DELAY_S = 1.0
 
 
 class MegafabError(ValueError):
@@ -114,6 +117,9 @@ def report(error: MegafabError, rank: int | None = None) -> int:
         # One second later than the speaker, so torchrun picks the speaker as the root cause.
         at = getattr(error, "reported_at", None)
         write_elastic_error_file(text, (at or time.time()) + 1)
+        if os.environ.get(ELASTIC_ERROR_FILE):
+            # torchrun stops every worker once one has exited: give the speaker time to speak.
+            time.sleep(SILENT_EXIT_DELAY_S)
     return getattr(error, "exit_code", EXIT_USER_ERROR)
 
 
@@ -124,6 +130,8 @@ def exit_on_user_error(rank: int | None = None):
         yield
     except MegafabError as error:
         sys.stdout.flush()
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # leaving anyway: finish the report first
         raise SystemExit(report(error, rank)) from None
 
 

@@ -109,11 +109,12 @@ def _no_upfront_scan(rank):
     token_range.SCAN_LIMIT_BYTES = 0  # as for a dataset too large to scan without --data-cache-path
 
 
-def test_bad_id_read_by_one_rank_ends_the_job_with_its_message(corpus, tmp_path):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_bad_id_read_by_one_rank_ends_the_job_with_its_message(corpus, tmp_path, workers):
     """DP 2: the rank that reads the bad sample speaks, the other one (waiting in a collective)
-    stops silently and at once."""
+    stops silently and at once; from a DataLoader worker the message comes back as raised."""
     flags = TINY + ["--train-iters", "200", "--data-path", corpus["late_bad_id"], "--split", "90,5,5",
-                    "--global-batch-size", "2"]
+                    "--global-batch-size", "2", "--num-workers", str(workers)]
     result = run_ranks_main(2, flags, tmp_path, timeout=90, before_main=_no_upfront_scan)
     line = assert_one_message(result, r"late_bad_id: train sample \d+ holds token id 500")
     speaker = [r for r, e in enumerate(result.err) if line in e]
