@@ -56,7 +56,7 @@ UNSUPPORTED = {
 
 # Megatron flags that are defaults in megafab (accepted, nothing to do).
 ACCEPTED_NO_OPS = ["--use-mcore-models", "--use-flash-attn", "--no-masked-softmax-fusion",
-                   "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-gradient-accumulation-fusion",
+                   "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
                    "--no-async-tensor-model-parallel-allreduce", "--attention-softmax-in-fp32",
                    "--no-persist-layer-norm", "--bias-gelu-fusion", "--bias-swiglu-fusion",
                    "--masked-softmax-fusion", "--no-rope-fusion", "--use-checkpoint-opt_param-scheduler"]
@@ -118,6 +118,9 @@ def _parallel_flags(p):
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")
     g.add_argument("--ddp-bucket-size", type=int)
+    g.add_argument("--gradient-accumulation-fusion", action="store_true", default=True)
+    g.add_argument("--no-gradient-accumulation-fusion", action="store_false",
+                   dest="gradient_accumulation_fusion")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true", default=True)
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"])
     g.add_argument("--distributed-timeout-minutes", type=float, default=10)

@@ -115,6 +115,9 @@ class ParallelConfig:
     """Overlap the distributed optimizer's parameter all-gather with the next forward."""
     ddp_bucket_size: int | None = None
     """Elements per gradient bucket; default max(40M, 1M * dp)."""
+    gradient_accumulation_fusion: bool = True
+    """Add the linear layers' weight gradients straight into the fp32 main-grad buffer (Megatron's
+    default); --no-gradient-accumulation-fusion goes through param.grad and a hook instead."""
     accumulate_allreduce_grads_in_fp32: bool = True
     """Keep main gradients in fp32 for bf16/fp16 models (always on in megafab)."""
     distributed_backend: str | None = None

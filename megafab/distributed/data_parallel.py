@@ -6,9 +6,12 @@ Layout (Megatron's `--accumulate-allreduce-grads-in-fp32` default):
     bucket k     [ last params of the model ... | pad ]   numel divisible by DP
 
 Parameters are laid out in *reverse* order, the order backward produces their gradients, so the
-first bucket fills first. Every `param.main_grad` is a view into the buffer. A post-accumulate-grad
-hook adds `param.grad` into `param.main_grad` and frees `param.grad`, so gradients accumulate over
-micro-batches in `grad_dtype` (fp32 for bf16/fp16 models).
+first bucket fills first. Every `param.main_grad` is a view into the buffer. The tensor-parallel
+linear layers add their weight gradients straight into `main_grad` (gradient accumulation fusion,
+megafab.distributed.linear); for every other parameter a post-accumulate-grad hook adds
+`param.grad` into `param.main_grad` and frees `param.grad`. Either way gradients accumulate over
+micro-batches in `grad_dtype` (fp32 for bf16/fp16 models), and the hook, which autograd runs for a
+fused weight too, does the bucket bookkeeping.
 
 Reduction of a bucket over the DP group, gradients averaged over DP:
   * without the distributed optimizer: all-reduce (every rank gets the whole averaged bucket);
@@ -186,10 +189,10 @@ class DistributedDataParallel(nn.Module):
     # ---- backward hooks -----------------------------------------------------------------------
     def _make_hook(self):
         def hook(param: nn.Parameter):
-            if param.grad is None:
-                return
-            param.main_grad.add_(param.grad)
-            param.grad = None
+            # grad is None when the linear core already added it into main_grad (accumulation fusion)
+            if param.grad is not None:
+                param.main_grad.add_(param.grad)
+                param.grad = None
             if self.overlap_grad_reduce and self.is_last_microbatch:
                 bucket = self.param_to_bucket[param]
                 bucket.pending.discard(id(param))

@@ -20,10 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megafab.distributed.linear import linear_with_grad_accumulation_and_async_allreduce
 from megafab.distributed.mappings import (
     ShardingError,
-    copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     group_rank,
     group_size,
@@ -103,15 +102,18 @@ def _sharded_weight(shape: tuple[int, int], dim: int, stride: int, group, init_m
 class ColumnParallelLinear(nn.Module):
     """Y = X A^T + b with A split along its output dim: rank r computes Y's columns r.
 
-    Input [s, b, in] (with sequence parallel [s/tp, b, in], gathered here), output
-    [s, b, out/tp], or [s, b, out] with gather_output. forward returns (output, bias) where bias is
-    None unless skip_bias_add (then the caller adds it, e.g. fused into an activation).
+    Input [s, b, in] (with sequence parallel [s/tp, b, in], gathered inside the linear core, which
+    keeps only the sharded input for backward), output [s, b, out/tp], or [s, b, out] with
+    gather_output. forward returns (output, bias) where bias is None unless skip_bias_add (then the
+    caller adds it, e.g. fused into an activation). gradient_accumulation_fusion: add the weight
+    gradient straight into `weight.main_grad` when DDP gave it one (megafab.distributed.linear).
     """
 
     def __init__(self, input_size: int, output_size: int, *, tp_group, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False,
                  init_method: InitMethod | None = None, stride: int = 1, skip_bias_add: bool = False,
-                 params_dtype: torch.dtype = torch.float32, device=None):
+                 params_dtype: torch.dtype = torch.float32, device=None,
+                 gradient_accumulation_fusion: bool = True):
         super().__init__()
         world = group_size(tp_group)
         _check_divisible(output_size, "ColumnParallelLinear output size", world, stride)
@@ -125,6 +127,7 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
         self.skip_bias_add = skip_bias_add
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.weight = _sharded_weight((output_size, input_size), 0, stride, tp_group, init_method,
                                       params_dtype, device)  # [out/tp, in]
         if bias:
@@ -137,12 +140,12 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.tp_group)  # [s/tp, b, in] -> [s, b, in]
-        else:
-            x = copy_to_tensor_model_parallel_region(x, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
-        output = F.linear(x, self.weight, bias)  # [s, b, out/tp]
+        tp = group_size(self.tp_group)
+        output = linear_with_grad_accumulation_and_async_allreduce(  # [s(/tp), b, in] -> [s, b, out/tp]
+            x, self.weight, bias, group=self.tp_group,
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+            allreduce_dgrad=tp > 1 and not self.sequence_parallel, sequence_parallel=self.sequence_parallel)
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output, self.tp_group)  # [s, b, out]
         return output, (self.bias if self.skip_bias_add else None)
@@ -165,7 +168,8 @@ class RowParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, *, tp_group, bias: bool = True,
                  input_is_parallel: bool = True, sequence_parallel: bool = False,
                  init_method: InitMethod | None = None, skip_bias_add: bool = False,
-                 params_dtype: torch.dtype = torch.float32, device=None):
+                 params_dtype: torch.dtype = torch.float32, device=None,
+                 gradient_accumulation_fusion: bool = True):
         super().__init__()
         world = group_size(tp_group)
         _check_divisible(input_size, "RowParallelLinear input size", world)
@@ -180,6 +184,7 @@ class RowParallelLinear(nn.Module):
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = sequence_parallel
         self.skip_bias_add = skip_bias_add
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.weight = _sharded_weight((output_size, input_size), 1, 1, tp_group, init_method,
                                       params_dtype, device)  # [out, in/tp]
         if bias:
@@ -191,9 +196,12 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)  # [s, b, in] -> [s, b, in/tp]
-        if group_size(self.tp_group) == 1 and not self.skip_bias_add:
-            return F.linear(x, self.weight, self.bias), None  # nothing to reduce: bias fused (addmm)
-        partial = F.linear(x, self.weight)  # [s, b, out], a partial sum on each rank
+        fused_bias = group_size(self.tp_group) == 1 and not self.skip_bias_add  # nothing to reduce
+        partial = linear_with_grad_accumulation_and_async_allreduce(  # [s, b, out], partial sums
+            x, self.weight, self.bias if fused_bias else None, group=self.tp_group,
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion)
+        if fused_bias:
+            return partial, None
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)  # [s/tp, b, out]
         else:
@@ -214,19 +222,22 @@ class VocabParallelEmbedding(nn.Module):
     """Embedding table split along the vocabulary: rank r holds rows vocab_range(V, r, tp).
 
     Ids of other ranks' rows look up row 0 and are zeroed, then the partial outputs are summed
-    across the group. Output has the ids' shape + [h], complete on every rank; a caller using
-    sequence parallel scatters it afterwards.
+    across the group: ids [b, s] -> [b, s, h], complete on every rank. With
+    reduce_scatter_embeddings (sequence parallel, Megatron's option) the partial sums are instead
+    transposed and reduce-scattered along the sequence: ids [b, s] -> [s/tp, b, h], so no rank
+    ever holds the full [s, b, h] output.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group,
                  init_method: InitMethod | None = None, params_dtype: torch.dtype = torch.float32,
-                 device=None):
+                 device=None, reduce_scatter_embeddings: bool = False):
         super().__init__()
         world, rank = group_size(tp_group), group_rank(tp_group)
         self.vocab_start, self.vocab_end = vocab_range(num_embeddings, rank, world)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.num_embeddings_per_partition = self.vocab_end - self.vocab_start
         self.tp_group = tp_group
+        self.reduce_scatter_embeddings = reduce_scatter_embeddings and world > 1
         self.weight = _sharded_weight((num_embeddings, embedding_dim), 0, 1, tp_group, init_method,
                                       params_dtype, device)  # [V/tp, h]
 
@@ -236,6 +247,9 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
         partial = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.reduce_scatter_embeddings:
+            partial = partial.transpose(0, 1).contiguous()  # [s, b, h]
+            return reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)  # [s/tp, b, h]
         return reduce_from_tensor_model_parallel_region(partial, self.tp_group)
 
     def extra_repr(self) -> str:

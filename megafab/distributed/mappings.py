@@ -77,7 +77,8 @@ def _gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
 def _split_first_dim(x: torch.Tensor, group) -> torch.Tensor:
     world = group_size(group)
     _check_divisible(x.shape[0], world, "the sequence length (dim 0)")
-    return x.chunk(world, dim=0)[group_rank(group)].contiguous()
+    # A dim-0 chunk is a view; copy it so the full [s, b, h] storage is not kept alive by it.
+    return x.chunk(world, dim=0)[group_rank(group)].clone()
 
 
 def _gather_first_dim(x: torch.Tensor, group) -> torch.Tensor:

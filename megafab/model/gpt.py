@@ -14,11 +14,8 @@ from torch import nn
 
 from megafab.distributed.cross_entropy import vocab_parallel_cross_entropy
 from megafab.distributed.layers import VocabParallelEmbedding
-from megafab.distributed.mappings import (
-    copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
-    scatter_to_sequence_parallel_region,
-)
+from megafab.distributed.linear import linear_with_grad_accumulation_and_async_allreduce
+from megafab.distributed.mappings import group_size, scatter_to_sequence_parallel_region
 from megafab.model.init import normal_init
 from megafab.model.recompute import RecomputeSettings, forward_layers
 from megafab.model.te import transformer_layer_class
@@ -32,23 +29,30 @@ class Embedding(nn.Module):
         super().__init__()
         self.ctx = ctx
         self.dropout = cfg.hidden_dropout
+        learned = cfg.position_embedding_type == "learned_absolute"
+        # Without learned positions the SP scatter folds into the embedding's reduction (Megatron).
+        self.reduce_scatter = ctx.sequence_parallel and not learned and group_size(ctx.tp_group) > 1
         self.word_embeddings = VocabParallelEmbedding(
             cfg.padded_vocab_size, cfg.hidden_size, tp_group=ctx.tp_group, params_dtype=ctx.params_dtype,
-            device=ctx.device, init_method=normal_init(ctx.seed, WORD_EMBEDDING, cfg.init_method_std))
+            device=ctx.device, init_method=normal_init(ctx.seed, WORD_EMBEDDING, cfg.init_method_std),
+            reduce_scatter_embeddings=self.reduce_scatter)
         self.position_embeddings = None
-        if cfg.position_embedding_type == "learned_absolute":
+        if learned:
             self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size,
                                                     device=ctx.device, dtype=ctx.params_dtype)
             normal_init(ctx.seed, "embedding.position_embeddings.weight",
                         cfg.init_method_std)(self.position_embeddings.weight)
 
     def forward(self, input_ids, position_ids):
-        x = self.word_embeddings(input_ids)  # [b, s, h]
-        if self.position_embeddings is not None:
-            x = x + self.position_embeddings(position_ids)
-        x = x.transpose(0, 1).contiguous()  # [s, b, h]
-        if self.ctx.sequence_parallel:
-            x = scatter_to_sequence_parallel_region(x, self.ctx.tp_group)  # [s/tp, b, h]
+        if self.reduce_scatter:
+            x = self.word_embeddings(input_ids)  # [s/tp, b, h]
+        else:
+            x = self.word_embeddings(input_ids)  # [b, s, h]
+            if self.position_embeddings is not None:
+                x = x + self.position_embeddings(position_ids)
+            x = x.transpose(0, 1).contiguous()  # [s, b, h]
+            if self.ctx.sequence_parallel:
+                x = scatter_to_sequence_parallel_region(x, self.ctx.tp_group)  # [s/tp, b, h], a copy
         if self.training and self.dropout > 0:
             with self.ctx.residual_rng():
                 x = F.dropout(x, self.dropout, training=True)
@@ -122,7 +126,7 @@ class GPTModel(nn.Module):
         if position_ids is None and input_ids is not None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         x = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor
-        angles = self.rotary(position_ids) if self.rotary is not None else None
+        angles = self.rotary(position_ids, self.ctx.params_dtype) if self.rotary is not None else None
         if kv_cache is None:
             x = forward_layers(self.decoder.layers.values(), x, self.recompute, self.ctx, angles,
                                attention_mask)
@@ -131,12 +135,12 @@ class GPTModel(nn.Module):
                 x = layer(x, angles, attention_mask, kv_cache=kv_cache.layer(int(number)))
         if not self.post_process:
             return x
-        x = self.decoder.final_layernorm(x)
-        if self.ctx.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.ctx.tp_group)  # [s, b, h]
-        else:
-            x = copy_to_tensor_model_parallel_region(x, self.ctx.tp_group)
-        logits = F.linear(x, self.output_weight())  # [s, b, V/tp]
+        x = self.decoder.final_layernorm(x)  # [s(/tp), b, h]
+        sp = self.ctx.sequence_parallel
+        logits = linear_with_grad_accumulation_and_async_allreduce(  # [s, b, V/tp]
+            x, self.output_weight(), None, group=self.ctx.tp_group,
+            gradient_accumulation_fusion=self.ctx.gradient_accumulation_fusion,
+            allreduce_dgrad=group_size(self.ctx.tp_group) > 1 and not sp, sequence_parallel=sp)
         if labels is None:
             return logits
         loss = vocab_parallel_cross_entropy(logits, labels.t(), self.ctx.tp_group)  # [s, b]

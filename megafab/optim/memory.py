@@ -67,3 +67,35 @@ def measure_memory(model_chunks: list[nn.Module] | nn.Module, optimizer=None) ->
         state = [v for s in inner.state.values() for v in s.values()]
         opt = counter.bytes_of(mains + state)
     return MemoryReport(weights, grads, opt, sum(p.numel() for p in params))
+
+
+class SavedActivations:
+    """Counts what autograd keeps for backward inside a `with` block: the bytes of the distinct
+    storages packed by saved-tensor hooks, parameters (and anything in `exclude`) left out.
+
+        with SavedActivations(model.parameters()) as saved:
+            loss = model(tokens, labels=labels)
+        saved.bytes
+    """
+
+    def __init__(self, exclude=()):
+        self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
+        self._storages: dict[int, int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self._excluded:
+            self._storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    @property
+    def bytes(self) -> int:
+        return sum(self._storages.values())
+
+    def __enter__(self) -> SavedActivations:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)

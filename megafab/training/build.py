@@ -73,7 +73,8 @@ def build_model(cfg, topo: Topology, tracker, dtype: torch.dtype | None = None) 
     """This rank's model chunks, each wrapped for data parallelism."""
     dtype = dtype or params_dtype(cfg)
     ctx = LayerContext(topo.tp_group if topo.tp > 1 else None, cfg.parallel.sequence_parallel, dtype,
-                       topo.device, cfg.training.seed, tracker, precision=cfg.precision)
+                       topo.device, cfg.training.seed, tracker, precision=cfg.precision,
+                       gradient_accumulation_fusion=cfg.parallel.gradient_accumulation_fusion)
     chunks = build_model_chunks(cfg.model, ctx, topo.pp, topo.pp_rank,
                                 cfg.parallel.virtual_pipeline_model_parallel_size or 1)
     p = cfg.parallel
