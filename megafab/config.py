@@ -630,7 +630,23 @@ def checkpoint_problems(cfg: Config) -> list[str]:
     out = []
     if c.save_interval and not c.save:
         out.append("--save-interval needs --save DIR")
+    if c.save:
+        problem = unwritable_directory(c.save)
+        if problem:
+            out.append(f"--save {c.save}: {problem} (found now, not at the first save)")
     if c.ckpt_format != "torch_dist":
         out.append(f"--ckpt-format {c.ckpt_format!r} is not supported by megafab yet "
                    f"(only torch_dist)")
     return out
+
+
+def unwritable_directory(path: str) -> str | None:
+    """Why `path` cannot be made and written as a directory, or None when it can."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        return f"{probe} is a file, not a directory"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not writable by this user"
+    return None

@@ -21,7 +21,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megafab.config import Config
 from megafab.convert.state_dict import WORD_EMBEDDING, ConversionError, finalize_model_config
-from megafab.training.checkpoint_io import SafeFileSystemReader, read_metadata
+from megafab.training import checkpoint_files, checkpoint_io
+from megafab.training.checkpoint_io import SafeFileSystemReader
 from megafab.training.checkpointing import (
     COMMON,
     FORMAT_VERSION,
@@ -53,12 +54,13 @@ def checkpoint_path(load_dir: str, iteration: int | None = None) -> str:
 def read_checkpoint(load_dir: str, iteration: int | None = None) -> tuple[dict[str, torch.Tensor], Config]:
     """The full megafab state dict and the training Config of a checkpoint (latest by default)."""
     path = checkpoint_path(load_dir, iteration)
-    with open(os.path.join(path, COMMON)) as f:
-        cfg = Config.from_flat(json.load(f)["config"])
+    cfg = Config.from_flat(checkpoint_files.read_common(path).get("config", {}))
     cfg.model = finalize_model_config({k: v for k, v in vars(cfg.model).items()},
                                       cfg.parallel.tensor_model_parallel_size)
+    metadata = checkpoint_files.read_dcp_metadata(path, checkpoint_io)
+    checkpoint_files.check_storage_files(path, metadata)
     stored = {}
-    for key, md in read_metadata(path).state_dict_metadata.items():
+    for key, md in metadata.state_dict_metadata.items():
         if key.startswith(MODEL_PREFIX) and isinstance(md, TensorStorageMetadata):
             stored[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
     with warnings.catch_warnings():

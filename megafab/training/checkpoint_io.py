@@ -36,6 +36,8 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from megafab.training.checkpoint_shard import CheckpointError, Shard
 
+VOCAB_TENSORS = ("word_embeddings", "output_layer")
+
 
 def _write_item(fqn: str, shard: Shard) -> WriteItem:
     t = shard.tensor
@@ -92,11 +94,14 @@ def check_stored_shape(fqn: str, md, global_shape) -> None:
             f"this state); load a matching checkpoint, or pass --no-load-optim / --finetune")
     if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != tuple(global_shape):
         stored = tuple(md.size) if isinstance(md, TensorStorageMetadata) else type(md).__name__
-        raise CheckpointError(
-            f"checkpoint tensor {fqn!r} has global shape {stored} but this model needs "
-            f"{tuple(global_shape)}; every layout must build the same global model (for the "
-            f"vocabulary: the same padded size, so pick --make-vocab-size-divisible-by so that it "
-            f"does not depend on the tensor-parallel size)")
+        vocabulary = (isinstance(md, TensorStorageMetadata) and len(stored) == len(global_shape)
+                      and stored[0] != global_shape[0] and tuple(stored[1:]) == tuple(global_shape[1:])
+                      and any(name in fqn for name in VOCAB_TENSORS))
+        hint = ("the padded vocabulary differs: pick --make-vocab-size-divisible-by (times the "
+                "tensor-parallel size) and the tokenizer the checkpoint was saved with") if vocabulary else \
+            "the checkpoint was saved from a model of another shape"
+        raise CheckpointError(f"checkpoint tensor {fqn!r} has global shape {stored} but this model needs "
+                              f"{tuple(global_shape)}; {hint}")
 
 
 # ---- safe metadata -----------------------------------------------------------------------------
@@ -160,5 +165,12 @@ def save_shards(shards: dict[str, Shard], path: str) -> None:
 def load_shards(shards: dict[str, Shard], path: str) -> None:
     """Collective: fill every Shard's tensor in place from the checkpoint in `path` (also works
     in a process without torch.distributed, e.g. a conversion tool)."""
-    dcp.load({k: s.tensor for k, s in shards.items()}, storage_reader=SafeFileSystemReader(path),
-             planner=_ShardLoadPlanner(shards), no_dist=not dist.is_initialized())
+    try:
+        dcp.load({k: s.tensor for k, s in shards.items()}, storage_reader=SafeFileSystemReader(path),
+                 planner=_ShardLoadPlanner(shards), no_dist=not dist.is_initialized())
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - DCP gathers every rank's failure into one exception
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path}: reading its tensors failed ({type(e).__name__}: {first}); the "
+                              f"checkpoint is damaged: load an older one") from None

@@ -24,11 +24,13 @@ import time
 import torch
 import torch.distributed as dist
 
+from megafab.errors import ReportedElsewhere
+from megafab.training import checkpoint_files as files
 from megafab.training import checkpoint_state as cs
 from megafab.training.checkpoint_shard import CheckpointError
 
 TRACKER = "latest_checkpointed_iteration.txt"
-COMMON = "common.json"
+COMMON = files.COMMON
 FORMAT_VERSION = 1
 # Test hook: "ITER:SECONDS" makes rank 0 sleep before committing the save of iteration ITER, so a
 # test can kill the job while only the temporary directory exists.
@@ -171,16 +173,18 @@ def load_checkpoint(state) -> int | None:
     iteration loaded, or None when the directory holds no checkpoint (training starts fresh)."""
     cfg, topo = state.cfg, state.topology
     ck = cfg.checkpoint
-    iteration = latest_iteration(ck.load)
+    root, iteration = ck.load, latest_iteration(ck.load)
+    named = files.iteration_of_directory(ck.load)
+    if iteration is None and named is not None and os.path.isdir(ck.load):
+        root, iteration = os.path.dirname(os.path.normpath(ck.load)), named
+        _print0(topo, f"megafab: note: --load {ck.load} names one checkpoint; loading iteration {named} "
+                      f"of {root}")
     if iteration is None:
         _print0(topo, f"megafab: no checkpoint in {ck.load} ({TRACKER} not found); training from scratch")
         return None
-    path = _checkpoint_path(ck.load, iteration)
-    if not os.path.isfile(os.path.join(path, COMMON)):
-        raise CheckpointError(f"{path} has no {COMMON}: it is not a megafab checkpoint (a Megatron-LM "
-                              f"torch or torch_dist checkpoint must be converted first)")
-    with open(os.path.join(path, COMMON)) as f:
-        common = json.load(f)
+    path = _checkpoint_path(root, iteration)
+    common = files.read_common(path)
+    metadata = files.read_dcp_metadata(path, checkpoint_io())
     if common.get("scheduler") is None and not ck.finetune:
         raise CheckpointError(f"{path} holds weights only (no iteration, scheduler or optimizer state, "
                               f"e.g. imported from HuggingFace); continue from it with --finetune")
@@ -193,11 +197,23 @@ def load_checkpoint(state) -> int | None:
     plan = []
     if load_optim:
         # A checkpoint saved from an fp32 model has no main copies; bf16 mains then take the weights.
-        stored = checkpoint_io().read_metadata(path).state_dict_metadata
-        with_main = any(k.endswith(".main_param") for k in stored)
+        with_main = any(k.endswith(".main_param") for k in metadata.state_dict_metadata)
         optim_shards, plan = cs.optimizer_shards_for_load(state, with_main=with_main)
         shards.update(optim_shards)
-    _check_on_every_rank(topo, lambda: checkpoint_io().check_shards(shards, path))
+
+    def check():
+        if topo.rank == 0:  # the directory is shared; one rank looks at its files
+            files.check_storage_files(path, metadata)
+        try:
+            checkpoint_io().check_shards(shards, path)
+        except CheckpointError as e:
+            differences = files.model_shape_differences(common.get("config", {}), cfg.model)
+            if not differences:
+                raise
+            raise CheckpointError(f"{e}. The checkpoint's model differs from this run's: "
+                                  f"{'; '.join(differences)}; give the flags it was saved with") from None
+
+    _check_on_every_rank(topo, check)
     checkpoint_io().load_shards(shards, path)
     cs.apply_aliases(shards, aliases)
     cs.refresh_main_params(state)
@@ -223,7 +239,8 @@ def load_checkpoint(state) -> int | None:
 
 
 def _check_on_every_rank(topo, check) -> None:
-    """Run `check`; if it fails on any rank, every rank raises (none is left waiting in DCP)."""
+    """Run `check`; if it fails on any rank, every rank stops (none is left waiting in DCP): a rank
+    that found a problem raises it, the others stop silently (one of the finders speaks)."""
     error = None
     try:
         check()
@@ -231,9 +248,11 @@ def _check_on_every_rank(topo, check) -> None:
         error = e
     failed = torch.tensor([0.0 if error is None else 1.0], device=topo.device)
     dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if error is not None:
+        error.every_rank = False
+        raise error
     if failed.item() > 0:
-        raise error or CheckpointError("the checkpoint does not match this model on another rank; "
-                                       "see that rank's message")
+        raise ReportedElsewhere(None, "the checkpoint check failed on another rank")
 
 
 def _load_rng(state, path: str, common: dict) -> None:
@@ -245,7 +264,13 @@ def _load_rng(state, path: str, common: dict) -> None:
         _print0(topo, f"megafab: note: checkpoint layout {saved} differs from this run's {here}; "
                       f"RNG states are per rank, so they are not restored (dropout masks will differ)")
         return
-    snap = torch.load(os.path.join(path, "rng", f"rank_{topo.rank:05d}.pt"), weights_only=True)
+    try:
+        snap = torch.load(files.rng_file(path, topo.rank), weights_only=True)
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - truncated or foreign file
+        raise CheckpointError(f"{files.rng_file(path, topo.rank)}: unreadable ({type(e).__name__}); restore "
+                              f"it, or pass --no-load-rng", every_rank=False) from None
     cs.restore_rng(state, snap)
     state.extra[PENDING_RNG] = snap
 
