@@ -127,3 +127,27 @@ def test_torchrun_restart_resumes_from_the_latest_checkpoint_by_itself(corpus, t
     expected_val, got_val = _validation(straight.out[1]), _validation(resumed[1])
     assert sorted(got_val) == ["iteration 10", "iteration 5", "the end of training for val data"]
     assert got_val == {k: expected_val[k] for k in got_val}
+
+
+def _one_rank_errs_while_the_other_is_busy(rank):
+    import time as clock
+
+    import megafab.training.pretrain as pretrain
+    from megafab.data.errors import DataError
+
+    def stuck(*args, **kwargs):  # busy outside any collective (an NCCL wait never notices either)
+        clock.sleep(600)
+
+    def bad(*args, **kwargs):
+        raise DataError("rank 1's shard of the data is bad", every_rank=False)
+
+    pretrain.build_datasets = stuck if rank == 0 else bad
+
+
+def test_a_rank_busy_elsewhere_is_ended_promptly_and_silently(corpus, tmp_path):
+    """Rank 1 reports a user error while rank 0 is stuck in code that no collective failure will
+    ever interrupt: rank 0's watcher ends it with rank 1's status a few seconds later, silently."""
+    result = run_ranks_main(2, _train(corpus, 4), tmp_path, timeout=60,
+                            before_main=_one_rank_errs_while_the_other_is_busy)
+    assert_one_message(result, r"rank 1's shard of the data is bad")
+    assert "rank 1's shard" in result.err[1] and result.elapsed[0] < 30, result.elapsed
