@@ -58,10 +58,9 @@ def resume_after_restart(cfg, topo) -> None:
     attempt = restart_count()
     if attempt == 0 or not ck.save or checkpointing.latest_iteration(ck.save) is None:
         return
-    if (ck.load, ck.finetune) != (ck.save, False):
-        print_rank_0(topo, f"megafab: note: torchrun restart {attempt}: resuming from the latest "
-                           f"checkpoint in --save {ck.save} (instead of --load {ck.load}"
-                           f"{' --finetune' if ck.finetune else ''})")
+    asked = f" instead of --load {ck.load}{' --finetune' if ck.finetune else ''}" if ck.load else ""
+    print_rank_0(topo, f"megafab: note: torchrun restart {attempt}: resuming from the latest checkpoint "
+                       f"in --save {ck.save}{asked}")
     ck.load, ck.finetune = ck.save, False
 
 

@@ -151,3 +151,20 @@ def test_a_rank_busy_elsewhere_is_ended_promptly_and_silently(corpus, tmp_path):
                             before_main=_one_rank_errs_while_the_other_is_busy)
     assert_one_message(result, r"rank 1's shard of the data is bad")
     assert "rank 1's shard" in result.err[1] and result.elapsed[0] < 30, result.elapsed
+
+
+def _internal_bug_on_rank_1(rank):
+    import megafab.training.pretrain as pretrain
+
+    if rank == 1:
+        def broken(*args, **kwargs):
+            raise KeyError("an internal bug")
+
+        pretrain.build_datasets = broken
+
+
+def test_an_internal_bug_keeps_its_traceback_and_the_other_ranks_stay_silent(corpus, tmp_path):
+    result = run_ranks_main(2, _train(corpus, 4), tmp_path, timeout=60, before_main=_internal_bug_on_rank_1)
+    assert result.codes[1] == 1 and "Traceback" in result.err[1], result.describe()
+    assert "KeyError: 'an internal bug'" in result.err[1]
+    assert result.codes[0] == 1 and result.err[0] == "", result.describe()
