@@ -1,5 +1,5 @@
 """Helpers shared by the benchmark scripts: machine load, a one-process gloo group, megafab's
-training state from Megatron flags, a fixed synthetic batch, and table statistics."""
+training state from Megatron flags, a fixed synthetic batch, table statistics, allocator peaks."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import tempfile
 
 import torch
 import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -78,3 +79,15 @@ def median_spread(values: list[float]) -> tuple[float, float, float]:
 def fmt_spread(values: list[float], digits: int = 0) -> str:
     med, lo, hi = median_spread(values)
     return f"{med:.{digits}f} [{lo:.{digits}f}-{hi:.{digits}f}]"
+
+
+def peak_cpu_bytes(fn) -> int:
+    """Peak bytes allocated by fn above its starting point, from the profiler's allocator trace."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    current = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        current += e.nbytes()
+        peak = max(peak, current)
+    return peak

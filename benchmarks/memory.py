@@ -12,6 +12,10 @@ Two gloo processes on CPU, fp32 (or --bf16), dropout off. Per rank, after one wa
                                   CPU allocator trace of torch.profiler (activations, recompute's
                                   transient layer, logits, grad temporaries, optimizer scratch)
 The planner columns are its weights+grads+optimizer and its activation peak for the same config.
+
+--checkpoint adds the checkpoint rows of benchmarks/checkpoint_memory.py for the same model (peak
+resident memory per rank of DP 4 runs that save every iteration or load and continue, against no
+checkpoints; save time per rank at DP 1/2/4); benchmarks/README.md records them at 54M parameters.
 """
 
 from __future__ import annotations
@@ -24,8 +28,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_util import build_state, gpt_flags, load_average, repeat_batch, synthetic_batch  # noqa: E402
-from benchmarks.pipeline_bubble import peak_cpu_bytes  # noqa: E402
+from benchmarks.bench_util import (  # noqa: E402
+    build_state,
+    gpt_flags,
+    load_average,
+    peak_cpu_bytes,
+    repeat_batch,
+    synthetic_batch,
+)
 from megafab.optim.memory import measure_memory  # noqa: E402
 from megafab.training.planner import plan  # noqa: E402
 from megafab.training.step import gpt_forward_step, train_step  # noqa: E402
@@ -83,6 +93,7 @@ def main(argv=None):
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--checkpoint", action="store_true", help="also the checkpoint save/load rows")
     args = ap.parse_args(argv)
     base = gpt_flags(args.layers, args.hidden, args.heads, args.seq, args.batch, args.vocab)
     base[base.index("--global-batch-size") + 1] = str(2 * args.batch)
@@ -104,6 +115,11 @@ def main(argv=None):
               f"{(weights + grads + optim) / mib:>9.2f}{stage.state_bytes / mib:>12.2f}"
               f"{saved / mib:>11.2f}{peak / mib:>11.2f}{stage.activation_peak_bytes / mib:>10.2f}")
     print(f"after: {load_average()}")
+    if args.checkpoint:
+        from benchmarks import checkpoint_memory
+
+        checkpoint_memory.main(["--layers", str(args.layers), "--hidden", str(args.hidden), "--heads",
+                                str(args.heads), "--seq", str(args.seq), "--vocab", str(args.vocab)])
 
 
 if __name__ == "__main__":

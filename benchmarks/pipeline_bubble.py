@@ -26,10 +26,10 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.bench_util import peak_cpu_bytes  # noqa: E402
 from megafab.distributed import p2p  # noqa: E402
 from megafab.distributed.pipeline import get_forward_backward_func  # noqa: E402
 from megafab.distributed.topology import build_topology  # noqa: E402
@@ -109,18 +109,6 @@ def _bubble_rank(rank, world, p, v, m, forward_s):
         dist.barrier()
         end = time.perf_counter()
     return end - start, blocked.seconds + end - drain, busy.seconds
-
-
-def peak_cpu_bytes(fn) -> int:
-    """Peak bytes allocated by fn above its starting point, from the profiler's allocator trace."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    current = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        current += e.nbytes()
-        peak = max(peak, current)
-    return peak
 
 
 def _memory_rank(rank, world, p, v, m, seq, mbs, hidden, deallocate):

@@ -7,13 +7,15 @@ import sys
 
 import pytest
 
+from tests.training.launch import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_GPT = ["--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--vocab", "128"]
 
 
-def run_script(name: str, *flags: str) -> str:
+def run_script(name: str, *flags: str, timeout: float = 240) -> str:
     result = subprocess.run([sys.executable, f"benchmarks/{name}", *flags], cwd=ROOT, capture_output=True,
-                            text=True, timeout=240)
+                            text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     return result.stdout
 
@@ -59,3 +61,26 @@ def test_data_throughput_prints_its_three_tables():
     worker_rows = [line.split()[0] for line in out.splitlines()
                    if line[:1].isdigit() and len(line.split()) >= 3]
     assert {"1", "2", "0"} <= set(worker_rows), out
+
+
+@pytest.mark.timeout(300)
+def test_gpu_tp_check_runs_on_cpu_and_checks_parity_and_saved_bytes():
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                             "benchmarks/gpu_tp_check.py", "--device", "cpu", "--tiny"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "-> ok" in result.stdout.split("parity")[1].splitlines()[0], result.stdout
+    assert "-> ok" in result.stdout.split("memory")[1].splitlines()[0], result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_checkpoint_memory_prints_its_rows():
+    out = run_script("checkpoint_memory.py", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16",
+                     "--vocab", "128", "--iters", "2", "--bucket", "100", "--dp-sizes", "4", timeout=540)
+    rows = {line[:18].strip(): line[18:].split() for line in out.splitlines()
+            if line.startswith(("no saves", "save every", "load +"))}
+    assert set(rows) == {"no saves", "save every iter", "load + continue"}, out
+    assert all(row[-1] == "yes" for row in rows.values()), out  # same losses as the run without saves
+    assert any(line.startswith("4 ") for line in out.splitlines()), out  # the DP 4 save-time row

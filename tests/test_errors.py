@@ -4,6 +4,7 @@ import sys
 
 import pytest
 
+from megafab.checkpoint import CheckpointError
 from megafab.config import ConfigError
 from megafab.data.errors import DataError
 from megafab.errors import (
@@ -14,7 +15,6 @@ from megafab.errors import (
     exit_status,
     should_print,
 )
-from megafab.training.checkpoint_shard import CheckpointError
 
 
 def test_user_errors_share_one_base():

@@ -1,43 +1,33 @@
 """The seam between a full megafab state dict (+ Config) and a megafab checkpoint directory.
 
-Reads and writes the format of megafab.training.checkpointing (DCP tensors `model.<name>` under
-their global shapes, SwiGLU fc1 as a [2, f, h] view, the flat config in common.json, Megatron's
-`latest_checkpointed_iteration.txt` + `iter_NNNNNNN/`). A checkpoint saved with any TP/PP/DP
-layout reads back as full tensors; a written one loads into any layout with `--finetune`.
-Runs in one process, without a process group.
+The format is megafab.checkpoint's (layout.py: `model.<name>` under global shapes, SwiGLU fc1 as
+a [2, f, h] view; directory.py: Megatron's `latest_checkpointed_iteration.txt` + `iter_NNNNNNN/`,
+the flat config in common.json). A checkpoint saved with any TP/PP/DP layout reads back as full
+tensors; a written one loads into any layout with `--finetune`. Runs in one process, without a
+process group.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import warnings
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from megafab.config import Config
-from megafab.convert.state_dict import WORD_EMBEDDING, ConversionError, finalize_model_config
-from megafab.training import checkpoint_files, checkpoint_io
-from megafab.training.checkpoint_io import SafeFileSystemReader
-from megafab.training.checkpointing import (
+from megafab.checkpoint import dcp_io, files, layout
+from megafab.checkpoint.dcp_io import load_shards, save_shards
+from megafab.checkpoint.directory import (
     COMMON,
     FORMAT_VERSION,
     TRACKER,
     commit_checkpoint,
     iteration_dir,
     latest_iteration,
+    write_json,
 )
-
-MODEL_PREFIX = "model."
-
-
-def _is_strided(name: str, cfg: Config) -> bool:
-    """Parameters with partition_stride 2 (stored with the stride blocks on a leading axis)."""
-    return cfg.model.swiglu and ".mlp.linear_fc1." in name
+from megafab.config import Config
+from megafab.convert.state_dict import WORD_EMBEDDING, ConversionError, finalize_model_config
 
 
 def checkpoint_path(load_dir: str, iteration: int | None = None) -> str:
@@ -54,22 +44,19 @@ def checkpoint_path(load_dir: str, iteration: int | None = None) -> str:
 def read_checkpoint(load_dir: str, iteration: int | None = None) -> tuple[dict[str, torch.Tensor], Config]:
     """The full megafab state dict and the training Config of a checkpoint (latest by default)."""
     path = checkpoint_path(load_dir, iteration)
-    cfg = Config.from_flat(checkpoint_files.read_common(path).get("config", {}))
+    cfg = Config.from_flat(files.read_common(path).get("config", {}))
     cfg.model = finalize_model_config({k: v for k, v in vars(cfg.model).items()},
                                       cfg.parallel.tensor_model_parallel_size)
-    metadata = checkpoint_files.read_dcp_metadata(path, checkpoint_io)
-    checkpoint_files.check_storage_files(path, metadata)
-    stored = {}
-    for key, md in metadata.state_dict_metadata.items():
-        if key.startswith(MODEL_PREFIX) and isinstance(md, TensorStorageMetadata):
-            stored[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(stored, storage_reader=SafeFileSystemReader(path), no_dist=True)
+    metadata = files.read_dcp_metadata(path, dcp_io)
+    files.check_storage_files(path, metadata)
+    shards = {key: layout.Shard.whole(torch.empty(tuple(md.size), dtype=md.properties.dtype))
+              for key, md in metadata.state_dict_metadata.items()
+              if key.startswith(layout.MODEL_PREFIX) and isinstance(md, TensorStorageMetadata)}
+    load_shards(shards, path)
     sd = {}
-    for key, tensor in stored.items():
-        name = key[len(MODEL_PREFIX):]
-        sd[name] = tensor.flatten(0, 1) if _is_strided(name, cfg) else tensor  # [2, f, h] -> [2f, h]
+    for key, shard in shards.items():
+        name, _ = layout.split_key(key)
+        sd[name] = layout.from_stored(name, shard.views[0], cfg.model)
     if WORD_EMBEDDING in sd:
         cfg.model.padded_vocab_size = sd[WORD_EMBEDDING].shape[0]
     return sd, cfg
@@ -82,18 +69,12 @@ def write_checkpoint(save_dir: str, sd: dict[str, torch.Tensor], cfg: Config, it
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    stored = {}
-    for name, tensor in sd.items():
-        tensor = tensor.contiguous()
-        stored[MODEL_PREFIX + name] = tensor.unflatten(0, (2, -1)) if _is_strided(name, cfg) else tensor
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(stored, storage_writer=FileSystemWriter(tmp, thread_count=1), no_dist=True)
+    save_shards({layout.model_key(name): layout.Shard.whole(layout.to_stored(name, t.contiguous(), cfg.model))
+                 for name, t in sd.items()}, tmp)
     common = {"format_version": FORMAT_VERSION, "iteration": iteration, "consumed_train_samples": 0,
               "skipped_iterations": 0, "nan_iterations": 0, "scheduler": None, "optimizer_iteration": 0,
               "grad_scaler": None, "has_optimizer": False, "has_rng": False,
               "layout": {"world_size": 1, "tp": 1, "pp": 1, "dp": 1, "vpp": 1}, "config": cfg.to_flat()}
-    with open(os.path.join(tmp, COMMON), "w") as f:
-        json.dump(common, f, indent=1, default=str)
+    write_json(os.path.join(tmp, COMMON), common)
     commit_checkpoint(save_dir, iteration)  # the training saver's rename + tracker, same guarantees
     return final

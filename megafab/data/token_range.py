@@ -21,7 +21,7 @@ from megafab.data.errors import DataError
 from megafab.data.index_cache import cached_arrays
 
 SCAN_LIMIT_BYTES = 2 << 30
-CHUNK_ITEMS = 1 << 24
+CHUNK_BYTES = 64 << 20  # a multiple of every dtype's size
 
 
 def out_of_vocabulary(where: str, token: int, vocab_size: int, every_rank: bool = True) -> DataError:
@@ -41,11 +41,12 @@ def check_sample(tokens: np.ndarray, vocab_size: int | None, where: Callable[[],
 
 
 def _scan(bin_path: str, dtype) -> tuple[np.ndarray]:
-    data = np.memmap(bin_path, dtype=dtype, mode="r") if os.path.getsize(bin_path) else np.empty(0, dtype)
+    """(min, max) id of a .bin, read sequentially (no mmap: any file system, --no-mmap-bin-files)."""
     low, high = 0, -1
-    for start in range(0, len(data), CHUNK_ITEMS):
-        chunk = data[start:start + CHUNK_ITEMS]
-        low, high = min(low, int(chunk.min())), max(high, int(chunk.max()))
+    with open(bin_path, "rb") as f:
+        while chunk := f.read(CHUNK_BYTES):
+            ids = np.frombuffer(chunk, dtype=dtype)
+            low, high = min(low, int(ids.min())), max(high, int(ids.max()))
     return (np.array([low, high], dtype=np.int64),)
 
 

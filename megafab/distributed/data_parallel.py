@@ -81,6 +81,55 @@ class Bucket:
         return lo, lo + self.shard_size
 
 
+def plan_buckets(ordered: list[nn.Parameter], dp: int, bucket_size: int | None,
+                 use_distributed_optimizer: bool) -> tuple[list[Bucket], dict[nn.Parameter, int]]:
+    """Buckets over `ordered` params and each param's buffer offset (a pure function of the sizes).
+
+    Greedy: close a bucket once it holds bucket_size elements; pad it to a multiple of DP.
+    """
+    buckets, current, start, filled = [], [], 0, 0
+    offsets: dict[nn.Parameter, int] = {}
+
+    def close():
+        nonlocal start, filled, current
+        end = start + math.ceil(filled / dp) * dp
+        buckets.append(Bucket(len(buckets), current, start, end, dp))
+        start, filled, current = end, 0, []
+
+    def alone(p):
+        # Both tied-embedding copies (first and last stage) must be sharded alike across DP.
+        return use_distributed_optimizer and getattr(p, "shared_embedding", False)
+
+    for p in ordered:
+        if alone(p) and current:
+            close()
+        offsets[p] = start + filled
+        filled += p.numel()
+        current.append(p)
+        if bucket_size is not None and filled >= bucket_size:
+            close()
+        elif alone(p):
+            close()
+    if current:
+        close()
+    return buckets, offsets
+
+
+def owned_ranges(buckets: list[Bucket], offsets: dict[nn.Parameter, int], dp_rank: int
+                 ) -> dict[nn.Parameter, tuple[int, int]]:
+    """Per param, the flat param-local range [lo, hi) inside DP rank `dp_rank`'s shard of every
+    bucket (params it owns nothing of are absent). The ranges of all DP ranks tile each param once."""
+    owned = {}
+    for bucket in buckets:
+        shard_lo, shard_hi = bucket.shard_range(dp_rank)
+        for p in bucket.params:
+            p_lo = offsets[p]
+            lo, hi = max(p_lo, shard_lo), min(p_lo + p.numel(), shard_hi)
+            if lo < hi:
+                owned[p] = (lo - p_lo, hi - p_lo)
+    return owned
+
+
 class DistributedDataParallel(nn.Module):
     """Wraps a module (one pipeline stage or VPP chunk) and owns its gradient buffer.
 
@@ -122,7 +171,8 @@ class DistributedDataParallel(nn.Module):
                                           "parameters; wrap the model chunk that holds the weights")
         self.grad_dtype = main_grad_dtype(params, grad_dtype)
         self.params = params
-        self.buckets = self._plan_buckets(list(reversed(params)))
+        self.buckets, self._offsets = plan_buckets(list(reversed(params)), self.dp, bucket_size,
+                                                   use_distributed_optimizer)
         self.numel = self.buckets[-1].end
         device = params[0].device
         self.grad_buffer = torch.zeros(self.numel, dtype=self.grad_dtype, device=device)
@@ -144,36 +194,7 @@ class DistributedDataParallel(nn.Module):
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook()) for p in params]
         self.reset_bucket_state()
 
-    # ---- layout -------------------------------------------------------------------------------
-    def _plan_buckets(self, ordered: list[nn.Parameter]) -> list[Bucket]:
-        """Greedy: close a bucket once it holds bucket_size elements; pad it to a multiple of DP."""
-        buckets, current, start, filled = [], [], 0, 0
-        self._offsets: dict[nn.Parameter, int] = {}
-
-        def close():
-            nonlocal start, filled, current
-            end = start + math.ceil(filled / self.dp) * self.dp
-            buckets.append(Bucket(len(buckets), current, start, end, self.dp))
-            start, filled, current = end, 0, []
-
-        def alone(p):
-            # Both tied-embedding copies (first and last stage) must be sharded alike across DP.
-            return self.use_distributed_optimizer and getattr(p, "shared_embedding", False)
-
-        for p in ordered:
-            if alone(p) and current:
-                close()
-            self._offsets[p] = start + filled
-            filled += p.numel()
-            current.append(p)
-            if self.bucket_size is not None and filled >= self.bucket_size:
-                close()
-            elif alone(p):
-                close()
-        if current:
-            close()
-        return buckets
-
+    # ---- layout -----------------------------------------------------------------------------
     def _place_params(self):
         for bucket in self.buckets:
             for p in bucket.params:
@@ -185,6 +206,10 @@ class DistributedDataParallel(nn.Module):
                 if self.param_buffer is not None:
                     self.param_buffer[lo:hi].copy_(p.data.view(-1))
                     p.data = self.param_buffer[lo:hi].view(p.shape)
+
+    def owned_param_ranges(self, dp_rank: int | None = None) -> dict[nn.Parameter, tuple[int, int]]:
+        """owned_ranges of this chunk's buckets for `dp_rank` (default: this rank)."""
+        return owned_ranges(self.buckets, self._offsets, self.dp_rank if dp_rank is None else dp_rank)
 
     # ---- backward hooks -----------------------------------------------------------------------
     def _make_hook(self):

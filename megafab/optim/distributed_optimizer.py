@@ -35,16 +35,7 @@ def owned_param_ranges(ddp: DistributedDataParallel, dp_rank: int | None = None
                        ) -> dict[nn.Parameter, tuple[int, int]]:
     """Per param, the flat param-local range [lo, hi) that `dp_rank` owns (params it owns nothing
     of are absent). The ranges of all DP ranks tile each param exactly once."""
-    dp_rank = ddp.dp_rank if dp_rank is None else dp_rank
-    owned = {}
-    for bucket in ddp.buckets:
-        shard_lo, shard_hi = bucket.shard_range(dp_rank)
-        for p in bucket.params:
-            p_lo, p_hi = ddp.param_range[p]
-            lo, hi = max(p_lo, shard_lo), min(p_hi, shard_hi)
-            if lo < hi:
-                owned[p] = (lo - p_lo, hi - p_lo)
-    return owned
+    return ddp.owned_param_ranges(dp_rank)
 
 
 class DistributedOptimizer(MixedPrecisionOptimizer):

@@ -1,4 +1,4 @@
-"""AdamW with fp32 main parameters for bf16/fp16 models, grad clipping and loss scaling.
+"""AdamW (or SGD) with fp32 main parameters for bf16/fp16 models, grad clipping and loss scaling.
 
 One step (`step()`), Megatron's order:
   1. main grads: each main param's `.grad` is its model param's `main_grad` (DDP buffer) or `.grad`,
@@ -9,7 +9,8 @@ One step (`step()`), Megatron's order:
      a non-finite norm without a loss scaler (bf16/fp32) raises NonFiniteGradError naming the
      iteration (parameters untouched), unless `raise_on_non_finite=False`, then the step is skipped;
   4. optional count of zeros;
-  5. torch AdamW (fused where the device supports it) on the main params;
+  5. torch AdamW, or torch SGD with --optimizer sgd (fused where the device supports it), on the
+     main params;
   6. main params copied back into the model dtype.
 Returns (update_successful, grad_norm, num_zeros_in_grad).
 
@@ -18,6 +19,7 @@ For fp32/fp64 models the main param *is* the model param (no copy).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -95,12 +97,41 @@ def named_model_params(model_chunks: list[nn.Module]) -> list[tuple[str, nn.Para
     return out
 
 
-def make_adamw(groups: list[dict], lr: float, betas, eps: float) -> torch.optim.AdamW:
-    """torch AdamW, fused where the device supports it, else foreach/for-loop."""
+def make_torch_optimizer(name: str, groups: list[dict], lr: float, betas, eps: float,
+                         sgd_momentum: float) -> torch.optim.Optimizer:
+    """torch AdamW (adam: decoupled weight decay, as Megatron) or torch SGD (sgd: L2 weight decay
+    added to the gradient, then momentum), fused where the device supports it."""
+    if name == "sgd":
+        make = functools.partial(torch.optim.SGD, groups, lr=lr, momentum=sgd_momentum)
+    elif name == "adam":
+        make = functools.partial(torch.optim.AdamW, groups, lr=lr, betas=betas, eps=eps)
+    else:
+        raise OptimizerConfigError(f"--optimizer {name!r} is not adam or sgd")
     try:
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
+        return make(fused=True)
     except (RuntimeError, ValueError):
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+        return make()
+
+
+def param_groups(entries: list[MainParam], weight_decay: float, decoupled_lr: float | None = None,
+                 decoupled_min_lr: float | None = None) -> list[dict]:
+    """Megatron's groups: weight decay or not (biases, 1-D params), and with --decoupled-lr the
+    embedding/output-layer params on their own schedule (the group's max_lr / min_lr)."""
+    groups: dict[tuple[bool, bool], dict] = {}
+    for e in entries:
+        decoupled = decoupled_lr is not None and \
+            getattr(e.model_param, "is_embedding_or_output_parameter", False)
+        key = (e.weight_decay, decoupled)
+        if key not in groups:
+            group = {"params": [], "weight_decay": weight_decay if e.weight_decay else 0.0,
+                     "wd_mult": 1.0 if e.weight_decay else 0.0, "lr_mult": 1.0}
+            if decoupled:
+                group["max_lr"] = decoupled_lr
+                if decoupled_min_lr is not None:
+                    group["min_lr"] = decoupled_min_lr
+            groups[key] = group
+        groups[key]["params"].append(e.main)
+    return [groups[k] for k in sorted(groups, key=lambda k: (not k[0], k[1]))]
 
 
 class MixedPrecisionOptimizer:
@@ -116,7 +147,9 @@ class MixedPrecisionOptimizer:
     def __init__(self, model_chunks: list[nn.Module] | nn.Module, *, topology=None, lr: float = 1e-3,
                  weight_decay: float = 0.01, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  clip_grad: float = 1.0, grad_scaler: ConstantGradScaler | None = None,
-                 log_num_zeros_in_grad: bool = False, raise_on_non_finite: bool = True):
+                 log_num_zeros_in_grad: bool = False, raise_on_non_finite: bool = True,
+                 optimizer: str = "adam", sgd_momentum: float = 0.9, decoupled_lr: float | None = None,
+                 decoupled_min_lr: float | None = None):
         if isinstance(model_chunks, nn.Module):
             model_chunks = [model_chunks]
         self.model_chunks = list(model_chunks)
@@ -136,11 +169,10 @@ class MixedPrecisionOptimizer:
                 "ConstantGradScaler(s) (--loss-scale s), or train in bf16")
         self.device = named[0][1].device
         self.entries = self._build_entries(named)
-        decay = [e.main for e in self.entries if e.weight_decay]
-        plain = [e.main for e in self.entries if not e.weight_decay]
-        groups = [{"params": decay, "weight_decay": weight_decay, "wd_mult": 1.0, "lr_mult": 1.0},
-                  {"params": plain, "weight_decay": 0.0, "wd_mult": 0.0, "lr_mult": 1.0}]
-        self.optimizer = make_adamw([g for g in groups if g["params"]], lr, betas, eps)
+        self.optimizer_name = optimizer
+        self.sgd_momentum = sgd_momentum
+        groups = param_groups(self.entries, weight_decay, decoupled_lr, decoupled_min_lr)
+        self.optimizer = make_torch_optimizer(optimizer, groups, lr, betas, eps, sgd_momentum)
 
     # ---- what this rank steps -----------------------------------------------------------------
     def _build_entries(self, named) -> list[MainParam]:
@@ -153,6 +185,13 @@ class MixedPrecisionOptimizer:
     def _norm_groups(self) -> list:
         """Groups over which ranks hold disjoint grads: model parallel (TP x PP)."""
         return [] if self.topology is None else [self.topology.mp_group]
+
+    @property
+    def state_keys(self) -> tuple[str, ...]:
+        """The per-parameter tensors the torch optimizer keeps (what a checkpoint stores)."""
+        if self.optimizer_name == "sgd":
+            return ("momentum_buffer",) if self.sgd_momentum != 0 else ()
+        return ("exp_avg", "exp_avg_sq")
 
     @property
     def param_groups(self) -> list[dict]:

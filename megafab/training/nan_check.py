@@ -15,8 +15,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from megafab.checkpoint.directory import iteration_dir, latest_iteration
 from megafab.errors import MegafabError
-from megafab.training import checkpointing
 
 
 class NonFiniteTrainingError(MegafabError):
@@ -35,11 +35,11 @@ def last_good_checkpoint(cfg) -> str:
     for root in (cfg.checkpoint.save, cfg.checkpoint.load):
         if root:
             try:
-                iteration = checkpointing.latest_iteration(root)
+                iteration = latest_iteration(root)
             except MegafabError:
                 iteration = None
             if iteration is not None:
-                return (f"the last good checkpoint is {checkpointing.iteration_dir(root, iteration)} "
+                return (f"the last good checkpoint is {iteration_dir(root, iteration)} "
                         f"(resume with --load {root})")
     return "no checkpoint was saved before it"
 
@@ -56,14 +56,15 @@ def _stop(state, what: str, ranks: list[int]) -> NonFiniteTrainingError:
 def check_losses(state, logs: list) -> None:
     """Collective: raise if any micro-batch loss of this iteration is nan or inf on any rank."""
     device = state.topology.device
-    if logs:
-        losses = torch.stack([log["lm loss"].reshape(()).float() for log in logs]).to(device)
+    if logs:  # a micro-batch's mean loss, or its token-loss sum with --calculate-per-token-loss
+        losses = torch.stack([log.get("lm loss", log.get("lm loss sum")).reshape(()).float()
+                              for log in logs]).to(device)
         bad = (~torch.isfinite(losses)).any().float().reshape(1)
     else:  # not the last pipeline stage: no loss here
         bad = torch.zeros(1, device=device)
     dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     if bad.item() > 0:
-        local = bool(logs) and not all(math.isfinite(float(log["lm loss"])) for log in logs)
+        local = bool(logs) and not bool(torch.isfinite(losses).all())
         raise _stop(state, "the loss is nan or inf", ranks_with(local, device))
 
 

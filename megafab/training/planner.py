@@ -50,6 +50,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megafab.pipeline_split import PipelineSplit
 from megafab.training.flops import flops_per_iteration
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
@@ -87,6 +88,8 @@ def layer_params(m, tp: int) -> int:
     h, d, a, g, f = m.hidden_size, m.kv_channels, m.num_attention_heads, m.num_query_groups, m.ffn_hidden_size
     qkv, fc1 = (a + 2 * g) * d, f * (2 if m.swiglu else 1)
     n = 2 * _norm_params(m) + h * qkv // tp + a * d * h // tp + h * fc1 // tp + f * h // tp
+    if m.qk_layernorm:  # q_layernorm + k_layernorm over one head's d channels, replicated over TP
+        n += 2 * _norm_params(m) * d // h
     if m.add_bias_linear or m.add_qkv_bias:
         n += qkv // tp
     if m.add_bias_linear:
@@ -110,11 +113,10 @@ def chunk_params(m, tp: int, layers: int, pre_process: bool, post_process: bool)
 
 def stage_params(cfg, pp_rank: int) -> int:
     p = cfg.parallel
-    pp, vpp, tp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1, \
-        p.tensor_model_parallel_size
-    per_chunk = cfg.model.num_layers // (pp * vpp)
-    return sum(chunk_params(cfg.model, tp, per_chunk, pp_rank == 0 and c == 0,
-                            pp_rank == pp - 1 and c == vpp - 1) for c in range(vpp))
+    pp, tp = p.pipeline_model_parallel_size, p.tensor_model_parallel_size
+    layers = PipelineSplit.from_config(cfg).counts()[pp_rank]
+    return sum(chunk_params(cfg.model, tp, n, pp_rank == 0 and c == 0,
+                            pp_rank == pp - 1 and c == len(layers) - 1) for c, n in enumerate(layers))
 
 
 def _mask_bytes(kernels: str, e: int) -> int:
@@ -193,22 +195,25 @@ def plan(cfg, kernels: str = "flash") -> list[StagePlan]:
     r = tp if p.sequence_parallel else 1
     e = BYTES[pr.params_dtype_name]
     mixed = pr.bf16 or pr.fp16
-    per_chunk = m.num_layers // (pp * vpp)
     granularity = m.recompute_granularity
     layer = layer_activation_bytes(cfg, kernels, recompute_core_attention=granularity == "selective")
     layer_input = e * s * b * h // r
-    if granularity == "full":
+
+    def chunk_activations(per_chunk: int) -> tuple[int, int]:
+        """(kept per in-flight chunk, transient during its backward) for a chunk of per_chunk layers."""
+        if granularity != "full":
+            return per_chunk * layer, 0
         n = m.recompute_num_layers
         if m.recompute_method == "uniform":
-            groups = -(-per_chunk // n)
-            chunk_kept, transient = groups * layer_input, min(n, per_chunk) * layer
-        else:
-            block = min(n, per_chunk)
-            chunk_kept, transient = block * layer_input + (per_chunk - block) * layer, layer if block else 0
-    else:
-        chunk_kept, transient = per_chunk * layer, 0
+            return -(-per_chunk // n) * layer_input, min(n, per_chunk) * layer
+        block = min(n, per_chunk)
+        return block * layer_input + (per_chunk - block) * layer, layer if block else 0
+
+    counts = PipelineSplit.from_config(cfg).counts()
     out = []
     for rank in range(pp):
+        # the stage's largest chunk bounds what each in-flight chunk keeps
+        chunk_kept, transient = chunk_activations(max(counts[rank]))
         params = stage_params(cfg, rank)
         first, last = rank == 0, rank == pp - 1
         embed = s * b * h * _mask_bytes(kernels, e) // r if first and m.hidden_dropout > 0 else 0

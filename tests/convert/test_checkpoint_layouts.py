@@ -5,11 +5,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megafab.checkpoint import checkpointing
 from megafab.config import Config
 from megafab.convert import export_hf, import_hf, read_checkpoint, write_checkpoint
 from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
 from megafab.distributed.topology import build_topology
-from megafab.training import checkpointing
 from megafab.training.build import TrainState, build_model, build_optimizer, build_scheduler
 from tests.convert.hf_tiny import VOCAB, hf_gpt2, hf_llama
 from tests.harness import run_ranks

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import torch._dynamo  # noqa: F401 - imported once here (torch.optim's first use takes seconds), DCP too,
 
 import pretrain_gpt  # noqa: F401 - so that every forked rank starts warm
-from megafab.training import checkpoint_io, pretrain  # noqa: F401
+from megafab.checkpoint import dcp_io  # noqa: F401
+from megafab.training import pretrain  # noqa: F401
 from tests.training.launch import free_port
 
 

@@ -1,22 +1,13 @@
-"""Megatron-layout checkpoints that load into any TP/PP/DP layout, written atomically.
+"""Save and load a training state as a checkpoint that loads into any TP/PP/VPP/DP layout.
 
-    SAVE/latest_checkpointed_iteration.txt     "100"  (written last)
-    SAVE/iter_0000100/
-        .metadata, __<rank>_0.distcp             DCP: model + optimizer tensors, global shapes
-        common.json                              iteration, samples, counters, scheduler, scaler,
-                                                 layout and the flat config
-        rng/rank_00000.pt ...                    per global rank RNG streams (tensors, ints, lists)
-
-Atomic save: every rank writes into SAVE/iter_0000100.tmp; after a barrier rank 0 renames it to
-iter_0000100 and then replaces the tracker file (write a temp file, os.replace). A process killed
-at any point leaves the tracker naming the previous complete checkpoint; a stale .tmp is removed
-by the next save. Loading never unpickles code: DCP tensors and safe metadata (checkpoint_io),
-JSON, and torch.load(weights_only=True) for the RNG files.
+The directory and its atomic commit: directory.py. What each rank writes and reads: state.py (its
+own boxes only; no rank ever holds the DP-unsharded optimizer state). Loading never unpickles
+code: DCP tensors and safe metadata (dcp_io), JSON, and torch.load(weights_only=True) for the RNG
+files.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -24,42 +15,33 @@ import time
 import torch
 import torch.distributed as dist
 
+from megafab.checkpoint import files
+from megafab.checkpoint import state as cs
+from megafab.checkpoint.directory import (
+    COMMON,
+    FORMAT_VERSION,
+    TRACKER,
+    commit_checkpoint,
+    existing_iteration_dir,
+    iteration_dir,
+    latest_iteration,
+    write_json,
+)
+from megafab.checkpoint.errors import CheckpointError
+from megafab.checkpoint.vocab import adapt_padded_vocab
 from megafab.errors import ReportedElsewhere
-from megafab.training import checkpoint_files as files
-from megafab.training import checkpoint_state as cs
-from megafab.training.checkpoint_shard import CheckpointError
 
-TRACKER = "latest_checkpointed_iteration.txt"
-COMMON = files.COMMON
-FORMAT_VERSION = 1
 # Test hook: "ITER:SECONDS" makes rank 0 sleep before committing the save of iteration ITER, so a
 # test can kill the job while only the temporary directory exists.
 PAUSE_ENV = "MEGAFAB_TEST_PAUSE_BEFORE_COMMIT"
 PENDING_RNG = "checkpoint_rng"
 
 
-def checkpoint_io():
+def dcp_io():
     """torch.distributed.checkpoint costs seconds to import; only runs that save or load pay."""
-    from megafab.training import checkpoint_io as io
+    from megafab.checkpoint import dcp_io as io
 
     return io
-
-
-def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def latest_iteration(save_dir: str) -> int | None:
-    """The iteration the tracker file names, or None when there is no checkpoint."""
-    path = os.path.join(save_dir, TRACKER)
-    if not os.path.exists(path):
-        return None
-    text = open(path).read().strip()
-    try:
-        return int(text)
-    except ValueError:
-        raise CheckpointError(f"{path} holds {text!r}, not an iteration number; fix or delete the file "
-                              f"(it must name an existing iter_NNNNNNN directory)") from None
 
 
 def _layout(topo, cfg) -> dict:
@@ -86,21 +68,6 @@ def _common_state(state, with_optim: bool) -> dict:
             "layout": _layout(state.topology, state.cfg), "config": state.cfg.to_flat()}
 
 
-def _write_json(path: str, value: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(value, f, indent=1, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _test_pause(iteration: int) -> None:
     spec = os.environ.get(PAUSE_ENV)
     if spec and int(spec.split(":")[0]) == iteration:
@@ -108,33 +75,14 @@ def _test_pause(iteration: int) -> None:
         time.sleep(float(spec.split(":")[1]))
 
 
-def commit_checkpoint(root: str, iteration: int) -> None:
-    """Rank 0: make the temporary directory the checkpoint, then point the tracker at it."""
-    final, tmp = iteration_dir(root, iteration), iteration_dir(root, iteration) + ".tmp"
-    old = final + ".old"
-    if os.path.exists(final):  # re-saving an iteration: keep the old one reachable until replaced
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
-    os.rename(tmp, final)
-    _fsync_dir(root)
-    shutil.rmtree(old, ignore_errors=True)
-    tracker_tmp = os.path.join(root, TRACKER + ".tmp")
-    with open(tracker_tmp, "w") as f:
-        f.write(str(iteration))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tracker_tmp, os.path.join(root, TRACKER))
-    _fsync_dir(root)
-
-
 def save_checkpoint(state) -> str:
-    """Collective: save `state` as SAVE/iter_NNNNNNN (see the module docstring); returns the path."""
+    """Collective: save `state` as SAVE/iter_NNNNNNN (directory.py); returns the path."""
     cfg, topo = state.cfg, state.topology
     root, iteration = cfg.checkpoint.save, state.iteration
     tmp = iteration_dir(root, iteration) + ".tmp"
     start = time.time()
     with_optim = not cfg.checkpoint.no_save_optim
-    shards, _ = cs.model_shards(state, for_load=False)
+    shards = cs.model_shards_for_save(state)
     if with_optim:
         shards.update(cs.optimizer_shards_for_save(state))
     if topo.rank == 0:
@@ -142,11 +90,11 @@ def save_checkpoint(state) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(os.path.join(tmp, "rng"))
     dist.barrier()
-    checkpoint_io().save_shards(shards, tmp)
+    dcp_io().save_shards(shards, tmp)
     if not cfg.checkpoint.no_save_rng:
         torch.save(cs.rng_snapshot(state), os.path.join(tmp, "rng", f"rank_{topo.rank:05d}.pt"))
     if topo.rank == 0:
-        _write_json(os.path.join(tmp, COMMON), _common_state(state, with_optim))
+        write_json(os.path.join(tmp, COMMON), _common_state(state, with_optim))
         _test_pause(iteration)
     dist.barrier()
     if topo.rank == 0:
@@ -158,16 +106,6 @@ def save_checkpoint(state) -> str:
 
 
 # ---- load ----------------------------------------------------------------------------------------
-def _checkpoint_path(root: str, iteration: int) -> str:
-    path = iteration_dir(root, iteration)
-    if not os.path.isdir(path) and os.path.isdir(path + ".old"):  # killed mid re-save (commit_checkpoint)
-        return path + ".old"
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{os.path.join(root, TRACKER)} names iteration {iteration} but {path} does "
-                              f"not exist; restore that directory or fix the tracker file")
-    return path
-
-
 def load_checkpoint(state) -> int | None:
     """Collective: restore `state` from --load (see the flags in CheckpointConfig); returns the
     iteration loaded, or None when the directory holds no checkpoint (training starts fresh)."""
@@ -182,9 +120,9 @@ def load_checkpoint(state) -> int | None:
     if iteration is None:
         _print0(topo, f"megafab: no checkpoint in {ck.load} ({TRACKER} not found); training from scratch")
         return None
-    path = _checkpoint_path(root, iteration)
+    path = existing_iteration_dir(root, iteration)
     common = files.read_common(path)
-    metadata = files.read_dcp_metadata(path, checkpoint_io())
+    metadata = files.read_dcp_metadata(path, dcp_io())
     if common.get("scheduler") is None and not ck.finetune:
         raise CheckpointError(f"{path} holds weights only (no iteration, scheduler or optimizer state, "
                               f"e.g. imported from HuggingFace); continue from it with --finetune")
@@ -193,19 +131,24 @@ def load_checkpoint(state) -> int | None:
         _print0(topo, "megafab: note: the checkpoint holds no optimizer state (--no-save-optim); "
                       "the optimizer starts fresh")
 
-    shards, aliases = cs.model_shards(state, for_load=True)
-    plan = []
+    stored = metadata.state_dict_metadata
+    shards, gather = cs.model_shards_for_load(state)
+    targets = []
     if load_optim:
         # A checkpoint saved from an fp32 model has no main copies; bf16 mains then take the weights.
-        with_main = any(k.endswith(".main_param") for k in metadata.state_dict_metadata)
-        optim_shards, plan = cs.optimizer_shards_for_load(state, with_main=with_main)
+        with_main = any(k.endswith(".main_param") for k in stored)
+        optim_shards, targets = cs.optimizer_shards_for_load(state, with_main=with_main)
         shards.update(optim_shards)
+    notes = []
 
-    def check():
+    def prepare():
         if topo.rank == 0:  # the directory is shared; one rank looks at its files
             files.check_storage_files(path, metadata)
+        note = adapt_padded_vocab(shards, stored, common.get("config", {}).get("vocab_size"), cfg.model,
+                                  cfg.training.seed, _model_dtype(state))
+        notes.extend([note] if note else [])
         try:
-            checkpoint_io().check_shards(shards, path)
+            dcp_io().check_shards(shards, stored)
         except CheckpointError as e:
             differences = files.model_shape_differences(common.get("config", {}), cfg.model)
             if not differences:
@@ -213,12 +156,14 @@ def load_checkpoint(state) -> int | None:
             raise CheckpointError(f"{e}. The checkpoint's model differs from this run's: "
                                   f"{'; '.join(differences)}; give the flags it was saved with") from None
 
-    _check_on_every_rank(topo, check)
-    checkpoint_io().load_shards(shards, path)
-    cs.apply_aliases(shards, aliases)
-    cs.refresh_main_params(state)
+    _check_on_every_rank(topo, prepare)
+    for note in notes:
+        _print0(topo, f"megafab: note: {note}")
+    dcp_io().load_shards(shards, path)
+    cs.gather_params(gather)
+    cs.refresh_main_params(state, skip={id(t.entry) for t in targets if t.main_loaded})
     if load_optim:
-        cs.apply_optimizer_blocks(state, plan)
+        cs.apply_optimizer_state(state, targets)
         state.optimizer.iteration = common["optimizer_iteration"]
         scaler = getattr(state.optimizer, "grad_scaler", None)
         if scaler is not None and common["grad_scaler"] is not None:
@@ -236,6 +181,10 @@ def load_checkpoint(state) -> int | None:
     _print0(topo, f"loaded checkpoint from {ck.load} at iteration {iteration}"
                   + (" (finetune: weights only, starting at iteration 0)" if ck.finetune else ""))
     return iteration
+
+
+def _model_dtype(state) -> torch.dtype:
+    return next(p for _, p in cs.named_parameters(state)).dtype
 
 
 def _check_on_every_rank(topo, check) -> None:
@@ -264,13 +213,12 @@ def _load_rng(state, path: str, common: dict) -> None:
         _print0(topo, f"megafab: note: checkpoint layout {saved} differs from this run's {here}; "
                       f"RNG states are per rank, so they are not restored (dropout masks will differ)")
         return
+    file = files.rng_file(path, topo.rank)
     try:
-        snap = torch.load(files.rng_file(path, topo.rank), weights_only=True)
-    except CheckpointError:
-        raise
+        snap = torch.load(file, weights_only=True)
     except Exception as e:  # noqa: BLE001 - truncated or foreign file
-        raise CheckpointError(f"{files.rng_file(path, topo.rank)}: unreadable ({type(e).__name__}); restore "
-                              f"it, or pass --no-load-rng", every_rank=False) from None
+        raise CheckpointError(f"{file}: unreadable ({type(e).__name__}); restore it, or pass --no-load-rng",
+                              every_rank=False) from None
     cs.restore_rng(state, snap)
     state.extra[PENDING_RNG] = snap
 

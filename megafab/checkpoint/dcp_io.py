@@ -1,11 +1,12 @@
-"""torch.distributed.checkpoint (DCP) for tensors that each rank holds as one rectangular piece of
-a global tensor.
+"""torch.distributed.checkpoint (DCP) for Shards: every rank writes and reads a list of
+rectangular boxes of each global tensor (megafab.checkpoint.layout).
 
-A `Shard` says: this local tensor is the block of the global tensor of shape `global_shape` that
-starts at `offsets`. DCP stores every block under the global shape, so a reader with any other
-split asks for its own block and DCP assembles it from whatever blocks were written. Ranks that
-hold the same block (data-parallel replicas, TP-replicated params) write identical
-(key, offsets) entries; DCP's planner keeps one of them.
+DCP stores each written box as one chunk of the global tensor, under the global shape; a reader
+asks for its own boxes and DCP assembles each from whatever chunks overlap it, so a checkpoint
+written in one split reads in any other. A key may have several boxes per rank (DCP supports
+several chunks per key): written items are indexed by (key, offsets), read requests by their
+position in the rank's box list. Boxes written by more than one rank (replicas) must be identical
+and DCP keeps one; DCP also checks that the written chunks of every key tile it exactly.
 
 No pickled code is ever executed on load: tensors are read by DCP as raw storage, and DCP's
 `.metadata` file (a pickle of its own dataclasses) is read with an unpickler that admits only
@@ -14,9 +15,11 @@ those dataclasses, torch.Size and torch dtype/layout/memory-format constants.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import pickle
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -34,41 +37,58 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from megafab.training.checkpoint_shard import CheckpointError, Shard
+from megafab.checkpoint.errors import CheckpointError
+from megafab.checkpoint.layout import Shard
 
-VOCAB_TENSORS = ("word_embeddings", "output_layer")
 
-
-def _write_item(fqn: str, shard: Shard) -> WriteItem:
-    t = shard.tensor
-    offsets = torch.Size(shard.offsets)
-    whole = tuple(t.shape) == tuple(shard.global_shape)
+def _write_item(fqn: str, shard: Shard, box, view: torch.Tensor) -> WriteItem:
+    offsets = torch.Size(box.offsets)
+    whole = box.sizes == tuple(shard.global_shape)
     return WriteItem(
         index=MetadataIndex(fqn, offsets),
         type=WriteItemType.TENSOR if whole else WriteItemType.SHARD,
-        tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=t.size()),
-                                    properties=TensorProperties.create_from_tensor(t),
+        tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(box.sizes)),
+                                    properties=TensorProperties.create_from_tensor(view),
                                     size=torch.Size(shard.global_shape)))
 
 
+def _dcp_state_dict(shards: dict[str, Shard]) -> dict:
+    """What dcp.save/load are handed; the planners below never look tensors up in it."""
+    return {k: list(s.views) for k, s in shards.items()}
+
+
 class _ShardSavePlanner(DefaultSavePlanner):
-    """DCP's default planner (dedup of replicas included) fed with explicit global blocks; DCP
-    sees the plain local tensors, the planner places them."""
+    """DCP's default planner (dedup of replicas, validation of the global plan) fed with the
+    boxes of explicit Shards."""
 
     def __init__(self, shards: dict[str, Shard]):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.shards = shards
+        self.views = {(fqn, box.offsets): view for fqn, s in shards.items() if s.write
+                      for box, view in zip(s.boxes, s.views)}
 
     def create_local_plan(self) -> SavePlan:
-        self.plan = SavePlan([_write_item(fqn, s) for fqn, s in self.shards.items()])
+        self.plan = SavePlan([_write_item(fqn, s, box, view) for fqn, s in self.shards.items() if s.write
+                              for box, view in zip(s.boxes, s.views)])
         return self.plan
 
     def lookup_object(self, index: MetadataIndex):
-        return self.shards[index.fqn].tensor
+        return _exact_storage(self.views[(index.fqn, tuple(index.offset))])
+
+
+def _exact_storage(view: torch.Tensor) -> torch.Tensor:
+    """`view` on a storage of exactly its own bytes, sharing memory. DCP's writer clones a CPU tensor
+    whose storage is larger than itself (every box of a flat buffer) and keeps each written tensor
+    until the rank's file is closed: without this, a save would hold a copy of all it writes."""
+    storage = view.untyped_storage()
+    if view.device.type != "cpu" or not view.is_contiguous() or storage.nbytes() == view.nbytes:
+        return view
+    start = view.storage_offset() * view.element_size()
+    return torch.empty(0, dtype=view.dtype).set_(storage[start:start + view.nbytes], 0, view.shape)
 
 
 class _ShardLoadPlanner(DefaultLoadPlanner):
-    """Reads each requested block out of whatever blocks the checkpoint holds for its key."""
+    """Reads each requested box out of whatever chunks the checkpoint holds for its key."""
 
     def __init__(self, shards: dict[str, Shard]):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
@@ -77,14 +97,17 @@ class _ShardLoadPlanner(DefaultLoadPlanner):
     def create_local_plan(self) -> LoadPlan:
         requests = []
         for fqn, shard in self.shards.items():
+            if not shard.boxes:
+                continue
             md = self.metadata.state_dict_metadata.get(fqn)
             check_stored_shape(fqn, md, shard.global_shape)
-            chunk = ChunkStorageMetadata(offsets=torch.Size(shard.offsets), sizes=shard.tensor.size())
-            requests += create_read_items_for_chunk_list(fqn, md, [chunk])
+            chunks = [ChunkStorageMetadata(offsets=torch.Size(b.offsets), sizes=torch.Size(b.sizes))
+                      for b in shard.boxes]
+            requests += create_read_items_for_chunk_list(fqn, md, chunks)
         return LoadPlan(requests)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        return self.shards[index.fqn].tensor
+        return self.shards[index.fqn].views[index.index]
 
 
 def check_stored_shape(fqn: str, md, global_shape) -> None:
@@ -94,14 +117,10 @@ def check_stored_shape(fqn: str, md, global_shape) -> None:
             f"this state); load a matching checkpoint, or pass --no-load-optim / --finetune")
     if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != tuple(global_shape):
         stored = tuple(md.size) if isinstance(md, TensorStorageMetadata) else type(md).__name__
-        vocabulary = (isinstance(md, TensorStorageMetadata) and len(stored) == len(global_shape)
-                      and stored[0] != global_shape[0] and tuple(stored[1:]) == tuple(global_shape[1:])
-                      and any(name in fqn for name in VOCAB_TENSORS))
-        hint = ("the padded vocabulary differs: pick --make-vocab-size-divisible-by (times the "
-                "tensor-parallel size) and the tokenizer the checkpoint was saved with") if vocabulary else \
-            "the checkpoint was saved from a model of another shape"
-        raise CheckpointError(f"checkpoint tensor {fqn!r} has global shape {stored} but this model needs "
-                              f"{tuple(global_shape)}; {hint}")
+        raise CheckpointError(
+            f"checkpoint tensor {fqn!r} has global shape {stored} but this model needs "
+            f"{tuple(global_shape)}: the checkpoint was saved from a model of another shape (any layout "
+            f"and padded vocabulary load, other sizes must match)")
 
 
 # ---- safe metadata -----------------------------------------------------------------------------
@@ -149,25 +168,37 @@ def read_metadata(path: str) -> Metadata:
     return SafeFileSystemReader(path).read_metadata()
 
 
-def check_shards(shards: dict[str, Shard], path: str) -> None:
-    """Raise one CheckpointError (before any collective) if a key is missing or shaped otherwise."""
-    stored = read_metadata(path).state_dict_metadata
+def check_shards(shards: dict[str, Shard], stored: dict) -> None:
+    """Raise one CheckpointError (before any collective) if a key is missing from the checkpoint's
+    metadata `stored` (read_metadata(path).state_dict_metadata) or shaped otherwise."""
     for fqn, shard in shards.items():
-        check_stored_shape(fqn, stored.get(fqn), shard.global_shape)
+        if shard.boxes:
+            check_stored_shape(fqn, stored.get(fqn), shard.global_shape)
+
+
+@contextlib.contextmanager
+def _maybe_without_process_group():
+    """DCP warns when it runs in one process without torch.distributed; that is what tools do."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield not dist.is_initialized()
 
 
 def save_shards(shards: dict[str, Shard], path: str) -> None:
-    """Collective over the default process group: write every rank's shards into `path`."""
-    dcp.save({k: s.tensor for k, s in shards.items()}, storage_writer=FileSystemWriter(path, thread_count=1),
-             planner=_ShardSavePlanner(shards))
+    """Collective: write every rank's boxes into `path` (also works in a process without
+    torch.distributed, e.g. a conversion tool)."""
+    with _maybe_without_process_group() as no_dist:
+        dcp.save(_dcp_state_dict(shards), storage_writer=FileSystemWriter(path, thread_count=1),
+                 planner=_ShardSavePlanner(shards), no_dist=no_dist)
 
 
 def load_shards(shards: dict[str, Shard], path: str) -> None:
-    """Collective: fill every Shard's tensor in place from the checkpoint in `path` (also works
-    in a process without torch.distributed, e.g. a conversion tool)."""
+    """Collective: fill every Shard's views in place from the checkpoint in `path` (also works
+    in a process without torch.distributed)."""
     try:
-        dcp.load({k: s.tensor for k, s in shards.items()}, storage_reader=SafeFileSystemReader(path),
-                 planner=_ShardLoadPlanner(shards), no_dist=not dist.is_initialized())
+        with _maybe_without_process_group() as no_dist:
+            dcp.load(_dcp_state_dict(shards), storage_reader=SafeFileSystemReader(path),
+                     planner=_ShardLoadPlanner(shards), no_dist=no_dist)
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - DCP gathers every rank's failure into one exception

@@ -8,40 +8,16 @@ import pickle
 import pytest
 import torch
 
-from megafab.distributed.layers import partition_of
+from megafab.checkpoint import CheckpointError, checkpointing, dcp_io, directory
+from megafab.checkpoint.boxes import Box
+from megafab.checkpoint.layout import Shard
 from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
 from megafab.distributed.topology import build_topology
-from megafab.training import checkpoint_io, checkpointing
 from megafab.training.build import TrainState, build_model, build_optimizer, build_scheduler
-from megafab.training.checkpoint_shard import CheckpointError, Shard
-from megafab.training.checkpoint_state import global_block
 from megafab.training.step import train_step
+from tests.checkpoint.util import read_everything
 from tests.harness import run_ranks
 from tests.model.tiny import LLAMA_STYLE, batch, tiny_config
-
-
-def test_stride_two_shards_are_rectangular_blocks_of_the_gate_up_view():
-    ffn, h, tp = 6, 4, 3
-    full = torch.arange(2 * ffn * h, dtype=torch.float64).view(2 * ffn, h)  # [gate; up]
-    rebuilt = torch.zeros(2, ffn, h, dtype=torch.float64)
-    for r in range(tp):
-        param = torch.nn.Parameter(partition_of(full, 0, r, tp, stride=2))  # [gate_r; up_r]
-        param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, 0, 2
-        block = global_block(param, param.detach(), tp, r)
-        assert block.global_shape == (2, ffn, h) and block.offsets == (0, r * ffn // tp, 0)
-        o = block.offsets
-        rebuilt[:, o[1]:o[1] + block.tensor.shape[1]] = block.tensor
-    assert torch.equal(rebuilt, full.view(2, ffn, h))
-
-
-def test_row_parallel_and_replicated_blocks():
-    p = torch.nn.Parameter(torch.zeros(5, 3))
-    p.tensor_model_parallel, p.partition_dim = True, 1
-    block = global_block(p, p.detach(), 4, 2)
-    assert (block.global_shape, block.offsets) == ((5, 12), (0, 6))
-    q = torch.nn.Parameter(torch.zeros(7))
-    block = global_block(q, q.detach(), 4, 3)
-    assert (block.global_shape, block.offsets) == ((7,), (0,))
 
 
 class _Exploit:
@@ -53,47 +29,48 @@ def test_metadata_with_code_is_refused_not_run(tmp_path):
     with open(tmp_path / ".metadata", "wb") as f:
         pickle.dump(_Exploit(), f)
     with pytest.raises(CheckpointError, match="refusing to unpickle"):
-        checkpoint_io.read_metadata(str(tmp_path))
+        dcp_io.read_metadata(str(tmp_path))
     assert not os.path.exists("/tmp/megafab_pwned_by_checkpoint")
 
 
 def test_tracker_is_validated(tmp_path):
-    assert checkpointing.latest_iteration(str(tmp_path)) is None
-    (tmp_path / checkpointing.TRACKER).write_text("abc")
+    assert directory.latest_iteration(str(tmp_path)) is None
+    (tmp_path / directory.TRACKER).write_text("abc")
     with pytest.raises(CheckpointError, match="not an iteration number"):
-        checkpointing.latest_iteration(str(tmp_path))
+        directory.latest_iteration(str(tmp_path))
 
 
 def test_commit_renames_then_points_the_tracker(tmp_path):
     root = str(tmp_path)
     for it in (5, 10):
-        os.makedirs(checkpointing.iteration_dir(root, it) + ".tmp")
-        checkpointing.commit_checkpoint(root, it)
-    assert checkpointing.latest_iteration(root) == 10
-    os.makedirs(checkpointing.iteration_dir(root, 10) + ".tmp")  # re-save of the same iteration
-    open(checkpointing.iteration_dir(root, 10) + ".tmp/new", "w").close()
-    checkpointing.commit_checkpoint(root, 10)
-    assert sorted(os.listdir(root)) == ["iter_0000005", "iter_0000010", checkpointing.TRACKER]
-    assert os.listdir(checkpointing.iteration_dir(root, 10)) == ["new"]
+        os.makedirs(directory.iteration_dir(root, it) + ".tmp")
+        directory.commit_checkpoint(root, it)
+    assert directory.latest_iteration(root) == 10
+    os.makedirs(directory.iteration_dir(root, 10) + ".tmp")  # re-save of the same iteration
+    open(directory.iteration_dir(root, 10) + ".tmp/new", "w").close()
+    directory.commit_checkpoint(root, 10)
+    assert sorted(os.listdir(root)) == ["iter_0000005", "iter_0000010", directory.TRACKER]
+    assert os.listdir(directory.iteration_dir(root, 10)) == ["new"]
 
 
 def _blocks_round_trip(rank, world, path):
     full = torch.arange(48, dtype=torch.float32).view(8, 6)
     if world == 4:  # rows split in two, replicated twice (DP): replicas are written once
         r = rank % 2
-        checkpoint_io.save_shards({"w": Shard(full[r * 4:(r + 1) * 4].clone(), (8, 6), (r * 4, 0)),
-                                   "step": Shard.whole(torch.tensor(3.0))}, path)
+        dcp_io.save_shards({"w": Shard((8, 6), [Box((r * 4, 0), (4, 6))], [full[r * 4:(r + 1) * 4].clone()]),
+                            "step": Shard.whole(torch.tensor(3.0))}, path)
         return None
     out = torch.zeros(8, 2)
     step = torch.tensor(0.0)
-    checkpoint_io.load_shards({"w": Shard(out, (8, 6), (0, rank * 2)), "step": Shard.whole(step)}, path)
+    dcp_io.load_shards({"w": Shard((8, 6), [Box((0, rank * 2), (8, 2))], [out]),
+                        "step": Shard.whole(step)}, path)
     return torch.equal(out, full[:, rank * 2:rank * 2 + 2]) and step.item() == 3.0
 
 
 def test_blocks_saved_in_one_split_load_in_another(tmp_path):
     run_ranks(_blocks_round_trip, 4, str(tmp_path), timeout=120)
     assert run_ranks(_blocks_round_trip, 3, str(tmp_path), timeout=120) == [True] * 3
-    chunks = checkpoint_io.read_metadata(str(tmp_path)).state_dict_metadata["w"].chunks
+    chunks = dcp_io.read_metadata(str(tmp_path)).state_dict_metadata["w"].chunks
     assert len(chunks) == 2  # DP replicas de-duplicated
 
 
@@ -136,22 +113,14 @@ def _load_and_resave(rank, world, src, dst):
             state.optimizer.optimizer.state[entry.main]["exp_avg"].clone())
 
 
-def _read_everything(path):
-    metadata = checkpoint_io.read_metadata(path).state_dict_metadata
-    shards = {k: Shard.whole(torch.empty(tuple(md.size), dtype=md.properties.dtype))
-              for k, md in metadata.items()}
-    checkpoint_io.load_shards(shards, path)
-    return {k: s.tensor for k, s in shards.items()}
-
-
 def test_tp2_dp2_state_loads_into_pp2_dp2_and_saves_back_bit_identical(tmp_path):
     """bf16 + distributed optimizer (fp32 main copies and Adam moments in flat DP ranges), SwiGLU,
     tied embeddings: TP2 x DP2 -> TP1 x PP2 x DP2 -> saved again: every tensor identical."""
     first, second = str(tmp_path / "a"), str(tmp_path / "b")
     run_ranks(_train_and_save, 4, first, timeout=180)
     tied = run_ranks(_load_and_resave, 4, first, second, timeout=180)
-    a, b = _read_everything(checkpointing.iteration_dir(first, 2)), _read_everything(
-        checkpointing.iteration_dir(second, 2))
+    a, b = read_everything(directory.iteration_dir(first, 2)), read_everything(
+        directory.iteration_dir(second, 2))
     for weight, (lo, hi), exp_avg in tied[2:]:  # last stage, both DP ranks
         assert torch.equal(weight, a["model.embedding.word_embeddings.weight"])
         assert torch.equal(exp_avg, a["optim.embedding.word_embeddings.weight.exp_avg"].view(-1)[lo:hi])
@@ -163,8 +132,8 @@ def test_tp2_dp2_state_loads_into_pp2_dp2_and_saves_back_bit_identical(tmp_path)
     for k in a:
         assert torch.equal(a[k], b[k]), k
     assert float(a["optim.decoder.layers.0.mlp.linear_fc1.weight.step"]) == 2.0
-    common_a = json.load(open(os.path.join(checkpointing.iteration_dir(first, 2), "common.json")))
-    common_b = json.load(open(os.path.join(checkpointing.iteration_dir(second, 2), "common.json")))
+    common_a = json.load(open(os.path.join(directory.iteration_dir(first, 2), "common.json")))
+    common_b = json.load(open(os.path.join(directory.iteration_dir(second, 2), "common.json")))
     assert common_a["scheduler"] == common_b["scheduler"]
     assert common_a["layout"] == {"world_size": 4, "tp": 2, "pp": 1, "dp": 2, "vpp": 1}
 
@@ -196,9 +165,9 @@ def _flags_round_trip(rank, world, path):
 def test_no_save_optim_and_rng_then_resume_and_finetune(tmp_path):
     results = run_ranks(_flags_round_trip, 2, str(tmp_path), timeout=180)
     assert results == [((7, 28, 0), True, True, 0, True)] * 2
-    stored = checkpoint_io.read_metadata(checkpointing.iteration_dir(str(tmp_path), 7)).state_dict_metadata
+    stored = dcp_io.read_metadata(directory.iteration_dir(str(tmp_path), 7)).state_dict_metadata
     assert stored and all(k.startswith("model.") for k in stored)
-    assert os.listdir(os.path.join(checkpointing.iteration_dir(str(tmp_path), 7), "rng")) == []
+    assert os.listdir(os.path.join(directory.iteration_dir(str(tmp_path), 7), "rng")) == []
 
 
 def _mismatch(rank, world, path):

@@ -3,7 +3,7 @@ CheckpointError naming the file, what is wrong with it and the fix (never a bare
 JSONDecodeError or a DCP exception from inside a collective).
 
     iter_0000100/common.json        read_common
-    iter_0000100/.metadata          read_dcp_metadata (through checkpoint_io's safe unpickler)
+    iter_0000100/.metadata          read_dcp_metadata (through dcp_io's safe unpickler)
     iter_0000100/__<r>_0.distcp     check_storage_files: present and as long as .metadata says
     iter_0000100/rng/rank_<r>.pt    rng_file
 """
@@ -14,9 +14,9 @@ import json
 import os
 import re
 
-from megafab.training.checkpoint_shard import CheckpointError
+from megafab.checkpoint.directory import COMMON
+from megafab.checkpoint.errors import CheckpointError
 
-COMMON = "common.json"
 ITERATION_DIR = re.compile(r"iter_(\d{7})$")
 # The model fields that fix the global shape of some tensor (flag = --name with dashes).
 SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels",
@@ -50,7 +50,7 @@ def read_common(path: str) -> dict:
 
 
 def read_dcp_metadata(path: str, io):
-    """DCP's .metadata of `path` through checkpoint_io `io` (its safe unpickler)."""
+    """DCP's .metadata of `path` through the dcp_io module `io` (its safe unpickler)."""
     file = os.path.join(path, ".metadata")
     if not os.path.isfile(file):
         raise CheckpointError(f"{file}: missing, so the tensors of {path} cannot be located; the checkpoint "

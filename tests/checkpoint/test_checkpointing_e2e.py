@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from megafab.training.checkpointing import PAUSE_ENV, latest_iteration
+from megafab.checkpoint.checkpointing import PAUSE_ENV, latest_iteration
 from tests.training.launch import ROOT, free_port, losses, torchrun
 
 # NullTokenizer adds an eod id: 127 + 1 = 128 pads to 128 at TP 1, 2 and 4 alike.

@@ -1,0 +1,183 @@
+"""Where every tensor of a megafab checkpoint lives: one rule for training, conversion and generation.
+
+Keys (identical in every TP/PP/VPP/DP layout and for both optimizers, so any layout loads any other):
+
+    model.<name>                          the parameter
+    optim.<name>.main_param               fp32 main copy (bf16/fp16 models only)
+    optim.<name>.exp_avg / .exp_avg_sq    Adam moments, shaped like the parameter
+    optim.<name>.momentum_buffer          SGD's momentum instead (--optimizer sgd, momentum > 0)
+    optim.<name>.step                     Adam's step count (0-d; every parameter steps together;
+                                          SGD keeps none, stored as 0)
+
+<name> is megatron-core's global parameter name (global layer numbers). Every tensor is stored
+under its *global* shape, that of the TP=1 parameter, with two rules:
+
+* Strided parameters (Megatron's partition_stride s > 1: SwiGLU's packed fc1 [gate; up], whose TP
+  rank r holds [gate_r; up_r]) are stored with the s blocks on a leading axis, [2f, h] -> [2, f, h],
+  so each rank's TP block is one rectangle (offset r * f / tp on dim 1).
+* The tied output layer (`output_layer.weight` of a last stage whose embedding is shared) is not
+  stored: it is the word embedding, gets the same gradient and so the same Adam state, and reads
+  `embedding.word_embeddings.weight`.
+
+Dim 0 of the word embedding and of an untied output layer is the *padded* vocabulary (Megatron
+pads vocab_size to a multiple of make-vocab-size-divisible-by x TP); common.json records
+vocab_size, so a model padded otherwise keeps the real rows (megafab.checkpoint.vocab).
+
+What a rank holds of a parameter is described by its ParamLayout: the stored name, the global
+shape and this rank's TP block (offsets and shape in the stored view). Any flat range [lo, hi) of
+the block -- the distributed optimizer's slice, a DP rank's share of the weights -- is a Shard: a
+short list of rectangular boxes of the global tensor (megafab.checkpoint.boxes), each a view of
+the flat tensor that holds the range. A rank writes the Shards of what it owns, reads the Shards
+of what it will own, and never holds more.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from megafab.checkpoint.boxes import Box, flat_range_boxes
+from megafab.model.gpt import WORD_EMBEDDING
+
+MODEL_PREFIX = "model."
+OPTIM_PREFIX = "optim."
+OUTPUT_LAYER = "output_layer.weight"
+VOCAB_PADDED = (WORD_EMBEDDING, OUTPUT_LAYER)  # dim 0 is the padded vocabulary
+MAIN_PARAM = "main_param"
+STEP = "step"
+
+
+def model_key(name: str) -> str:
+    return MODEL_PREFIX + name
+
+
+def optim_key(name: str, kind: str) -> str:
+    return f"{OPTIM_PREFIX}{name}.{kind}"
+
+
+def split_key(key: str) -> tuple[str, str | None]:
+    """(parameter name, optimizer kind or None) of a model.* / optim.* key."""
+    if key.startswith(MODEL_PREFIX):
+        return key[len(MODEL_PREFIX):], None
+    assert key.startswith(OPTIM_PREFIX), key
+    name, kind = key[len(OPTIM_PREFIX):].rsplit(".", 1)
+    return name, kind
+
+
+def is_tied_copy(name: str, param) -> bool:
+    return name == OUTPUT_LAYER and getattr(param, "shared_embedding", False)
+
+
+def stored_name(name: str, param) -> str:
+    """The name a parameter is stored under (the tied output layer reads the embedding's)."""
+    return WORD_EMBEDDING if is_tied_copy(name, param) else name
+
+
+def strided_shape(shape: tuple[int, ...], dim: int, stride: int) -> tuple[int, ...]:
+    """`shape` with dim split into (stride, shape[dim] / stride): the stored view of a strided tensor."""
+    if stride == 1:
+        return tuple(shape)
+    return (*shape[:dim], stride, shape[dim] // stride, *shape[dim + 1:])
+
+
+# ---- full tensors (conversion, generation: one process, TP = 1) ---------------------------------
+def partition_stride(name: str, model_cfg) -> int:
+    """The partition_stride training gives parameter `name` (2: SwiGLU's packed fc1 weight and bias)."""
+    return 2 if model_cfg.swiglu and ".mlp.linear_fc1." in name else 1
+
+
+def to_stored(name: str, full: torch.Tensor, model_cfg) -> torch.Tensor:
+    """A full (TP=1) parameter as the checkpoint stores it (a view)."""
+    return full.view(strided_shape(tuple(full.shape), 0, partition_stride(name, model_cfg)))
+
+
+def from_stored(name: str, stored: torch.Tensor, model_cfg) -> torch.Tensor:
+    """Inverse of to_stored: [2, f, h] -> [2f, h] for strided parameters."""
+    return stored.flatten(0, 1) if partition_stride(name, model_cfg) > 1 else stored
+
+
+# ---- what a rank holds --------------------------------------------------------------------------
+@dataclass
+class Shard:
+    """This rank's part of one global tensor: boxes of it, each with the local view that holds it
+    (views[i].shape == boxes[i].sizes). `write` is False for a replica whose boxes another rank
+    writes (what a loader must fill is the same either way)."""
+
+    global_shape: tuple[int, ...]
+    boxes: list[Box] = field(default_factory=list)
+    views: list[torch.Tensor] = field(default_factory=list)
+    write: bool = True
+
+    def __post_init__(self):
+        assert len(self.boxes) == len(self.views)
+        for box, view in zip(self.boxes, self.views):
+            assert tuple(view.shape) == box.sizes, (box, tuple(view.shape))
+
+    @classmethod
+    def whole(cls, tensor: torch.Tensor) -> Shard:
+        """A tensor held entirely by this rank (its own global tensor)."""
+        shape = tuple(tensor.shape)
+        return cls(shape, [Box((0,) * len(shape), shape)], [tensor])
+
+    def add(self, box: Box, view: torch.Tensor) -> None:
+        assert tuple(view.shape) == box.sizes
+        self.boxes.append(box)
+        self.views.append(view)
+
+    def numel(self) -> int:
+        return sum(b.numel for b in self.boxes)
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """Parameter `name` (stored name) of global shape `global_shape`; this rank's TP block is
+    [block_offsets, block_offsets + block_shape) in the stored view. replica: the block is
+    TP-replicated and this is not TP rank 0, which writes it."""
+
+    name: str
+    global_shape: tuple[int, ...]
+    block_offsets: tuple[int, ...]
+    block_shape: tuple[int, ...]
+    replica: bool = False
+
+    @property
+    def block_numel(self) -> int:
+        return math.prod(self.block_shape)
+
+    def boxes(self, lo: int = 0, hi: int | None = None) -> list[tuple[int, Box]]:
+        """(flat start in the block, global box) covering the block's flat range [lo, hi)."""
+        hi = self.block_numel if hi is None else hi
+        return [(start, box.shifted(self.block_offsets))
+                for start, box in flat_range_boxes(self.block_shape, lo, hi)]
+
+    def shard(self, flat: torch.Tensor, lo: int, hi: int, into: Shard | None = None) -> Shard:
+        """The Shard of the block's flat range [lo, hi), whose values `flat` (1-D, hi - lo elements,
+        e.g. a distributed-optimizer shard) holds; every box is a view of `flat`. `into`: add the
+        boxes to that Shard (several local tensors of one global tensor) instead of a new one."""
+        assert flat.dim() == 1 and flat.numel() == hi - lo, (flat.shape, lo, hi)
+        shard = into if into is not None else Shard(self.global_shape, write=not self.replica)
+        for start, box in self.boxes(lo, hi):
+            shard.add(box, flat[start - lo:start - lo + box.numel].view(box.sizes))
+        return shard
+
+    def whole(self, tensor: torch.Tensor, into: Shard | None = None) -> Shard:
+        """The Shard of the whole TP block held by `tensor` (shaped like the local parameter)."""
+        return self.shard(tensor.view(-1), 0, self.block_numel, into)
+
+
+def param_layout(name: str, param: torch.nn.Parameter, tp: int, tp_rank: int) -> ParamLayout:
+    """The layout of this rank's `param` (megafab's TP attributes: tensor_model_parallel,
+    partition_dim, partition_stride, shared_embedding)."""
+    shape = tuple(param.shape)
+    key = stored_name(name, param)
+    if not getattr(param, "tensor_model_parallel", False):
+        return ParamLayout(key, shape, (0,) * len(shape), shape, replica=tp_rank > 0)
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    block = strided_shape(shape, dim, stride)
+    if stride > 1:
+        dim += 1
+    global_shape = (*block[:dim], block[dim] * tp, *block[dim + 1:])
+    offsets = tuple(tp_rank * block[dim] if d == dim else 0 for d in range(len(block)))
+    return ParamLayout(key, global_shape, offsets, block)

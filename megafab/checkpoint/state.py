@@ -1,0 +1,254 @@
+"""A training state's checkpoint pieces: model weights and optimizer state as Shards, RNG streams.
+
+Who writes what. Of each parameter it holds, a rank writes the flat range of its TP block that it
+owns under DDP's bucket layout (DP rank r owns the r-th 1/DP of every bucket, whichever optimizer
+runs): the weights, and the main param and Adam moments of that range. DP ranks therefore write
+disjoint boxes, never the whole state, and the bytes each writes fall as 1/DP. A TP-replicated
+parameter is written by TP rank 0 only, a tied output layer not at all (layout.py). Adam's `step`
+is the same for every parameter (they all step together), so no collective is needed: whoever
+writes element 0 of a TP block writes it (SGD keeps no step: 0 is stored).
+
+Who reads what. The distributed optimizer's main params and Adam moments are read straight into
+the rank's own flat shard tensors (a few boxes each); the plain optimizer's are parameter-shaped
+(one box). Model weights: with the distributed optimizer each rank reads its own range into DDP's
+parameter buffer and the buckets are all-gathered over DP, as after an optimizer step; otherwise
+each rank reads its TP block in place. No rank allocates a parameter-shaped temporary.
+
+The stored tensors are the same whichever optimizer, DP size or TP/PP/VPP layout saved them.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from megafab.checkpoint.boxes import Box
+from megafab.checkpoint.layout import (
+    MAIN_PARAM,
+    STEP,
+    ParamLayout,
+    Shard,
+    is_tied_copy,
+    model_key,
+    optim_key,
+    param_layout,
+)
+from megafab.distributed.data_parallel import DistributedDataParallel
+from megafab.distributed.random import checkpoint_rng_state, restore_rng_state
+
+
+def named_parameters(state) -> list[tuple[str, torch.nn.Parameter]]:
+    """(global name, param) of every parameter of this rank's chunks."""
+    out = []
+    for chunk in state.model:
+        out += list(getattr(chunk, "module", chunk).named_parameters())
+    return out
+
+
+def dp_owned_ranges(chunks) -> dict[torch.nn.Parameter, tuple[int, int]]:
+    """Per parameter, the flat range of it this rank owns: its DDP shard of every bucket; the whole
+    parameter when it is in no bucket (frozen, or a chunk without DDP). Absent: owns none of it."""
+    ranges = {}
+    for chunk in chunks:
+        module = getattr(chunk, "module", chunk)
+        bucketed = set(chunk.params) if isinstance(chunk, DistributedDataParallel) else set()
+        ranges.update({p: (0, p.numel()) for p in module.parameters() if p not in bucketed})
+        if bucketed:
+            ranges.update(chunk.owned_param_ranges())
+    return ranges
+
+
+@dataclass(frozen=True)
+class Written:
+    """The flat range [lo, hi) of parameter `param`'s TP block that this rank writes."""
+
+    name: str
+    param: torch.nn.Parameter
+    layout: ParamLayout
+    lo: int
+    hi: int
+
+
+def write_plan(named, ranges: dict, tp: int, tp_rank: int) -> list[Written]:
+    """What a rank writes of each parameter (see the module docstring): its owned range, nothing of
+    a tied copy or of a TP-replicated block on TP rank > 0. A pure function of the layout."""
+    out = []
+    for name, p in named:
+        if is_tied_copy(name, p) or p not in ranges:
+            continue
+        layout = param_layout(name, p, tp, tp_rank)
+        if not layout.replica:
+            out.append(Written(name, p, layout, *ranges[p]))
+    return out
+
+
+def _state_write_plan(state) -> list[Written]:
+    topo = state.topology
+    return write_plan(named_parameters(state), dp_owned_ranges(state.model), topo.tp, topo.tp_rank)
+
+
+# ---- save ----------------------------------------------------------------------------------------
+def model_shards_for_save(state) -> dict[str, Shard]:
+    """model.<name> -> this rank's owned boxes, views of the parameter."""
+    return {model_key(w.layout.name): w.layout.shard(w.param.detach().view(-1)[w.lo:w.hi], w.lo, w.hi)
+            for w in _state_write_plan(state)}
+
+
+def _entries_by_param(optimizer) -> dict:
+    return {e.model_param: e for e in optimizer.entries}
+
+
+def _entry_range(e) -> tuple[int, int]:
+    return e.param_range or (0, e.model_param.numel())
+
+
+def common_step(optimizer) -> torch.Tensor:
+    """Adam's step, the same for every parameter (0 before the first step, and for SGD), as a 0-d
+    tensor."""
+    for state in optimizer.optimizer.state.values():
+        if "step" in state:
+            return torch.tensor(float(state["step"]), dtype=torch.float32)
+    return torch.tensor(0.0)
+
+
+def optimizer_shards_for_save(state) -> dict[str, Shard]:
+    """optim.<name>.<kind> -> this rank's owned boxes, views of its main params and the optimizer's
+    moments (Adam exp_avg, exp_avg_sq; SGD momentum_buffer)."""
+    opt = state.optimizer
+    entries = _entries_by_param(opt)
+    step = common_step(opt)
+    shards = {}
+    for w in _state_write_plan(state):
+        e = entries.get(w.param)
+        if e is None:  # frozen
+            continue
+        e_lo, e_hi = _entry_range(e)
+        assert e_lo <= w.lo and w.hi <= e_hi, (w.name, (e_lo, e_hi), (w.lo, w.hi))
+        kept = opt.optimizer.state.get(e.main, {})
+        tensors = {k: kept[k] if kept.get(k) is not None else torch.zeros_like(e.main)
+                   for k in opt.state_keys}
+        if e.is_copy:
+            tensors[MAIN_PARAM] = e.main
+        for kind, t in tensors.items():
+            flat = t.view(-1)[w.lo - e_lo:w.hi - e_lo]
+            shards[optim_key(w.layout.name, kind)] = w.layout.shard(flat, w.lo, w.hi)
+        if w.lo == 0:
+            shards[optim_key(w.layout.name, STEP)] = Shard.whole(step)
+    return shards
+
+
+# ---- load ----------------------------------------------------------------------------------------
+def _add(shards: dict[str, Shard], key: str, layout: ParamLayout, flat: torch.Tensor, lo: int, hi: int):
+    """Boxes of several local tensors of one key (a tied copy on the embedding's rank) share a Shard."""
+    shards[key] = layout.shard(flat, lo, hi, into=shards.get(key))
+
+
+def model_shards_for_load(state) -> tuple[dict[str, Shard], list]:
+    """Views of the parameters to read into, and the DDP chunks to all-gather afterwards."""
+    topo = state.topology
+    shards, gather = {}, []
+    for chunk in state.model:
+        sharded = getattr(chunk, "param_buffer", None) is not None  # distributed optimizer
+        ranges = dp_owned_ranges([chunk]) if sharded else {}
+        module = getattr(chunk, "module", chunk)
+        for name, p in module.named_parameters():
+            layout = param_layout(name, p, topo.tp, topo.tp_rank)
+            lo, hi = ranges.get(p, (0, 0)) if sharded else (0, p.numel())
+            _add(shards, model_key(layout.name), layout, p.detach().view(-1)[lo:hi], lo, hi)
+        if sharded:
+            gather.append(chunk)
+    return shards, gather
+
+
+def gather_params(chunks) -> None:
+    """Every DP rank read its own range of the weights: all-gather the buckets over DP."""
+    for chunk in chunks:
+        chunk.start_param_sync()
+        chunk.finish_param_sync()
+
+
+@dataclass
+class OptimizerTargets:
+    """Where one optimizer entry's state is read to: its own (new) tensors, and its main param."""
+
+    entry: object
+    moments: dict[str, torch.Tensor]
+    step: torch.Tensor
+    main_loaded: bool
+
+
+def optimizer_shards_for_load(state, with_main: bool) -> tuple[dict[str, Shard], list[OptimizerTargets]]:
+    """Fresh optimizer moments shaped like each entry's main param (its own shard under the
+    distributed optimizer), the main params themselves (when the checkpoint has fp32 mains and this
+    model copies), and a 0-d step per entry, as Shards to read into."""
+    topo, opt = state.topology, state.optimizer
+    entries = _entries_by_param(opt)
+    shards, targets = {}, []
+    for name, p in named_parameters(state):
+        e = entries.get(p)
+        if e is None:
+            continue
+        layout = param_layout(name, p, topo.tp, topo.tp_rank)
+        lo, hi = _entry_range(e)
+        moments = {k: torch.empty_like(e.main) for k in opt.state_keys}
+        reads = dict(moments)
+        main_loaded = with_main and e.is_copy
+        if main_loaded:
+            reads[MAIN_PARAM] = e.main
+        for kind, t in reads.items():
+            _add(shards, optim_key(layout.name, kind), layout, t.view(-1), lo, hi)
+        step = torch.zeros(())
+        shards.setdefault(optim_key(layout.name, STEP), Shard(())).add(Box((), ()), step)
+        targets.append(OptimizerTargets(e, moments, step, main_loaded))
+    return shards, targets
+
+
+def _scalar_dtype(fused: bool) -> torch.dtype:
+    """torch.optim's dtype for Adam's step (see torch.optim.optimizer._get_scalar_dtype)."""
+    if fused:
+        return torch.float32
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def apply_optimizer_state(state, targets: list[OptimizerTargets]) -> None:
+    """The loaded tensors become the optimizer's state (no copies)."""
+    opt = state.optimizer
+    fused = bool(opt.optimizer.defaults.get("fused"))
+    for t in targets:
+        loaded = dict(t.moments)
+        if opt.optimizer_name == "adam":  # torch SGD keeps no step count
+            step_device = t.entry.main.device if fused else torch.device("cpu")
+            loaded["step"] = torch.tensor(float(t.step), dtype=_scalar_dtype(fused), device=step_device)
+        opt.optimizer.state[t.entry.main] = loaded
+
+
+@torch.no_grad()
+def refresh_main_params(state, skip: set | None = None) -> None:
+    """Main copies (bf16/fp16 models) take the loaded model weights, except the entries in `skip`
+    (whose fp32 mains were read from the checkpoint)."""
+    skip = skip or set()
+    for e in state.optimizer.entries:
+        if e.is_copy and id(e) not in skip:
+            e.main.copy_(e.model_values().to(e.main.dtype))
+
+
+# ---- RNG -----------------------------------------------------------------------------------------
+def rng_snapshot(state) -> dict:
+    """Every random stream of this rank, as plain lists/ints and CPU tensors (weights_only-safe)."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    snap = checkpoint_rng_state(state.tracker, state.topology.device)
+    return {"python": [version, list(internal), gauss],
+            "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
+            "torch": snap}
+
+
+def restore_rng(state, snap: dict) -> None:
+    version, internal, gauss = snap["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = snap["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    restore_rng_state(snap["torch"], state.tracker, state.topology.device)
