@@ -29,6 +29,7 @@ import datetime
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -36,13 +37,14 @@ import time
 import torch.distributed as dist
 
 from megafab.errors import EXIT_JOB_FAULT, JobFault, MegafabError, ReportedElsewhere, report
-from megafab.launch import agent_hosts_store
+from megafab.launch import agent_hosts_store, read_launch_env
 
 ABORT = "megafab/abort"
 CLAIMS = "megafab/claims"
 ACKS = "megafab/acks"
 ACK = "megafab/ack/"
 REPORTED = "megafab/reported"
+DONE = "megafab/done"
 GRACE_S = 5.0
 ACK_WINDOW_S = 3.0
 FOREVER = datetime.timedelta(days=3650)
@@ -113,12 +115,16 @@ class FaultWatch:
     turns whatever stops this rank into one report for the job, or into silence."""
 
     def __init__(self, store, rank: int, world_size: int, timeout_s: float | None = None,
-                 grace_s: float = GRACE_S, ack_window_s: float = ACK_WINDOW_S, hosts_store: bool = False):
+                 grace_s: float = GRACE_S, ack_window_s: float = ACK_WINDOW_S, hosts_store: bool = False,
+                 store_address: tuple[str, int] | None = None):
+        """store_address: where the store listens, probed before a failing rank talks to it (a
+        request to a departed store makes c10d log a C++ stack trace)."""
         self.rank, self.world_size, self.hosts_store = rank, world_size, hosts_store
+        self.store_address = store_address
         self.timeout_s, self.grace_s, self.ack_window_s = timeout_s, grace_s, ack_window_s
         self.where = "start-up"
         self.published: dict | None = None  # another rank's report, as the watcher read it
-        self._acked = False
+        self._acked = self._left = False
         self._lock = threading.Lock()
         self._store = store.clone()
         self._watch_store = store.clone()
@@ -131,11 +137,21 @@ class FaultWatch:
         the process groups' timeout, for the report."""
         from torch.distributed.distributed_c10d import _get_default_store
 
-        rank = dist.get_rank()
+        rank, launch = dist.get_rank(), read_launch_env()
         kwargs.setdefault("hosts_store", rank == 0 and not agent_hosts_store())
+        kwargs.setdefault("store_address", (launch.master_addr, launch.master_port))
         return cls(_get_default_store(), rank, dist.get_world_size(), timeout_s, **kwargs)
 
     # ---- store traffic ------------------------------------------------------------------------
+    def _store_reachable(self) -> bool:
+        if self.store_address is None:
+            return True
+        try:
+            socket.create_connection(self.store_address, timeout=1.0).close()
+            return True
+        except OSError:
+            return False
+
     def _ack(self, store) -> None:
         with self._lock:
             if self._acked:
@@ -170,20 +186,27 @@ class FaultWatch:
             while time.monotonic() < deadline and self._store.add(ACKS, 0) < self.world_size:
                 time.sleep(0.05)
             silent = [r for r in range(self.world_size) if not self._store.check([f"{ACK}{r}"])]
-            self._store.set(REPORTED, "1")
+            self._store.set(REPORTED, json.dumps(silent))
             return silent
         except Exception:  # noqa: BLE001 - the store's host left
             return None
 
-    def _linger(self, store) -> None:
-        """The store's host stays until the reporter is done with the store (bounded)."""
-        if not self.hosts_store:
-            return
-        deadline = time.monotonic() + self.ack_window_s + 2.0
+    def _leave(self, store) -> None:
+        """This rank is done with the store; the store's host (rank 0 without torchrun) stays until
+        every rank that can still answer is done too (bounded), so that none loses the store."""
         try:
-            while time.monotonic() < deadline and not store.check([REPORTED]):
+            with self._lock:
+                first, self._left = not self._left, True
+            if first:
+                store.add(DONE, 1)
+            deadline = time.monotonic() + self.ack_window_s + self.grace_s + 2.0
+            while self.hosts_store and time.monotonic() < deadline:
+                if store.check([REPORTED]):
+                    unreachable = json.loads(store.get(REPORTED))
+                    if store.add(DONE, 0) >= self.world_size - len(unreachable):
+                        return
                 time.sleep(0.05)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - the store's host left already
             pass
 
     # ---- the watcher thread -------------------------------------------------------------------
@@ -199,7 +222,7 @@ class FaultWatch:
             return
         time.sleep(self.grace_s)
         # The main thread did not stop by itself: it is stuck, or has nothing to fail on yet.
-        self._linger(self._watch_store)
+        self._leave(self._watch_store)
         code = report(ReportedElsewhere(published["rank"], published["message"], published["exit_code"],
                                         published["time"]))
         sys.stdout.flush()
@@ -210,14 +233,21 @@ class FaultWatch:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc is None or isinstance(exc, (SystemExit, KeyboardInterrupt)) or getattr(exc, "silent", False):
+        if exc is None or isinstance(exc, (SystemExit, KeyboardInterrupt)):
             return False
         # This process is leaving: torchrun's stop (SIGTERM to every worker once one has exited)
         # must not cut its report short, and torchrun's summary should show its own exit status.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        replacement = self._settle(exc)
-        if replacement is not None and replacement.silent:
-            self._linger(self._store)
+        if getattr(exc, "silent", False):  # another rank's report is on its way
+            replacement = None
+            try:
+                self._ack(self._store)
+            except Exception:  # noqa: BLE001
+                pass
+        else:
+            replacement = self._settle(exc)
+        if self._store_reachable():
+            self._leave(self._store)
         if replacement is not None:
             raise replacement from None
         return False
@@ -227,6 +257,8 @@ class FaultWatch:
         user_error = isinstance(exc, MegafabError)
         fault = not user_error and is_collective_failure(exc)
         try:
+            if not self._store_reachable():
+                raise ConnectionError("the rendezvous store is gone")
             self._ack(self._store)
             published = self._published()
             if published is not None:
