@@ -39,7 +39,8 @@ activations at a time.
 Per chunk: RoPE's cos and sin, 2*e*s*b*rot (shared by the chunk's layers, full sequence).
 Embedding (first stage): the dropout mask s*b*h*mask / r. Logits + loss (last stage): final norm
 input e*s*b*h / r, output-layer input e*s*b*h / r (sharded under SP, as every linear's input),
-fp32 softmax 4*s*b*V / t.
+fp32 softmax 4*s*b*V / t; during the loss's backward also the logits' fp32 gradient 4*s*b*V / t
+(plus its cast for a bf16/fp16 model), before any recomputed group's activations exist.
 
 In flight (micro-batches whose activations are alive at once): 1F1B stage i holds min(pp - i, M);
 interleaved: min(2*(pp - i - 1) + (vpp - 1)*pp + 1, M*vpp) chunk-micro-batches (Megatron's warmup
@@ -221,8 +222,13 @@ def plan(cfg, kernels: str = "flash") -> list[StagePlan]:
             if m.position_embedding_type == "rope" else 0
         logits = int((2 * e * s * b * h + _norm_stats_bytes(m, s, b)) / r
                      + 4 * s * b * m.padded_vocab_size / tp) if last else 0
+        # The loss's backward makes the logits' gradient, fp32 [s*b, V/t] (and a cast to the model dtype)
+        loss_backward = int((4 + (e if e != 4 else 0)) * s * b * m.padded_vocab_size / tp) if last else 0
         chunks = in_flight_chunks(pp, vpp, rank, t.num_micro_batches or 1)
-        peak = chunks * chunk_kept + transient + (embed + rotary) * min(chunks, pp if pp > 1 else 1) + logits
+        # Backward starts at the loss (logits alive, their gradient made); a recomputed group's
+        # activations come later, once the logits are freed.
+        peak = chunks * chunk_kept + (embed + rotary) * min(chunks, pp if pp > 1 else 1) \
+            + max(logits + loss_backward, transient)
         optimizer = (12 if mixed else 8) * params
         out.append(StagePlan(
             pp_rank=rank, params=params, weights_bytes=e * params, grads_bytes=4 * params,
