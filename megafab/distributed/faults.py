@@ -48,6 +48,7 @@ DONE = "megafab/done"
 GRACE_S = 5.0
 ACK_WINDOW_S = 3.0
 FOREVER = datetime.timedelta(days=3650)
+FINISH_WAIT_S = 60.0
 BACKEND_WORDS = ("gloo", "NCCL", "Connection reset", "Connection closed", "Timed out", "timed out",
                  "ProcessGroup", "c10d")
 DISTRIBUTED_DIR = os.sep + os.path.join("torch", "distributed") + os.sep
@@ -124,7 +125,10 @@ class FaultWatch:
         self.timeout_s, self.grace_s, self.ack_window_s = timeout_s, grace_s, ack_window_s
         self.where = "start-up"
         self.published: dict | None = None  # another rank's report, as the watcher read it
-        self._acked = self._left = False
+        self._acked = self._left = self._main_leaving = False
+        # Set once the watcher is out of c10d's store calls for good: a thread still inside one when
+        # the interpreter finalizes is torn down through C++ frames, and the process aborts.
+        self._out_of_store = threading.Event()
         self._lock = threading.Lock()
         self._store = store.clone()
         self._watch_store = store.clone()
@@ -220,7 +224,11 @@ class FaultWatch:
             self._ack(self._watch_store)
         except Exception:  # noqa: BLE001 - the store is gone: the job is over or its host died
             return
+        finally:
+            self._out_of_store.set()
         time.sleep(self.grace_s)
+        if self._main_leaving:  # the main thread stopped by itself, and may be finalizing
+            return
         # The main thread did not stop by itself: it is stuck, or has nothing to fail on yet.
         self._leave(self._watch_store)
         code = report(ReportedElsewhere(published["rank"], published["message"], published["exit_code"],
@@ -238,6 +246,7 @@ class FaultWatch:
         # This process is leaving: torchrun's stop (SIGTERM to every worker once one has exited)
         # must not cut its report short, and torchrun's summary should show its own exit status.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        self._main_leaving = True
         if getattr(exc, "silent", False):  # another rank's report is on its way
             replacement = None
             try:
@@ -248,6 +257,7 @@ class FaultWatch:
             replacement = self._settle(exc)
         if self._store_reachable():
             self._leave(self._store)
+            self._out_of_store.wait(self.ack_window_s)  # woken by the report, if one was published
         if replacement is not None:
             raise replacement from None
         return False
@@ -312,4 +322,5 @@ class FaultWatch:
                 self._store.set(ABORT, json.dumps({"finished": True}))
             except Exception:  # noqa: BLE001
                 pass
+        self._out_of_store.wait(FINISH_WAIT_S)
 
