@@ -59,7 +59,8 @@ def parse_blend(data_path: str | Sequence[str] | None) -> tuple[list[str], list[
 
 def parse_split(split: str) -> list[float]:
     """'969,30,1' -> normalized [train, valid, test] fractions (missing parts are 0)."""
-    parts = [p.strip() for p in re.split(r"[,/]", split.strip())]
+    # Quotes a launch script kept (Megatron's own scripts write --split '99,1,0') are no error.
+    parts = [p.strip() for p in re.split(r"[,/]", split.strip().strip("'\""))]
     values = [_number(p) for p in parts]
     if len(parts) > 3 or any(v is None or not math.isfinite(v) or v < 0 for v in values) or sum(values) <= 0:
         raise DataError(f"--split {split!r}: expected up to three non-negative numbers with a positive sum, "
