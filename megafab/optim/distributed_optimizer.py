@@ -1,6 +1,7 @@
 """The distributed optimizer (ZeRO-1, Megatron's `--use-distributed-optimizer`).
 
-Data flow of one step, per DP rank r of DP ranks d:
+Data flow of one step, per DP rank r of DP ranks d (with context parallelism "DP" here is the
+DP x CP group, d = dp * cp, as Megatron's: CP ranks hold the same parameters):
 
     grad buffer (fp32)  [ bucket 0: s0 | s1 | .. | s(d-1) ][ bucket 1: s0 | .. ] ...
                                     ^ rank r owns shard s_r of every bucket
@@ -77,10 +78,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         return {e.name: e.param_range for e in self.entries}
 
     def _norm_groups(self) -> list:
-        """Shards are disjoint across DP too: sum over DP, then over model parallel."""
+        """Shards are disjoint across the sharding group (DP x CP) too: sum over it, then over
+        model parallel."""
         if self.topology is None:
             return [c.dp_group for c in self.model_chunks[:1]]
-        return [self.topology.dp_group, self.topology.mp_group]
+        return [self.topology.dp_cp_group, self.topology.mp_group]
 
     def _copy_main_to_model(self):
         super()._copy_main_to_model()
