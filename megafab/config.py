@@ -363,7 +363,16 @@ class CheckpointConfig:
     finetune: bool = False
     """Load only the weights; restart iteration count and optimizer."""
     ckpt_format: str = "torch_dist"
-    """torch_dist: torch.distributed.checkpoint, loadable into any layout."""
+    """torch_dist: Megatron-LM's distributed checkpoint (any layout loads it, megatron-core too);
+    torch: Megatron's legacy per-rank model_optim_rng.pt files."""
+    auto_detect_ckpt_format: bool = False
+    """Load whatever format the checkpoint has (torch_dist loads every format anyway)."""
+    ckpt_step: int | None = None
+    """Load this iteration instead of the one the tracker file names."""
+    pretrained_checkpoint: str | None = None
+    """When --load holds no checkpoint, fine-tune from the one in this directory."""
+    exit_on_missing_checkpoint: bool = False
+    """Stop with an error when --load holds no checkpoint, instead of training from scratch."""
 
 
 @dataclass
@@ -445,6 +454,7 @@ def field_docs() -> dict[str, str]:
     return docs
 
 
+CKPT_FORMATS = ("torch_dist", "torch")  # Megatron's distributed and legacy checkpoint formats
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 
 
@@ -919,9 +929,13 @@ def checkpoint_problems(cfg: Config) -> list[str]:
         problem = unwritable_directory(c.save)
         if problem:
             out.append(f"--save {c.save}: {problem} (found now, not at the first save)")
-    if c.ckpt_format != "torch_dist":
-        out.append(f"--ckpt-format {c.ckpt_format!r} is not supported by megafab yet "
-                   f"(only torch_dist)")
+    if c.ckpt_format not in CKPT_FORMATS:
+        out.append(f"--ckpt-format {c.ckpt_format!r} is not supported by megafab (it reads and writes "
+                   f"{' and '.join(CKPT_FORMATS)})")
+    elif c.ckpt_format == "torch" and c.save and not c.no_save_optim:
+        out.append("--ckpt-format torch (Megatron's legacy files) is written without optimizer state: its "
+                   "layout follows Megatron's parameter order and buffers, which no other layout reads; add "
+                   "--no-save-optim, or save --ckpt-format torch_dist (the default, fully reshardable)")
     return out
 
 

@@ -72,7 +72,7 @@ def setup(cfg, topo, tracker) -> TrainState:
     scheduler = build_scheduler(cfg, optimizer)
     state = TrainState(cfg, topo, tracker, model, optimizer, scheduler)
     resume_after_restart(cfg, topo)
-    if cfg.checkpoint.load:
+    if cfg.checkpoint.load or cfg.checkpoint.pretrained_checkpoint:
         checkpointing.load_checkpoint(state)
     return state
 

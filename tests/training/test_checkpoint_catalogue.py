@@ -21,7 +21,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """A DP 2 checkpoint of iteration 2 (two .distcp shards, two RNG files) and its corpus."""
+    """A DP 2 torch_dist checkpoint of iteration 2 (two .distcp shards, two RNG files) and its corpus."""
     root = tmp_path_factory.mktemp("saved")
     corpus = write_corpus(str(root / "good"))
     flags = _train(corpus, 2) + ["--save", str(root / "ckpt")]
@@ -58,15 +58,17 @@ DAMAGE = {
     "tracker names a missing iteration": (lambda c: _write(os.path.join(c, TRACKER), "9"),
                                           r"names iteration 9 but .*iter_0000009 does not exist"),
     "missing .distcp shard": (lambda c: os.remove(os.path.join(c, I2, "__1_0.distcp")),
-                              rf"{I2}/__1_0\.distcp: missing"),
+                              rf"{I2} is incomplete: .*__1_0\.distcp are missing"),
     "truncated .distcp shard": (lambda c: _truncate(os.path.join(c, I2, "__0_0.distcp")),
                                 rf"{I2}/__0_0\.distcp: \d+ bytes, but \.metadata places tensors up to byte"),
     "deleted .metadata": (lambda c: os.remove(os.path.join(c, I2, ".metadata")),
-                          rf"{I2}/\.metadata: missing"),
+                          rf"{I2} has no \.metadata"),
     "deleted RNG file": (lambda c: os.remove(os.path.join(c, I2, "rng", "rank_00001.pt")),
                          r"rank_00001\.pt: missing, so rank 1's random state cannot be restored"),
-    "garbage common.json": (lambda c: _write(os.path.join(c, I2, "common.json"), "{not json"),
-                            rf"{I2}/common\.json: not valid JSON"),
+    "truncated common.pt": (lambda c: _truncate(os.path.join(c, I2, "common.pt")),
+                            rf"{I2}/common\.pt could not be read as a torch file"),
+    "deleted metadata.json": (lambda c: os.remove(os.path.join(c, I2, "metadata.json")),
+                              r"torch\.distributed\.checkpoint without metadata\.json"),
 }
 
 
@@ -84,8 +86,10 @@ def test_damaged_checkpoint(saved, tmp_path, case):
 def test_checkpoint_of_another_model_shape_names_the_flags_not_the_vocabulary(saved, tmp_path):
     flags = _train(saved[0], 4) + ["--load", saved[1], "--hidden-size", "64"]
     result = run_ranks_main(2, flags, tmp_path, timeout=120)
-    line = assert_one_message(result, r"has global shape .* --hidden-size: 32 in the checkpoint, 64 here")
-    assert "--make-vocab-size-divisible-by" not in line  # the vocabulary is not what differs
+    assert_one_message(result, r"iter_0000002 was saved from a different model than this run builds:")
+    message = result.err[0].split("megafab: error: ")[1]  # one line per differing flag under it
+    assert "\n  --hidden-size: checkpoint 32, this run 64\n" in message, message
+    assert "vocab" not in message  # the vocabulary is not what differs
 
 
 def test_load_of_an_iteration_directory_loads_that_iteration(saved, tmp_path):
