@@ -36,7 +36,7 @@ from megafab.checkpoint.errors import CheckpointError
 from megafab.checkpoint.formats import METADATA_JSON
 from megafab.checkpoint.layout import MODEL_PREFIX, STEP, Shard, split_key
 from megafab.checkpoint.megatron_args import flat_from_args, unknown_model
-from megafab.checkpoint.source import CheckpointSource, Counters, counters_from_common
+from megafab.checkpoint.source import CheckpointSource, Counters, counters_from_common, read_json_object
 
 COMMON_PT = "common.pt"
 COMMON_STATE = "common_state/shard_0_1"
@@ -69,11 +69,7 @@ def _safe_pickle():
 # ---- reading -------------------------------------------------------------------------------------
 def read_metadata_json(path: str) -> dict:
     file = os.path.join(path, METADATA_JSON)
-    try:
-        with open(file) as f:
-            meta = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{file} is not valid JSON ({e}); restore it from the original run") from None
+    meta = read_json_object(file)
     if meta.get("sharded_backend") != "torch_dist":
         raise CheckpointError(f"{file} names sharded_backend {meta.get('sharded_backend')!r}; megafab "
                               f"reads Megatron's torch_dist backend only (convert zarr checkpoints with "

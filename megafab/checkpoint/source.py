@@ -79,17 +79,26 @@ def counters_from_common(common: dict) -> Counters | None:
                     common["optimizer_iteration"], common["grad_scaler"])
 
 
+def read_json_object(file: str) -> dict:
+    """A checkpoint's JSON file holding one object (common.json, metadata.json), or its problem named."""
+    try:
+        with open(file) as f:
+            value = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: not valid JSON ({e}); the save did not finish or the file is "
+                              f"damaged: restore it, or load an earlier iteration") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{file}: holds a JSON {type(value).__name__}, not an object; the file is "
+                              f"damaged: restore it, or load an earlier iteration")
+    return value
+
+
 def read_common_json(path: str) -> dict:
     """megafab's common.json of the checkpoint directory `path`, checked."""
     file = os.path.join(path, COMMON)
-    try:
-        with open(file) as f:
-            common = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{file}: not valid JSON ({e}); the save did not finish or the file is "
-                              f"damaged: load an earlier iteration") from None
+    common = read_json_object(file)
     missing = [k for k in ("iteration", "consumed_train_samples", "has_optimizer", "has_rng", "layout",
-                           "config") if not isinstance(common, dict) or k not in common]
+                           "config") if k not in common]
     if missing:
         raise CheckpointError(f"{file}: has no {', '.join(missing)}; the file is damaged: load an earlier "
                               f"iteration")
