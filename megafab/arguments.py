@@ -93,7 +93,7 @@ def _parallel_flags(p):
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true", default=True)
     g.add_argument("--grad-reduce-in-bf16", action="store_true")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"])
-    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10)
 
 
 def _precision_flags(p):
@@ -157,6 +157,8 @@ def _training_flags(p):
     g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true", default=True)
     g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
                    dest="check_for_nan_in_loss_and_grad")
+    g.add_argument("--max-consecutive-skipped-iterations", type=int, default=100,
+                   help="megafab only: stop after this many skipped iterations in a row (0: never)")
     g.add_argument("--manual-gc", action="store_true")
     g.add_argument("--manual-gc-interval", type=int, default=0)
     g.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval")

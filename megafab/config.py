@@ -163,8 +163,9 @@ class ParallelConfig:
     the optimizer still steps fp32 main params."""
     distributed_backend: str | None = None
     """nccl or gloo; default nccl with CUDA, gloo without."""
-    distributed_timeout_minutes: int = 10
-    """Timeout of every collective; a dead rank fails the others after this long."""
+    distributed_timeout_minutes: float = 10
+    """Timeout of every collective; a frozen rank fails the others after this long (fractions of a
+    minute are accepted)."""
 
 
 @dataclass
@@ -325,7 +326,10 @@ class TrainingConfig:
     """Average the loss over every token of the global batch (sum of losses / number of tokens over
     micro-batches and data-parallel ranks) instead of averaging per-micro-batch means."""
     check_for_nan_in_loss_and_grad: bool = True
-    """Stop the run when the loss or the gradient norm is NaN/inf (Megatron's default)."""
+    """Stop at the first iteration whose loss or gradient norm is nan or inf (Megatron's check);
+    off, such iterations are skipped. fp16 loss-scale overflows are skipped either way."""
+    max_consecutive_skipped_iterations: int = 100
+    """megafab: stop after this many skipped iterations in a row (0: never)."""
     manual_gc: bool = False
     """Disable Python's automatic garbage collector; collect at --manual-gc-interval and around
     evaluation instead, on every rank at the same step."""
@@ -675,6 +679,8 @@ def parallel_problems(cfg: Config) -> list[str]:
                    f"--pipeline-model-parallel-size {pp}")
     if p.overlap_param_gather and not p.use_distributed_optimizer:
         out.append("--overlap-param-gather needs --use-distributed-optimizer")
+    if not p.distributed_timeout_minutes > 0:
+        out.append(f"--distributed-timeout-minutes {p.distributed_timeout_minutes} must be positive")
     if p.distributed_backend not in (None, "nccl", "gloo"):
         out.append(f"--distributed-backend {p.distributed_backend!r} is not nccl or gloo")
     return out
@@ -773,6 +779,9 @@ def training_problems(cfg: Config) -> list[str]:
                    f"inverse-square-root or WSD")
     if o.optimizer not in ("adam", "sgd"):
         out.append(f"--optimizer {o.optimizer!r} is not adam or sgd")
+    if t.max_consecutive_skipped_iterations < 0:
+        out.append(f"--max-consecutive-skipped-iterations {t.max_consecutive_skipped_iterations} must be "
+                   f"at least 0 (0: never stop for skipped iterations)")
     if t.eval_interval is not None and t.eval_interval <= 0:
         out.append(f"--eval-interval {t.eval_interval} must be positive")
     if o.decoupled_min_lr is not None and o.decoupled_lr is None:
@@ -883,26 +892,32 @@ def data_problems(cfg: Config) -> list[str]:
     if d.reset_attention_mask and not d.create_attention_mask_in_dataloader:
         out.append("--reset-attention-mask needs the attention mask the data loader builds; drop "
                    "--no-create-attention-mask-in-dataloader (or --reset-attention-mask)")
-    for prefix in _data_prefixes(d.data_path) + _data_prefixes(d.train_data_path):
-        if not os.path.exists(prefix + ".idx"):
-            out.append(f"data prefix {prefix}: {prefix}.idx not found (a Megatron dataset is "
-                       f"PREFIX.bin + PREFIX.idx, e.g. made by tools/preprocess_data.py)")
+    out += data_path_problems(cfg)
     return out
 
 
-def _data_prefixes(paths: list[str] | None) -> list[str]:
-    """Prefixes of a Megatron data path list: 'p' | 'w1 p1 w2 p2' | 'p1 p2'."""
-    if not paths:
-        return []
-    def is_weight(s):
+def data_path_problems(cfg: Config) -> list[str]:
+    """Each data-path flag parses (megafab.data.blend_spec's rules) and names existing datasets."""
+    from megafab.data.blend_spec import parse_blend, parse_split
+    from megafab.data.errors import DataError
+
+    d, out = cfg.data, []
+    for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
         try:
-            float(s)
-            return True
-        except ValueError:
-            return False
-    if len(paths) % 2 == 0 and all(is_weight(w) for w in paths[0::2]):
-        return list(paths[1::2])
-    return list(paths)
+            blend = parse_blend(getattr(d, flag))
+        except DataError as e:
+            out.append(f"--{flag.replace('_', '-')}: {e}")
+            continue
+        for prefix in blend[0] if blend else []:
+            if not os.path.exists(prefix + ".idx"):
+                out.append(f"data prefix {prefix}: {prefix}.idx not found (a Megatron dataset is "
+                           f"PREFIX.bin + PREFIX.idx, e.g. made by tools/preprocess_data.py)")
+    if d.split is not None:
+        try:
+            parse_split(d.split)
+        except DataError as e:
+            out.append(str(e))
+    return out
 
 
 def checkpoint_problems(cfg: Config) -> list[str]:
@@ -910,6 +925,10 @@ def checkpoint_problems(cfg: Config) -> list[str]:
     out = []
     if c.save_interval and not c.save:
         out.append("--save-interval needs --save DIR")
+    if c.save:
+        problem = unwritable_directory(c.save)
+        if problem:
+            out.append(f"--save {c.save}: {problem} (found now, not at the first save)")
     if c.ckpt_format not in CKPT_FORMATS:
         out.append(f"--ckpt-format {c.ckpt_format!r} is not supported by megafab (it reads and writes "
                    f"{' and '.join(CKPT_FORMATS)})")
@@ -918,3 +937,15 @@ def checkpoint_problems(cfg: Config) -> list[str]:
                    "layout follows Megatron's parameter order and buffers, which no other layout reads; add "
                    "--no-save-optim, or save --ckpt-format torch_dist (the default, fully reshardable)")
     return out
+
+
+def unwritable_directory(path: str) -> str | None:
+    """Why `path` cannot be made and written as a directory, or None when it can."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        return f"{probe} is a file, not a directory"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not writable by this user"
+    return None

@@ -5,11 +5,13 @@ without pulling in torch.distributed's process groups.
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from megafab.errors import MegafabError
 
@@ -82,3 +84,29 @@ def pick_device_and_backend(local_rank: int, backend: str | None = None) -> tupl
         raise LaunchError("--distributed-backend nccl needs CUDA GPUs, and none is visible; "
                             "use --distributed-backend gloo to run on CPU")
     return torch.device("cpu"), backend or "gloo"
+
+
+def restart_count(env: dict[str, str] | None = None) -> int:
+    """How often torchrun has restarted this job's workers (0 on the first attempt)."""
+    value = (os.environ if env is None else env).get("TORCHELASTIC_RESTART_COUNT", "0")
+    return int(value) if value.isdigit() else 0
+
+
+def agent_hosts_store(env: dict[str, str] | None = None) -> bool:
+    """True under torchrun: its agent hosts the rendezvous store (else rank 0 does)."""
+    return (os.environ if env is None else env).get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def rendezvous_store(launch: LaunchEnv, timeout: datetime.timedelta,
+                     env: dict[str, str] | None = None) -> dist.Store:
+    """The store init_process_group meets in, its keys scoped to this torchrun restart attempt.
+
+    torchrun's agent keeps one store across restarts; the keys a previous attempt left there (the
+    gloo addresses of workers that are gone) made a restarted job wait for them until its timeout.
+    Under torchrun the agent hosts the store; otherwise rank 0 does.
+    """
+    env = dict(os.environ if env is None else env)
+    store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size,
+                          is_master=launch.rank == 0 and not agent_hosts_store(env), timeout=timeout,
+                          multi_tenant=True)
+    return dist.PrefixStore(f"megafab/attempt_{restart_count(env)}", store)

@@ -1,3 +1,4 @@
+import json
 import subprocess
 import sys
 
@@ -6,7 +7,14 @@ import pytest
 from megafab.checkpoint import CheckpointError
 from megafab.config import ConfigError
 from megafab.data.errors import DataError
-from megafab.errors import MegafabError, exit_on_user_error, should_print
+from megafab.errors import (
+    JobFault,
+    MegafabError,
+    ReportedElsewhere,
+    exit_on_user_error,
+    exit_status,
+    should_print,
+)
 
 
 def test_user_errors_share_one_base():
@@ -41,3 +49,20 @@ def test_non_zero_rank_stays_silent_under_torchrun_env():
                           capture_output=True, text=True) for r in (0, 1)]
     assert [o.returncode for o in out] == [2, 2]
     assert "every rank sees this" in out[0].stderr and out[1].stderr == ""
+
+
+def test_the_speaker_writes_torchruns_error_file_and_silent_ranks_write_theirs_later(tmp_path, monkeypatch,
+                                                                                     capsys):
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "speaker.json"))
+    monkeypatch.setattr("megafab.errors.SILENT_EXIT_DELAY_S", 0.0)
+    assert exit_status(lambda: (_ for _ in ()).throw(JobFault("rank 3 is gone")), rank=1) == 3
+    speaker = json.loads((tmp_path / "speaker.json").read_text())["message"]
+    assert speaker["message"] == speaker["extraInfo"]["py_callstack"] == "megafab: error: rank 3 is gone"
+    assert capsys.readouterr().err == "megafab: error: rank 3 is gone\n"
+
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "silent.json"))
+    quiet = ReportedElsewhere(1, "rank 3 is gone", exit_code=3, reported_at=1000.0)
+    assert exit_status(lambda: (_ for _ in ()).throw(quiet), rank=0) == 3
+    silent = json.loads((tmp_path / "silent.json").read_text())["message"]
+    assert silent["extraInfo"]["timestamp"] == "1001" and "rank 1 reported" in silent["message"]
+    assert capsys.readouterr().err == ""  # silent, even on rank 0

@@ -24,6 +24,7 @@ from megafab.checkpoint.directory import (  # noqa: F401
     TRACKER,
     commit_checkpoint,
     iteration_dir,
+    iteration_of_directory,
     latest_iteration,
 )
 from megafab.checkpoint.errors import CheckpointError
@@ -31,6 +32,7 @@ from megafab.checkpoint.layout import STEP, split_key
 from megafab.checkpoint.megatron_args import check_model_args, megatron_namespace
 from megafab.checkpoint.source import RNG_DIR, MegafabSource, rng_file
 from megafab.checkpoint.vocab import adapt_padded_vocab
+from megafab.errors import ReportedElsewhere
 
 # Test hook: "ITER:SECONDS" makes rank 0 sleep before committing the save of iteration ITER, so a
 # test can kill the job while only the temporary directory exists.
@@ -65,6 +67,7 @@ def _common_state(state, with_optim: bool) -> dict:
     scaler = getattr(opt, "grad_scaler", None)
     return {"format_version": FORMAT_VERSION, "iteration": state.iteration,
             "consumed_train_samples": state.consumed_train_samples,
+            "consumed_valid_samples": state.consumed_valid_samples,
             "skipped_iterations": state.skipped_iterations, "nan_iterations": state.nan_iterations,
             "scheduler": state.scheduler.state_dict(), "optimizer_iteration": opt.iteration,
             "grad_scaler": scaler.state_dict() if scaler is not None else None,
@@ -128,7 +131,7 @@ def _save_torch_dist(state, tmp: str, with_optim: bool) -> None:
     dcp_io().save_shards(megatron_dist.megatron_shards(shards, cfg.model, dist_opt), tmp, objects)
     if topo.rank == 0:
         args = megatron_namespace(cfg, state.iteration, state.consumed_train_samples, formats.TORCH_DIST,
-                                  not with_optim, cfg.checkpoint.no_save_rng)
+                                  not with_optim, cfg.checkpoint.no_save_rng, state.consumed_valid_samples)
         step = float(cs.common_step(state.optimizer)) if with_optim else None
         megatron_dist.write_common(tmp, megatron_dist.common_state(
             args, state.iteration, _common_state(state, with_optim), state.scheduler.state_dict(), step,
@@ -154,6 +157,12 @@ def load_checkpoint(state) -> int | None:
     ck = cfg.checkpoint
     load_dir, finetune = ck.load, ck.finetune
     found = formats.find_checkpoint(load_dir, ck.ckpt_step) if load_dir else None
+    named = iteration_of_directory(load_dir) if load_dir and found is None else None
+    if named is not None and os.path.isdir(load_dir):  # --load SAVE/iter_0000004: that checkpoint
+        load_dir = os.path.dirname(os.path.normpath(load_dir))
+        _print0(topo, f"megafab: note: --load {ck.load} names one checkpoint; loading iteration {named} "
+                      f"of {load_dir}")
+        found = formats.find_checkpoint(load_dir, named)
     if found is None and ck.pretrained_checkpoint:  # Megatron: fine-tune from it until --load has one
         load_dir, finetune = ck.pretrained_checkpoint, True
         found = formats.find_checkpoint(load_dir)
@@ -223,6 +232,7 @@ def load_checkpoint(state) -> int | None:
     if not finetune:
         state.iteration = counters.iteration
         state.consumed_train_samples = counters.consumed_train_samples
+        state.consumed_valid_samples = counters.consumed_valid_samples
         state.skipped_iterations = counters.skipped_iterations
         state.nan_iterations = counters.nan_iterations
         state.scheduler.load_state_dict({**state.scheduler.state_dict(), **counters.scheduler})
@@ -238,7 +248,8 @@ def _model_dtype(state) -> torch.dtype:
 
 
 def _check_on_every_rank(topo, check) -> None:
-    """Run `check`; if it fails on any rank, every rank raises (none is left waiting in DCP)."""
+    """Run `check`; if it fails on any rank, every rank stops (none is left waiting in DCP): a rank
+    that found a problem raises it, the others stop silently (one of the finders speaks)."""
     error = None
     try:
         check()
@@ -246,9 +257,11 @@ def _check_on_every_rank(topo, check) -> None:
         error = e
     failed = torch.tensor([0.0 if error is None else 1.0], device=topo.device)
     dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if error is not None:
+        error.every_rank = False
+        raise error
     if failed.item() > 0:
-        raise error or CheckpointError("the checkpoint does not match this model on another rank; "
-                                       "see that rank's message")
+        raise ReportedElsewhere(None, "the checkpoint check failed on another rank")
 
 
 def _load_rng(state, source) -> None:
@@ -260,7 +273,15 @@ def _load_rng(state, source) -> None:
         _print0(topo, f"megafab: note: {note}")
     if file is None:
         return
-    snap = torch.load(file, weights_only=True)
+    if not os.path.isfile(file):
+        raise CheckpointError(f"{file}: missing, so rank {topo.rank}'s random state cannot be restored; "
+                              f"restore it, or pass --no-load-rng (dropout and data-loader randomness then "
+                              f"differ from an uninterrupted run)", every_rank=False)
+    try:
+        snap = torch.load(file, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - truncated or foreign file
+        raise CheckpointError(f"{file}: unreadable ({type(e).__name__}); restore it, or pass --no-load-rng",
+                              every_rank=False) from None
     cs.restore_rng(state, snap)
     state.extra[PENDING_RNG] = snap
 

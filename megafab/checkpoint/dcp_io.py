@@ -173,8 +173,8 @@ def check_stored_shape(fqn: str, md, global_shape) -> None:
         stored = tuple(md.size) if isinstance(md, TensorStorageMetadata) else type(md).__name__
         raise CheckpointError(
             f"checkpoint tensor {fqn!r} has global shape {stored} but this model needs "
-            f"{tuple(global_shape)}; every layout must build the same global model (a different "
-            f"padded vocabulary is fine; other sizes must match the checkpoint's)")
+            f"{tuple(global_shape)}: the checkpoint was saved from a model of another shape (any layout "
+            f"and padded vocabulary load, other sizes must match)")
 
 
 # ---- safe metadata -----------------------------------------------------------------------------
@@ -225,9 +225,11 @@ def read_metadata(path: str) -> Metadata:
                               f"earlier iteration")
     try:
         return SafeFileSystemReader(path).read_metadata()
-    except (EOFError, pickle.UnpicklingError) as e:
-        raise CheckpointError(f"{path}/.metadata is truncated or corrupt ({e}); restore it from the "
-                              f"original run") from None
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign pickle fails in many ways
+        raise CheckpointError(f"{path}/.metadata is truncated or corrupt ({type(e).__name__}: {e}); restore "
+                              f"it from the original run, or load an earlier iteration") from None
 
 
 def check_shards(shards: dict[str, Shard], stored: dict) -> None:
@@ -247,14 +249,24 @@ def _maybe_without_process_group():
 
 
 def check_files(path: str, metadata: Metadata) -> None:
-    """Refuse a partial checkpoint (a rank's file missing) before any rank starts reading."""
-    files = sorted({info.relative_path for info in metadata.storage_data.values()})
+    """Refuse a partial checkpoint (a rank's file missing or cut short) before any rank starts reading."""
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    files = sorted(needed)
     missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
     if missing:
         raise CheckpointError(
             f"{path} is incomplete: its .metadata lists {len(files)} data files but {', '.join(missing[:4])}"
             f"{' ...' if len(missing) > 4 else ''} are missing (a save that did not finish, or a partial "
             f"copy); copy the whole directory, or load an earlier iteration")
+    for name in files:
+        size = os.path.getsize(os.path.join(path, name))
+        if size < needed[name]:
+            raise CheckpointError(
+                f"{os.path.join(path, name)}: {size} bytes, but .metadata places tensors up to byte "
+                f"{needed[name]}; the file is truncated (a partial copy or a full disk): copy it again, or "
+                f"load an earlier iteration")
 
 
 def save_shards(shards: dict[str, Shard], path: str, objects: dict | None = None) -> None:
@@ -288,6 +300,12 @@ def load_shards(shards: dict[str, Shard], path: str) -> None:
         with _maybe_without_process_group() as no_dist:
             dcp.load(_dcp_state_dict(shards), storage_reader=SafeFileSystemReader(path),
                      planner=planner, no_dist=no_dist)
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - DCP gathers every rank's failure into one exception
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path}: reading its tensors failed ({type(e).__name__}: {first}); the "
+                              f"checkpoint is damaged: load an older one") from None
     finally:
         if hasattr(planner, "progress"):
             planner.progress.close()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 from megafab.checkpoint.errors import CheckpointError
@@ -26,8 +27,17 @@ COMMON = "common.json"
 FORMAT_VERSION = 1
 
 
+ITERATION_DIR = re.compile(r"iter_(\d{7})$")
+
+
 def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def iteration_of_directory(path: str) -> int | None:
+    """4 for '.../iter_0000004' (a --load that names one checkpoint, not the save directory)."""
+    match = ITERATION_DIR.match(os.path.basename(os.path.normpath(path)))
+    return int(match.group(1)) if match else None
 
 
 RELEASE = "release"  # Megatron's tracker text for a released checkpoint, stored in SAVE/release/

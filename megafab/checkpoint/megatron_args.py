@@ -86,14 +86,16 @@ def unknown_model(path: str) -> CheckpointError:
 
 
 def megatron_namespace(cfg, iteration: int, consumed_train_samples: int, ckpt_format: str,
-                       no_save_optim: bool, no_save_rng: bool) -> argparse.Namespace:
+                       no_save_optim: bool, no_save_rng: bool,
+                       consumed_valid_samples: int = 0) -> argparse.Namespace:
     """The args a Megatron-LM checkpoint of this run records (plain values only)."""
     flat = cfg.to_flat()
     m = cfg.model
     flat.update(
         add_position_embedding=m.position_embedding_type == "learned_absolute",
         use_rotary_position_embeddings=m.position_embedding_type == "rope",
-        iteration=iteration, consumed_train_samples=consumed_train_samples, consumed_valid_samples=0,
+        iteration=iteration, consumed_train_samples=consumed_train_samples,
+        consumed_valid_samples=consumed_valid_samples,
         ckpt_format=ckpt_format, use_dist_ckpt=ckpt_format == "torch_dist", no_save_optim=no_save_optim,
         no_save_rng=no_save_rng, use_mcore_models=True, transformer_impl=m.transformer_impl,
         rank=0)

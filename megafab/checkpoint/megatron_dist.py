@@ -36,7 +36,7 @@ from megafab.checkpoint.errors import CheckpointError
 from megafab.checkpoint.formats import METADATA_JSON
 from megafab.checkpoint.layout import MODEL_PREFIX, STEP, Shard, split_key
 from megafab.checkpoint.megatron_args import flat_from_args, unknown_model
-from megafab.checkpoint.source import CheckpointSource, Counters, counters_from_common
+from megafab.checkpoint.source import CheckpointSource, Counters, counters_from_common, read_json_object
 
 COMMON_PT = "common.pt"
 COMMON_STATE = "common_state/shard_0_1"
@@ -69,11 +69,7 @@ def _safe_pickle():
 # ---- reading -------------------------------------------------------------------------------------
 def read_metadata_json(path: str) -> dict:
     file = os.path.join(path, METADATA_JSON)
-    try:
-        with open(file) as f:
-            meta = json.load(f)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{file} is not valid JSON ({e}); restore it from the original run") from None
+    meta = read_json_object(file)
     if meta.get("sharded_backend") != "torch_dist":
         raise CheckpointError(f"{file} names sharded_backend {meta.get('sharded_backend')!r}; megafab "
                               f"reads Megatron's torch_dist backend only (convert zarr checkpoints with "
@@ -87,6 +83,11 @@ def read_common(path: str) -> dict:
     if os.path.isfile(file):
         common = _safe_pickle().load(file)
     else:
+        if COMMON_STATE not in dcp_io().read_metadata(path).state_dict_metadata:
+            raise CheckpointError(f"{file}: missing, and the DCP files hold no {COMMON_STATE} object "
+                                  f"either, so the run's args and counters are lost; the save did not finish "
+                                  f"or the copy is partial: copy the whole directory, or load an earlier "
+                                  f"iteration")
         raw = dcp_io().read_objects(path, [COMMON_STATE])
         common = _safe_pickle().loads(raw[COMMON_STATE], f"{path} ({COMMON_STATE})")[0]
     if not isinstance(common, dict):
@@ -139,7 +140,8 @@ def _megatron_counters(common: dict, args: dict) -> Counters | None:
     if scaler is not None:
         scaler = {k: float(v) if torch.is_tensor(v) else v for k, v in scaler.items()}
     return Counters(int(common["iteration"]), int(args.get("consumed_train_samples", 0)),
-                    scheduler=scheduler, optimizer_iteration=int(common["iteration"]), grad_scaler=scaler)
+                    int(args.get("consumed_valid_samples", 0)), scheduler=scheduler,
+                    optimizer_iteration=int(common["iteration"]), grad_scaler=scaler)
 
 
 def saved_config(common: dict, path: str):

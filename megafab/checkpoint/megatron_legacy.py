@@ -195,7 +195,8 @@ def _counters(state: dict, args: dict) -> Counters | None:
     if sched is None or "iteration" not in state:
         return None
     scheduler = {SCHEDULER_FIELDS[k]: v for k, v in sched.items() if k in SCHEDULER_FIELDS}
-    return Counters(int(state["iteration"]), int(args.get("consumed_train_samples", 0)), scheduler=scheduler,
+    return Counters(int(state["iteration"]), int(args.get("consumed_train_samples", 0)),
+                    int(args.get("consumed_valid_samples", 0)), scheduler=scheduler,
                     optimizer_iteration=int(state["iteration"]))
 
 
@@ -262,7 +263,7 @@ def save_rank_file(state, tmp: str, megafab_common: dict) -> None:
         module = getattr(chunk, "module", chunk)
         models["model" if vpp == 1 else f"model{c}"] = local_state_dict(module, first, te)
     args = megatron_namespace(cfg, state.iteration, state.consumed_train_samples, "torch", True,
-                              cfg.checkpoint.no_save_rng)
+                              cfg.checkpoint.no_save_rng, state.consumed_valid_samples)
     out = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": state.iteration, **models,
            "opt_param_scheduler": megatron_scheduler_state(state.scheduler.state_dict()),
            "num_floating_point_operations_so_far": 0, MEGAFAB: megafab_common}

@@ -34,7 +34,8 @@ except ImportError:  # pragma: no cover - numpy < 2
 _DATA_CLASSES = [argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath, pathlib.PurePosixPath,
                  io.BytesIO, signal.Signals, _reconstruct, *_NUMPY]
 INERT_PREFIXES = ("megatron.",)
-_READ_ERRORS = (RuntimeError, pickle.UnpicklingError, EOFError)
+# ValueError: not a torch file; OSError: mmap of a truncated one
+_READ_ERRORS = (RuntimeError, pickle.UnpicklingError, EOFError, ValueError, OSError)
 
 
 class MegatronObject:
@@ -114,6 +115,8 @@ def _load(source, what: str, mmap: bool):
             if isinstance(source, (bytes, bytearray)):
                 return torch.load(io.BytesIO(source), map_location="cpu", weights_only=True)
             return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
+    except CheckpointError:  # a refused global (CheckpointError is a ValueError too)
+        raise
     except _READ_ERRORS as e:
         raise CheckpointError(f"{what} could not be read as a torch file ({str(e).splitlines()[0]}); it is "
                               f"truncated or not a checkpoint: restore it from the original run") from None

@@ -30,6 +30,7 @@ class Counters:
 
     iteration: int
     consumed_train_samples: int
+    consumed_valid_samples: int = 0
     skipped_iterations: int = 0
     nan_iterations: int = 0
     scheduler: dict = field(default_factory=dict)
@@ -72,9 +73,36 @@ def counters_from_common(common: dict) -> Counters | None:
     common.pt); None for a weights-only checkpoint."""
     if common.get("scheduler") is None:
         return None
-    return Counters(common["iteration"], common["consumed_train_samples"], common["skipped_iterations"],
-                    common["nan_iterations"], common["scheduler"], common["optimizer_iteration"],
-                    common["grad_scaler"])
+    return Counters(common["iteration"], common["consumed_train_samples"],
+                    common.get("consumed_valid_samples", 0),  # saved since issue 18
+                    common["skipped_iterations"], common["nan_iterations"], common["scheduler"],
+                    common["optimizer_iteration"], common["grad_scaler"])
+
+
+def read_json_object(file: str) -> dict:
+    """A checkpoint's JSON file holding one object (common.json, metadata.json), or its problem named."""
+    try:
+        with open(file) as f:
+            value = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: not valid JSON ({e}); the save did not finish or the file is "
+                              f"damaged: restore it, or load an earlier iteration") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{file}: holds a JSON {type(value).__name__}, not an object; the file is "
+                              f"damaged: restore it, or load an earlier iteration")
+    return value
+
+
+def read_common_json(path: str) -> dict:
+    """megafab's common.json of the checkpoint directory `path`, checked."""
+    file = os.path.join(path, COMMON)
+    common = read_json_object(file)
+    missing = [k for k in ("iteration", "consumed_train_samples", "has_optimizer", "has_rng", "layout",
+                           "config") if k not in common]
+    if missing:
+        raise CheckpointError(f"{file}: has no {', '.join(missing)}; the file is damaged: load an earlier "
+                              f"iteration")
+    return common
 
 
 class MegafabSource(CheckpointSource):
@@ -83,12 +111,7 @@ class MegafabSource(CheckpointSource):
     def __init__(self, path: str):
         from megafab.checkpoint import dcp_io
 
-        with open(os.path.join(path, COMMON)) as f:
-            try:
-                common = json.load(f)
-            except json.JSONDecodeError as e:
-                raise CheckpointError(f"{os.path.join(path, COMMON)} is not valid JSON ({e}); the save did "
-                                      f"not finish: load an earlier iteration") from None
+        common = read_common_json(path)
         metadata = dcp_io.read_metadata(path)
         dcp_io.check_files(path, metadata)
         super().__init__("megafab", path, metadata.state_dict_metadata, common["config"],

@@ -32,7 +32,7 @@ import torch
 
 from megafab.checkpoint.formats import CKPT_FORMATS
 from megafab.convert import export_hf, import_hf, read_checkpoint, write_checkpoint
-from megafab.errors import MegafabError
+from megafab.errors import exit_status
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SAVERS = (*CKPT_FORMATS, "hf")
@@ -117,9 +117,4 @@ def convert(args) -> str:
 
 def main(argv=None) -> int:
     args = parse(argv)
-    try:
-        print(convert(args))
-    except MegafabError as e:
-        print(f"convert_checkpoint: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_status(lambda: print(convert(args)))

@@ -18,9 +18,7 @@ import time
 
 import torch
 
-from megafab.checkpoint import CheckpointError
-from megafab.convert.state_dict import ConversionError
-from megafab.data.errors import DataError
+from megafab.errors import exit_status
 from megafab.inference import GenerationError, SamplingParams, generate, load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -98,12 +96,13 @@ def run(args) -> list[int]:
 
 
 def main(argv=None) -> int:
-    try:
-        run(parse(argv))
-    except (GenerationError, ConversionError, CheckpointError, DataError, OSError) as e:
-        print(f"generate: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    def body():
+        try:
+            run(parse(argv))
+        except OSError as e:  # e.g. an unreadable --prompt-file
+            raise GenerationError(f"{e.filename or ''}: {e.strerror or e}") from None
+
+    return exit_status(body)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import sys
 
 from megafab.data.errors import DataError
 from megafab.data.indexed_dataset import merge_datasets
-from megafab.errors import exit_on_user_error
+from megafab.errors import exit_status
 
 
 def prefixes_in(directory: str) -> list[str]:
@@ -34,15 +34,13 @@ def main(argv=None) -> int:
     parser.add_argument("--input", required=True, help="directory holding PREFIX.bin/.idx pairs")
     parser.add_argument("--output-prefix", required=True)
     parser.add_argument("--multimodal", action="store_true")
-    try:
-        with exit_on_user_error():
-            args = parser.parse_args(argv)
-            prefixes = prefixes_in(args.input)
-            merge_datasets(prefixes, args.output_prefix, multimodal=args.multimodal)
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else 1
-    print(f"merged {len(prefixes)} datasets into {args.output_prefix}")
-    return 0
+    def body():
+        args = parser.parse_args(argv)
+        prefixes = prefixes_in(args.input)
+        merge_datasets(prefixes, args.output_prefix, multimodal=args.multimodal)
+        print(f"merged {len(prefixes)} datasets into {args.output_prefix}")
+
+    return exit_status(body)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ import re
 import sys
 from dataclasses import dataclass, field
 
+from megafab.errors import MegafabError, exit_status
+
 SERIES = ("train_loss", "valid_loss", "lr", "tokens_per_sec", "tflops")
 
 _ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*\d+\s*\|(.*)")
@@ -33,7 +35,7 @@ _TB_TAGS = {"train_loss": ("lm loss",), "valid_loss": ("lm loss validation", "va
             "tflops": ("throughput", "throughput/tflops")}
 
 
-class PlotLogsError(ValueError):
+class PlotLogsError(MegafabError):
     """A log or directory that holds nothing to plot, or a missing dependency."""
 
 
@@ -165,18 +167,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.labels and len(args.labels) != len(args.logs):
         parser.error(f"--labels got {len(args.labels)} names for {len(args.logs)} logs; give one per LOG")
-    try:
+    def body():
         runs = [load_run(path, args.labels[i] if args.labels else None) for i, path in enumerate(args.logs)]
         plot_runs(runs, args.out, args.title)
-    except PlotLogsError as err:
-        print(f"plot_logs: error: {err}", file=sys.stderr)
-        return 2
-    for run in runs:
-        xs, ys = run.points("valid_loss")
-        last = f", last validation loss {ys[-1]:.3f} at iteration {xs[-1]}" if xs else ""
-        print(f"{run.name}: {len(run.series['train_loss'])} logged iterations{last}")
-    print(f"wrote {args.out}")
-    return 0
+        for run in runs:
+            xs, ys = run.points("valid_loss")
+            last = f", last validation loss {ys[-1]:.3f} at iteration {xs[-1]}" if xs else ""
+            print(f"{run.name}: {len(run.series['train_loss'])} logged iterations{last}")
+        print(f"wrote {args.out}")
+
+    return exit_status(body)
 
 
 if __name__ == "__main__":

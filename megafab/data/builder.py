@@ -3,48 +3,20 @@
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from megafab.data.blend_spec import parse_blend, parse_split
 from megafab.data.blended_dataset import BlendedDataset
 from megafab.data.errors import DataError
 from megafab.data.gpt_dataset import GPTDataset
 from megafab.data.indexed_dataset import IndexedDataset, dtype_for_vocab
 from megafab.data.mock import MockIndexedDataset
+from megafab.data.token_range import check_dataset
 
 SPLIT_NAMES = ("train", "valid", "test")
 MID_LEVEL_SURPLUS = 0.005
-
-
-def parse_blend(data_path: str | Sequence[str] | None) -> tuple[list[str], list[float] | None] | None:
-    """`P` / `P1 P2 ...` (weights from sizes) / `w1 P1 w2 P2 ...` -> (prefixes, weights or None)."""
-    if data_path is None:
-        return None
-    items = data_path.split() if isinstance(data_path, str) else [str(p) for p in data_path]
-    if not items:
-        raise DataError("data path is empty; give a prefix such as my-corpus_text_document")
-    if len(items) % 2 == 0:
-        try:
-            weights = [float(w) for w in items[0::2]]
-        except ValueError:
-            return [p.strip() for p in items], None
-        if any(w <= 0 for w in weights):
-            raise DataError(f"blend weights {weights} must all be positive")
-        return [p.strip() for p in items[1::2]], weights
-    return [p.strip() for p in items], None
-
-
-def parse_split(split: str) -> list[float]:
-    """'969,30,1' -> normalized [train, valid, test] fractions (missing parts are 0)."""
-    parts = [float(x) for x in re.findall(r"[.0-9]+", split)]
-    if not parts or len(parts) > 3 or sum(parts) <= 0:
-        raise DataError(f"--split {split!r}: expected up to three non-negative numbers with a positive sum, "
-                        "e.g. 969,30,1")
-    parts += [0.0] * (3 - len(parts))
-    total = float(np.sum(np.asarray(parts, dtype=np.float64)))
-    return (np.asarray(parts, dtype=np.float64) / total).tolist()
 
 
 def split_matrix(fractions: Sequence[float]) -> list[tuple[float, float] | None]:
@@ -56,7 +28,21 @@ def split_matrix(fractions: Sequence[float]) -> list[tuple[float, float] | None]
     return [(b, e) if e > b else None for b, e in zip(bounds[:-1], bounds[1:])]
 
 
-def open_indexed(prefix: str, vocab_size: int | None, mmap: bool = True) -> IndexedDataset:
+def empty_split_message(prefix: str | None, documents: int, name: str, bookend: tuple[float, float],
+                        split: str, samples: int | None) -> str:
+    where = prefix or "the mock dataset"
+    if documents == 0:
+        return f"{where}: the dataset holds no documents; give a dataset with documents"
+    wanted = f"the run needs {samples} {name} samples" if samples else f"the run reads the {name} split"
+    return (f"{where}: --split {split} gives the {name} split documents round({bookend[0]:.4g} x "
+            f"{documents}) .. round({bookend[1]:.4g} x {documents}) of {documents}, i.e. none, but {wanted}; "
+            f"give the {name} split a larger share (e.g. --split 90,5,5), use more documents"
+            + (", or --eval-iters 0 to evaluate nothing" if name != "train" else ""))
+
+
+def open_indexed(prefix: str, vocab_size: int | None, mmap: bool = True, **cache) -> IndexedDataset:
+    """The dataset of `prefix`, refused if its ids cannot belong to the vocabulary; cache:
+    cache_path, barrier, is_builder (see index_cache.cached_arrays)."""
     dataset = IndexedDataset(prefix, mmap=mmap)
     stored = np.dtype(dataset.dtype)
     if vocab_size is not None and stored.kind in "iu" and np.iinfo(stored).max < vocab_size - 1:
@@ -64,6 +50,7 @@ def open_indexed(prefix: str, vocab_size: int | None, mmap: bool = True) -> Inde
         raise DataError(f"{prefix}.idx: tokens are stored as {stored.name}, which cannot hold the ids of a "
                         f"{vocab_size}-token vocabulary (needs {needed}); preprocess the data again with "
                         "this tokenizer")
+    check_dataset(dataset, vocab_size, **cache)
     return dataset
 
 
@@ -88,6 +75,7 @@ def build_gpt_datasets(data_path: str | Sequence[str] | None = None, split: str 
         raise DataError("--data-path and --train/valid/test-data-path are mutually exclusive; give one")
     vocab_size = getattr(tokenizer, "vocab_size", None)
     common = dict(seq_length=seq_length, seed=seed, eod=tokenizer.eod, pad=getattr(tokenizer, "pad", None),
+                  vocab_size=vocab_size,
                   eod_mask_loss=eod_mask_loss, reset_position_ids=reset_position_ids,
                   reset_attention_mask=reset_attention_mask, cache_path=cache_path, barrier=barrier,
                   is_builder=is_builder)
@@ -102,6 +90,11 @@ def build_gpt_datasets(data_path: str | Sequence[str] | None = None, split: str 
                 out.append(None)
                 continue
             beg, end = int(round(bookend[0] * n)), int(round(bookend[1] * n))
+            if end <= beg and counts[i] == 0:  # an empty split nobody reads: absent, as if not asked
+                out.append(None)
+                continue
+            if end <= beg:
+                raise DataError(empty_split_message(prefix, n, SPLIT_NAMES[i], bookend, split, counts[i]))
             documents = np.arange(beg, end, dtype=np.int32)
             out.append(GPTDataset(low, prefix, documents, counts[i], SPLIT_NAMES[i], **common))
         return out
@@ -109,7 +102,7 @@ def build_gpt_datasets(data_path: str | Sequence[str] | None = None, split: str 
     def from_blend(blend, matrix, counts):
         prefixes, weights = blend
         if len(prefixes) == 1 and weights is None:
-            low = open_indexed(prefixes[0], vocab_size, mmap_bin_files)
+            low = open_indexed(prefixes[0], vocab_size, mmap_bin_files, **blended)
             return mid_level(low, prefixes[0], matrix, counts)
         if weights is not None:
             total = float(np.sum(np.asarray(weights, dtype=np.float64)))
@@ -122,14 +115,14 @@ def build_gpt_datasets(data_path: str | Sequence[str] | None = None, split: str 
                          for c in counts] for w in weights]
         else:
             buffered = [[None] * 3 for _ in prefixes]
-        mids = [mid_level(open_indexed(p, vocab_size, mmap_bin_files), p, matrix, buffered[j])
+        mids = [mid_level(open_indexed(p, vocab_size, mmap_bin_files, **blended), p, matrix, buffered[j])
                 for j, p in enumerate(prefixes)]
         out = []
         for i in range(3):
-            if matrix[i] is None:
+            datasets = [m[i] for m in mids]
+            if matrix[i] is None or any(d is None for d in datasets):
                 out.append(None)
                 continue
-            datasets = [m[i] for m in mids]
             if weights is not None:
                 size, split_weights = sum(t[i] for t in target), weights
             else:

@@ -8,8 +8,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from megafab.data.errors import DataError
 from megafab.data.index_cache import cached_arrays
 from megafab.data.sample_index import build_gpt_indices
+from megafab.data.token_range import check_sample
 
 PAD_TOKEN_ID = -1  # used when the tokenizer has no pad id; never a real token
 
@@ -26,8 +28,14 @@ class GPTDataset(torch.utils.data.Dataset):
                  split_name: str, seq_length: int, seed: int, eod: int, pad: int | None = None,
                  eod_mask_loss: bool = False, reset_position_ids: bool = False,
                  reset_attention_mask: bool = False, cache_path: str | None = None,
-                 barrier: Callable[[], None] | None = None, is_builder: bool = True):
+                 barrier: Callable[[], None] | None = None, is_builder: bool = True,
+                 vocab_size: int | None = None):
+        tokens = int(np.sum(np.asarray(indexed.sequence_lengths)[documents], dtype=np.int64))
+        if tokens == 0:
+            raise DataError(f"{dataset_path or 'the mock dataset'}: the {split_name} split's "
+                            f"{len(documents)} documents hold no tokens; preprocess the data again")
         self.indexed = indexed
+        self.vocab_size = vocab_size
         self.dataset_path = dataset_path
         self.documents = documents
         self.num_samples = num_samples
@@ -64,6 +72,8 @@ class GPTDataset(torch.utils.data.Dataset):
             parts += [self.indexed.get(int(self.document_index[d])) for d in range(doc_beg + 1, doc_end)]
             parts.append(self.indexed.get(int(self.document_index[doc_end]), 0, off_end + 1))
         tokens = np.concatenate(parts).astype(np.int64)
+        check_sample(tokens, self.vocab_size,
+                     lambda: f"{self.dataset_path or 'the mock dataset'}: {self.split_name} sample {idx}")
         if len(tokens) < self.seq_length + 1:
             tokens = np.concatenate([tokens, np.full(self.seq_length + 1 - len(tokens), self.pad, np.int64)])
         return tokens

@@ -59,4 +59,28 @@ def build_data_iterator(dataset, consumed_samples: int, micro_batch_size: int, d
     sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                          pin_memory=False, persistent_workers=num_workers > 0)
-    return iter(loader)
+    return _CleanDataErrors(iter(loader)) if num_workers > 0 else iter(loader)
+
+
+class _CleanDataErrors:
+    """A DataLoader iterator whose workers' DataErrors come back as raised: the loader re-raises
+    them built from a text that holds the worker's whole traceback. Other attributes: the loader
+    iterator's."""
+
+    def __init__(self, batches: Iterator):
+        self.batches = batches
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self.batches)
+        except DataError as error:
+            text, marker = str(error), f"{DataError.__name__}: "
+            if "Original Traceback" in text and marker in text:
+                text = text.rsplit(marker, 1)[1].strip()
+            raise DataError(text, every_rank=False) from None
+
+    def __getattr__(self, name):
+        return getattr(self.batches, name)

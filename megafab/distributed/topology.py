@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from megafab.errors import MegafabError
-from megafab.launch import pick_device_and_backend, read_launch_env
+from megafab.launch import pick_device_and_backend, read_launch_env, rendezvous_store
 
 ORDER = ("tp", "cp", "ep", "dp", "pp")  # Megatron's 'tp-cp-ep-dp-pp'
 FLAGS = {"tp": "tensor-model-parallel-size", "cp": "context-parallel-size",
@@ -238,12 +238,14 @@ class Topology:
 
 
 def build_topology(tp: int = 1, pp: int = 1, vpp: int = 1, device: torch.device | None = None,
-                   backend: str | None = None, cp: int = 1) -> Topology:
+                   backend: str | None = None, cp: int = 1,
+                   timeout: datetime.timedelta | None = None) -> Topology:
     """Make the groups of an already initialized default process group.
 
     Groups are made with new_group for every layout group, in the same order on every rank
     (gloo on CPU cannot use split_group, and DeviceMesh's CPU path would need it); kinds whose
-    rank lists coincide (dp and dp-cp at CP 1) share one process group.
+    rank lists coincide (dp and dp-cp at CP 1) share one process group. timeout: of every
+    group's collectives (torch's default for a new group is 30 minutes, not the world's).
     """
     if not dist.is_initialized():
         raise RuntimeError("initialize torch.distributed first (megafab.distributed.initialize)")
@@ -260,7 +262,8 @@ def build_topology(tp: int = 1, pp: int = 1, vpp: int = 1, device: torch.device 
         for ranks in groups:
             key = tuple(ranks)
             if key not in made:
-                made[key] = dist.group.WORLD if len(ranks) == world else dist.new_group(ranks)
+                made[key] = dist.group.WORLD if len(ranks) == world \
+                    else dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 setattr(topo, f"{kind}_group", made[key])
                 topo.group_ranks[kind] = ranks
@@ -284,8 +287,7 @@ def initialize(tp: int = 1, pp: int = 1, vpp: int = 1, backend: str | None = Non
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend=backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
-            rank=launch.rank, world_size=launch.world_size,
-            timeout=datetime.timedelta(minutes=timeout_minutes))
-    return build_topology(tp, pp, vpp, device, backend, cp)
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        dist.init_process_group(backend=backend, store=rendezvous_store(launch, timeout, env),
+                                rank=launch.rank, world_size=launch.world_size, timeout=timeout)
+    return build_topology(tp, pp, vpp, device, backend, cp, datetime.timedelta(minutes=timeout_minutes))

@@ -51,6 +51,11 @@ def generate(model, prompt: list[int], params: SamplingParams, use_kv_cache: boo
         raise GenerationError("generation needs the whole model in one chunk (pre_process and post_process)")
     model.eval()
     vocab = model.cfg.vocab_size
+    outside = [t for t in prompt if not 0 <= t < vocab]
+    if outside:
+        raise GenerationError(f"prompt token id(s) {outside[:5]} are outside the model's vocabulary "
+                              f"0..{vocab - 1}; give ids below {vocab} (or a text prompt with the tokenizer "
+                              f"the model was trained with)")
     device = model.output_weight().device
     total = len(prompt) + params.max_new_tokens
     _check_length(model, total)

@@ -5,10 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from megafab.distributed.data_parallel import DistributedDataParallel
 from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
 from megafab.distributed.topology import Topology, initialize
+from megafab.errors import JobFault
+from megafab.launch import read_launch_env
 from megafab.model.gpt import build_model_chunks
 from megafab.model.te import check_transformer_engine
 from megafab.model.transformer import LayerContext
@@ -32,7 +35,9 @@ class TrainState:
     scheduler: OptimizerParamScheduler
     iteration: int = 0
     consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
     skipped_iterations: int = 0
+    consecutive_skipped: int = 0
     nan_iterations: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -40,9 +45,17 @@ class TrainState:
 def init_distributed(cfg) -> tuple[Topology, RNGStatesTracker]:
     p = cfg.parallel
     check_transformer_engine(cfg.model, cfg.precision, planned_device(cfg))  # before any process group
-    topo = initialize(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                      p.virtual_pipeline_model_parallel_size or 1, p.distributed_backend,
-                      p.distributed_timeout_minutes, cp=p.context_parallel_size)
+    try:
+        topo = initialize(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                          p.virtual_pipeline_model_parallel_size or 1, p.distributed_backend,
+                          p.distributed_timeout_minutes, cp=p.context_parallel_size)
+    except dist.DistError as e:  # before the process group exists no rank can speak for the job
+        launch = read_launch_env()
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise JobFault(f"rank {launch.rank}: the {launch.world_size} ranks did not meet at "
+                       f"{launch.master_addr}:{launch.master_port} within --distributed-timeout-minutes "
+                       f"{p.distributed_timeout_minutes:g}: {first}; check that every rank was started "
+                       f"and reaches that address (MASTER_ADDR/MASTER_PORT)") from None
     tracker = RNGStatesTracker(topo.device)
     model_parallel_seed(cfg.training.seed, topo.tp_rank, topo.pp_rank, topo.device, tracker,
                         cp_rank=topo.cp_rank)

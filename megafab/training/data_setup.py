@@ -34,7 +34,9 @@ def sample_counts(cfg, train_iters: int) -> tuple[int, int, int]:
     return train, valid, t.eval_iters * gbs
 
 
-def build_data_iterators(cfg, topo, consumed_train_samples: int, tokenizer=None):
+def build_datasets(cfg, topo, tokenizer=None) -> list:
+    """(train, valid, test) datasets; every data file is opened and checked here, so a run builds
+    them before its model (a bad file is reported before minutes of model building)."""
     d, t = cfg.data, cfg.training
     tokenizer = tokenizer or attach_tokenizer(cfg)
     targets = sample_counts(cfg, train_iterations(cfg))
@@ -48,6 +50,16 @@ def build_data_iterators(cfg, topo, consumed_train_samples: int, tokenizer=None)
         mmap_bin_files=d.mmap_bin_files)
     if topo.rank == 0:
         print("\n".join(dataset_lines(targets, datasets)), flush=True)
-    consumed = [consumed_train_samples, 0, 0]
+    return datasets
+
+
+def build_data_iterators(cfg, topo, consumed_train_samples: int, tokenizer=None,
+                         consumed_valid_samples: int = 0, datasets: list | None = None):
+    """Iterators over `datasets` (built here when not given) from the consumed sample counts."""
+    d, t = cfg.data, cfg.training
+    datasets = datasets if datasets is not None else build_datasets(cfg, topo, tokenizer)
+    # Validation restarts from its first batch once a resumed run has evaluated on all of it.
+    valid = consumed_valid_samples % len(datasets[1]) if datasets[1] is not None and len(datasets[1]) else 0
+    consumed = [consumed_train_samples, valid, 0]
     return tuple(build_data_iterator(ds, consumed[i], t.micro_batch_size, topo.dp_rank, topo.dp,
                                      num_workers=d.num_workers) for i, ds in enumerate(datasets))

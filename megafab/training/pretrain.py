@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 
 from megafab.checkpoint import checkpointing
+from megafab.distributed.faults import FaultWatch
+from megafab.launch import restart_count
 from megafab.training.batch_size import train_iterations
 from megafab.training.build import (
     TrainState,
@@ -17,7 +19,7 @@ from megafab.training.build import (
     build_scheduler,
     init_distributed,
 )
-from megafab.training.data_setup import attach_tokenizer, build_data_iterators
+from megafab.training.data_setup import attach_tokenizer, build_data_iterators, build_datasets
 from megafab.training.loop_hooks import ManualGC, StepProfiler, setup_logging
 from megafab.training.run_record import (
     arguments_block,
@@ -51,12 +53,25 @@ def print_rank_0(topo, text: str) -> None:
         print(text, flush=True)
 
 
-def setup(cfg) -> TrainState:
-    topo, tracker = init_distributed(cfg)
+def resume_after_restart(cfg, topo) -> None:
+    """Under torchrun --max-restarts a restarted job continues from the newest checkpoint in --save
+    (whatever --load or --finetune asked for the first attempt), so no step is trained twice."""
+    ck = cfg.checkpoint
+    attempt = restart_count()
+    if attempt == 0 or not ck.save or checkpointing.latest_iteration(ck.save) is None:
+        return
+    asked = f" instead of --load {ck.load}{' --finetune' if ck.finetune else ''}" if ck.load else ""
+    print_rank_0(topo, f"megafab: note: torchrun restart {attempt}: resuming from the latest checkpoint "
+                       f"in --save {ck.save}{asked}")
+    ck.load, ck.finetune = ck.save, False
+
+
+def setup(cfg, topo, tracker) -> TrainState:
     model = build_model(cfg, topo, tracker)
     optimizer = build_optimizer(cfg, topo, model)
     scheduler = build_scheduler(cfg, optimizer)
     state = TrainState(cfg, topo, tracker, model, optimizer, scheduler)
+    resume_after_restart(cfg, topo)
     if cfg.checkpoint.load or cfg.checkpoint.pretrained_checkpoint:
         checkpointing.load_checkpoint(state)
     return state
@@ -76,7 +91,9 @@ def _should_exit(state, start_time: float, sigterm: _SigtermFlag) -> str | None:
     return None
 
 
-def train(state: TrainState, iterators, log: TrainingLog, gc_control: ManualGC) -> None:
+def train(state: TrainState, iterators, log: TrainingLog, gc_control: ManualGC,
+          watch: FaultWatch | None = None) -> None:
+    """watch: told what the job is doing (for a dead or frozen rank's report)."""
     cfg, topo = state.cfg, state.topology
     t = cfg.training
     total = train_iterations(cfg)
@@ -87,14 +104,20 @@ def train(state: TrainState, iterators, log: TrainingLog, gc_control: ManualGC) 
     try:
         while state.iteration < total:
             profiler.before_step(state.iteration)
+            if watch is not None:
+                watch.where = f"iteration {state.iteration + 1}"
             metrics = train_step(state, train_iter, log.timers)
             gc_control.after_step(state.iteration)
             log.after_step(state, metrics)
             if t.eval_interval and state.iteration % t.eval_interval == 0 and valid_iter is not None:
+                if watch is not None:
+                    watch.where = f"the validation after iteration {state.iteration}"
                 with gc_control.evaluation():
                     run_evaluation(state, valid_iter, "validation", log)
             if cfg.checkpoint.save and cfg.checkpoint.save_interval and \
                     state.iteration % cfg.checkpoint.save_interval == 0:
+                if watch is not None:
+                    watch.where = f"the checkpoint save of iteration {state.iteration}"
                 checkpointing.save_checkpoint(state)
             reason = _should_exit(state, start, sigterm)
             if reason:
@@ -110,7 +133,8 @@ def train(state: TrainState, iterators, log: TrainingLog, gc_control: ManualGC) 
 def run_evaluation(state, data_iterator, label: str, log: TrainingLog,
                    where: str | None = None) -> float | None:
     """where: Megatron's prefix after "<label> loss at", default "iteration N"."""
-    loss = evaluate(state, data_iterator, state.cfg.training.eval_iters)
+    loss = evaluate(state, data_iterator, state.cfg.training.eval_iters,
+                    counts_as_validation=label == "validation")
     log.evaluation(state, label, where or f"iteration {state.iteration}", loss)
     return loss
 
@@ -131,37 +155,46 @@ def record_start(state) -> None:
 def pretrain(cfg) -> int:
     setup_logging(cfg.logging.logging_level)
     tokenizer = attach_tokenizer(cfg)
-    state = setup(cfg)
-    topo = state.topology
-    cp = f" cp {topo.cp}" if topo.cp > 1 else ""
-    print_rank_0(topo, f"megafab: {topo.world_size} process(es), tp {topo.tp}{cp} pp {topo.pp} dp {topo.dp}, "
-                       f"{topo.device} / {topo.backend}")
-    notes = cfg.start_up_notes()
-    if cfg.training.empty_unused_memory_level and topo.device.type != "cuda":
-        notes.append(f"accepted, no effect on {topo.device.type}: --empty-unused-memory-level "
-                     f"(only CUDA's caching allocator holds unused memory)")
-    for note in notes:
-        print_rank_0(topo, f"megafab: note: {note}")
-    record_start(state)
-    iterators = build_data_iterators(cfg, topo, state.consumed_train_samples, tokenizer)
-    checkpointing.restore_pending_rng(state)
-    log = TrainingLog(cfg, topo, state.iteration)
-    gc_control = ManualGC(cfg.training)
-    try:
-        if not cfg.training.skip_train:
-            train(state, iterators, log, gc_control)
-        total = train_iterations(cfg)
-        with gc_control.evaluation():
-            if iterators[1] is not None and cfg.training.eval_iters and state.iteration >= total:
-                run_evaluation(state, iterators[1], "validation", log, "the end of training for val data")
-            if iterators[2] is not None and cfg.training.eval_iters and state.iteration >= total:
-                run_evaluation(state, iterators[2], "test", log, "the end of training for test data")
-        if cfg.checkpoint.save and state.iteration >= total and \
-                checkpointing.latest_iteration(cfg.checkpoint.save) != state.iteration:
-            checkpointing.save_checkpoint(state)
-    finally:
-        log.close()
-        gc_control.close()
-    dist.barrier()
+    topo, tracker = init_distributed(cfg)
+    with FaultWatch.start(timeout_s=cfg.parallel.distributed_timeout_minutes * 60) as watch:
+        cp = f" cp {topo.cp}" if topo.cp > 1 else ""
+        print_rank_0(topo, f"megafab: {topo.world_size} process(es), tp {topo.tp}{cp} pp {topo.pp} "
+                           f"dp {topo.dp}, {topo.device} / {topo.backend}")
+        notes = cfg.start_up_notes()
+        if cfg.training.empty_unused_memory_level and topo.device.type != "cuda":
+            notes.append(f"accepted, no effect on {topo.device.type}: --empty-unused-memory-level "
+                         f"(only CUDA's caching allocator holds unused memory)")
+        for note in notes:
+            print_rank_0(topo, f"megafab: note: {note}")
+        watch.where = "building the datasets"
+        datasets = build_datasets(cfg, topo, tokenizer)  # a bad data file stops the run before the model
+        watch.where = "building the model and loading the checkpoint"
+        state = setup(cfg, topo, tracker)
+        record_start(state)
+        iterators = build_data_iterators(cfg, topo, state.consumed_train_samples, datasets=datasets,
+                                         consumed_valid_samples=state.consumed_valid_samples)
+        checkpointing.restore_pending_rng(state)
+        log = TrainingLog(cfg, topo, state.iteration)
+        gc_control = ManualGC(cfg.training)
+        try:
+            if not cfg.training.skip_train:
+                train(state, iterators, log, gc_control, watch)
+            watch.where = "the evaluation at the end of training"
+            total = train_iterations(cfg)
+            with gc_control.evaluation():
+                if iterators[1] is not None and cfg.training.eval_iters and state.iteration >= total:
+                    run_evaluation(state, iterators[1], "validation", log, "the end of training for val data")
+                if iterators[2] is not None and cfg.training.eval_iters and state.iteration >= total:
+                    run_evaluation(state, iterators[2], "test", log, "the end of training for test data")
+            if cfg.checkpoint.save and state.iteration >= total and \
+                    checkpointing.latest_iteration(cfg.checkpoint.save) != state.iteration:
+                watch.where = f"the checkpoint save of iteration {state.iteration}"
+                checkpointing.save_checkpoint(state)
+        finally:
+            log.close()
+            gc_control.close()
+        watch.where = "the barrier at the end of training"
+        dist.barrier()
+        watch.close()
     dist.destroy_process_group()
     return 0

@@ -13,6 +13,7 @@ from megafab.distributed.finalize_grads import finalize_model_grads
 from megafab.distributed.pipeline import get_forward_backward_func
 from megafab.distributed.pipeline_steps import timed
 from megafab.model.gpt import masked_mean_loss
+from megafab.training import nan_check
 from megafab.training.batch_size import global_batch_size_at, num_micro_batches_at
 from megafab.training.loop_hooks import empty_unused_memory
 
@@ -136,30 +137,40 @@ def average_loss_across_dp(logs: list, topo, device) -> float | None:
 
 
 def train_step(state, data_iterator, timers=None) -> dict:
+    check = state.cfg.training.check_for_nan_in_loss_and_grad
     state.optimizer.zero_grad()  # zeroes every chunk's DDP grad buffer (once: it is a full memset)
     gbs = global_batch_size_at(state.cfg, state.consumed_train_samples)  # ramps with --rampup-batch-size
     with timed(timers, "forward-backward", 1):
         logs = run_schedule(state, data_iterator, forward_only=False, timers=timers,
                             num_micro_batches=num_micro_batches_at(state.cfg, state.consumed_train_samples))
+    if check:
+        nan_check.check_losses(state, logs)
     memory_level = state.cfg.training.empty_unused_memory_level
     empty_unused_memory(memory_level, 1, state.topology.device)
     with timed(timers, "optimizer", 1):
         ok, grad_norm, num_zeros = state.optimizer.step()
+    if check:
+        nan_check.check_grad_norm(state, grad_norm)
     empty_unused_memory(memory_level, 2, state.topology.device)
     state.consumed_train_samples += gbs
     state.iteration += 1
     if ok:
         state.scheduler.step(gbs)
+        state.consecutive_skipped = 0
     else:
         state.skipped_iterations += 1
+        state.consecutive_skipped += 1
     loss = average_loss_across_dp(logs, state.topology, state.topology.device)
     if grad_norm is not None and not math.isfinite(grad_norm):
         state.nan_iterations += 1
+    nan_check.check_skips(state)
     return {"lm loss": loss, "grad_norm": grad_norm, "num_zeros": num_zeros, "update_ok": ok,
             "global_batch_size": gbs}
 
 
-def evaluate(state, data_iterator, eval_iters: int) -> float | None:
+def evaluate(state, data_iterator, eval_iters: int, counts_as_validation: bool = True) -> float | None:
+    """Mean loss over eval_iters global batches; validation batches are counted in
+    state.consumed_valid_samples, so a resumed run evaluates on the batches the first run would."""
     for chunk in state.model:
         chunk.eval()
     losses = []
@@ -168,6 +179,8 @@ def evaluate(state, data_iterator, eval_iters: int) -> float | None:
             logs = run_schedule(state, data_iterator, forward_only=True)
             empty_unused_memory(state.cfg.training.empty_unused_memory_level, 1, state.topology.device)
             losses.append(average_loss_across_dp(logs, state.topology, state.topology.device))
+            if counts_as_validation:
+                state.consumed_valid_samples += state.cfg.training.global_batch_size
     for chunk in state.model:
         chunk.train()
     return sum(losses) / len(losses) if state.topology.is_last_stage and losses else None

@@ -137,3 +137,53 @@ def test_converting_a_checkpoint_without_args_names_the_fix(tmp_path):
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("1")
     with pytest.raises(CheckpointError, match="records no args"):
         read_checkpoint(str(tmp_path))
+
+
+def _truncate(file):
+    with open(file, "r+b") as f:
+        f.truncate(os.path.getsize(file) // 2)
+
+
+def _garbage(file):
+    with open(file, "wb") as f:
+        f.write(b"\x80\x04 not what was saved \xff\xfe")
+
+
+def _megafab_common(damage):
+    """The directory as megafab's earlier format (common.json beside the DCP files), damaged."""
+    def apply(path):
+        os.remove(os.path.join(path, "metadata.json"))
+        with open(os.path.join(path, "common.json"), "wb") as f:
+            f.write(damage)
+    return apply
+
+
+# (format, damage of iter_0000000, the message naming the file); every read path of every format
+DAMAGED_FILES = [
+    ("torch_dist", lambda p: _truncate(os.path.join(p, "common.pt")), r"common\.pt could not be read"),
+    ("torch_dist", lambda p: _garbage(os.path.join(p, "common.pt")), r"common\.pt could not be read"),
+    ("torch_dist", lambda p: os.remove(os.path.join(p, "common.pt")), r"common\.pt: missing, and the DCP"),
+    ("torch_dist", lambda p: _garbage(os.path.join(p, "metadata.json")), r"metadata\.json: not valid JSON"),
+    ("torch_dist", lambda p: _truncate(os.path.join(p, "metadata.json")), r"metadata\.json: not valid JSON"),
+    ("torch_dist", lambda p: open(os.path.join(p, "metadata.json"), "w").write("[]"),
+     r"metadata\.json: holds a JSON list, not an object"),
+    ("torch_dist", lambda p: _garbage(os.path.join(p, ".metadata")), r"\.metadata is truncated or corrupt"),
+    ("torch_dist", lambda p: _truncate(os.path.join(p, "__0_0.distcp")),
+     r"__0_0\.distcp: \d+ bytes, but \.metadata places tensors up to byte \d+; the file is truncated"),
+    ("torch_dist", _megafab_common(b"{not json"), r"common\.json: not valid JSON"),
+    ("torch_dist", _megafab_common(b"\xff\xfe"), r"common\.json: not valid JSON"),
+    ("torch_dist", _megafab_common(b'{"iteration": 3}'), r"common\.json: has no consumed_train_samples"),
+    ("torch", lambda p: _truncate(os.path.join(p, "mp_rank_01", "model_optim_rng.pt")),
+     r"mp_rank_01/model_optim_rng\.pt could not be read as a torch file"),
+    ("torch", lambda p: _garbage(os.path.join(p, "mp_rank_00", "model_optim_rng.pt")),
+     r"mp_rank_00/model_optim_rng\.pt could not be read as a torch file"),
+]
+
+
+@pytest.mark.parametrize("ckpt_format, damage, message", DAMAGED_FILES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(DAMAGED_FILES)])
+def test_a_damaged_file_of_each_format_is_named(tmp_path, ckpt_format, damage, message):
+    root, path, cfg = _written(tmp_path, ckpt_format, tp=2 if ckpt_format == "torch" else 1)
+    damage(path)
+    with pytest.raises(CheckpointError, match=message):
+        _open(root, cfg)
