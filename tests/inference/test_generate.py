@@ -132,8 +132,8 @@ def test_load_model_from_checkpoint(tmp_path):
 def test_compare_tool_accepts_a_faithful_export_and_catches_a_broken_one(tmp_path, capsys):
     from safetensors.torch import load_file, save_file
 
-    from tools.compare_hf_generation import main as compare
     from megafab.cli.convert import main as convert
+    from tools.compare_hf_generation import main as compare
 
     sd, cfg = _imported(hf_gpt2(), tmp_path)
     write_checkpoint(str(tmp_path / "ck"), sd, cfg)
