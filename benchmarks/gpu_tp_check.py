@@ -134,4 +134,10 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # About 1 run in 10 on CPU, torch 2.13's interpreter finalization after a gloo job aborted
+    # ("terminate called without an active exception") after every check had printed; nothing is
+    # left to tear down once main() has destroyed the process groups.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
