@@ -41,6 +41,9 @@ def _child(fn, rank, world_size, store_path, timeout, env, args, kwargs, results
         # Plain pickle bytes: torch's queue reductions would pass tensors as shared-memory file
         # descriptors, which die with this process before the parent reads them.
         results.put(("ok", rank, pickle.dumps(value)))
+        # A rank that exits while a slower peer is still connecting its gloo mesh makes that peer
+        # fail with "connection closed by peer": leave together.
+        dist.barrier()
     except BaseException:  # noqa: BLE001 - everything must reach the parent
         results.put(("error", rank, traceback.format_exc()))
     finally:

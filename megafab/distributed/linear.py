@@ -83,7 +83,10 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     def forward(ctx, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
                 group):
         ctx.use_bias = bias is not None
-        ctx.fuse = gradient_accumulation_fusion and hasattr(weight, "main_grad")
+        # Held directly: a tensor restored from save_for_backward (e.g. through saved-tensor hooks)
+        # need not be the Parameter object that carries `main_grad`.
+        ctx.main_grad = weight.main_grad if gradient_accumulation_fusion and hasattr(weight, "main_grad") \
+            else None
         ctx.allreduce_dgrad = allreduce_dgrad and group_size(group) > 1
         ctx.sequence_parallel = sequence_parallel and group_size(group) > 1
         ctx.group = group
@@ -119,8 +122,8 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
 
         go = grad_output.reshape(-1, grad_output.shape[-1])  # [s*b, out]
         ti = total.reshape(-1, total.shape[-1])  # [s*b, in]
-        if ctx.fuse:
-            _accumulate_wgrad(weight.main_grad, go, ti)
+        if ctx.main_grad is not None:
+            _accumulate_wgrad(ctx.main_grad, go, ti)
             grad_weight = None
         else:
             grad_weight = go.t().matmul(ti)

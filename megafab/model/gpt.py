@@ -126,7 +126,7 @@ class GPTModel(nn.Module):
         if position_ids is None and input_ids is not None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         x = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor
-        angles = self.rotary(position_ids) if self.rotary is not None else None
+        angles = self.rotary(position_ids, self.ctx.params_dtype) if self.rotary is not None else None
         if kv_cache is None:
             x = forward_layers(self.decoder.layers.values(), x, self.recompute, self.ctx, angles,
                                attention_mask)

@@ -19,6 +19,10 @@ from megafab.distributed.layers import ColumnParallelLinear, RowParallelLinear
 from megafab.distributed.mappings import group_size
 from megafab.model.init import normal_init, output_layer_std
 from megafab.model.recompute import RecomputeSettings, recompute
+from megafab.model.rms_norm import RMSNorm
+
+# SDPA takes grouped keys/values itself from torch 2.5 (enable_gqa); older torch repeats them here.
+SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
 @dataclass
@@ -44,7 +48,7 @@ class LayerContext:
 
 
 def build_norm(cfg, ctx: LayerContext) -> nn.Module:
-    cls = nn.RMSNorm if cfg.normalization == "RMSNorm" else nn.LayerNorm
+    cls = RMSNorm if cfg.normalization == "RMSNorm" else nn.LayerNorm
     norm = cls(cfg.hidden_size, eps=cfg.norm_epsilon, device=ctx.device, dtype=ctx.params_dtype)
     for p in norm.parameters():
         p.sequence_parallel = ctx.sequence_parallel
@@ -60,19 +64,21 @@ class RotaryEmbedding(nn.Module):
         exponent = torch.arange(0, self.dim, 2, dtype=torch.float64, device=device) / self.dim
         self.register_buffer("inv_freq", 1.0 / (base**exponent), persistent=False)
 
-    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
-        """position_ids [b, s] -> angles [s, b, 1, dim]."""
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids [b, s] -> (cos, sin), each [s, b, 1, dim] in `dtype`, computed once per forward
+        and shared by every layer (so backward keeps one copy, not one per layer and q/k)."""
         freqs = position_ids.to(torch.float64).t()[..., None] * self.inv_freq  # [s, b, dim/2]
-        return torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
+        angles = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
+        return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-    """x [s, b, heads, d]; rotates the first angles.shape[-1] channels."""
-    dim = angles.shape[-1]
+def apply_rotary(x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x [s, b, heads, d]; rotates the first cos.shape[-1] channels by RotaryEmbedding's (cos, sin)."""
+    cos, sin = rotary
+    dim = cos.shape[-1]
     rot, keep = x[..., :dim], x[..., dim:]
     half1, half2 = rot.chunk(2, dim=-1)
     rotated = torch.cat([-half2, half1], dim=-1)
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     return torch.cat([rot * cos + rotated * sin, keep], dim=-1)
 
 
@@ -119,7 +125,7 @@ class SelfAttention(nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)  # [b, groups/tp, s_cached + s, d]
-        if self.heads_per_group > 1:
+        if self.heads_per_group > 1 and not SDPA_GQA:
             k = k.repeat_interleave(self.heads_per_group, dim=1)
             v = v.repeat_interleave(self.heads_per_group, dim=1)
         dropout = self.dropout if self.training else 0.0
@@ -133,12 +139,16 @@ class SelfAttention(nn.Module):
         return out
 
     def core_attention(self, q, k, v, attention_mask, dropout):
-        """[b, heads, s, d] -> [b, heads, s, d]; what selective recompute recomputes."""
+        """q [b, heads, s, d], k/v [b, groups, s, d] (or heads) -> [b, heads, s, d]; what selective
+        recompute recomputes. Grouped keys/values go to SDPA as they are (enable_gqa), so no
+        head-repeated copies of k and v are made or saved."""
+        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
         with self.ctx.tp_region_rng() if dropout > 0 else contextlib.nullcontext():
             if attention_mask is None:
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, **gqa)
             # Megatron's mask: True where attention is NOT allowed
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, dropout_p=dropout)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, dropout_p=dropout,
+                                                  **gqa)
 
 
 class MLP(nn.Module):

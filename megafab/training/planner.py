@@ -12,22 +12,34 @@ Training state per rank (Megatron's distributed-optimizer table):
                 divided by dp with --use-distributed-optimizer
 
 Activations of one layer for one micro-batch, without recompute (Korthikanti et al. 2022, "Reducing
-Activation Recomputation in Large Transformer Models", eq. 1-4; for e = 2, g = a, f = 4h and dropout
-this is s*b*h*(34 + 5*a*s/h), and s*b*h/t*(34 + 5*a*s/h) with TP + SP):
-    replicated region, / r    s*b*h * (4e + 2*mask)     two norm inputs, QKV and fc1 inputs,
-                                                        two 1-byte hidden-dropout masks
+Activation Recomputation in Large Transformer Models", eq. 1-4; for e = 2, g = a, f = 4h, unfused
+attention and dropout this is s*b*h*(34 + 5*a*s/h), and s*b*h/t*(34 + 5*a*s/h) with TP + SP):
+    replicated region, / r    s*b*h * (4e + 2*mask)     two norm inputs, QKV and fc1 inputs (the
+                              + norm statistics         linear core saves them sharded under SP),
+                                                        two hidden-dropout masks (1 byte on CUDA,
+                                                        e bytes on CPU); LayerNorm's fp32 mean and
+                                                        rstd (RMSNorm: rstd) per token
     TP region, / t            e*s*b*((a + 2g)*d + a*d + f_1 + f (+ f with SwiGLU))
                                                         QKV output, projection input, fc1 output
-                                                        (f_1 = f, or 2f with SwiGLU), fc2 input
-    core attention, / t       unfused: a*s*s*b * (e + (1 + e if attention dropout))
+                                                        (f_1 = f, or 2f with SwiGLU), fc2 input;
+                              + e*s*b*(a + g)*d with RoPE, + e*s*b*a*d with GQA only: the rotated q
+                                                        and k (the query heads copied out of the
+                                                        packed QKV with GQA)
+    core attention, / t       flash:   e*s*b*a*d + 4*a*s*b   its output and log-sum-exp
+                              unfused: a*s*s*b * (e + (1 + e if attention dropout))
                                                         softmax, dropout mask and output
-                              flash:   4*a*s*b          (log-sum-exp only)
-                              cpu:     PyTorch's CPU math kernel: fp32 q, k, v, probabilities,
-                                       mask and dropped probabilities (measured, see the tests)
-Selective recompute drops the core-attention term. Full recompute keeps e*s*b*h / r per
-recomputed group (its input) and, during backward, one group's activations at a time.
-Embedding (first stage): a 1-byte dropout mask s*b*h / r. Logits + loss (last stage): final norm
-input e*s*b*h / r, output-layer input e*s*b*h, fp32 softmax 4*s*b*V / t.
+                              cpu:     PyTorch's CPU kernels: flash without attention dropout; with
+                                       it the math kernel, which saves scaled q, k^T and v and the
+                                       probabilities, mask and dropped probabilities, all in at
+                                       least fp32 (and then not the packed QKV output, except for
+                                       fp32 multi-head attention, whose v is a view of it)
+Selective recompute drops the core-attention term (it keeps q, k, v: the QKV output). Full
+recompute keeps e*s*b*h / r per recomputed group (its input) and, during backward, one group's
+activations at a time.
+Per chunk: RoPE's cos and sin, 2*e*s*b*rot (shared by the chunk's layers, full sequence).
+Embedding (first stage): the dropout mask s*b*h*mask / r. Logits + loss (last stage): final norm
+input e*s*b*h / r, output-layer input e*s*b*h / r (sharded under SP, as every linear's input),
+fp32 softmax 4*s*b*V / t.
 
 In flight (micro-batches whose activations are alive at once): 1F1B stage i holds min(pp - i, M);
 interleaved: min(2*(pp - i - 1) + (vpp - 1)*pp + 1, M*vpp) chunk-micro-batches (Megatron's warmup
@@ -55,6 +67,7 @@ class StagePlan:
     logits_bytes: int  # last stage only
     in_flight: float  # micro-batches of this stage's activations alive at the peak
     activation_peak_bytes: int
+    forward_saved_bytes: int = 0  # what one micro-batch's forward leaves saved for its backward
 
     @property
     def state_bytes(self) -> int:
@@ -104,31 +117,62 @@ def stage_params(cfg, pp_rank: int) -> int:
                             pp_rank == pp - 1 and c == vpp - 1) for c in range(vpp))
 
 
+def _mask_bytes(kernels: str, e: int) -> int:
+    """Dropout masks: CUDA keeps a 1-byte mask, PyTorch's CPU dropout a mask in the model dtype."""
+    return e if kernels == "cpu" else 1
+
+
+def _norm_stats_bytes(m, s: int, b: int) -> int:
+    return 4 * s * b * (2 if m.normalization == "LayerNorm" else 1)
+
+
+def core_attention_bytes(cfg, kernels: str) -> float:
+    """Bytes the attention kernel itself keeps, on one TP rank (the QKV output is counted apart)."""
+    m, t = cfg.model, cfg.training
+    s, b, a, d = m.seq_length, t.micro_batch_size, m.num_attention_heads, m.kv_channels
+    tp = cfg.parallel.tensor_model_parallel_size
+    e = BYTES[cfg.precision.params_dtype_name]
+    probs = a * s * s * b
+    dropout = m.attention_dropout > 0
+    if kernels == "unfused":
+        return probs * (e + ((1 + e) if dropout else 0)) / tp
+    if kernels == "cpu" and dropout:
+        c = max(e, 4)
+        return (3 * s * b * a * d * c + 3 * probs * c) / tp
+    return (e * s * b * a * d + 4 * a * s * b) / tp
+
+
+def _qkv_output_saved(cfg, kernels: str, recompute_core_attention: bool) -> bool:
+    """CPU's math kernel (attention dropout) keeps its own copies of q, k, v, not the packed QKV."""
+    m = cfg.model
+    if recompute_core_attention or kernels != "cpu" or m.attention_dropout == 0:
+        return True
+    e = BYTES[cfg.precision.params_dtype_name]
+    return m.num_query_groups == m.num_attention_heads and e >= 4
+
+
 def layer_activation_bytes(cfg, kernels: str = "flash", recompute_core_attention: bool = False) -> int:
     """kernels: flash (GPU SDPA flash), unfused (the paper's softmax/dropout kernels), cpu (PyTorch's
-    CPU math SDPA: q, k, v, probabilities and dropout mask upcast to fp32; dropout masks of e bytes)."""
+    CPU SDPA: flash without attention dropout, the math kernel with it); see the module docstring."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
     s, b, h = m.seq_length, t.micro_batch_size, m.hidden_size
     a, g, d, f = m.num_attention_heads, m.num_query_groups, m.kv_channels, m.ffn_hidden_size
     tp = p.tensor_model_parallel_size
     r = tp if p.sequence_parallel else 1
     e = BYTES[cfg.precision.params_dtype_name]
-    mask = e if kernels == "cpu" else 1
-    hidden_masks = 2 * mask if m.hidden_dropout > 0 else 0
-    replicated = s * b * h * (4 * e + hidden_masks) / r
+    hidden_masks = 2 * _mask_bytes(kernels, e) if m.hidden_dropout > 0 else 0
+    replicated = s * b * h * (4 * e + hidden_masks) + 2 * _norm_stats_bytes(m, s, b)
     fc1 = f * (2 if m.swiglu else 1)
-    qkv = 0 if kernels == "cpu" and not recompute_core_attention else (a + 2 * g) * d
-    tp_region = e * s * b * (qkv + a * d + fc1 + f + (f if m.swiglu else 0)) / tp
-    dropout = m.attention_dropout > 0
-    if recompute_core_attention:
-        core = 0.0
-    elif kernels == "flash":
-        core = 4 * a * s * b / tp
-    elif kernels == "cpu":
-        core = 4 * (3 * s * b * a * d + a * s * s * b * (3 if dropout else 1)) / tp
-    else:
-        core = a * s * s * b * (e + ((1 + e) if dropout else 0)) / tp
-    return int(replicated + tp_region + core)
+    qkv_saved = _qkv_output_saved(cfg, kernels, recompute_core_attention)
+    qkv = (a + 2 * g) * d if qkv_saved else 0
+    math_kernel = kernels == "cpu" and m.attention_dropout > 0 and not recompute_core_attention
+    rope = m.position_embedding_type == "rope"
+    # The q and k given to attention are new tensors after RoPE (q also when copied out for GQA);
+    # CPU's math kernel keeps its own copies instead.
+    new_qk = 0 if math_kernel else (a * d if rope or g < a else 0) + (g * d if rope else 0)
+    tp_region = e * s * b * (qkv + new_qk + a * d + fc1 + f + (f if m.swiglu else 0)) / tp
+    core = 0.0 if recompute_core_attention else core_attention_bytes(cfg, kernels)
+    return int(replicated / r + tp_region + core)
 
 
 def in_flight_chunks(pp: int, vpp: int, pp_rank: int, micro_batches: int) -> int:
@@ -167,17 +211,21 @@ def plan(cfg, kernels: str = "flash") -> list[StagePlan]:
     for rank in range(pp):
         params = stage_params(cfg, rank)
         first, last = rank == 0, rank == pp - 1
-        embed = s * b * h // r if first and m.hidden_dropout > 0 else 0
-        logits = int(e * s * b * h / r + e * s * b * h + 4 * s * b * m.padded_vocab_size / tp) if last else 0
+        embed = s * b * h * _mask_bytes(kernels, e) // r if first and m.hidden_dropout > 0 else 0
+        rotary = vpp * 2 * e * s * b * int(m.kv_channels * m.rotary_percent) \
+            if m.position_embedding_type == "rope" else 0
+        logits = int((2 * e * s * b * h + _norm_stats_bytes(m, s, b)) / r
+                     + 4 * s * b * m.padded_vocab_size / tp) if last else 0
         chunks = in_flight_chunks(pp, vpp, rank, t.num_micro_batches or 1)
-        peak = chunks * chunk_kept + transient + embed * min(chunks, pp if pp > 1 else 1) + logits
+        peak = chunks * chunk_kept + transient + (embed + rotary) * min(chunks, pp if pp > 1 else 1) + logits
         optimizer = (12 if mixed else 8) * params
         out.append(StagePlan(
             pp_rank=rank, params=params, weights_bytes=e * params, grads_bytes=4 * params,
             optimizer_bytes=optimizer // dp if p.use_distributed_optimizer else optimizer,
-            activation_bytes_per_micro_batch=vpp * (chunk_kept + transient) + embed + logits,
+            activation_bytes_per_micro_batch=vpp * (chunk_kept + transient) + embed + rotary + logits,
             layer_activation_bytes=layer, logits_bytes=logits, in_flight=chunks / vpp,
-            activation_peak_bytes=int(peak)))
+            activation_peak_bytes=int(peak),
+            forward_saved_bytes=int(vpp * chunk_kept + embed + rotary + logits)))
     return out
 
 

@@ -103,3 +103,18 @@ def test_tensor_and_sequence_parallel_shard_every_saved_activation(style):
         per_rank = run_ranks(_saved_bytes_of_a_gpt, tp, style, timeout=60)
         ratio = max(per_rank) / (single / tp)
         assert ratio <= 1.10, f"TP {tp} + SP saves {ratio:.3f}x of (TP 1 bytes)/{tp}"
+
+
+def _fusion_under_saved_tensor_hooks(rank, world):
+    layer = ColumnParallelLinear(8, 4, tp_group=None, params_dtype=F64)
+    ddp = DistributedDataParallel(layer, dp_group=dist.group.WORLD)
+    x = torch.randn(3, 2, 8, dtype=F64)
+    with SavedActivations(layer.parameters()):  # unpacked saved tensors are not the Parameter objects
+        out, _ = layer(x)
+    out.sum().backward()
+    expected = torch.ones(3 * 2, 4, dtype=F64).t() @ x.reshape(-1, 8)
+    return torch.equal(ddp.module.weight.main_grad, expected) and layer.weight.grad is None
+
+
+def test_fusion_survives_saved_tensor_hooks():
+    assert run_ranks(_fusion_under_saved_tensor_hooks, 1, timeout=60) == [True]

@@ -13,6 +13,7 @@ from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
 from megafab.distributed.topology import build_topology
 from megafab.model.gpt import GPTModel, build_model_chunks, masked_mean_loss
 from megafab.model.recompute import RecomputeConfigError, RecomputeSettings, layer_groups
+from megafab.optim.memory import SavedActivations
 from tests.harness import run_ranks
 from tests.model.tiny import (
     GPT2_STYLE,
@@ -151,19 +152,10 @@ def test_recompute_under_pipeline_parallel_equals_single_process():
 
 def saved_activation_bytes(model, tokens, labels, mask) -> int:
     """Bytes of the distinct storages autograd keeps for backward, parameters excluded."""
-    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in param_storages:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedActivations(model.parameters()) as saved:
         loss = masked_mean_loss(model(tokens, labels=labels), mask)
     loss.backward()
-    return sum(seen.values())
+    return saved.bytes
 
 
 def measure_activation_memory(num_layers=12, dtype=torch.float32) -> dict[str, int]:
