@@ -29,8 +29,6 @@ UNSUPPORTED = {
     "--account-for-embedding-in-pipeline-split": None,
     "--account-for-loss-in-pipeline-split": None,
     "--tp-comm-overlap": None,
-    "--use-torch-fsdp2": None,
-    "--use-custom-fsdp": None,
     "--num-distributed-optimizer-instances": "1",
     "--yaml-cfg": None,
     "--spec": None,
@@ -47,8 +45,6 @@ UNSUPPORTED = {
     "--encoder-num-layers": None,
     "--decoder-num-layers": None,
     "--fp8-param-gather": None,
-    "--use-precision-aware-optimizer": None,
-    "--optimizer-cpu-offload": None,
     "--cpu-offloading": None,
     "--recompute-activations-offload": None,
     "--delay-wgrad-compute": None,
@@ -125,6 +121,23 @@ def _parallel_flags(p):
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true", default=True)
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"])
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+
+
+def _sharding_and_offload_flags(p):
+    g = p.add_argument_group("ZeRO-2/3 (FSDP) and optimizer CPU offload")
+    g.add_argument("--use-torch-fsdp2", action="store_true")
+    g.add_argument("--use-megatron-fsdp", "--use-custom-fsdp", action="store_true", dest="use_megatron_fsdp")
+    g.add_argument("--data-parallel-sharding-strategy",
+                   choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
+    g.add_argument("--torch-fsdp2-no-reshard-after-forward", action="store_false",
+                   dest="torch_fsdp2_reshard_after_forward")
+    g.add_argument("--optimizer-cpu-offload", action="store_true")
+    g.add_argument("--optimizer-offload-fraction", type=float)
+    g.add_argument("--use-torch-optimizer-for-cpu-offload", action="store_true")
+    g.add_argument("--overlap-cpu-optimizer-d2h-h2d", action="store_true")
+    g.add_argument("--no-pin-cpu-grads", action="store_false", dest="pin_cpu_grads")
+    g.add_argument("--no-pin-cpu-params", action="store_false", dest="pin_cpu_params")
+    g.add_argument("--use-precision-aware-optimizer", action="store_true")
 
 
 def _precision_flags(p):
@@ -237,7 +250,7 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
         description="Train a GPT with Megatron-style tensor, sequence, pipeline and data parallelism. "
                     "Flags are Megatron-LM's.")
     for add in (_model_flags, _parallel_flags, _precision_flags, _optimizer_flags, _training_flags,
-                _data_flags, _checkpoint_flags, _logging_flags):
+                _data_flags, _checkpoint_flags, _logging_flags, _sharding_and_offload_flags):
         add(parser)
     for flag in ACCEPTED_NO_OPS:
         parser.add_argument(flag, action="store_true", help=argparse.SUPPRESS)

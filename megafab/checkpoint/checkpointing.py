@@ -29,6 +29,7 @@ from megafab.checkpoint.directory import (
 )
 from megafab.checkpoint.errors import CheckpointError
 from megafab.checkpoint.vocab import adapt_padded_vocab
+from megafab.distributed.fsdp import compute_dtype
 
 # Test hook: "ITER:SECONDS" makes rank 0 sleep before committing the save of iteration ITER, so a
 # test can kill the job while only the temporary directory exists.
@@ -128,11 +129,11 @@ def load_checkpoint(state) -> int | None:
                       "the optimizer starts fresh")
 
     stored = dcp_io().read_metadata(path).state_dict_metadata
-    shards, gather = cs.model_shards_for_load(state)
+    # A checkpoint saved from an fp32 model has no main copies; bf16 mains then take the weights.
+    with_main = load_optim and any(k.endswith(".main_param") for k in stored)
+    shards, gather = cs.model_shards_for_load(state, masters_from_main=with_main)
     targets = []
     if load_optim:
-        # A checkpoint saved from an fp32 model has no main copies; bf16 mains then take the weights.
-        with_main = any(k.endswith(".main_param") for k in stored)
         optim_shards, targets = cs.optimizer_shards_for_load(state, with_main=with_main)
         shards.update(optim_shards)
     notes = []
@@ -170,7 +171,7 @@ def load_checkpoint(state) -> int | None:
 
 
 def _model_dtype(state) -> torch.dtype:
-    return next(p for _, p in cs.named_parameters(state)).dtype
+    return compute_dtype(state.model[0])
 
 
 def _check_on_every_rank(topo, check) -> None:

@@ -1,0 +1,99 @@
+"""ZeRO-3 (torch FSDP2) and optimizer CPU offload through the driver's train_step equal one process.
+
+float64, 3 AdamW steps with clipping (clip 0.25 binds in every step), two micro-batches per step (gradient
+accumulation under FSDP2's no_sync), against the single-process model and MixedPrecisionOptimizer:
+the grad norm of every step and every parameter after it within 1e-10. FSDP2 at DP 2 and 4, FSDP2 x
+TP 2 + SP, FSDP2 x PP 2, each with and without offload (a fraction that splits the entries between
+host and device where it is not 1), and offload with the distributed optimizer and with plain DDP.
+"""
+
+import pytest
+import torch
+
+from megafab.distributed.fsdp import is_dtensor, local_tensor
+from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
+from megafab.distributed.topology import build_topology
+from megafab.optim.fully_sharded_optimizer import FullyShardedOptimizer
+from megafab.training.build import TrainState, build_model, build_optimizer, build_scheduler
+from megafab.training.step import train_step
+from tests.harness import run_ranks
+from tests.model.tiny import GPT2_STYLE, LLAMA_STYLE, full_grad, tiny_config
+from tests.training.test_3d_parity import MICRO, STEPS, _as_grad, _micro_batches, _reference_run, _samples
+
+CLIP = 0.25
+
+
+def _full_values(p, tp_group) -> torch.Tensor:
+    """The single-process tensor of parameter `p`: FSDP2 shards gathered over DP, TP joined."""
+    if is_dtensor(p):
+        holder = torch.nn.Parameter(p.full_tensor().detach(), requires_grad=False)
+        for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
+            if hasattr(p, attr):
+                setattr(holder, attr, getattr(p, attr))
+        p = holder
+    return full_grad(_as_grad(p), tp_group)
+
+
+def _parity(rank, world, tp, pp, sp, style, layout):
+    dp = world // (tp * pp)
+    gbs = MICRO * dp * 2
+    flat = dict(tp=tp, pp=pp, style=style, dp=dp, vocab_size=112, micro_batch_size=MICRO,
+                global_batch_size=gbs, sequence_parallel=sp, lr=1e-2, clip_grad=CLIP,
+                lr_decay_style="constant", train_iters=STEPS, **layout)
+    cfg = tiny_config(**flat)
+    ref_cfg = tiny_config(style=style, vocab_size=112, lr=1e-2, clip_grad=CLIP)
+    samples = _samples(cfg.model, gbs * STEPS)
+    reference = _reference_run(ref_cfg, samples, gbs)
+
+    topo = build_topology(tp=tp, pp=pp)
+    tracker = RNGStatesTracker("cpu")
+    model_parallel_seed(1234, topo.tp_rank, topo.pp_rank, topo.device, tracker)
+    model = build_model(cfg, topo, tracker, dtype=torch.float64)
+    optimizer = build_optimizer(cfg, topo, model)
+    assert isinstance(optimizer, FullyShardedOptimizer) == cfg.parallel.fully_sharded
+    host = optimizer.host.entries if optimizer.host is not None else []
+    if cfg.optimizer.optimizer_cpu_offload:
+        assert host and all(e.main.device.type == "cpu" and e.is_copy for e in host)
+        assert (len(host) < len(optimizer.entries)) == (cfg.optimizer.optimizer_offload_fraction < 1)
+    if cfg.parallel.fully_sharded:
+        # Each rank holds only its rows: the local shards of a big weight are a 1/DP share of it.
+        big = max(optimizer.entries, key=lambda e: e.model_param.numel())
+        assert local_tensor(big.model_param).numel() <= -(-big.model_param.shape[0] // dp) * \
+            (big.model_param.numel() // big.model_param.shape[0])
+    state = TrainState(cfg, topo, tracker, model, optimizer, build_scheduler(cfg, optimizer))
+    tp_group = topo.tp_group if tp > 1 else None
+    for step in range(STEPS):
+        data = _micro_batches(samples, step * gbs, topo.dp_rank, dp, cfg.training.num_micro_batches)
+        metrics = train_step(state, data)
+        ref_norm, ref_params = reference[step]
+        assert abs(metrics["grad_norm"] - ref_norm) < 1e-10 * max(1.0, ref_norm), (metrics, ref_norm)
+        assert ref_norm > CLIP  # clipping binds
+        for chunk in model:
+            for name, p in chunk.module.named_parameters():
+                ref_name = "embedding.word_embeddings.weight" if name == "output_layer.weight" and \
+                    not cfg.model.untie_embeddings_and_output_weights else name
+                err = (_full_values(p, tp_group) - ref_params[ref_name]).abs().max().item()
+                assert err < 1e-10, (step, name, err)
+    return metrics["lm loss"]
+
+
+FSDP = dict(use_torch_fsdp2=True)
+OFFLOAD = dict(optimizer_cpu_offload=True)
+CASES = {
+    "fsdp-dp2": (2, 1, 1, False, GPT2_STYLE, FSDP),
+    "fsdp-dp2-offload-0.6": (2, 1, 1, False, GPT2_STYLE, {**FSDP, **OFFLOAD, "optimizer_offload_fraction": 0.6}),
+    "fsdp-dp4-llama": (4, 1, 1, False, LLAMA_STYLE, FSDP),
+    "fsdp-dp4-offload": (4, 1, 1, False, GPT2_STYLE, {**FSDP, **OFFLOAD}),
+    "fsdp-tp2-sp-dp2": (4, 2, 1, True, GPT2_STYLE, FSDP),
+    "fsdp-tp2-sp-dp2-offload-llama": (4, 2, 1, True, LLAMA_STYLE, {**FSDP, **OFFLOAD}),
+    "fsdp-pp2-dp2": (4, 1, 2, False, GPT2_STYLE, FSDP),
+    "fsdp-pp2-dp2-offload-0.5": (4, 1, 2, False, GPT2_STYLE, {**FSDP, **OFFLOAD, "optimizer_offload_fraction": 0.5}),
+    "distopt-dp2-offload": (2, 1, 1, False, LLAMA_STYLE, {"use_distributed_optimizer": True, **OFFLOAD}),
+    "ddp-dp2-offload-0.5": (2, 1, 1, False, GPT2_STYLE, {**OFFLOAD, "optimizer_offload_fraction": 0.5}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_training_steps_equal_single_process(case):
+    world, tp, pp, sp, style, layout = CASES[case]
+    run_ranks(_parity, world, tp, pp, sp, style, layout, timeout=300)
