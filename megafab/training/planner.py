@@ -5,7 +5,8 @@ Notation: s sequence, b micro-batch, h hidden, a heads, g query groups, d head w
 V padded vocab, t TP size, e bytes per activation element (2 for bf16/fp16, 4 for fp32);
 r = t with sequence parallel, else 1 (the norm/dropout region is split over TP only under SP).
 
-Training state per rank (Megatron's distributed-optimizer table):
+Training state per rank: megafab.training.state_memory (Megatron's distributed-optimizer table,
+FSDP2's ZeRO-3 shards, optimizer CPU offload's device and host bytes). Without FSDP2 or offload:
     weights     e_param * P
     grads       4 * P                       fp32 main grads (DDP's grad buffer)
     optimizer   12 * P (bf16/fp16: fp32 master + Adam m + v), 8 * P (fp32 model: m + v);
@@ -51,6 +52,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megafab.training.flops import flops_per_iteration
+from megafab.training.state_memory import state_bytes
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
@@ -68,14 +70,18 @@ class StagePlan:
     in_flight: float  # micro-batches of this stage's activations alive at the peak
     activation_peak_bytes: int
     forward_saved_bytes: int = 0  # what one micro-batch's forward leaves saved for its backward
+    host_bytes: int = 0  # optimizer CPU offload: main params, Adam state and copy buffers on the host
+    fsdp_transient_bytes: int = 0  # FSDP2: gathered weights and unsharded grads while in use
 
     @property
     def state_bytes(self) -> int:
+        """Weights, grads and optimizer state on the device, at rest."""
         return self.weights_bytes + self.grads_bytes + self.optimizer_bytes
 
     @property
     def total_bytes(self) -> int:
-        return self.state_bytes + self.activation_peak_bytes
+        """Device bytes at the peak."""
+        return self.state_bytes + self.fsdp_transient_bytes + self.activation_peak_bytes
 
 
 def _norm_params(m) -> int:
@@ -115,6 +121,17 @@ def stage_params(cfg, pp_rank: int) -> int:
     per_chunk = cfg.model.num_layers // (pp * vpp)
     return sum(chunk_params(cfg.model, tp, per_chunk, pp_rank == 0 and c == 0,
                             pp_rank == pp - 1 and c == vpp - 1) for c in range(vpp))
+
+
+def largest_fsdp_unit(cfg, pp_rank: int) -> int:
+    """FSDP2's largest group on the stage: a transformer layer, or a chunk's root (its embedding,
+    final norm and output layer)."""
+    p = cfg.parallel
+    pp, vpp, tp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1, \
+        p.tensor_model_parallel_size
+    roots = [chunk_params(cfg.model, tp, 0, pp_rank == 0 and c == 0, pp_rank == pp - 1 and c == vpp - 1)
+             for c in range(vpp)]
+    return max([layer_params(cfg.model, tp)] + roots)
 
 
 def _mask_bytes(kernels: str, e: int) -> int:
@@ -188,11 +205,9 @@ def plan(cfg, kernels: str = "flash") -> list[StagePlan]:
     m, p, t, pr = cfg.model, cfg.parallel, cfg.training, cfg.precision
     pp, vpp, tp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1, \
         p.tensor_model_parallel_size
-    dp = p.data_parallel_size or 1
     s, b, h = m.seq_length, t.micro_batch_size, m.hidden_size
     r = tp if p.sequence_parallel else 1
     e = BYTES[pr.params_dtype_name]
-    mixed = pr.bf16 or pr.fp16
     per_chunk = m.num_layers // (pp * vpp)
     granularity = m.recompute_granularity
     layer = layer_activation_bytes(cfg, kernels, recompute_core_attention=granularity == "selective")
@@ -218,15 +233,26 @@ def plan(cfg, kernels: str = "flash") -> list[StagePlan]:
                      + 4 * s * b * m.padded_vocab_size / tp) if last else 0
         chunks = in_flight_chunks(pp, vpp, rank, t.num_micro_batches or 1)
         peak = chunks * chunk_kept + transient + (embed + rotary) * min(chunks, pp if pp > 1 else 1) + logits
-        optimizer = (12 if mixed else 8) * params
+        state = state_bytes(cfg, params, largest_fsdp_unit(cfg, rank))
         out.append(StagePlan(
-            pp_rank=rank, params=params, weights_bytes=e * params, grads_bytes=4 * params,
-            optimizer_bytes=optimizer // dp if p.use_distributed_optimizer else optimizer,
+            pp_rank=rank, params=params, weights_bytes=state.weights, grads_bytes=state.grads,
+            optimizer_bytes=state.optimizer, host_bytes=state.host, fsdp_transient_bytes=state.fsdp_transient,
             activation_bytes_per_micro_batch=vpp * (chunk_kept + transient) + embed + rotary + logits,
             layer_activation_bytes=layer, logits_bytes=logits, in_flight=chunks / vpp,
             activation_peak_bytes=int(peak),
             forward_saved_bytes=int(vpp * chunk_kept + embed + rotary + logits)))
     return out
+
+
+def _sharding_summary(cfg) -> str:
+    p, o = cfg.parallel, cfg.optimizer
+    if p.fully_sharded:
+        zero = "FSDP2 (ZeRO-3)" if p.fsdp_reshard_after_forward else "FSDP2 without resharding after forward"
+    else:
+        zero = f"distributed optimizer {'on' if p.use_distributed_optimizer else 'off'}"
+    if o.optimizer_cpu_offload:
+        zero += f", optimizer CPU offload {o.optimizer_offload_fraction:g}"
+    return zero
 
 
 def iteration_flops(cfg) -> tuple[float, float]:
@@ -246,7 +272,7 @@ def format_plan(cfg, stages: list[StagePlan], mfu: float = 0.4, peak_tflops: flo
     lines = [f"megafab plan: world {p.world_size} = TP {p.tensor_model_parallel_size} x PP "
              f"{p.pipeline_model_parallel_size} x DP {p.data_parallel_size}{vpp}"
              f", {cfg.precision.params_dtype_name}, recompute {cfg.model.recompute_granularity or 'none'}, "
-             f"distributed optimizer {'on' if p.use_distributed_optimizer else 'off'}"]
+             f"{_sharding_summary(cfg)}"]
     for st in stages:
         fits = ""
         if gpu_memory_gb:
@@ -255,6 +281,9 @@ def format_plan(cfg, stages: list[StagePlan], mfu: float = 0.4, peak_tflops: flo
         lines.append(
             f"  stage {st.pp_rank}: params {st.params / 1e6:.1f}M | weights {st.weights_bytes / gib:.2f} GiB"
             f" | grads {st.grads_bytes / gib:.2f} GiB | optimizer {st.optimizer_bytes / gib:.2f} GiB"
+            + (f" (+ host {st.host_bytes / gib:.2f} GiB)" if st.host_bytes else "")
+            + (f" | FSDP2 gathered/unsharded {st.fsdp_transient_bytes / gib:.2f} GiB"
+               if st.fsdp_transient_bytes else "") +
             f" | activations {st.activation_bytes_per_micro_batch / gib:.2f} GiB/micro-batch"
             f" (layer {st.layer_activation_bytes / 2**20:.1f} MiB, logits {st.logits_bytes / gib:.2f} GiB)"
             f" x {st.in_flight:g} in flight = {st.activation_peak_bytes / gib:.2f} GiB"

@@ -89,7 +89,8 @@ def test_bf16_fsdp2_checkpoint_stores_bf16_weights_and_fp32_masters(tmp_path):
     weights = [k for k in stored if k.startswith("model.")]
     assert weights and all(stored[k].dtype == torch.bfloat16 for k in weights)
     mains = [k for k in stored if k.endswith(".main_param")]
-    assert sorted(k[len("optim."):-len(".main_param")] for k in mains) == sorted(k[len("model."):] for k in weights)
+    names = sorted(k[len("model."):] for k in weights)
+    assert sorted(k[len("optim."):-len(".main_param")] for k in mains) == names
     assert all(stored[k].dtype == torch.float32 for k in mains)
     for k in weights:  # the weights are the masters rounded, as Megatron's bf16 model holds them
         assert torch.equal(stored[k], stored["optim." + k[len("model."):] + ".main_param"].bfloat16()), k

@@ -79,17 +79,23 @@ def _parity(rank, world, tp, pp, sp, style, layout):
 
 FSDP = dict(use_torch_fsdp2=True)
 OFFLOAD = dict(optimizer_cpu_offload=True)
+
+
+def fraction(f):
+    return dict(optimizer_offload_fraction=f)
+
+
 CASES = {
     "fsdp-dp2": (2, 1, 1, False, GPT2_STYLE, FSDP),
-    "fsdp-dp2-offload-0.6": (2, 1, 1, False, GPT2_STYLE, {**FSDP, **OFFLOAD, "optimizer_offload_fraction": 0.6}),
+    "fsdp-dp2-offload-0.6": (2, 1, 1, False, GPT2_STYLE, {**FSDP, **OFFLOAD, **fraction(0.6)}),
     "fsdp-dp4-llama": (4, 1, 1, False, LLAMA_STYLE, FSDP),
     "fsdp-dp4-offload": (4, 1, 1, False, GPT2_STYLE, {**FSDP, **OFFLOAD}),
     "fsdp-tp2-sp-dp2": (4, 2, 1, True, GPT2_STYLE, FSDP),
     "fsdp-tp2-sp-dp2-offload-llama": (4, 2, 1, True, LLAMA_STYLE, {**FSDP, **OFFLOAD}),
     "fsdp-pp2-dp2": (4, 1, 2, False, GPT2_STYLE, FSDP),
-    "fsdp-pp2-dp2-offload-0.5": (4, 1, 2, False, GPT2_STYLE, {**FSDP, **OFFLOAD, "optimizer_offload_fraction": 0.5}),
+    "fsdp-pp2-dp2-offload-0.5": (4, 1, 2, False, GPT2_STYLE, {**FSDP, **OFFLOAD, **fraction(0.5)}),
     "distopt-dp2-offload": (2, 1, 1, False, LLAMA_STYLE, {"use_distributed_optimizer": True, **OFFLOAD}),
-    "ddp-dp2-offload-0.5": (2, 1, 1, False, GPT2_STYLE, {**OFFLOAD, "optimizer_offload_fraction": 0.5}),
+    "ddp-dp2-offload-0.5": (2, 1, 1, False, GPT2_STYLE, {**OFFLOAD, **fraction(0.5)}),
 }
 
 

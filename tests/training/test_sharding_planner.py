@@ -1,0 +1,72 @@
+"""The planner's FSDP2 and optimizer-offload rows (megafab.training.state_memory) against the tensors
+that really exist after a step: weights, grads, device optimizer state and host bytes per rank."""
+
+import pytest
+
+from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
+from megafab.distributed.topology import build_topology
+from megafab.model.gpt import masked_mean_loss
+from megafab.optim.memory import measure_memory
+from megafab.training.build import build_model, build_optimizer
+from megafab.training.planner import format_plan, plan
+from tests.harness import run_ranks
+from tests.model.tiny import batch, tiny_config
+
+VARIANTS = {
+    "fsdp2": dict(use_torch_fsdp2=True),
+    "fsdp2-offload": dict(use_torch_fsdp2=True, optimizer_cpu_offload=True),
+    "fsdp2-offload-fp32": dict(use_torch_fsdp2=True, optimizer_cpu_offload=True, bf16=False),
+    "distopt-offload": dict(use_distributed_optimizer=True, optimizer_cpu_offload=True),
+    "ddp-offload": dict(optimizer_cpu_offload=True),
+}
+
+
+def _measured_and_planned(rank, world, variant):
+    flat = dict(dp=world, bf16=True, global_batch_size=2 * world, hidden_size=64, num_layers=2,
+                ffn_hidden_size=256, vocab_size=101)
+    flat.update(VARIANTS[variant])
+    cfg = tiny_config(**flat)
+    topo = build_topology()
+    tracker = RNGStatesTracker("cpu")
+    model_parallel_seed(1234, 0, 0, "cpu", tracker)
+    model = build_model(cfg, topo, tracker)
+    optimizer = build_optimizer(cfg, topo, model)
+    optimizer.zero_grad()
+    tokens, labels, mask = batch(cfg.model, seed=topo.dp_rank)
+    masked_mean_loss(model[0](tokens, labels=labels), mask).float().backward()
+    model[0].finish_grad_sync()
+    optimizer.step()
+    report = measure_memory(model, optimizer)
+    stage = plan(cfg)[0]
+    return (report.num_params, stage.params,
+            (report.weights_bytes, report.grads_bytes, report.optimizer_bytes, report.host_bytes),
+            (stage.weights_bytes, stage.grads_bytes, stage.optimizer_bytes, stage.host_bytes))
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_state_bytes_match_measured_within_two_percent(variant):
+    for real, params, measured, planned in run_ranks(_measured_and_planned, 2, variant, timeout=120):
+        print(f"{variant}: measured w/g/opt/host {measured} planned {planned}")
+        assert params == real
+        for kind, m, p in zip(("weights", "grads", "optimizer", "host"), measured, planned):
+            assert abs(m - p) <= 0.02 * max(m, p) + 1024, (variant, kind, measured, planned)
+
+
+def test_fsdp2_is_zero3_bytes_and_the_plan_prints_device_and_host():
+    base = dict(dp=4, bf16=True, global_batch_size=8, hidden_size=64, num_layers=2)
+    per_param = {}
+    for name, flags in (("ddp", {}), ("fsdp2", dict(use_torch_fsdp2=True)),
+                        ("offload", dict(use_torch_fsdp2=True, optimizer_cpu_offload=True,
+                                         optimizer_offload_fraction=0.5))):
+        cfg = tiny_config(**base, **flags)
+        stage = plan(cfg)[0]
+        per_param[name] = (stage.state_bytes / stage.params, stage.host_bytes / stage.params, cfg, stage)
+    assert per_param["ddp"][0] == 18  # bf16 weights, fp32 grads, fp32 master + Adam
+    assert per_param["fsdp2"][0] == 16 / 4  # ZeRO-3: 16 / d
+    # offload half: device keeps 2/d + 2/d + half of 12/d, the host the other half of (4+8+4+2+2)/d
+    assert per_param["offload"][0] == pytest.approx((2 + 2 + 6) / 4)
+    assert per_param["offload"][1] == pytest.approx(10 / 4)
+    _, _, cfg, stage = per_param["offload"]
+    assert stage.fsdp_transient_bytes > 0
+    text = format_plan(cfg, [stage])
+    assert "FSDP2 (ZeRO-3), optimizer CPU offload 0.5" in text and "host" in text, text
