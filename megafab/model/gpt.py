@@ -144,7 +144,8 @@ class GPTModel(nn.Module):
         if labels is None:
             return logits
         loss = vocab_parallel_cross_entropy(logits, labels.t(), self.ctx.tp_group)  # [s, b]
-        return loss.t()  # [b, s]
+        # A new tensor, not a view: FSDP2 hooks its backward on the output of the chunk.
+        return loss.t().clone()  # [b, s]
 
 
 def chunk_layer_range(num_layers: int, pp: int, vpp: int, pp_rank: int, chunk: int) -> tuple[int, int]:
