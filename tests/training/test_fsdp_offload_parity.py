@@ -4,7 +4,9 @@ float64, 3 AdamW steps with clipping (clip 0.25 binds in every step), two micro-
 accumulation under FSDP2's no_sync), against the single-process model and MixedPrecisionOptimizer:
 the grad norm of every step and every parameter after it within 1e-10. FSDP2 at DP 2 and 4, FSDP2 x
 TP 2 + SP, FSDP2 x PP 2, each with and without offload (a fraction that splits the entries between
-host and device where it is not 1), and offload with the distributed optimizer and with plain DDP.
+host and device where it is not 1), FSDP2 with full recompute (two layers per recompute group,
+i.e. two FSDP2 units) and without resharding after forward, and offload with the distributed
+optimizer and with plain DDP.
 """
 
 import pytest
@@ -79,6 +81,7 @@ def _parity(rank, world, tp, pp, sp, style, layout):
 
 FSDP = dict(use_torch_fsdp2=True)
 OFFLOAD = dict(optimizer_cpu_offload=True)
+RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)
 
 
 def fraction(f):
@@ -89,6 +92,8 @@ CASES = {
     "fsdp-dp2": (2, 1, 1, False, GPT2_STYLE, FSDP),
     "fsdp-dp2-offload-0.6": (2, 1, 1, False, GPT2_STYLE, {**FSDP, **OFFLOAD, **fraction(0.6)}),
     "fsdp-dp4-llama": (4, 1, 1, False, LLAMA_STYLE, FSDP),
+    "fsdp-dp2-recompute-zero2": (2, 1, 1, False, LLAMA_STYLE, {**FSDP, **RECOMPUTE,
+                                                               "torch_fsdp2_reshard_after_forward": False}),
     "fsdp-dp4-offload": (4, 1, 1, False, GPT2_STYLE, {**FSDP, **OFFLOAD}),
     "fsdp-tp2-sp-dp2": (4, 2, 1, True, GPT2_STYLE, FSDP),
     "fsdp-tp2-sp-dp2-offload-llama": (4, 2, 1, True, LLAMA_STYLE, {**FSDP, **OFFLOAD}),
