@@ -19,7 +19,7 @@ from megafab.optim.fully_sharded_optimizer import FullyShardedOptimizer
 from megafab.training.build import TrainState, build_model, build_optimizer, build_scheduler
 from megafab.training.step import train_step
 from tests.harness import run_ranks
-from tests.model.tiny import GPT2_STYLE, LLAMA_STYLE, full_grad, tiny_config
+from tests.model.tiny import GPT2_STYLE, LLAMA_STYLE, batch, full_grad, tiny_config
 from tests.training.test_3d_parity import MICRO, STEPS, _as_grad, _micro_batches, _reference_run, _samples
 
 CLIP = 0.25
@@ -108,3 +108,35 @@ CASES = {
 def test_training_steps_equal_single_process(case):
     world, tp, pp, sp, style, layout = CASES[case]
     run_ranks(_parity, world, tp, pp, sp, style, layout, timeout=300)
+
+
+def _mixed_precision_losses(rank, world, precision, layout):
+    scaler = dict(initial_loss_scale=2.0**12)  # fp16 steps from the first one
+    cfg = tiny_config(dp=world, global_batch_size=2 * world, lr=1e-2, **{precision: True}, **scaler, **layout)
+    topo = build_topology()
+    tracker = RNGStatesTracker("cpu")
+    model_parallel_seed(1234, 0, 0, "cpu", tracker)
+    model = build_model(cfg, topo, tracker)
+    optimizer = build_optimizer(cfg, topo, model)
+    state = TrainState(cfg, topo, tracker, model, optimizer, build_scheduler(cfg, optimizer))
+    out = []
+    for step in range(3):
+        tokens, labels, mask = batch(cfg.model, seed=10 * step + topo.dp_rank)
+        metrics = train_step(state, iter([{"tokens": tokens, "labels": labels, "loss_mask": mask}]))
+        scale = optimizer.grad_scaler.scale if optimizer.grad_scaler is not None else None
+        out.append((metrics["lm loss"], metrics["update_ok"], scale))
+    return out
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_trains_like_ddp(precision):
+    """bf16/fp16 compute, fp32 reduction and masters: FSDP2 (fp32 shards), FSDP2 with offload
+    (16-bit shards, host masters) and dist-opt with offload log DDP's losses (up to the reduction
+    order), and the fp16 loss scaler takes the same steps with the same scale."""
+    ddp = run_ranks(_mixed_precision_losses, 2, precision, {}, timeout=300)[0]
+    for layout in (FSDP, {**FSDP, **OFFLOAD}, {"use_distributed_optimizer": True, **OFFLOAD}):
+        got = run_ranks(_mixed_precision_losses, 2, precision, layout, timeout=300)[0]
+        for (loss, ok, scale), (ref_loss, ref_ok, ref_scale) in zip(got, ddp):
+            assert (ok, scale) == (ref_ok, ref_scale), (layout, got, ddp)
+            assert abs(loss - ref_loss) <= 2e-3 * abs(ref_loss), (layout, got, ddp)
+    assert all(ok for _, ok, _ in ddp) and ddp[-1][0] < ddp[0][0]
