@@ -26,6 +26,10 @@ does not apply). The Megatron attributes of every parameter (tensor_model_parall
 sequence_parallel, shared_embedding, ...) are carried over to its sharded DTensor, so
 finalize_model_grads, the norm and the checkpoint layout treat it as the parameter it shards.
 
+On CUDA, FSDP2 overlaps its all-gathers and reduce-scatters with compute on separate streams, which
+needs CUDA_DEVICE_MAX_CONNECTIONS > 1 (Megatron requires it unset or > 1 for FSDP; the
+tensor-parallel core's warning asks for 1, which serializes those streams).
+
 The mesh is the DP group today (`data_parallel_mesh`); with context parallelism it becomes the
 dp-cp group, one line there.
 
