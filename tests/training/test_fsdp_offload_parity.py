@@ -12,28 +12,17 @@ optimizer and with plain DDP.
 import pytest
 import torch
 
-from megafab.distributed.fsdp import is_dtensor, local_tensor
+from megafab.distributed.fsdp import local_tensor
 from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
 from megafab.distributed.topology import build_topology
 from megafab.optim.fully_sharded_optimizer import FullyShardedOptimizer
 from megafab.training.build import TrainState, build_model, build_optimizer, build_scheduler
 from megafab.training.step import train_step
 from tests.harness import run_ranks
-from tests.model.tiny import GPT2_STYLE, LLAMA_STYLE, batch, full_grad, tiny_config
-from tests.training.test_3d_parity import MICRO, STEPS, _as_grad, _micro_batches, _reference_run, _samples
+from tests.model.tiny import GPT2_STYLE, LLAMA_STYLE, batch, tiny_config
+from tests.training.test_3d_parity import MICRO, STEPS, _reference_run, _samples, train_and_compare
 
 CLIP = 0.25
-
-
-def _full_values(p, tp_group) -> torch.Tensor:
-    """The single-process tensor of parameter `p`: FSDP2 shards gathered over DP, TP joined."""
-    if is_dtensor(p):
-        holder = torch.nn.Parameter(p.full_tensor().detach(), requires_grad=False)
-        for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
-            if hasattr(p, attr):
-                setattr(holder, attr, getattr(p, attr))
-        p = holder
-    return full_grad(_as_grad(p), tp_group)
 
 
 def _parity(rank, world, tp, pp, sp, style, layout):
@@ -63,20 +52,7 @@ def _parity(rank, world, tp, pp, sp, style, layout):
         assert local_tensor(big.model_param).numel() <= -(-big.model_param.shape[0] // dp) * \
             (big.model_param.numel() // big.model_param.shape[0])
     state = TrainState(cfg, topo, tracker, model, optimizer, build_scheduler(cfg, optimizer))
-    tp_group = topo.tp_group if tp > 1 else None
-    for step in range(STEPS):
-        data = _micro_batches(samples, step * gbs, topo.dp_rank, dp, cfg.training.num_micro_batches)
-        metrics = train_step(state, data)
-        ref_norm, ref_params = reference[step]
-        assert abs(metrics["grad_norm"] - ref_norm) < 1e-10 * max(1.0, ref_norm), (metrics, ref_norm)
-        assert ref_norm > CLIP  # clipping binds
-        for chunk in model:
-            for name, p in chunk.module.named_parameters():
-                ref_name = "embedding.word_embeddings.weight" if name == "output_layer.weight" and \
-                    not cfg.model.untie_embeddings_and_output_weights else name
-                err = (_full_values(p, tp_group) - ref_params[ref_name]).abs().max().item()
-                assert err < 1e-10, (step, name, err)
-    return metrics["lm loss"]
+    return train_and_compare(state, samples, reference, gbs, min_norm=CLIP)
 
 
 FSDP = dict(use_torch_fsdp2=True)
