@@ -38,7 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-MARK = "CHECKPOINT_BENCH "
+RECORDS_ENV = "MEGAFAB_CHECKPOINT_BENCH_DIR"  # each rank writes rank_<r>.json there at exit
 
 
 # ---- inside each rank ------------------------------------------------------------------------------
@@ -93,7 +93,8 @@ def rank_entry(argv: list[str]) -> int:
     def report():
         record["hwm_train_kib"] = _vm_kib("VmHWM")
         record["hwm_kib"] = max(record["hwm_setup_kib"], record["hwm_train_kib"])
-        print(MARK + json.dumps(record), flush=True)
+        with open(os.path.join(os.environ[RECORDS_ENV], f"rank_{record['rank']}.json"), "w") as f:
+            json.dump(record, f)
 
     atexit.register(report)
     return pretrain_gpt.main(argv)
@@ -116,14 +117,66 @@ def launch(nproc: int, flags: list[str], cwd: str, timeout: float) -> tuple[dict
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
            "127.0.0.1", "--master-port", str(free_port()), os.path.abspath(__file__), "--rank-entry", *flags]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    records_dir = tempfile.mkdtemp(dir=cwd)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, RECORDS_ENV: records_dir}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
     if out.returncode != 0:
         raise SystemExit(f"run failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    lines = [line[len(MARK):] for line in out.stdout.splitlines() if line.startswith(MARK)]
-    records = sorted((json.loads(line) for line in lines), key=lambda r: r["rank"])
-    assert len(records) == nproc, out.stdout[-3000:]
+    records = []
+    for rank in range(nproc):
+        with open(os.path.join(records_dir, f"rank_{rank}.json")) as f:
+            records.append(json.load(f))
     return losses(out.stdout), records
+
+
+def memory_rows(args, flags, stage, work: str, ckpt: str) -> list[dict]:
+    """The DP 4 table; returns the records of the run that saves every iteration."""
+    from megafab.checkpoint.directory import TRACKER
+
+    mib = 1024 * 1024
+    saving = flags + ["--save", ckpt, "--save-interval", "1"]
+    runs = {"no saves": launch(4, flags, work, args.timeout),
+            "save every iter": launch(4, saving, work, args.timeout)}
+    half = args.iters // 2
+    with open(os.path.join(ckpt, TRACKER), "w") as f:
+        f.write(str(half))
+    runs["load + continue"] = launch(4, flags + ["--load", ckpt], work, args.timeout)
+    base_losses, base = runs["no saves"]
+    base_hwm = max(r["hwm_kib"] for r in base)
+    print(f"{'DP 4 run':<18}{'peak RSS MiB (max rank)':>24}{'vs no saves':>13}{'state MiB':>11}"
+          f"{'plan state':>12}  losses equal")
+    for name, (got, records) in runs.items():
+        hwm = max(r["hwm_kib"] for r in records)
+        state = max(r["state_bytes"] for r in records) / mib
+        same = all(got[i] == base_losses[i] for i in got) and sorted(got) == (
+            list(range(half + 1, args.iters + 1)) if name.startswith("load") else sorted(base_losses))
+        print(f"{name:<18}{hwm / 1024:>24.0f}{hwm / base_hwm:>12.3f}x{state:>11.1f}"
+              f"{stage.state_bytes / mib:>12.1f}  {'yes' if same else 'NO'}", flush=True)
+    print("peak RSS MiB (max rank) start-up / training phase: " + ", ".join(
+        f"{name} {max(r['hwm_setup_kib'] for r in rec) / 1024:.0f} / "
+        f"{max(r['hwm_train_kib'] for r in rec) / 1024:.0f}" for name, (_, rec) in runs.items()))
+    print(f"mock-data index build (left out): {max(r['hwm_data_kib'] for r in base) / 1024:.0f} MiB; "
+          f"unsharded fp32 Adam state (what each rank used to assemble to save): "
+          f"{2 * 4 * stage.params / mib:.0f} MiB", flush=True)
+    return runs["save every iter"][1]
+
+
+def save_time_rows(args, flags, work: str, ckpt: str, dp4_records: list[dict] | None) -> None:
+    mib = 1024 * 1024
+    print(f"{'DP':<4}{'save wall s/rank':>18}{'save CPU s/rank':>17}{'MiB written/rank':>18}"
+          f"{'peak RSS MiB':>14}   (checkpoints in {os.path.dirname(ckpt)})")
+    for dp in [int(d) for d in args.dp_sizes.split(",")]:
+        if dp == 4 and dp4_records is not None:
+            records = dp4_records
+        else:
+            shutil.rmtree(ckpt, ignore_errors=True)
+            records = launch(dp, flags + ["--save", ckpt, "--save-interval", "1"], work, args.timeout)[1]
+        # per rank: the median over its saves; then the median over ranks
+        wall = statistics.median(statistics.median(r["save_s"]) for r in records)
+        cpu = statistics.median(statistics.median(r["save_cpu_s"]) for r in records)
+        written = statistics.median(r["written"] / len(r["save_s"]) for r in records) / mib
+        hwm = max(r["hwm_kib"] for r in records) / 1024
+        print(f"{dp:<4}{wall:>18.2f}{cpu:>17.2f}{written:>18.1f}{hwm:>14.0f}", flush=True)
 
 
 def main(argv=None):
@@ -136,64 +189,32 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=4, help="even; the load run resumes at iters / 2")
     ap.add_argument("--bucket", type=int, default=500_000, help="--ddp-bucket-size (elements)")
     ap.add_argument("--dp-sizes", default="1,2,4", help="DP sizes of the save-time rows")
+    ap.add_argument("--rows", choices=["all", "memory", "save-time"], default="all")
+    ap.add_argument("--save-dir", default=None,
+                    help="where checkpoints go (default: a temporary directory; /dev/shm takes the disk "
+                         "out of the save times)")
     ap.add_argument("--timeout", type=float, default=1800.0)
     args = ap.parse_args(argv)
 
     from benchmarks.bench_util import load_average
     from megafab.arguments import config_from_args
-    from megafab.checkpoint.directory import TRACKER
     from megafab.training.planner import plan
 
     flags = model_flags(args)
     stage = plan(config_from_args(flags, world_size=4), kernels="cpu")[0]
-    mib = 1024 * 1024
     work = tempfile.mkdtemp(prefix="megafab_ckpt_bench_")
-    ckpt = os.path.join(work, "ckpt")
+    saves = tempfile.mkdtemp(prefix="megafab_ckpt_bench_", dir=args.save_dir) if args.save_dir else work
+    ckpt = os.path.join(saves, "ckpt")
     print(f"Checkpoint memory per rank: {stage.params / 1e6:.1f}M parameters, fp32, layers {args.layers}, "
           f"hidden {args.hidden}, seq {args.seq}, vocab {args.vocab}, global batch 4, distributed optimizer, "
           f"--ddp-bucket-size {args.bucket}, {args.iters} iterations; {load_average()}", flush=True)
     try:
-        runs = {"no saves": launch(4, flags, work, args.timeout),
-                "save every iter": launch(4, flags + ["--save", ckpt, "--save-interval", "1"], work,
-                                          args.timeout)}
-        half = args.iters // 2
-        with open(os.path.join(ckpt, TRACKER), "w") as f:
-            f.write(str(half))
-        runs["load + continue"] = launch(4, flags + ["--load", ckpt], work, args.timeout)
-        base_losses, base = runs["no saves"]
-        base_hwm = max(r["hwm_kib"] for r in base)
-        print(f"{'DP 4 run':<18}{'peak RSS MiB (max rank)':>24}{'vs no saves':>13}{'state MiB':>11}"
-              f"{'plan state':>12}  losses equal")
-        for name, (got, records) in runs.items():
-            hwm = max(r["hwm_kib"] for r in records)
-            state = max(r["state_bytes"] for r in records) / mib
-            same = all(got[i] == base_losses[i] for i in got) and sorted(got) == (
-                list(range(half + 1, args.iters + 1)) if name.startswith("load") else sorted(base_losses))
-            print(f"{name:<18}{hwm / 1024:>24.0f}{hwm / base_hwm:>12.3f}x{state:>11.1f}"
-                  f"{stage.state_bytes / mib:>12.1f}  {'yes' if same else 'NO'}", flush=True)
-        print("peak RSS MiB (max rank) start-up / training phase: " + ", ".join(
-            f"{name} {max(r['hwm_setup_kib'] for r in rec) / 1024:.0f} / "
-            f"{max(r['hwm_train_kib'] for r in rec) / 1024:.0f}" for name, (_, rec) in runs.items()))
-        print(f"mock-data index build (left out): {max(r['hwm_data_kib'] for r in base) / 1024:.0f} MiB; "
-              f"unsharded fp32 Adam state (what each rank used to assemble to save): "
-              f"{2 * 4 * stage.params / mib:.0f} MiB", flush=True)
-
-        print(f"{'DP':<4}{'save wall s/rank':>18}{'save CPU s/rank':>17}{'MiB written/rank':>18}"
-              f"{'peak RSS MiB':>14}")
-        for dp in [int(d) for d in args.dp_sizes.split(",")]:
-            if dp == 4:
-                records = runs["save every iter"][1]
-            else:
-                shutil.rmtree(ckpt, ignore_errors=True)
-                records = launch(dp, flags + ["--save", ckpt, "--save-interval", "1"], work, args.timeout)[1]
-            # per rank: the median over its saves; then the median over ranks
-            wall = statistics.median(statistics.median(r["save_s"]) for r in records)
-            cpu = statistics.median(statistics.median(r["save_cpu_s"]) for r in records)
-            written = statistics.median(r["written"] / len(r["save_s"]) for r in records) / mib
-            hwm = max(r["hwm_kib"] for r in records) / 1024
-            print(f"{dp:<4}{wall:>18.2f}{cpu:>17.2f}{written:>18.1f}{hwm:>14.0f}", flush=True)
+        dp4 = memory_rows(args, flags, stage, work, ckpt) if args.rows in ("all", "memory") else None
+        if args.rows in ("all", "save-time"):
+            save_time_rows(args, flags, work, ckpt, dp4)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(saves, ignore_errors=True)
     print(f"after: {load_average()}")
 
 

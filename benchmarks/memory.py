@@ -1,9 +1,9 @@
-"""Memory per rank for DP 2, with/without the distributed optimizer and full recompute, measured
-next to the planner's prediction (megafab.training.planner.plan(cfg, kernels="cpu")).
+"""Memory per rank at DP 1/2/4, with/without the distributed optimizer, and with full recompute at
+DP 2, measured next to the planner's prediction (megafab.training.planner.plan(cfg, kernels="cpu")).
 
     python benchmarks/memory.py [--layers 4 --hidden 256 --heads 8 --seq 256 --batch 4 --vocab 8192]
 
-Two gloo processes on CPU, fp32 (or --bf16), dropout off. Per rank, after one warm-up step:
+DP gloo processes on CPU, fp32 (or --bf16), dropout off. On rank 0, after one warm-up step:
     weights / grads / optimizer   measure_memory: distinct storages of params, DDP grad buffer,
                                   main params + Adam state
     saved act.                    bytes autograd keeps for backward during one micro-batch forward
@@ -29,8 +29,6 @@ import argparse
 import os
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_util import (  # noqa: E402
@@ -41,39 +39,31 @@ from benchmarks.bench_util import (  # noqa: E402
     repeat_batch,
     synthetic_batch,
 )
-from megafab.optim.memory import measure_memory  # noqa: E402
+from megafab.optim.memory import SavedActivations, measure_memory  # noqa: E402
 from megafab.training.planner import plan  # noqa: E402
 from megafab.training.step import gpt_forward_step, train_step  # noqa: E402
 from tests.harness import run_ranks  # noqa: E402
 
-VARIANTS = {
-    "DP2": [],
-    "DP2 dist-opt": ["--use-distributed-optimizer"],
-    "DP2 recompute": ["--recompute-granularity", "full", "--recompute-method", "uniform",
-                      "--recompute-num-layers", "1"],
-    "DP2 dist-opt recompute": ["--use-distributed-optimizer", "--recompute-granularity", "full",
-                               "--recompute-method", "uniform", "--recompute-num-layers", "1"],
-}
+FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                  "--recompute-num-layers", "1"]
+DIST_OPT = ["--use-distributed-optimizer"]
+VARIANTS = [  # (name, data-parallel size, extra flags)
+    ("DP1", 1, []), ("DP1 dist-opt", 1, DIST_OPT),
+    ("DP2", 2, []), ("DP2 dist-opt", 2, DIST_OPT),
+    ("DP4", 4, []), ("DP4 dist-opt", 4, DIST_OPT),
+    ("DP2 recompute", 2, FULL_RECOMPUTE), ("DP2 dist-opt recompute", 2, DIST_OPT + FULL_RECOMPUTE),
+]
 
 
 def saved_bytes(state, data) -> int:
     """Bytes of distinct storages autograd saves in one micro-batch forward (parameters excluded)."""
     chunk = state.model[0]
-    params = {p.untyped_storage().data_ptr() for p in chunk.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedActivations(chunk.parameters()) as saved:
         output, loss_func = gpt_forward_step(data, chunk)
         loss, _ = loss_func(output)
     loss.backward()
     chunk.zero_grad_buffer()
-    return sum(seen.values())
+    return saved.bytes
 
 
 def _measure_rank(rank, world, flags):
@@ -85,7 +75,7 @@ def _measure_rank(rank, world, flags):
     report = measure_memory(state.model, state.optimizer)
     saved = saved_bytes(state, data)
     peak = peak_cpu_bytes(lambda: train_step(state, data))
-    return report.weights_bytes, report.grads_bytes, report.optimizer_bytes, saved, peak
+    return report.weights_bytes, report.grads_bytes, report.optimizer_bytes, saved, peak, report.num_params
 
 
 def main(argv=None):
@@ -102,27 +92,30 @@ def main(argv=None):
     ap.add_argument("--sharding", action="store_true", help="only the ZeRO-3 (FSDP2) and offload rows")
     args = ap.parse_args(argv)
     base = gpt_flags(args.layers, args.hidden, args.heads, args.seq, args.batch, args.vocab)
-    base[base.index("--global-batch-size") + 1] = str(2 * args.batch)
     base += ["--bf16"] if args.bf16 else []
     if args.sharding:
         sharding_rows(base, args.timeout)
         return
 
     mib = 1024 * 1024
-    print(f"Memory per rank (rank 0 of DP 2), {'bf16' if args.bf16 else 'fp32'}: layers {args.layers}, "
+    print(f"Memory per rank (rank 0), {'bf16' if args.bf16 else 'fp32'}: layers {args.layers}, "
           f"hidden {args.hidden}, heads {args.heads}, seq {args.seq}, micro-batch {args.batch}, vocab "
           f"{args.vocab}; MiB; {load_average()}")
-    print(f"{'variant':<24}{'weights':>9}{'grads':>9}{'optim':>9}{'state':>9}{'plan state':>12}"
+    print(f"{'variant':<24}{'weights':>9}{'grads':>9}{'optim':>9}{'state':>9}{'plan state':>12}{'B/param':>9}"
           f"{'saved act':>11}{'step peak':>11}{'plan act':>10}")
     from megafab.arguments import config_from_args
 
-    for name, extra in VARIANTS.items():
+    for name, dp, extra in VARIANTS:
         flags = base + extra
-        weights, grads, optim, saved, peak = run_ranks(_measure_rank, 2, flags, timeout=args.timeout)[0]
-        stage = plan(config_from_args(flags, world_size=2), kernels="cpu")[0]
+        flags[flags.index("--global-batch-size") + 1] = str(dp * args.batch)
+        row = run_ranks(_measure_rank, dp, flags, timeout=args.timeout)[0]
+        weights, grads, optim, saved, peak, params = row
+        stage = plan(config_from_args(flags, world_size=dp), kernels="cpu")[0]
         print(f"{name:<24}{weights / mib:>9.2f}{grads / mib:>9.2f}{optim / mib:>9.2f}"
               f"{(weights + grads + optim) / mib:>9.2f}{stage.state_bytes / mib:>12.2f}"
-              f"{saved / mib:>11.2f}{peak / mib:>11.2f}{stage.activation_peak_bytes / mib:>10.2f}")
+              f"{(weights + grads + optim) / params:>9.2f}"
+              f"{saved / mib:>11.2f}{peak / mib:>11.2f}{stage.activation_peak_bytes / mib:>10.2f}",
+              flush=True)
     print(f"after: {load_average()}")
     if args.checkpoint:
         from benchmarks import checkpoint_memory

@@ -43,7 +43,7 @@ from benchmarks.bench_util import (  # noqa: E402
     repeat_batch,
     synthetic_batch,
 )
-from megafab.optim.mixed_precision import make_adamw  # noqa: E402
+from megafab.optim.mixed_precision import make_torch_optimizer  # noqa: E402
 from megafab.training.step import train_step  # noqa: E402
 
 
@@ -91,8 +91,9 @@ def adamw_for(model: nn.Module) -> torch.optim.Optimizer:
     """AdamW with megafab's groups (no decay on biases and 1-D params) and the same fused choice."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     plain = [p for p in model.parameters() if p.dim() < 2]
-    return make_adamw([{"params": decay, "weight_decay": 0.1}, {"params": plain, "weight_decay": 0.0}],
-                      lr=1e-4, betas=(0.9, 0.999), eps=1e-8)
+    return make_torch_optimizer("adam", [{"params": decay, "weight_decay": 0.1},
+                                         {"params": plain, "weight_decay": 0.0}],
+                                lr=1e-4, betas=(0.9, 0.999), eps=1e-8, sgd_momentum=0.0)
 
 
 class TorchRunner:

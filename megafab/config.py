@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import warnings
 from dataclasses import dataclass, field
 
 from megafab.errors import MegafabError
+from megafab.pipeline_split import PipelineSplit
 
 
 class ConfigError(MegafabError):
@@ -57,6 +57,24 @@ class ModelConfig:
     """Epsilon of every norm."""
     swiglu: bool = False
     """SwiGLU MLP (gated SiLU) instead of GELU."""
+    openai_gelu: bool = False
+    """GELU in its tanh approximation (OpenAI GPT-2's gelu_new) instead of the exact erf GELU."""
+    squared_relu: bool = False
+    """relu(x)^2 as the MLP activation instead of GELU."""
+    apply_layernorm_1p: bool = False
+    """Zero-centered norm weight: every LayerNorm/RMSNorm computes norm(x) * (1 + weight) and its
+    weight starts at 0 (megatron-core's layernorm_zero_centered_gamma)."""
+    qk_layernorm: bool = False
+    """Normalize each head's queries and keys (q_layernorm / k_layernorm over kv_channels, the
+    --normalization type) before RoPE and attention."""
+    apply_residual_connection_post_layernorm: bool = False
+    """Take the residual from the norm's output instead of its input (the original BERT order)."""
+    attention_backend: str = "auto"
+    """Attention kernel: auto (PyTorch SDPA picks), flash, fused (cuDNN / memory-efficient, CUDA
+    only), unfused or local (SDPA's math kernel)."""
+    cross_entropy_loss_fusion: bool = False
+    """Vocab-parallel cross entropy with the target logit and the sum of exponentials reduced over
+    TP in one all-reduce instead of two (megatron-core's fused cross entropy); same values."""
     untie_embeddings_and_output_weights: bool = False
     """Give the output layer its own weight instead of reusing the word embedding."""
     add_bias_linear: bool = True
@@ -99,6 +117,16 @@ class ParallelConfig:
     """Layers per model chunk for the interleaved schedule."""
     num_virtual_stages_per_pipeline_rank: int | None = None
     """Model chunks per pipeline rank for the interleaved schedule (alternative to the above)."""
+    decoder_first_pipeline_num_layers: int | None = None
+    """Transformer layers on the first pipeline stage; the other stages share the rest evenly."""
+    decoder_last_pipeline_num_layers: int | None = None
+    """Transformer layers on the last pipeline stage; the other stages share the rest evenly."""
+    account_for_embedding_in_pipeline_split: bool = False
+    """Count the embedding as one layer when splitting layers over stages: the first stage (its
+    first virtual chunk) holds one transformer layer fewer."""
+    account_for_loss_in_pipeline_split: bool = False
+    """Count the output layer + loss as one layer when splitting: the last stage (its last virtual
+    chunk) holds one transformer layer fewer."""
     virtual_pipeline_model_parallel_size: int | None = None
     """Derived: model chunks per pipeline rank (vpp); None without interleaving."""
     sequence_parallel: bool = False
@@ -119,7 +147,10 @@ class ParallelConfig:
     """Add the linear layers' weight gradients straight into the fp32 main-grad buffer (Megatron's
     default); --no-gradient-accumulation-fusion goes through param.grad and a hook instead."""
     accumulate_allreduce_grads_in_fp32: bool = True
-    """Keep main gradients in fp32 for bf16/fp16 models (always on in megafab)."""
+    """Keep main gradients in fp32 for bf16/fp16 models (turned off by --grad-reduce-in-bf16)."""
+    grad_reduce_in_bf16: bool = False
+    """Accumulate and reduce gradients over data parallel in bf16 (the DDP grad buffer's dtype);
+    the optimizer still steps fp32 main params."""
     distributed_backend: str | None = None
     """nccl or gloo; default nccl with CUDA, gloo without."""
     distributed_timeout_minutes: int = 10
@@ -221,15 +252,15 @@ class OptimizerConfig:
     """Adam epsilon."""
     sgd_momentum: float = 0.9
     """SGD momentum."""
+    decoupled_lr: float | None = None
+    """Peak learning rate of the input embedding and the output layer (their own schedule)."""
+    decoupled_min_lr: float | None = None
+    """Final learning rate of the input embedding and the output layer; default --min-lr."""
     optimizer_cpu_offload: bool = False
     """Keep fp32 main params and Adam state in host memory and step them on the CPU (torch's
     fused/foreach AdamW); the device keeps the model weights and gradients."""
     optimizer_offload_fraction: float | None = None
     """Share of the optimizer state offloaded, in [0, 1]; default 1.0 with --optimizer-cpu-offload."""
-    use_torch_optimizer_for_cpu_offload: bool = False
-    """Megatron's choice of torch.optim for the CPU step; megafab's offload always uses torch's AdamW."""
-    overlap_cpu_optimizer_d2h_h2d: bool = False
-    """Overlap the gradient/weight copies with the CPU step; megafab's offload always overlaps on CUDA."""
     pin_cpu_grads: bool = True
     """Page-locked host gradient buffers for offload (--no-pin-cpu-grads turns it off)."""
     pin_cpu_params: bool = True
@@ -264,12 +295,24 @@ class DataConfig:
     """GPT-2 merges.txt."""
     tokenizer_model: str | None = None
     """SentencePiece .model, or a HuggingFace tokenizer.json / directory."""
+    tiktoken_pattern: str | None = None
+    """TikTokenizer's pre-tokenization pattern: v1 or v2."""
+    tiktoken_num_special_tokens: int = 1000
+    """TikTokenizer: ids reserved for special tokens in front of the BPE ranks."""
+    tokenizer_special_tokens: list[str] | None = None
+    """TikTokenizer's named special tokens, first in the id space (must include <unk> <s> </s>
+    <mask> <pad> <cls> <sep>, the default)."""
     eod_mask_loss: bool = False
     """Do not train on end-of-document tokens."""
     reset_position_ids: bool = False
     """Restart position ids after each end-of-document token."""
     reset_attention_mask: bool = False
     """Block attention across documents inside one sample."""
+    create_attention_mask_in_dataloader: bool = True
+    """Let the data loader build attention masks (megafab builds one only for
+    --reset-attention-mask; plain causal attention needs none)."""
+    mmap_bin_files: bool = True
+    """Memory-map the .bin files; --no-mmap-bin-files reads each sample with a file read instead."""
     num_workers: int = 2
     """Data loader worker processes."""
 
@@ -300,6 +343,24 @@ class TrainingConfig:
     """On SIGTERM save a checkpoint and exit cleanly."""
     seed: int = 1234
     """Seed of initialization, dropout and data shuffling."""
+    rampup_batch_size: list[int] | None = None
+    """START INCREMENT SAMPLES: the global batch starts at START and grows by INCREMENT in equal
+    steps over SAMPLES consumed samples up to --global-batch-size (needs --train-samples)."""
+    calculate_per_token_loss: bool = False
+    """Average the loss over every token of the global batch (sum of losses / number of tokens over
+    micro-batches and data-parallel ranks) instead of averaging per-micro-batch means."""
+    check_for_nan_in_loss_and_grad: bool = True
+    """Stop the run when the loss or the gradient norm is NaN/inf (Megatron's default)."""
+    manual_gc: bool = False
+    """Disable Python's automatic garbage collector; collect at --manual-gc-interval and around
+    evaluation instead, on every rank at the same step."""
+    manual_gc_interval: int = 0
+    """With --manual-gc: collect every this many iterations (0: only around evaluation)."""
+    manual_gc_eval: bool = True
+    """With --manual-gc: collect before and after each evaluation (--no-manual-gc-eval turns it off)."""
+    empty_unused_memory_level: int = 0
+    """Release cached accelerator memory each iteration: 1 after forward-backward, 2 also after the
+    optimizer step (CUDA only; CPU has no cache)."""
     dry_run: bool = False
     """Validate the flags and print the memory/FLOPs plan without starting process groups."""
 
@@ -344,11 +405,28 @@ class LoggingConfig:
     """wandb run name."""
     wandb_save_dir: str = ""
     """wandb run directory."""
+    logging_level: int | None = None
+    """Python logging level of megafab's loggers (10 debug, 20 info, 30 warning)."""
+    profile: bool = False
+    """Profile iterations --profile-step-start..--profile-step-end with torch.profiler; the trace
+    goes to --tensorboard-dir (else --save, else ./profile)."""
+    use_pytorch_profiler: bool = False
+    """Megatron's switch between nsys and torch.profiler: megafab always writes a torch.profiler
+    trace; without this flag it also marks the range for nsys (cudaProfilerStart/Stop) on CUDA."""
+    profile_step_start: int = 10
+    """First profiled iteration."""
+    profile_step_end: int = 12
+    """Iteration at which profiling stops (not profiled)."""
+    profile_ranks: list[int] = field(default_factory=lambda: [0])
+    """Global ranks that profile."""
 
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "precision": PrecisionConfig,
             "optimizer": OptimizerConfig, "data": DataConfig, "training": TrainingConfig,
             "checkpoint": CheckpointConfig, "logging": LoggingConfig}
+
+
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 
 
 def swiglu_ffn_size(hidden_size: int) -> int:
@@ -376,6 +454,8 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     notes: list[str] = field(default_factory=list)
     """Adjustments made while finalizing (e.g. sequence parallel turned off at TP 1)."""
+    no_effect: list[str] = field(default_factory=list)
+    """Flags accepted that change nothing here, each "--flag (why)"; printed once at start-up."""
 
     @classmethod
     def from_flat(cls, values: dict) -> Config:
@@ -392,8 +472,8 @@ class Config:
             flat.update(dataclasses.asdict(getattr(self, name)))
         return flat
 
-    def finalize(self, world_size: int) -> Config:
-        """Fill derived defaults as Megatron does, then validate everything at once."""
+    def finalize(self, world_size: int, validate: bool = True) -> Config:
+        """Fill derived defaults as Megatron does, then (validate=True) check everything at once."""
         m, p, t, o = self.model, self.parallel, self.training, self.optimizer
         p.world_size = world_size
         tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
@@ -412,10 +492,13 @@ class Config:
             m.padded_vocab_size = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
         if p.num_virtual_stages_per_pipeline_rank is not None:
             p.virtual_pipeline_model_parallel_size = p.num_virtual_stages_per_pipeline_rank
-        elif p.num_layers_per_virtual_pipeline_stage and m.num_layers and pp >= 1 \
-                and m.num_layers % (pp * p.num_layers_per_virtual_pipeline_stage) == 0:
-            p.virtual_pipeline_model_parallel_size = (
-                m.num_layers // pp // p.num_layers_per_virtual_pipeline_stage)
+        elif p.num_layers_per_virtual_pipeline_stage and m.num_layers and pp >= 1:
+            # Megatron counts the embedding/loss "layers" here too
+            split_layers = m.num_layers + p.account_for_embedding_in_pipeline_split \
+                + p.account_for_loss_in_pipeline_split
+            if split_layers % (pp * p.num_layers_per_virtual_pipeline_stage) == 0:
+                p.virtual_pipeline_model_parallel_size = (
+                    split_layers // pp // p.num_layers_per_virtual_pipeline_stage)
         if p.sequence_parallel and tp == 1:
             p.sequence_parallel = False
             self.notes.append("--sequence-parallel has no effect with --tensor-model-parallel-size 1; "
@@ -427,20 +510,37 @@ class Config:
             t.num_micro_batches = t.global_batch_size // (t.micro_batch_size * p.data_parallel_size)
         if o.lr_decay_iters is None and o.lr_decay_samples is None:
             o.lr_decay_iters, o.lr_decay_samples = t.train_iters, t.train_samples
+        d = self.data
+        if d.tokenizer_type is None and d.vocab_file and d.merge_file:
+            d.tokenizer_type = "GPT2BPETokenizer"
+            self.notes.append("--vocab-file and --merge-file without --tokenizer-type: using "
+                              "GPT2BPETokenizer (as Megatron-LM's GPT-3 example scripts assume)")
+        if p.grad_reduce_in_bf16:  # Megatron's rule: the grad buffer takes the (bf16) param dtype
+            p.accumulate_allreduce_grads_in_fp32 = False
         resolve_sharding(self)
         if p.ddp_bucket_size is None and p.data_parallel_size and not p.fully_sharded:
             p.ddp_bucket_size = default_bucket_size(p.data_parallel_size)
-        for note in self.notes:
-            warnings.warn(note, stacklevel=2)
-        self.validate()
+        if validate:
+            self.validate()
         return self
 
+    def problems(self) -> list[str]:
+        """Every rule this configuration breaks, one line each."""
+        return (model_problems(self) + parallel_problems(self) + precision_problems(self)
+                + training_problems(self) + data_problems(self) + checkpoint_problems(self)
+                + sharding_problems(self))
+
     def validate(self) -> None:
-        problems = (model_problems(self) + parallel_problems(self) + precision_problems(self)
-                    + training_problems(self) + data_problems(self) + checkpoint_problems(self)
-                    + sharding_problems(self))
+        problems = self.problems()
         if problems:
             raise ConfigError(problems)
+
+    def start_up_notes(self) -> list[str]:
+        """What rank 0 prints once at start-up: adjustments, then every flag that has no effect."""
+        lines = list(self.notes)
+        if self.no_effect:
+            lines.append("accepted, no effect in megafab: " + "; ".join(self.no_effect))
+        return lines
 
 
 def _required(cfg_section, names: list[str]) -> list[str]:
@@ -494,6 +594,13 @@ def model_problems(cfg: Config) -> list[str]:
         out.append("--recompute-modules needs --recompute-granularity selective")
     if m.transformer_impl not in ("local", "transformer_engine"):
         out.append(f"--transformer-impl {m.transformer_impl!r} is not local or transformer_engine")
+    activations = [f for f, on in (("--swiglu", m.swiglu), ("--squared-relu", m.squared_relu),
+                                   ("--openai-gelu", m.openai_gelu)) if on]
+    if len(activations) > 1:
+        out.append(f"{' and '.join(activations)} each choose the MLP activation; give one of them")
+    if m.attention_backend not in ATTENTION_BACKENDS:
+        out.append(f"--attention-backend {m.attention_backend!r} is not one of "
+                   f"{', '.join(ATTENTION_BACKENDS)}")
     del pp
     return out
 
@@ -517,17 +624,18 @@ def parallel_problems(cfg: Config) -> list[str]:
     if interleaved and pp < 2:
         out.append("the interleaved schedule (virtual pipeline stages) needs "
                    "--pipeline-model-parallel-size of at least 2")
-    if m.num_layers and pp >= 1:
-        chunks = pp * (vpp or 1)
-        if p.num_layers_per_virtual_pipeline_stage and m.num_layers % (
-                pp * p.num_layers_per_virtual_pipeline_stage):
-            out.append(f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size "
-                       f"{pp} x --num-layers-per-virtual-pipeline-stage "
-                       f"{p.num_layers_per_virtual_pipeline_stage}")
-        elif m.num_layers % chunks:
-            out.append(f"--num-layers {m.num_layers} is not divisible by pipeline stages x virtual "
-                       f"stages = {pp} x {vpp or 1}; every model chunk must hold the same number of "
-                       f"layers")
+    if p.num_layers_per_virtual_pipeline_stage and m.num_layers and pp >= 1 and (
+            m.num_layers + p.account_for_embedding_in_pipeline_split + p.account_for_loss_in_pipeline_split
+    ) % (pp * p.num_layers_per_virtual_pipeline_stage):
+        out.append(f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size "
+                   f"{pp} x --num-layers-per-virtual-pipeline-stage "
+                   f"{p.num_layers_per_virtual_pipeline_stage}")
+    elif p.num_layers_per_virtual_pipeline_stage and (p.decoder_first_pipeline_num_layers is not None
+                                                      or p.decoder_last_pipeline_num_layers is not None):
+        out.append("uneven pipeline stages (--decoder-first/last-pipeline-num-layers) with virtual stages "
+                   "need --num-virtual-stages-per-pipeline-rank, not --num-layers-per-virtual-pipeline-stage")
+    elif m.num_layers and pp >= 1:
+        out += PipelineSplit.from_config(cfg).problems()
     if interleaved and vpp and t.num_micro_batches and pp > 1 and t.num_micro_batches % pp:
         out.append(f"the interleaved schedule needs the number of micro-batches "
                    f"({t.num_micro_batches} = global batch / (micro batch x dp)) to be a multiple of "
@@ -554,6 +662,9 @@ def precision_problems(cfg: Config) -> list[str]:
             out.append("--fp8-format needs --bf16 (or --fp16) for the non-FP8 parts")
     if pr.loss_scale is not None and pr.loss_scale <= 0:
         out.append(f"--loss-scale {pr.loss_scale} must be positive")
+    if cfg.parallel.grad_reduce_in_bf16 and not pr.bf16:
+        out.append("--grad-reduce-in-bf16 needs --bf16 (gradients of fp32/fp16 models are reduced in "
+                   "fp32); add --bf16 or drop --grad-reduce-in-bf16")
     return out
 
 
@@ -593,6 +704,63 @@ def training_problems(cfg: Config) -> list[str]:
         out.append(f"--optimizer {o.optimizer!r} is not adam or sgd")
     if t.eval_interval is not None and t.eval_interval <= 0:
         out.append(f"--eval-interval {t.eval_interval} must be positive")
+    if o.decoupled_min_lr is not None and o.decoupled_lr is None:
+        out.append("--decoupled-min-lr needs --decoupled-lr (the embedding/output-layer schedule it ends)")
+    if o.decoupled_lr is not None and o.decoupled_min_lr is not None and o.decoupled_min_lr > o.decoupled_lr:
+        out.append(f"--decoupled-min-lr {o.decoupled_min_lr} exceeds --decoupled-lr {o.decoupled_lr}")
+    if t.manual_gc_interval < 0:
+        out.append(f"--manual-gc-interval {t.manual_gc_interval} must be 0 (off) or positive")
+    if t.empty_unused_memory_level not in (0, 1, 2):
+        out.append(f"--empty-unused-memory-level {t.empty_unused_memory_level} is not 0, 1 or 2")
+    out += rampup_problems(cfg)
+    out += profile_problems(cfg)
+    return out
+
+
+def rampup_problems(cfg: Config) -> list[str]:
+    """Megatron's rules for --rampup-batch-size START INCREMENT SAMPLES."""
+    t, p = cfg.training, cfg.parallel
+    if t.rampup_batch_size is None:
+        return []
+    if len(t.rampup_batch_size) != 3:
+        return [f"--rampup-batch-size takes 3 values (START INCREMENT SAMPLES), got "
+                f"{' '.join(map(str, t.rampup_batch_size))}"]
+    start, incr, samples = t.rampup_batch_size
+    out = []
+    if t.train_iters is not None:
+        out.append("--rampup-batch-size needs sample-based training: give --train-samples (and "
+                   "--lr-decay-samples / --lr-warmup-samples) instead of --train-iters, as Megatron requires")
+    if start <= 0 or incr <= 0 or samples < 0:
+        out.append(f"--rampup-batch-size {start} {incr} {samples}: START and INCREMENT must be "
+                   f"positive and SAMPLES not negative")
+        return out
+    gbs, step = t.global_batch_size, (t.micro_batch_size or 0) * (p.data_parallel_size or 0)
+    if gbs and (gbs < start or (gbs - start) % incr):
+        out.append(f"--rampup-batch-size {start} {incr} {samples}: --global-batch-size {gbs} must be "
+                   f"START plus a whole number of INCREMENTs")
+    for name, value in (("START", start), ("INCREMENT", incr)):
+        if step and value % step:
+            out.append(f"--rampup-batch-size {name} {value} is not divisible by --micro-batch-size x "
+                       f"data-parallel size = {step}; every ramp step must be whole micro-batches per rank")
+    interleaved = (p.virtual_pipeline_model_parallel_size or 1) > 1
+    pp = p.pipeline_model_parallel_size
+    if interleaved and step and any((v // step) % pp for v in (start, incr)):
+        out.append(f"--rampup-batch-size {start} {incr}: with the interleaved schedule every ramp step's "
+                   f"micro-batch count must be a multiple of --pipeline-model-parallel-size {pp}")
+    return out
+
+
+def profile_problems(cfg: Config) -> list[str]:
+    lg, world = cfg.logging, cfg.parallel.world_size
+    if not lg.profile:
+        return []
+    out = []
+    if not 0 <= lg.profile_step_start < lg.profile_step_end:
+        out.append(f"--profile-step-start {lg.profile_step_start} must be before --profile-step-end "
+                   f"{lg.profile_step_end}")
+    outside = [r for r in lg.profile_ranks if world and not 0 <= r < world]
+    if outside:
+        out.append(f"--profile-ranks {' '.join(map(str, outside))}: not a rank of this {world}-process job")
     return out
 
 
@@ -618,15 +786,32 @@ def data_problems(cfg: Config) -> list[str]:
             out.append(f"--tokenizer-type {kind} needs --tokenizer-model")
         elif not os.path.exists(d.tokenizer_model):
             out.append(f"--tokenizer-model {d.tokenizer_model}: no such file or directory")
+    elif kind == "TikTokenizer":
+        if d.tokenizer_model is None:
+            out.append("--tokenizer-type TikTokenizer needs --tokenizer-model (Megatron's tiktoken "
+                       "vocabulary .json)")
+        elif not os.path.exists(d.tokenizer_model):
+            out.append(f"--tokenizer-model {d.tokenizer_model}: no such file")
+        if d.tiktoken_pattern is None:
+            out.append("--tokenizer-type TikTokenizer needs --tiktoken-pattern v1 or v2")
     elif kind == "NullTokenizer":
         if m.vocab_size is None:
             out.append("--tokenizer-type NullTokenizer needs --vocab-size")
     elif kind is not None:
         out.append(f"--tokenizer-type {kind!r} is not one of GPT2BPETokenizer, SentencePieceTokenizer, "
-                   f"GPTSentencePieceTokenizer, Llama2Tokenizer, HuggingFaceTokenizer, NullTokenizer")
+                   f"GPTSentencePieceTokenizer, Llama2Tokenizer, HuggingFaceTokenizer, TikTokenizer, "
+                   f"NullTokenizer")
     elif needs_data or d.mock_data:
         if m.vocab_size is None:
             out.append("no tokenizer: give --tokenizer-type (or --vocab-size with --mock-data)")
+    if d.tokenizer_special_tokens and kind != "TikTokenizer":
+        out.append(f"--tokenizer-special-tokens is implemented for --tokenizer-type TikTokenizer only, not "
+                   f"{kind}; drop it")
+    if d.tiktoken_pattern not in (None, "v1", "v2"):
+        out.append(f"--tiktoken-pattern {d.tiktoken_pattern!r} is not v1 or v2")
+    if d.reset_attention_mask and not d.create_attention_mask_in_dataloader:
+        out.append("--reset-attention-mask needs the attention mask the data loader builds; drop "
+                   "--no-create-attention-mask-in-dataloader (or --reset-attention-mask)")
     for prefix in _data_prefixes(d.data_path) + _data_prefixes(d.train_data_path):
         if not os.path.exists(prefix + ".idx"):
             out.append(f"data prefix {prefix}: {prefix}.idx not found (a Megatron dataset is "
@@ -734,8 +919,6 @@ def sharding_problems(cfg: Config) -> list[str]:
     if not o.optimizer_cpu_offload:
         needs = [flag for flag, given in (
             ("--optimizer-offload-fraction", fraction is not None),
-            ("--use-torch-optimizer-for-cpu-offload", o.use_torch_optimizer_for_cpu_offload),
-            ("--overlap-cpu-optimizer-d2h-h2d", o.overlap_cpu_optimizer_d2h_h2d),
             ("--no-pin-cpu-grads", not o.pin_cpu_grads), ("--no-pin-cpu-params", not o.pin_cpu_params))
             if given]
         out += [f"{flag} needs --optimizer-cpu-offload" for flag in needs]

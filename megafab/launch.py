@@ -64,6 +64,15 @@ def read_launch_env(env: dict[str, str] | None = None, default_port: int = 29500
                      int(env.get("MASTER_PORT", default_port)), "single")
 
 
+def planned_world_size(dry_run: bool = False, env: dict[str, str] | None = None) -> int:
+    """Processes of this job; a --dry-run may plan for a job it is not part of: WORLD_SIZE alone."""
+    env = dict(os.environ if env is None else env)
+    launch = read_launch_env(env)
+    if dry_run and launch.launcher == "single" and env.get("WORLD_SIZE", "").isdigit():
+        return int(env["WORLD_SIZE"])
+    return launch.world_size
+
+
 def pick_device_and_backend(local_rank: int, backend: str | None = None) -> tuple[torch.device, str]:
     """cuda:LOCAL_RANK + nccl when CUDA is present, cpu + gloo otherwise; backend overrides."""
     if torch.cuda.is_available() and backend != "gloo":

@@ -42,8 +42,10 @@ def _child(fn, rank, world_size, store_path, timeout, env, args, kwargs, results
         # descriptors, which die with this process before the parent reads them.
         results.put(("ok", rank, pickle.dumps(value)))
         # A rank that exits while a slower peer is still connecting its gloo mesh makes that peer
-        # fail with "connection closed by peer": leave together.
-        dist.barrier()
+        # fail with "connection closed by peer": leave together (a function that ended the
+        # process group itself, like pretrain(), already did).
+        if dist.is_initialized():
+            dist.barrier()
     except BaseException:  # noqa: BLE001 - everything must reach the parent
         results.put(("error", rank, traceback.format_exc()))
     finally:

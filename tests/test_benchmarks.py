@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from tests.training.launch import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_GPT = ["--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--vocab", "128"]
 
@@ -45,8 +47,10 @@ def test_scaling_prints_an_efficiency_per_layout():
 @pytest.mark.timeout(300)
 def test_memory_prints_measured_and_planned_bytes():
     out = run_script("memory.py", *TINY_GPT, "--batch", "2")
-    rows = {line[:24].strip(): line[24:].split() for line in out.splitlines() if line.startswith("DP2")}
-    assert set(rows) == {"DP2", "DP2 dist-opt", "DP2 recompute", "DP2 dist-opt recompute"}, out
+    rows = {line[:24].strip(): line[24:].split() for line in out.splitlines() if line.startswith("DP")}
+    assert {"DP1", "DP2", "DP4", "DP4 dist-opt", "DP2 recompute", "DP2 dist-opt recompute"} <= set(rows), out
+    # the distributed optimizer divides the optimizer state by DP on each rank
+    assert float(rows["DP4 dist-opt"][2]) < float(rows["DP2 dist-opt"][2]) < float(rows["DP1"][2]), out
     # the distributed optimizer halves the optimizer state on each of the 2 ranks
     assert float(rows["DP2 dist-opt"][2]) < float(rows["DP2"][2]), out
 
@@ -59,6 +63,17 @@ def test_data_throughput_prints_its_three_tables():
     worker_rows = [line.split()[0] for line in out.splitlines()
                    if line[:1].isdigit() and len(line.split()) >= 3]
     assert {"1", "2", "0"} <= set(worker_rows), out
+
+
+@pytest.mark.timeout(300)
+def test_gpu_tp_check_runs_on_cpu_and_checks_parity_and_saved_bytes():
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                             "benchmarks/gpu_tp_check.py", "--device", "cpu", "--tiny"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "-> ok" in result.stdout.split("parity")[1].splitlines()[0], result.stdout
+    assert "-> ok" in result.stdout.split("memory")[1].splitlines()[0], result.stdout
 
 
 @pytest.mark.slow

@@ -4,7 +4,7 @@ import sys
 import pytest
 import torch.distributed as dist
 
-from megafab.arguments import UnsupportedFlagError, config_from_args
+from megafab.arguments import config_from_args
 from megafab.config import ConfigError, pad_vocab_size, swiglu_ffn_size
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8", "--seq-length", "32",
@@ -44,9 +44,9 @@ def test_virtual_pipeline_derivation_and_gradient_accumulation():
 
 
 def test_sequence_parallel_at_tp1_is_turned_off_with_a_note():
-    with pytest.warns(UserWarning, match="sequence-parallel has no effect"):
-        cfg = config_from_args(BASE + ["--sequence-parallel"], world_size=1)
+    cfg = config_from_args(BASE + ["--sequence-parallel"], world_size=1)
     assert cfg.parallel.sequence_parallel is False
+    assert any("sequence-parallel has no effect" in line for line in cfg.start_up_notes())
 
 
 def test_three_mistakes_one_error_listing_all_before_any_process_group():
@@ -80,16 +80,17 @@ def test_world_size_layers_gqa_and_seq_length_violations_are_all_reported():
 
 
 def test_unsupported_megatron_flag_is_refused_by_name():
-    with pytest.raises(UnsupportedFlagError, match="--num-experts.*not supported by megafab yet"):
+    with pytest.raises(ConfigError, match="--num-experts: refused, mixture-of-experts layers are not "
+                                          "implemented in megafab yet"):
         config_from_args(BASE + ["--num-experts", "8"], world_size=1)
-    with pytest.raises(UnsupportedFlagError, match="--context-parallel-size"):
+    with pytest.raises(ConfigError, match="--context-parallel-size"):
         config_from_args(BASE + ["--context-parallel-size", "2"], world_size=1)
     # the value meaning "off" is accepted
     config_from_args(BASE + ["--context-parallel-size", "1"], world_size=1)
 
 
 def test_abbreviations_are_not_accepted():
-    with pytest.raises(SystemExit):
+    with pytest.raises(ConfigError, match="--hidden: unrecognized flag"):
         config_from_args(BASE + ["--hidden", "64"], world_size=1)
 
 
@@ -134,3 +135,38 @@ def test_dry_run_without_a_vocabulary_says_what_to_give():
     proc = subprocess.run([sys.executable, "pretrain_gpt.py", *argv], capture_output=True, text=True,
                           timeout=120, env={"PATH": ""})
     assert proc.returncode == 2 and "--dry-run needs the vocabulary size" in proc.stderr
+
+
+def test_new_flag_rules_are_reported_together_in_one_message():
+    argv = BASE + ["--reset-attention-mask", "--no-create-attention-mask-in-dataloader",
+                   "--decoupled-min-lr", "1e-5", "--grad-reduce-in-bf16", "--swiglu", "--squared-relu",
+                   "--tokenizer-special-tokens", "<unk>", "--attention-backend", "fast",
+                   "--profile", "--profile-step-start", "5", "--profile-step-end", "5",
+                   "--profile-ranks", "0", "7"]
+    with pytest.raises(ConfigError) as info:
+        config_from_args(argv, world_size=2)
+    text = str(info.value)
+    for expected in ("--reset-attention-mask needs the attention mask the data loader builds",
+                     "--decoupled-min-lr needs --decoupled-lr",
+                     "--grad-reduce-in-bf16 needs --bf16",
+                     "--swiglu and --squared-relu each choose the MLP activation",
+                     "--tokenizer-special-tokens is implemented for --tokenizer-type TikTokenizer only",
+                     "--attention-backend: invalid choice: 'fast'",
+                     "--profile-step-start 5 must be before --profile-step-end 5",
+                     "--profile-ranks 7: not a rank of this 2-process job"):
+        assert expected in text, expected
+    assert len(info.value.problems) == 8, info.value.problems
+
+
+def test_megatron_semantics_of_new_flags():
+    cfg = config_from_args(BASE + ["--bf16", "--grad-reduce-in-bf16", "--no-check-for-nan-in-loss-and-grad",
+                                   "--fp8-format", "hybrid"], world_size=1)
+    assert cfg.parallel.accumulate_allreduce_grads_in_fp32 is False  # Megatron's rule
+    assert cfg.training.check_for_nan_in_loss_and_grad is False
+    assert cfg.model.transformer_impl == "transformer_engine"  # FP8 exists only in TE's layers
+    assert config_from_args(BASE, world_size=1).training.check_for_nan_in_loss_and_grad is True
+    notes = config_from_args(BASE + ["--use-mcore-models", "--adam-beta2", "0.95", "--optimizer", "sgd"],
+                             world_size=1).start_up_notes()
+    assert len([n for n in notes if n.startswith("accepted, no effect in megafab:")]) == 1
+    assert "--use-mcore-models (" in notes[-1]
+    assert "--adam-beta2 (--optimizer sgd keeps no Adam moments)" in notes[-1]

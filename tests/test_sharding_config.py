@@ -34,6 +34,7 @@ def test_fsdp2_and_offload_flags_parse():
                                    "--use-precision-aware-optimizer", "--overlap-cpu-optimizer-d2h-h2d"],
                            world_size=2)
     assert cfg.optimizer.optimizer_offload_fraction == 1.0
+    assert any("--overlap-cpu-optimizer-d2h-h2d" in n for n in cfg.no_effect)  # megafab always overlaps
 
 
 @pytest.mark.parametrize("strategy,dist_opt,fully_sharded,reshard", [
@@ -43,13 +44,13 @@ def test_megatron_fsdp_strategies_map_to_zero_stages_with_a_note(strategy, dist_
     # Megatron-FSDP v1 scripts pass --use-distributed-optimizer; it is accepted with every strategy.
     argv = BASE + ["--use-megatron-fsdp", "--use-distributed-optimizer"]
     argv += ["--data-parallel-sharding-strategy", strategy] if strategy else []
-    with pytest.warns(UserWarning, match="--use-megatron-fsdp --data-parallel-sharding-strategy .* as ZeRO-"):
-        cfg = config_from_args(argv, world_size=2)
+    cfg = config_from_args(argv, world_size=2)
     p = cfg.parallel
     assert (p.use_distributed_optimizer, p.fully_sharded) == (dist_opt, fully_sharded)
     if reshard is not None:
         assert p.fsdp_reshard_after_forward == reshard
-    assert any("runs as" in n for n in cfg.notes)
+    assert any(f"--data-parallel-sharding-strategy {strategy or 'optim_grads_params'} runs as ZeRO-" in n
+               for n in cfg.start_up_notes()), cfg.start_up_notes()
 
 
 def test_impossible_combinations_are_refused_naming_both_flags():

@@ -31,18 +31,20 @@ def prefixes_in(directory: str) -> list[str]:
 
 
 def main(argv=None) -> int:
+    from megafab.errors import exit_on_user_error
+
     parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", required=True, help="directory holding PREFIX.bin/.idx pairs")
     parser.add_argument("--output-prefix", required=True)
     parser.add_argument("--multimodal", action="store_true")
-    args = parser.parse_args(argv)
     try:
-        prefixes = prefixes_in(args.input)
-        merge_datasets(prefixes, args.output_prefix, multimodal=args.multimodal)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        with exit_on_user_error():
+            args = parser.parse_args(argv)
+            prefixes = prefixes_in(args.input)
+            merge_datasets(prefixes, args.output_prefix, multimodal=args.multimodal)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 1
     print(f"merged {len(prefixes)} datasets into {args.output_prefix}")
     return 0
 

@@ -5,7 +5,9 @@ Keys (identical in every TP/PP/VPP/DP layout and for both optimizers, so any lay
     model.<name>                          the parameter
     optim.<name>.main_param               fp32 main copy (bf16/fp16 models only)
     optim.<name>.exp_avg / .exp_avg_sq    Adam moments, shaped like the parameter
-    optim.<name>.step                     Adam's step count (0-d; every parameter steps together)
+    optim.<name>.momentum_buffer          SGD's momentum instead (--optimizer sgd, momentum > 0)
+    optim.<name>.step                     Adam's step count (0-d; every parameter steps together;
+                                          SGD keeps none, stored as 0)
 
 <name> is megatron-core's global parameter name (global layer numbers). Every tensor is stored
 under its *global* shape, that of the TP=1 parameter, with two rules:
@@ -44,7 +46,6 @@ OPTIM_PREFIX = "optim."
 OUTPUT_LAYER = "output_layer.weight"
 VOCAB_PADDED = (WORD_EMBEDDING, OUTPUT_LAYER)  # dim 0 is the padded vocabulary
 MAIN_PARAM = "main_param"
-ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 STEP = "step"
 
 

@@ -7,7 +7,7 @@ the weights, and the main param and Adam moments of that range. DP ranks therefo
 disjoint boxes, never the whole state, and the bytes each writes fall as 1/DP. A TP-replicated
 parameter is written by TP rank 0 only, a tied output layer not at all (layout.py). Adam's `step`
 is the same for every parameter (they all step together), so no collective is needed: whoever
-writes element 0 of a TP block writes it.
+writes element 0 of a TP block writes it (SGD keeps no step: 0 is stored).
 
 Who reads what. The distributed optimizer's main params and Adam moments are read straight into
 the rank's own flat shard tensors (a few boxes each); the plain optimizer's are parameter-shaped
@@ -33,7 +33,6 @@ import torch
 
 from megafab.checkpoint.boxes import Box
 from megafab.checkpoint.layout import (
-    ADAM_MOMENTS,
     MAIN_PARAM,
     STEP,
     ParamLayout,
@@ -139,7 +138,8 @@ def _entry_range(e) -> tuple[int, int]:
 
 
 def common_step(optimizer) -> torch.Tensor:
-    """Adam's step, the same for every parameter (0 before the first step), as a 0-d tensor."""
+    """Adam's step, the same for every parameter (0 before the first step, and for SGD), as a 0-d
+    tensor."""
     for inner in optimizer.torch_optimizers:
         for state in inner.state.values():
             if "step" in state:
@@ -148,7 +148,8 @@ def common_step(optimizer) -> torch.Tensor:
 
 
 def optimizer_shards_for_save(state) -> dict[str, Shard]:
-    """optim.<name>.<kind> -> this rank's owned boxes, views of its main params and Adam moments."""
+    """optim.<name>.<kind> -> this rank's owned boxes, views of its main params and the optimizer's
+    moments (Adam exp_avg, exp_avg_sq; SGD momentum_buffer)."""
     opt = state.optimizer
     entries = _entries_by_param(opt)
     step = common_step(opt)
@@ -159,8 +160,9 @@ def optimizer_shards_for_save(state) -> dict[str, Shard]:
             continue
         e_lo, e_hi = _entry_range(e)
         assert e_lo <= w.lo and w.hi <= e_hi, (w.name, (e_lo, e_hi), (w.lo, w.hi))
-        adam = opt.torch_optimizer_of(e).state.get(e.main, {})
-        tensors = {k: adam[k] if k in adam else torch.zeros_like(e.main) for k in ADAM_MOMENTS}
+        kept = opt.torch_optimizer_of(e).state.get(e.main, {})
+        tensors = {k: kept[k] if kept.get(k) is not None else torch.zeros_like(e.main)
+                   for k in opt.state_keys}
         if e.has_master:
             tensors[MAIN_PARAM] = e.main
         for kind, t in tensors.items():
@@ -218,9 +220,9 @@ class OptimizerTargets:
 
 
 def optimizer_shards_for_load(state, with_main: bool) -> tuple[dict[str, Shard], list[OptimizerTargets]]:
-    """Fresh Adam moments shaped like each entry's main param (its own shard under the distributed
-    optimizer), the main params themselves (when the checkpoint has fp32 mains and this model
-    copies), and a 0-d step per entry, as Shards to read into."""
+    """Fresh optimizer moments shaped like each entry's main param (its own shard under the
+    distributed optimizer), the main params themselves (when the checkpoint has fp32 mains and this
+    model copies), and a 0-d step per entry, as Shards to read into."""
     topo, opt = state.topology, state.optimizer
     entries = _entries_by_param(opt)
     shards, targets = {}, []
@@ -230,7 +232,7 @@ def optimizer_shards_for_load(state, with_main: bool) -> tuple[dict[str, Shard],
             continue
         layout = param_layout(name, p, topo.tp, topo.tp_rank)
         lo, hi = _entry_range(e)
-        moments = {k: torch.empty_like(e.main) for k in ADAM_MOMENTS}
+        moments = {k: torch.empty_like(e.main) for k in opt.state_keys}
         reads = dict(moments)
         main_loaded = with_main and e.has_master
         if main_loaded:
@@ -251,15 +253,16 @@ def _scalar_dtype(fused: bool) -> torch.dtype:
 
 
 def apply_optimizer_state(state, targets: list[OptimizerTargets]) -> None:
-    """The loaded tensors become the Adam state (no copies)."""
+    """The loaded tensors become the optimizer's state (no copies)."""
     opt = state.optimizer
     for t in targets:
         inner = opt.torch_optimizer_of(t.entry)
         fused = bool(inner.defaults.get("fused"))
-        step_device = t.entry.main.device if fused else torch.device("cpu")
-        inner.state[t.entry.main] = {
-            "step": torch.tensor(float(t.step), dtype=_scalar_dtype(fused), device=step_device),
-            **t.moments}
+        loaded = dict(t.moments)
+        if opt.optimizer_name == "adam":  # torch SGD keeps no step count
+            step_device = t.entry.main.device if fused else torch.device("cpu")
+            loaded["step"] = torch.tensor(float(t.step), dtype=_scalar_dtype(fused), device=step_device)
+        inner.state[t.entry.main] = loaded
 
 
 @torch.no_grad()

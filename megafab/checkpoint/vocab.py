@@ -6,8 +6,8 @@ often changes the padded size: dim 0 of the word embedding and of an untied outp
 checkpoint, model and optimizer state alike. This model's padding rows start as initialization
 sets them (megafab.model.init: normal(0, init_method_std) from the (seed, name) stream of the full
 padded tensor, built in float32 -- float64 for float64 models -- and cast, as the layers build
-their weights), their fp32 main params as those weights, their Adam moments at zero. The real
-vocabulary itself must match the checkpoint's.
+their weights), their fp32 main params as those weights, their optimizer moments at zero. The
+real vocabulary itself must match the checkpoint's.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from megafab.checkpoint.boxes import Box
 from megafab.checkpoint.errors import CheckpointError
-from megafab.checkpoint.layout import ADAM_MOMENTS, MAIN_PARAM, VOCAB_PADDED, Shard, split_key
+from megafab.checkpoint.layout import MAIN_PARAM, STEP, VOCAB_PADDED, Shard, split_key
 from megafab.model.init import normal_init
 
 
@@ -56,7 +56,7 @@ def adapt_padded_vocab(shards: dict[str, Shard], stored: dict, saved_vocab_size:
     for key, shard in list(shards.items()):
         name, kind = split_key(key)
         md = stored.get(key)
-        if name not in VOCAB_PADDED or kind == "step" or md is None:
+        if name not in VOCAB_PADDED or kind == STEP or md is None:
             continue
         saved_shape = tuple(md.size)
         if saved_shape == shard.global_shape or saved_shape[1:] != shard.global_shape[1:]:
@@ -74,11 +74,10 @@ def adapt_padded_vocab(shards: dict[str, Shard], stored: dict, saved_vocab_size:
                 real_rows.add(Box(box.offsets, (real, *box.sizes[1:])), view[:real])
             if padding is not None:
                 rest = view[real:]
-                if kind in ADAM_MOMENTS:
-                    rest.zero_()
-                else:
-                    assert kind in (None, MAIN_PARAM), key
+                if kind in (None, MAIN_PARAM):  # the weight, its fp32 main copy
                     rest.copy_(init.values(name, shard.global_shape, padding))
+                else:  # an optimizer moment
+                    rest.zero_()
         shards[key] = real_rows
         changed = (saved_shape[0], shard.global_shape[0])
     if changed is None:

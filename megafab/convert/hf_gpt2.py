@@ -2,13 +2,11 @@
 
 Traps: HF GPT-2 uses Conv1D, weights stored [in, out] (megafab: torch's [out, in]); c_attn holds
 [q | k | v] for all heads, megafab packs per head [q_i, k_i, v_i]; HF's vocabulary is the true one,
-megafab's is padded; megafab's GELU is the exact erf one ("gelu" in HF, not GPT-2's default
-"gelu_new" tanh approximation).
+megafab's is padded; GPT-2's default activation "gelu_new" is the tanh approximation, megafab's
+--openai-gelu ("gelu" is the exact erf GELU, megafab's default; "relu2" is --squared-relu).
 """
 
 from __future__ import annotations
-
-import warnings
 
 import torch
 
@@ -21,15 +19,18 @@ from megafab.convert.state_dict import (
     ConversionError,
     check_keys,
     expected_keys,
+    hf_variant_problems,
     layer_prefix,
     pack_qkv,
     pad_vocab,
+    plain_norm_weights,
     unpack_qkv,
     unpad_vocab,
 )
 
 EXACT_GELU = ("gelu",)
-TANH_GELU = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+TANH_GELU = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")  # one formula: megafab's --openai-gelu
+SQUARED_RELU = "relu2"
 # HF layer-relative name -> megafab layer-relative name, for the tensors that only need a transpose
 # (Conv1D) or nothing (norms).
 _CONV1D = {"attn.c_proj": "self_attention.linear_proj", "mlp.c_fc": "mlp.linear_fc1",
@@ -39,7 +40,7 @@ _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers o
 
 
 def check_exportable(m: ModelConfig) -> None:
-    problems = []
+    problems = hf_variant_problems(m, "GPT-2")
     if m.num_query_groups != m.num_attention_heads:
         problems.append(f"grouped-query attention (num_query_groups {m.num_query_groups})")
     if m.kv_channels * m.num_attention_heads != m.hidden_size:
@@ -58,22 +59,24 @@ def to_hf_config(m: ModelConfig, eod: int | None = None):
     return GPT2Config(
         vocab_size=m.vocab_size, n_positions=m.max_position_embeddings, n_embd=m.hidden_size,
         n_layer=m.num_layers, n_head=m.num_attention_heads, n_inner=m.ffn_hidden_size,
-        activation_function="gelu", resid_pdrop=m.hidden_dropout, embd_pdrop=m.hidden_dropout,
+        activation_function=hf_activation(m), resid_pdrop=m.hidden_dropout, embd_pdrop=m.hidden_dropout,
         attn_pdrop=m.attention_dropout, layer_norm_epsilon=m.norm_epsilon,
         initializer_range=m.init_method_std, tie_word_embeddings=not m.untie_embeddings_and_output_weights,
         bos_token_id=eod, eos_token_id=eod, architectures=["GPT2LMHeadModel"])
 
 
+def hf_activation(m: ModelConfig) -> str:
+    """The HF activation_function of megafab's MLP activation."""
+    return SQUARED_RELU if m.squared_relu else "gelu_new" if m.openai_gelu else "gelu"
+
+
 def from_hf_config(c: dict) -> dict:
     """Flat megafab model fields from a GPT-2 config.json dict."""
     act = c.get("activation_function", "gelu_new")
-    if act in TANH_GELU:
-        warnings.warn(f"config.json has activation_function {act!r} (tanh-approximated GELU); megafab uses "
-                      f"the exact erf GELU, so activations differ by up to ~1e-3 (logits will not match "
-                      f"transformers bit for bit); fine-tuning adapts to it", stacklevel=2)
-    elif act not in EXACT_GELU:
-        raise ConversionError(f"config.json activation_function {act!r}: megafab's GPT-2 MLP uses GELU; only "
-                              f"gelu (or its tanh approximations) can be imported")
+    if act not in TANH_GELU + EXACT_GELU + (SQUARED_RELU,):
+        raise ConversionError(f"config.json activation_function {act!r}: megafab's GPT-2 MLP has gelu, its "
+                              f"tanh approximation (gelu_new, --openai-gelu) or relu2 (--squared-relu); "
+                              f"other activations cannot be imported")
     if c.get("scale_attn_by_inverse_layer_idx") or not c.get("scale_attn_weights", True):
         raise ConversionError("config.json changes GPT-2's attention scaling (scale_attn_by_inverse_"
                               "layer_idx/scale_attn_weights); megafab scales by 1/sqrt(head_dim) only")
@@ -85,13 +88,15 @@ def from_hf_config(c: dict) -> dict:
                 norm_epsilon=c.get("layer_norm_epsilon", 1e-5), swiglu=False, add_bias_linear=True,
                 untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", True),
                 hidden_dropout=c.get("resid_pdrop", 0.1), attention_dropout=c.get("attn_pdrop", 0.1),
-                init_method_std=c.get("initializer_range", 0.02), vocab_size=c["vocab_size"])
+                init_method_std=c.get("initializer_range", 0.02), vocab_size=c["vocab_size"],
+                openai_gelu=act in TANH_GELU, squared_relu=act == SQUARED_RELU)
 
 
 def to_hf_state_dict(sd: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
     """Full megafab state dict -> GPT2LMHeadModel state dict (no lm_head when tied)."""
     check_exportable(m)
     check_keys(sd, expected_keys(m), "the megafab state dict")
+    sd = plain_norm_weights(sd, m)
     out = {"transformer.wte.weight": unpad_vocab(sd[WORD_EMBEDDING], m.vocab_size),
            "transformer.wpe.weight": sd[POSITION_EMBEDDING],
            "transformer.ln_f.weight": sd[FINAL_NORM + ".weight"],

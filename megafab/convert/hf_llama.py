@@ -19,9 +19,11 @@ from megafab.convert.state_dict import (
     ConversionError,
     check_keys,
     expected_keys,
+    hf_variant_problems,
     layer_prefix,
     pack_qkv,
     pad_vocab,
+    plain_norm_weights,
     unpack_qkv,
     unpad_vocab,
 )
@@ -34,6 +36,9 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer some old checkpoints sa
 
 
 def check_exportable(m: ModelConfig) -> None:
+    problems = hf_variant_problems(m, "Llama")
+    if problems:
+        raise ConversionError(f"HF Llama cannot express {', '.join(problems)}; this model cannot be exported")
     if m.rotary_percent != 1.0:
         raise ConversionError(f"rotary_percent {m.rotary_percent}: HF Llama rotates every channel of a head "
                               f"(no partial rotary); only models trained with --rotary-percent 1.0 export "
@@ -96,6 +101,7 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, t
     """Full megafab state dict -> LlamaForCausalLM state dict (no lm_head when tied)."""
     check_exportable(m)
     check_keys(sd, expected_keys(m), "the megafab state dict")
+    sd = plain_norm_weights(sd, m)
     out = {"model.embed_tokens.weight": unpad_vocab(sd[WORD_EMBEDDING], m.vocab_size),
            "model.norm.weight": sd[FINAL_NORM + ".weight"]}
     if m.untie_embeddings_and_output_weights:

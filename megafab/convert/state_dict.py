@@ -98,11 +98,39 @@ def expected_keys(m: ModelConfig) -> set[str]:
             keys.update(p + n + ".bias" for n in linears)
         elif m.add_qkv_bias:
             keys.add(p + "self_attention.linear_qkv.bias")
-        for norm in ("input_layernorm", "pre_mlp_layernorm"):
+        for norm in layer_norm_names(m):
             keys.add(p + norm + ".weight")
             if m.normalization == "LayerNorm":
                 keys.add(p + norm + ".bias")
     return keys
+
+
+def layer_norm_names(m: ModelConfig) -> list[str]:
+    """The norms inside one layer (layer-relative names)."""
+    qk = ["self_attention.q_layernorm", "self_attention.k_layernorm"] if m.qk_layernorm else []
+    return ["input_layernorm", "pre_mlp_layernorm", *qk]
+
+
+def plain_norm_weights(sd: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
+    """The state dict with ordinary norm weights: a --apply-layernorm-1p model stores gamma - 1 and
+    computes with weight + 1, so its equivalent plain weight is weight + 1 (the same fp32 value the
+    model computes with)."""
+    if not m.apply_layernorm_1p:
+        return sd
+    norms = {FINAL_NORM + ".weight"} | {layer_prefix(i) + n + ".weight" for i in range(m.num_layers)
+                                         for n in layer_norm_names(m)}
+    return {k: (v + 1 if k in norms else v) for k, v in sd.items()}
+
+
+def hf_variant_problems(m: ModelConfig, architecture: str) -> list[str]:
+    """Model variants a HF GPT-2 / Llama config cannot express (they have no such weights)."""
+    out = []
+    if m.qk_layernorm:
+        out.append(f"--qk-layernorm (q_layernorm / k_layernorm weights: HF {architecture} has no q/k norms)")
+    if m.apply_residual_connection_post_layernorm:
+        out.append(f"--apply-residual-connection-post-layernorm (HF {architecture} adds the residual "
+                   f"before the norm)")
+    return out
 
 
 def check_keys(state_dict: dict, expected: set[str], what: str) -> None:

@@ -32,11 +32,29 @@ dtype_for_vocab(vocab_size): the .bin/.idx format (megafab/data/indexed_dataset.
 DataError (a ValueError): every user-facing data problem, naming the file or value.
 """
 
-from megafab.data.builder import build_gpt_datasets, parse_blend, parse_split
-from megafab.data.errors import DataError
-from megafab.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter, dtype_for_vocab, merge_datasets
-from megafab.data.samplers import MegatronPretrainingSampler, build_data_iterator
-from megafab.data.tokenizers import build_tokenizer
+import importlib
+
+# Lazy, so that `megafab.data.preprocess` (tools/preprocess_data.py) starts without importing torch.
+_HOME = {
+    "build_gpt_datasets": "megafab.data.builder",
+    "parse_blend": "megafab.data.builder",
+    "parse_split": "megafab.data.builder",
+    "DataError": "megafab.data.errors",
+    "IndexedDataset": "megafab.data.indexed_dataset",
+    "IndexedDatasetWriter": "megafab.data.indexed_dataset",
+    "dtype_for_vocab": "megafab.data.indexed_dataset",
+    "merge_datasets": "megafab.data.indexed_dataset",
+    "MegatronPretrainingSampler": "megafab.data.samplers",
+    "build_data_iterator": "megafab.data.samplers",
+    "build_tokenizer": "megafab.data.tokenizers",
+}
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module 'megafab.data' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOME[name]), name)
+
 
 __all__ = [
     "DataError",

@@ -56,8 +56,8 @@ def split_matrix(fractions: Sequence[float]) -> list[tuple[float, float] | None]
     return [(b, e) if e > b else None for b, e in zip(bounds[:-1], bounds[1:])]
 
 
-def open_indexed(prefix: str, vocab_size: int | None) -> IndexedDataset:
-    dataset = IndexedDataset(prefix)
+def open_indexed(prefix: str, vocab_size: int | None, mmap: bool = True) -> IndexedDataset:
+    dataset = IndexedDataset(prefix, mmap=mmap)
     stored = np.dtype(dataset.dtype)
     if vocab_size is not None and stored.kind in "iu" and np.iinfo(stored).max < vocab_size - 1:
         needed = np.dtype(dtype_for_vocab(vocab_size)).name
@@ -74,8 +74,9 @@ def build_gpt_datasets(data_path: str | Sequence[str] | None = None, split: str 
                        reset_position_ids: bool = False, reset_attention_mask: bool = False,
                        mock: bool = False, train_data_path=None, valid_data_path=None, test_data_path=None,
                        barrier: Callable[[], None] | None = None, is_builder: bool = True,
-                       mid_level_surplus: float = MID_LEVEL_SURPLUS) -> list:
-    """(train, valid, test) datasets (None for an absent split) with megatron-core's sample order."""
+                       mid_level_surplus: float = MID_LEVEL_SURPLUS, mmap_bin_files: bool = True) -> list:
+    """(train, valid, test) datasets (None for an absent split) with megatron-core's sample order.
+    mmap_bin_files False: read the .bin files with file reads (--no-mmap-bin-files)."""
     if tokenizer is None:
         raise DataError("build_gpt_datasets needs a tokenizer (for eod, pad and vocab size)")
     if seq_length < 2:
@@ -108,7 +109,8 @@ def build_gpt_datasets(data_path: str | Sequence[str] | None = None, split: str 
     def from_blend(blend, matrix, counts):
         prefixes, weights = blend
         if len(prefixes) == 1 and weights is None:
-            return mid_level(open_indexed(prefixes[0], vocab_size), prefixes[0], matrix, counts)
+            low = open_indexed(prefixes[0], vocab_size, mmap_bin_files)
+            return mid_level(low, prefixes[0], matrix, counts)
         if weights is not None:
             total = float(np.sum(np.asarray(weights, dtype=np.float64)))
             weights = (np.asarray(weights, dtype=np.float64) / total).tolist()
@@ -120,7 +122,7 @@ def build_gpt_datasets(data_path: str | Sequence[str] | None = None, split: str 
                          for c in counts] for w in weights]
         else:
             buffered = [[None] * 3 for _ in prefixes]
-        mids = [mid_level(open_indexed(p, vocab_size), p, matrix, buffered[j])
+        mids = [mid_level(open_indexed(p, vocab_size, mmap_bin_files), p, matrix, buffered[j])
                 for j, p in enumerate(prefixes)]
         out = []
         for i in range(3):

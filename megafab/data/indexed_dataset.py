@@ -56,9 +56,13 @@ def index_file_path(path_prefix: str) -> str:
 
 
 class IndexedDataset:
-    """Memory-mapped reader of one `.bin/.idx` pair; item i is sequence i as a numpy array."""
+    """Reader of one `.bin/.idx` pair; item i is sequence i as a numpy array.
 
-    def __init__(self, path_prefix: str, multimodal: bool = False):
+    The .bin is memory-mapped; with mmap=False (--no-mmap-bin-files) each read opens the file and
+    reads just that range (Megatron's file reader: for file systems where mmap is slow or scarce).
+    """
+
+    def __init__(self, path_prefix: str, multimodal: bool = False, mmap: bool = True):
         self.path_prefix = path_prefix
         self.multimodal = multimodal
         idx_path, bin_path = index_file_path(path_prefix), data_file_path(path_prefix)
@@ -69,7 +73,9 @@ class IndexedDataset:
         self._read_index(idx_path)
         self._check_bin(bin_path)
         self.bin_path = bin_path
-        self._bin = np.memmap(bin_path, dtype=np.uint8, mode="r") if os.path.getsize(bin_path) else None
+        self.mmap = mmap
+        self._bin = np.memmap(bin_path, dtype=np.uint8, mode="r") if mmap and os.path.getsize(bin_path) \
+            else None
 
     def _read_index(self, idx_path: str) -> None:
         size = os.path.getsize(idx_path)
@@ -131,6 +137,10 @@ class IndexedDataset:
         if length == 0:
             return np.empty(0, dtype=self.dtype)
         start = int(self.sequence_pointers[idx]) + offset * np.dtype(self.dtype).itemsize
+        if not self.mmap:
+            with open(self.bin_path, "rb") as f:
+                f.seek(start)
+                return np.fromfile(f, dtype=self.dtype, count=length)
         return np.frombuffer(self._bin, dtype=self.dtype, count=length, offset=start)
 
     def __getitem__(self, idx: int) -> np.ndarray:
@@ -144,7 +154,14 @@ class IndexedDataset:
 
 
 class IndexedDatasetWriter:
-    """Streams sequences into `.bin` and writes the `.idx` at finalize (same bytes as megatron-core)."""
+    """Streams sequences into `.bin` and writes the `.idx` at finalize (same bytes as megatron-core).
+
+    The index is kept as numpy chunks (12 bytes per sequence, 8 per document), not Python lists, so a
+    corpus of 10^8 documents indexes in about 2 GB. `add_packed` appends a whole tokenized block at
+    once (the preprocess fast path); `add_item` / `add_document` append one at a time.
+    """
+
+    _FLUSH = 1 << 16
 
     def __init__(self, bin_path: str, dtype: type[np.number] = np.int32, multimodal: bool = False):
         if np.dtype(dtype) not in CODE_OF_DTYPE:
@@ -153,28 +170,63 @@ class IndexedDatasetWriter:
         self.bin_path = bin_path
         self.dtype = np.dtype(dtype)
         self.multimodal = multimodal
-        self._file = open(bin_path, "wb")  # noqa: SIM115 - closed in finalize
-        self.sequence_lengths: list[int] = []
-        self.document_indices: list[int] = [0]
-        self.sequence_modes: list[int] = []
+        try:
+            self._file = open(bin_path, "wb")  # noqa: SIM115 - closed in finalize
+        except OSError as e:
+            raise DataError(f"{bin_path}: cannot write the dataset ({e.strerror}); choose a writable "
+                            "--output-prefix") from None
+        self._lengths: list[np.ndarray] = []
+        self._doc_ends: list[np.ndarray] = [np.zeros(1, dtype=np.int64)]
+        self._modes: list[np.ndarray] = []
+        self._pending_lengths: list[int] = []
+        self._pending_doc_ends: list[int] = []
+        self._pending_modes: list[int] = []
+        self._count = 0  # sequences written, pending included
+
+    def _write_tokens(self, tokens: np.ndarray) -> np.ndarray:
+        cast = tokens.astype(self.dtype.newbyteorder("<"), copy=False)
+        if tokens.size and cast.dtype != tokens.dtype and not np.array_equal(cast, tokens):
+            raise DataError(f"{self.bin_path}: token values {tokens.min()}..{tokens.max()} do not fit "
+                            f"{self.dtype.name}; write with a wider dtype (vocab >= 65500 needs int32)")
+        try:
+            self._file.write(memoryview(np.ascontiguousarray(cast)).cast("B"))
+        except OSError as e:
+            raise DataError(f"{self.bin_path}: write failed ({e.strerror}); free space or choose another "
+                            "--output-prefix") from None
+        return cast
+
+    def _flush(self) -> None:
+        if self._pending_lengths:
+            self._lengths.append(np.asarray(self._pending_lengths, dtype="<i4"))
+            self._pending_lengths = []
+        if self._pending_doc_ends:
+            self._doc_ends.append(np.asarray(self._pending_doc_ends, dtype="<i8"))
+            self._pending_doc_ends = []
+        if self._pending_modes:
+            self._modes.append(np.asarray(self._pending_modes, dtype=np.int8))
+            self._pending_modes = []
 
     def add_item(self, tokens: Sequence[int] | np.ndarray, mode: int = 0) -> None:
         """Append one sequence (does not end the document)."""
-        array = np.asarray(tokens)
-        cast = array.astype(self.dtype)
-        if array.size and not np.array_equal(cast, array):
-            raise DataError(f"{self.bin_path}: token values {array.min()}..{array.max()} do not fit "
-                            f"{self.dtype.name}; write with a wider dtype (vocab >= 65500 needs int32)")
-        self._file.write(cast.astype(self.dtype.newbyteorder("<"), copy=False).tobytes(order="C"))
-        self.sequence_lengths.append(cast.size)
+        cast = self._write_tokens(np.asarray(tokens))
+        self._pending_lengths.append(cast.size)
         if self.multimodal:
-            self.sequence_modes.append(mode)
+            self._pending_modes.append(mode)
+        self._count += 1
+        if len(self._pending_lengths) >= self._FLUSH:
+            self._flush()
 
     def end_document(self) -> None:
-        self.document_indices.append(len(self.sequence_lengths))
+        self._pending_doc_ends.append(self._count)
+        if len(self._pending_doc_ends) >= self._FLUSH:
+            self._flush()
 
     def add_document(self, tokens: Sequence[int] | np.ndarray, lengths: Iterable[int] | None = None) -> None:
-        """Append a document made of one sequence, or of consecutive sequences of the given lengths."""
+        """Append a document made of one sequence, or of consecutive sequences of the given lengths.
+
+        lengths=[] appends a document with no sequence at all, as megatron-core's builder does for
+        the empty documents of Megatron's preprocess_data.py.
+        """
         array = np.asarray(tokens)
         if lengths is None:
             self.add_item(array)
@@ -185,36 +237,67 @@ class IndexedDatasetWriter:
                 start += length
         self.end_document()
 
+    def add_packed(self, tokens: np.ndarray, sequence_lengths: np.ndarray, sequences_per_document: np.ndarray,
+                   modes: np.ndarray | None = None) -> None:
+        """Append many documents at once: their tokens back to back, each sequence's length, and how
+        many sequences each document has (0 for an empty document)."""
+        self._flush()
+        self._write_tokens(np.asarray(tokens))
+        lengths = np.asarray(sequence_lengths, dtype="<i4")
+        self._lengths.append(lengths)
+        self._doc_ends.append(self._count + np.cumsum(sequences_per_document, dtype=np.int64))
+        if self.multimodal:
+            modes = np.zeros(len(lengths)) if modes is None else modes
+            self._modes.append(np.asarray(modes, dtype=np.int8))
+        self._count += len(lengths)
+
     def add_index(self, path_prefix: str) -> None:
         """Append a whole existing dataset (merge); its dtype must equal ours."""
         other = IndexedDataset(path_prefix, multimodal=self.multimodal)
         if np.dtype(other.dtype) != self.dtype:
             raise DataError(f"{index_file_path(path_prefix)}: dtype {np.dtype(other.dtype).name} differs "
                             f"from the merged output's {self.dtype.name}; merge only datasets of one vocab")
-        base = len(self.sequence_lengths)
-        self.sequence_lengths.extend(other.sequence_lengths.tolist())
-        self.document_indices.extend((base + other.document_indices[1:]).tolist())
+        self._flush()
+        self._lengths.append(np.array(other.sequence_lengths, dtype="<i4"))
+        self._doc_ends.append(self._count + np.asarray(other.document_indices[1:], dtype=np.int64))
         if self.multimodal:
-            self.sequence_modes.extend(other.sequence_modes.tolist())
+            self._modes.append(np.array(other.sequence_modes, dtype=np.int8))
+        self._count += len(other)
         with open(other.bin_path, "rb") as f:
             while chunk := f.read(1 << 24):
                 self._file.write(chunk)
 
+    @property
+    def sequence_lengths(self) -> np.ndarray:
+        self._flush()
+        return np.concatenate(self._lengths) if self._lengths else np.zeros(0, dtype="<i4")
+
+    @property
+    def document_indices(self) -> np.ndarray:
+        self._flush()
+        return np.concatenate(self._doc_ends)
+
     def finalize(self, idx_path: str) -> None:
         self._file.close()
-        lengths = np.asarray(self.sequence_lengths, dtype="<i4")
+        lengths = self.sequence_lengths
+        documents = self.document_indices
         pointers = np.zeros(len(lengths), dtype="<i8")
         if len(lengths) > 1:
             np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
-        with open(idx_path, "wb") as f:
-            f.write(MAGIC)
-            f.write(struct.pack("<QBQQ", VERSION, CODE_OF_DTYPE[self.dtype], len(lengths),
-                                len(self.document_indices)))
-            f.write(lengths.tobytes(order="C"))
-            f.write(pointers.tobytes(order="C"))
-            f.write(np.asarray(self.document_indices, dtype="<i8").tobytes(order="C"))
-            if self.multimodal:
-                f.write(np.asarray(self.sequence_modes, dtype=np.int8).tobytes(order="C"))
+        try:
+            with open(idx_path, "wb") as f:
+                f.write(MAGIC)
+                code = CODE_OF_DTYPE[self.dtype]
+                f.write(struct.pack("<QBQQ", VERSION, code, len(lengths), len(documents)))
+                f.write(lengths.tobytes(order="C"))
+                f.write(pointers.tobytes(order="C"))
+                f.write(documents.astype("<i8", copy=False).tobytes(order="C"))
+                if self.multimodal:
+                    modes = np.concatenate(self._modes) if self._modes else np.zeros(0, np.int8)
+                    f.write(modes.tobytes(order="C"))
+        except OSError as e:
+            raise DataError(f"{idx_path}: cannot write the index ({e.strerror}); free space or choose "
+                            "another --output-prefix") from None
 
 
 def merge_datasets(prefixes: Sequence[str], output_prefix: str, multimodal: bool = False) -> None:

@@ -1,4 +1,4 @@
-"""Document readers for tools/preprocess_data.py: jsonl, .jsonl.gz, parquet, HuggingFace save_to_disk.
+"""Document readers for tools/preprocess_data.py: jsonl (.gz, .zst), parquet, HuggingFace save_to_disk.
 
 find_inputs(pattern, keys, hf_split=None) -> list[InputSource]
     Expands --input (a file, a glob, or a save_to_disk directory) into sources in sorted order and
@@ -8,9 +8,12 @@ read_records(source, keys) -> iterator of (number, raw)
     raw is a jsonl line (parsed by the caller, so a malformed line is reported with its line number) or
     a dict of the requested columns for parquet/arrow rows; number counts lines or rows from 1.
     Parquet and arrow data are streamed in record batches; rows come in stored order.
+jsonl_lines(path) -> iterator of (number, line bytes, bytes of the file read so far)
+    The preprocess fast path: raw lines split on b"\n" only, blank lines included (so line numbers
+    and Megatron's per-line partitioning agree), decoded and parsed by the worker that tokenizes them.
 
-Optional packages (pyarrow, datasets) are imported only when an input needs them; a missing one is a
-DataError naming the pip install.
+Optional packages (pyarrow, datasets, zstandard) are imported only when an input needs them; a missing
+one is a DataError naming the pip install.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import glob
 import gzip
 import importlib
+import io
 import json
 import os
 import sys
@@ -63,6 +67,8 @@ def _source_for(path: str, keys: list[str], hf_split: str | None) -> InputSource
     if path.endswith(".parquet"):
         _check_columns(path, _open_parquet(path).schema_arrow.names, keys)
         return InputSource(path, "parquet")
+    if path.endswith(".zst"):
+        require("zstandard", f"--input {path} (zstd-compressed jsonl)", "zstandard")
     return InputSource(path, "jsonl")
 
 
@@ -102,11 +108,42 @@ def read_records(source: InputSource, keys: list[str]) -> Iterator[tuple[int, st
 
 
 def _jsonl_lines(path: str) -> Iterator[tuple[int, str]]:
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                yield number, line
+    for number, line, _ in jsonl_lines(path):
+        if line.strip():
+            try:
+                yield number, line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{number}: not UTF-8 ({e.reason} at byte {e.start}); "
+                                "re-encode the file as UTF-8") from None
+
+
+def _open_binary(path: str):
+    """(decompressed stream, raw file): .gz and .zst are decompressed on the fly."""
+    try:
+        raw = open(path, "rb")  # noqa: SIM115 - closed by the caller
+    except OSError as e:
+        raise DataError(f"--input {path}: cannot read ({e.strerror})") from None
+    if path.endswith(".gz"):
+        return gzip.GzipFile(fileobj=raw), raw
+    if path.endswith(".zst"):
+        zstd = require("zstandard", f"--input {path} (zstd-compressed jsonl)", "zstandard")
+        return zstd.ZstdDecompressor().stream_reader(raw, read_across_frames=True), raw
+    return raw, raw
+
+
+def jsonl_lines(path: str) -> Iterator[tuple[int, bytes, int]]:
+    stream, raw = _open_binary(path)
+    errors: tuple[type[BaseException], ...] = (OSError, EOFError)
+    if path.endswith(".zst"):
+        errors += (importlib.import_module("zstandard").ZstdError,)
+    try:
+        reader = io.BufferedReader(stream, 1 << 20) if stream is not raw else raw
+        for number, line in enumerate(reader, 1):
+            yield number, line, raw.tell()
+    except errors as e:
+        raise DataError(f"--input {path}: cannot read ({e}); is the file complete?") from None
+    finally:
+        raw.close()
 
 
 def _check_columns(path: str, columns: list[str], keys: list[str]) -> None:

@@ -11,7 +11,7 @@ import os
 from megafab.data.errors import DataError
 
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
-                   "Llama2Tokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+                   "Llama2Tokenizer", "HuggingFaceTokenizer", "TikTokenizer", "NullTokenizer")
 
 
 def _need_file(path: str | None, flag: str, tokenizer_type: str) -> str:
@@ -38,6 +38,8 @@ class GPT2BPETokenizer:
         self._tok = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
         self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         self._tok.decoder = decoders.ByteLevel()
+        # As transformers' GPT-2 tokenizer (Megatron's): '<|endoftext|>' written in text is that token.
+        self._tok.add_special_tokens(["<|endoftext|>"])
         self.vocab_size = len(vocab)
         self.eod = vocab["<|endoftext|>"]
         self.pad = None
@@ -150,6 +152,66 @@ class HuggingFaceTokenizer:
         return self._decode([int(i) for i in ids])
 
 
+# Megatron-LM's pre-tokenization regexes (--tiktoken-pattern v1 / v2); a different regex splits text
+# differently, so these must be Megatron's byte for byte.
+TIKTOKEN_PATTERNS = {
+    "v1": r"[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+",
+    "v2": r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+          r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+          r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+TIKTOKEN_SPECIAL = ["<unk>", "<s>", "</s>", "<mask>", "<pad>", "<cls>", "<sep>"]
+
+
+class TikTokenizer:
+    """megatron-core's TikTokenizer from a local vocabulary file (nothing downloads).
+
+    The file is Megatron's JSON list [{"rank": i, "token_bytes": base64, "token_str": ...}] (the
+    first 256 ranks are the single bytes). Ids 0 .. num_special_tokens-1 are special tokens (the
+    named ones, then <SPECIAL_i> fillers); BPE rank r gets id r + num_special_tokens; the vocabulary
+    is cut to vocab_size ids (default 2**17). eod is </s>.
+    """
+
+    def __init__(self, path: str, pattern: str, vocab_size: int | None = None, num_special_tokens: int = 1000,
+                 special_tokens: list[str] | None = None):
+        import base64
+
+        import tiktoken
+
+        vocab_size = vocab_size or 2**17
+        named = list(special_tokens or TIKTOKEN_SPECIAL)
+        missing = [t for t in TIKTOKEN_SPECIAL if t not in named]
+        if missing or len(set(named)) != len(named) or not len(named) <= num_special_tokens < vocab_size:
+            raise DataError(f"TikTokenizer special tokens {named}: they must be unique, include "
+                            f"{TIKTOKEN_SPECIAL}, and number at most --tiktoken-num-special-tokens "
+                            f"{num_special_tokens} (< vocabulary size {vocab_size})")
+        specials = named + [f"<SPECIAL_{i}>" for i in range(len(named), num_special_tokens)]
+        try:
+            with open(path, encoding="utf-8") as f:
+                entries = json.load(f)
+            ranks = {base64.b64decode(e["token_bytes"]): int(e["rank"]) + num_special_tokens
+                     for e in entries[:vocab_size - num_special_tokens]}
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise DataError(f"--tokenizer-model {path}: not a Megatron tiktoken vocabulary (a JSON list of "
+                            f"rank/token_bytes/token_str entries): {e}") from None
+        if sorted(ranks.values()) != list(range(num_special_tokens, vocab_size)):
+            raise DataError(f"--tokenizer-model {path}: holds {len(ranks)} BPE ranks, fewer than the "
+                            f"{vocab_size - num_special_tokens} that --vocab-size {vocab_size} minus "
+                            f"{num_special_tokens} special tokens needs (or its ranks are not 0, 1, 2, ...)")
+        self._enc = tiktoken.Encoding(name=os.path.basename(path), pat_str=TIKTOKEN_PATTERNS[pattern],
+                                      mergeable_ranks=ranks,
+                                      special_tokens={t: i for i, t in enumerate(specials)})
+        self.num_special_tokens = num_special_tokens
+        self.vocab_size = vocab_size
+        self.eod, self.bos, self.pad = specials.index("</s>"), specials.index("<s>"), specials.index("<pad>")
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._enc.encode_ordinary(text)
+
+    def detokenize(self, ids) -> str:
+        return self._enc.decode([int(i) for i in ids])
+
+
 class NullTokenizer:
     """Text is whitespace-separated ids; vocab_size ids plus one eod (= vocab_size)."""
 
@@ -168,8 +230,16 @@ class NullTokenizer:
 
 
 def build_tokenizer(tokenizer_type: str, vocab_file: str | None = None, merge_file: str | None = None,
-                    tokenizer_model: str | None = None, vocab_size: int | None = None):
+                    tokenizer_model: str | None = None, vocab_size: int | None = None,
+                    tiktoken_pattern: str | None = None, num_special_tokens: int = 1000,
+                    special_tokens: list[str] | None = None):
     """The tokenizer named by Megatron's --tokenizer-type, from local files."""
+    if tokenizer_type == "TikTokenizer":
+        if tiktoken_pattern not in TIKTOKEN_PATTERNS:
+            raise DataError(f"--tokenizer-type TikTokenizer needs --tiktoken-pattern v1 or v2, got "
+                            f"{tiktoken_pattern!r}")
+        path = _need_file(tokenizer_model, "--tokenizer-model", tokenizer_type)
+        return TikTokenizer(path, tiktoken_pattern, vocab_size, num_special_tokens, special_tokens)
     if tokenizer_type == "GPT2BPETokenizer":
         return GPT2BPETokenizer(_need_file(vocab_file, "--vocab-file", tokenizer_type),
                                 _need_file(merge_file, "--merge-file", tokenizer_type))

@@ -2,7 +2,7 @@
 
 Equal in value and gradient to F.cross_entropy(gathered_logits, target, reduction='none') without
 ever gathering the logits: three small all-reduces over [s, b] (max, target logit, sum of exps,
-plus the logit sum with label smoothing) replace an all-gather of [s, b, V].
+plus the logit sum with label smoothing) replace an all-gather of [s, b, V]; two when fused.
 
 Padded vocabulary entries (Megatron pads V to a multiple of make-vocab-size-divisible-by x TP) are
 ordinary classes here, as in Megatron: they are never targets and their probability is trained
@@ -37,9 +37,15 @@ def _single_rank_forward(flat: torch.Tensor, target: torch.Tensor, label_smoothi
     return loss, log_probs.exp_()  # the softmax, in place
 
 
+def _sum_together(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
+    """One all-reduce for several [n] tensors (megatron-core's fused cross entropy)."""
+    stacked = _all_reduce(torch.stack(tensors), group)
+    return list(stacked.unbind(0))
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, group, label_smoothing):
+    def forward(ctx, logits, target, group, label_smoothing, fused=False):
         compute_dtype = torch.promote_types(logits.dtype, torch.float32)
         part = logits.shape[-1]
         vocab = part * group_size(group)
@@ -60,12 +66,19 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         outside = (flat_target < start) | (flat_target >= start + part)
         local_target = (flat_target - start).masked_fill(outside, 0)
         rows = torch.arange(flat.shape[0], device=flat.device)
-        target_logit = _all_reduce(shifted[rows, local_target].masked_fill(outside, 0.0), group)
-
-        if label_smoothing > 0.0:
-            sum_shifted = _all_reduce(shifted.sum(dim=-1), group)
+        target_logit = shifted[rows, local_target].masked_fill(outside, 0.0)
+        sum_shifted = shifted.sum(dim=-1) if label_smoothing > 0.0 else None
+        if not fused:
+            target_logit = _all_reduce(target_logit, group)
+            sum_shifted = _all_reduce(sum_shifted, group) if sum_shifted is not None else None
         exp = shifted.exp_()
-        sum_exp = _all_reduce(exp.sum(dim=-1), group)
+        sum_exp = exp.sum(dim=-1)
+        if fused:
+            parts = [target_logit, sum_exp] + ([sum_shifted] if sum_shifted is not None else [])
+            target_logit, sum_exp, *rest = _sum_together(parts, group)
+            sum_shifted = rest[0] if rest else None
+        else:
+            sum_exp = _all_reduce(sum_exp, group)
         log_z = sum_exp.log()
         loss = log_z - target_logit  # -log p(target)
         if label_smoothing > 0.0:
@@ -88,19 +101,23 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if eps > 0.0:
             grad -= eps / ctx.vocab
         grad *= grad_loss.reshape(-1, 1).to(grad.dtype)
-        return grad.view(ctx.logits_shape).to(ctx.logits_dtype), None, None, None
+        return grad.view(ctx.logits_shape).to(ctx.logits_dtype), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, tp_group,
-                                 label_smoothing: float = 0.0) -> torch.Tensor:
+                                 label_smoothing: float = 0.0, fused: bool = False) -> torch.Tensor:
     """Per-token loss [s, b] from this rank's logits [s, b, V/tp] and global target ids [s, b].
 
     Rank r holds vocabulary columns [r*V/tp, (r+1)*V/tp) (layers.vocab_range). tp_group None means
     one process. label_smoothing follows F.cross_entropy's definition over all V (padded) classes.
+    fused (--cross-entropy-loss-fusion): the target logit and the sum of exponentials (and the logit
+    sum with label smoothing) share one all-reduce after the max's, as megatron-core's fused
+    cross entropy does; same values.
     """
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing is {label_smoothing}; it must be in [0, 1)")
     if vocab_parallel_logits.shape[:-1] != target.shape:
         raise ValueError(f"logits shape {tuple(vocab_parallel_logits.shape)} does not match target shape "
                          f"{tuple(target.shape)}; logits must be target's shape + [V/tp]")
-    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, tp_group, float(label_smoothing))
+    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, tp_group, float(label_smoothing),
+                                            fused)

@@ -7,10 +7,12 @@ after the last micro-batch's backward and before the optimizer step. It does, in
   1. Data parallel, over the DP group: wait for (or run) every bucket's all-reduce /
      reduce-scatter (`DistributedDataParallel.finish_grad_sync`), averaging over DP. FSDP2 chunks
      (megafab.distributed.fsdp) reduce-scattered during the last backward already.
-  2. Sequence-parallel replicated params, over the TP group. Under sequence parallelism each TP
-     rank sees only its slice of the sequence, so the gradient of a parameter that is replicated
+  2. TP-replicated params with partial grads, over the TP group. Under sequence parallelism each
+     TP rank sees only its slice of the sequence, so the gradient of a parameter that is replicated
      across TP (norm weights/biases, RowParallelLinear bias: `param.sequence_parallel = True`) is
-     a partial sum; all-reduce it over `topology.tp_group`.
+     a partial sum; so is, with or without SP, that of a replicated param applied to this rank's
+     heads only (q/k layernorms: `param.grad_sum_over_tp = True`). All-reduce them over
+     `topology.tp_group`.
   3. Tied word embeddings, over the embedding group. With PP > 1 the first stage's input embedding
      and the last stage's output layer hold two copies of one weight (`param.shared_embedding =
      True`); all-reduce their gradients over `topology.embedding_group` so both copies take the
@@ -65,9 +67,13 @@ def _params(model_chunks: list[nn.Module]):
                 yield p
 
 
-def allreduce_sequence_parallel_grads(model_chunks: list[nn.Module], tp_group):
-    """Step 1: sum grads of TP-replicated `sequence_parallel` params over TP."""
-    grads = [grad_of(p) for p in _params(model_chunks) if getattr(p, "sequence_parallel", False)]
+def allreduce_tp_partial_grads(model_chunks: list[nn.Module], tp_group, sequence_parallel: bool):
+    """Step 2: sum over TP the grads of TP-replicated params that are partial on each TP rank:
+    `sequence_parallel` params under SP, and `grad_sum_over_tp` params (e.g. q/k layernorms,
+    which see only their rank's heads) always."""
+    grads = [grad_of(p) for p in _params(model_chunks)
+             if getattr(p, "grad_sum_over_tp", False)
+             or (sequence_parallel and getattr(p, "sequence_parallel", False))]
     _all_reduce_coalesced([g for g in grads if g is not None], tp_group)
 
 
@@ -88,6 +94,6 @@ def finalize_model_grads(model_chunks: list[nn.Module], *, topology, sequence_pa
     for chunk in model_chunks:
         if hasattr(chunk, "finish_grad_sync"):  # DDP, FSDP2
             chunk.finish_grad_sync()
-    if sequence_parallel and topology.tp > 1:
-        allreduce_sequence_parallel_grads(model_chunks, topology.tp_group)
+    if topology.tp > 1:
+        allreduce_tp_partial_grads(model_chunks, topology.tp_group, sequence_parallel)
     allreduce_embedding_grads(model_chunks, topology)

@@ -47,7 +47,7 @@ from torch import nn
 
 # Megatron's per-parameter attributes that the rest of megafab reads off the parameters.
 PARAM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel",
-                    "shared_embedding", "is_embedding_or_output_parameter")
+                    "grad_sum_over_tp", "shared_embedding", "is_embedding_or_output_parameter")
 
 
 def data_parallel_mesh(topology):
@@ -83,10 +83,11 @@ def shard_range(param: torch.Tensor) -> tuple[int, int]:
     return first * row, first * row + local.numel()
 
 
-def _mixed_precision(compute_dtype: torch.dtype, main_dtype: torch.dtype):
+def _mixed_precision(compute_dtype: torch.dtype, main_dtype: torch.dtype, reduce: torch.dtype | None):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    reduce = torch.float64 if main_dtype == torch.float64 else torch.float32
+    if reduce is None:
+        reduce = torch.float64 if main_dtype == torch.float64 else torch.float32
     return MixedPrecisionPolicy(param_dtype=compute_dtype if compute_dtype != main_dtype else None,
                                 reduce_dtype=reduce if reduce != compute_dtype else None)
 
@@ -104,12 +105,15 @@ class FullyShardedDataParallel(nn.Module):
         reshard_after_forward: free each group's gathered parameters after its forward and gather
             them again in backward (ZeRO-3); False keeps them until backward (Megatron-FSDP's
             optim_grads, ZeRO-2's communication).
+        reduce_dtype: dtype gradients are reduced and accumulated in; None = fp32 (fp64 for an
+            fp64 model); the model dtype with --grad-reduce-in-bf16.
     """
 
     is_fully_sharded = True
 
     def __init__(self, module: nn.Module, *, mesh, units: list[nn.Module],
-                 main_dtype: torch.dtype | None = None, reshard_after_forward: bool = True):
+                 main_dtype: torch.dtype | None = None, reshard_after_forward: bool = True,
+                 reduce_dtype: torch.dtype | None = None):
         from torch.distributed.fsdp import fully_shard
 
         super().__init__()
@@ -126,7 +130,7 @@ class FullyShardedDataParallel(nn.Module):
         with torch.no_grad():
             for p in params:
                 p.data = p.data.to(self.main_dtype)
-        policy = _mixed_precision(self.compute_dtype, self.main_dtype)
+        policy = _mixed_precision(self.compute_dtype, self.main_dtype, reduce_dtype)
         for unit in units:
             fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
         fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)

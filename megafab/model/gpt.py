@@ -20,6 +20,7 @@ from megafab.model.init import normal_init
 from megafab.model.recompute import RecomputeSettings, forward_layers
 from megafab.model.te import transformer_layer_class
 from megafab.model.transformer import LayerContext, RotaryEmbedding, build_norm
+from megafab.pipeline_split import PipelineSplit
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
@@ -95,6 +96,16 @@ class GPTModel(nn.Module):
         if self.share_embeddings:
             for p in self.shared_embedding_params():
                 p.shared_embedding = True
+        for p in self.embedding_or_output_params():
+            p.is_embedding_or_output_parameter = True  # their own LR with --decoupled-lr
+
+    def embedding_or_output_params(self) -> list[nn.Parameter]:
+        """Megatron's is_embedding_or_output_parameter: word embedding (first stage), output layer
+        weight (last stage; the tied copy there too)."""
+        out = [self.embedding.word_embeddings.weight] if self.pre_process else []
+        if self.post_process and hasattr(self, "output_layer"):
+            out.append(self.output_layer.weight)
+        return out
 
     def shared_embedding_params(self) -> list[nn.Parameter]:
         """The tied word-embedding weights this chunk holds (first and/or last stage)."""
@@ -143,24 +154,21 @@ class GPTModel(nn.Module):
             allreduce_dgrad=group_size(self.ctx.tp_group) > 1 and not sp, sequence_parallel=sp)
         if labels is None:
             return logits
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.ctx.tp_group)  # [s, b]
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.ctx.tp_group,  # [s, b]
+                                            fused=self.cfg.cross_entropy_loss_fusion)
         # A new tensor, not a view: FSDP2 hooks its backward on the output of the chunk.
         return loss.t().clone()  # [b, s]
 
 
-def chunk_layer_range(num_layers: int, pp: int, vpp: int, pp_rank: int, chunk: int) -> tuple[int, int]:
-    """Layers of virtual chunk `chunk` on pipeline rank `pp_rank`: Megatron places global chunk
-    chunk * pp + pp_rank there, each holding num_layers / (pp * vpp) consecutive layers."""
-    per_chunk = num_layers // (pp * vpp)
-    start = (chunk * pp + pp_rank) * per_chunk
-    return start, start + per_chunk
-
-
-def build_model_chunks(cfg, ctx: LayerContext, pp: int = 1, pp_rank: int = 0, vpp: int = 1) -> list[GPTModel]:
-    """This pipeline rank's model chunks (one without interleaving)."""
+def build_model_chunks(cfg, ctx: LayerContext, pp: int = 1, pp_rank: int = 0, vpp: int = 1,
+                       split: PipelineSplit | None = None) -> list[GPTModel]:
+    """This pipeline rank's model chunks (one without interleaving). `split` places the layers
+    (uneven first/last stages, embedding/loss counted as layers); default: an even split."""
+    split = split or PipelineSplit(cfg.num_layers, pp, vpp)
+    assert (split.pp, split.vpp) == (pp, vpp), "the split was made for another pipeline layout"
     chunks = []
     for c in range(vpp):
-        first, last = chunk_layer_range(cfg.num_layers, pp, vpp, pp_rank, c)
+        first, last = split.layer_range(pp_rank, c)
         chunks.append(GPTModel(cfg, ctx, first, last, pre_process=(pp_rank == 0 and c == 0),
                                post_process=(pp_rank == pp - 1 and c == vpp - 1)))
     return chunks

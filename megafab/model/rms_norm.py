@@ -37,6 +37,11 @@ class _RMSNormFunction(torch.autograd.Function):
         return dx.to(x.dtype), dweight.to(weight.dtype), None
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x's last dim scaled by `weight`, through the function above."""
+    return _RMSNormFunction.apply(x, weight, eps)
+
+
 class RMSNorm(nn.Module):
     """Drop-in for nn.RMSNorm(hidden, eps) with a `weight` parameter (same name in checkpoints)."""
 
@@ -46,7 +51,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RMSNormFunction.apply(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -32,9 +32,10 @@ from torch import nn
 from megafab.distributed.layers import partition_of
 from megafab.distributed.mappings import group_rank, group_size
 from megafab.errors import MegafabError
+from megafab.model.attention_backend import set_te_attention_switches
 from megafab.model.init import normal_init, output_layer_std
 from megafab.model.recompute import RecomputeSettings
-from megafab.model.transformer import TransformerLayer, apply_rotary
+from megafab.model.transformer import TransformerLayer, apply_rotary, mlp_activation
 
 FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper and newer have FP8 tensor cores
 
@@ -86,6 +87,13 @@ def to_local_state_dict(state: dict) -> dict:
 
 def check_transformer_engine(model_cfg, precision_cfg, device) -> None:
     """Refuse TE/FP8 before any process group starts when this machine cannot run them."""
+    problems = transformer_engine_problems(model_cfg, precision_cfg, device)
+    if problems:
+        raise TransformerEngineError("; ".join(problems))
+
+
+def transformer_engine_problems(model_cfg, precision_cfg, device) -> list[str]:
+    """Why TE/FP8 cannot run on `device` with these settings (empty when they can, or are off)."""
     device = torch.device(device)
     wants_te = model_cfg.transformer_impl == "transformer_engine"
     fp8 = precision_cfg.fp8_format is not None
@@ -107,8 +115,12 @@ def check_transformer_engine(model_cfg, precision_cfg, device) -> None:
     if wants_te and RecomputeSettings.from_model_config(model_cfg).core_attention:
         problems.append("--recompute-granularity selective is implemented for --transformer-impl local "
                         "only; use --recompute-granularity full with transformer_engine")
-    if problems:
-        raise TransformerEngineError("; ".join(problems))
+    local_only = [f for f, on in (("--qk-layernorm", model_cfg.qk_layernorm),
+                                  ("--apply-residual-connection-post-layernorm",
+                                   model_cfg.apply_residual_connection_post_layernorm)) if on]
+    if wants_te and local_only:
+        problems.append(f"{', '.join(local_only)} implemented for --transformer-impl local only")
+    return problems
 
 
 def fp8_recipe(precision_cfg):
@@ -172,7 +184,10 @@ class TETransformerLayer(nn.Module):
         common = dict(tp_group=ctx.tp_group, tp_size=tp, sequence_parallel=ctx.sequence_parallel,
                       params_dtype=ctx.params_dtype, device=ctx.device,
                       get_rng_state_tracker=(lambda: ctx.rng_tracker) if ctx.rng_tracker else None)
-        norm = dict(eps=cfg.norm_epsilon, normalization=cfg.normalization)
+        norm = dict(eps=cfg.norm_epsilon, normalization=cfg.normalization,
+                    zero_centered_gamma=cfg.apply_layernorm_1p)
+        set_te_attention_switches(cfg.attention_backend)
+        self.activation = mlp_activation(cfg)
         qkv_out = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * self.d
         ffn_out = cfg.ffn_hidden_size * (2 if cfg.swiglu else 1)
         self.self_attention = nn.Module()
@@ -232,5 +247,5 @@ class TETransformerLayer(nn.Module):
         with fp8_context(self.precision_cfg):
             x = x + self._dropout(self._attention(x, rotary_angles, attention_mask))
             h = self.mlp.linear_fc1(x)
-            h = F.silu(h.chunk(2, dim=-1)[0]) * h.chunk(2, dim=-1)[1] if self.swiglu else F.gelu(h)
+            h = F.silu(h.chunk(2, dim=-1)[0]) * h.chunk(2, dim=-1)[1] if self.swiglu else self.activation(h)
             return x + self._dropout(self.mlp.linear_fc2(h))

@@ -17,9 +17,10 @@ from torch import nn
 
 from megafab.distributed.layers import ColumnParallelLinear, RowParallelLinear
 from megafab.distributed.mappings import group_size
+from megafab.model.attention_backend import sdpa_context
 from megafab.model.init import normal_init, output_layer_std
 from megafab.model.recompute import RecomputeSettings, recompute
-from megafab.model.rms_norm import RMSNorm
+from megafab.model.rms_norm import RMSNorm, rms_norm
 
 # SDPA takes grouped keys/values itself from torch 2.5 (enable_gqa); older torch repeats them here.
 SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -47,12 +48,55 @@ class LayerContext:
         return self.tp_region_rng() if self.sequence_parallel else contextlib.nullcontext()
 
 
-def build_norm(cfg, ctx: LayerContext) -> nn.Module:
-    cls = RMSNorm if cfg.normalization == "RMSNorm" else nn.LayerNorm
-    norm = cls(cfg.hidden_size, eps=cfg.norm_epsilon, device=ctx.device, dtype=ctx.params_dtype)
+class ZeroCenteredLayerNorm(nn.LayerNorm):
+    """--apply-layernorm-1p: LayerNorm whose stored weight is gamma - 1 (starts at 0)."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x):
+        return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+
+
+class ZeroCenteredRMSNorm(RMSNorm):
+    """--apply-layernorm-1p with RMSNorm (Transformer Engine's zero_centered_gamma)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, device=None, dtype=None):
+        super().__init__(hidden_size, eps, device=device, dtype=dtype)
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x):
+        return rms_norm(x, self.weight + 1, self.eps)
+
+
+def build_norm(cfg, ctx: LayerContext, width: int | None = None) -> nn.Module:
+    """A --normalization norm over `width` (default hidden_size) channels, zero-centered with
+    --apply-layernorm-1p. Its params are marked sequence_parallel (their grads are partial sums
+    over the sequence shards under SP)."""
+    rms = cfg.normalization == "RMSNorm"
+    if cfg.apply_layernorm_1p:
+        cls = ZeroCenteredRMSNorm if rms else ZeroCenteredLayerNorm
+    else:
+        cls = RMSNorm if rms else nn.LayerNorm
+    norm = cls(width or cfg.hidden_size, eps=cfg.norm_epsilon, device=ctx.device, dtype=ctx.params_dtype)
     for p in norm.parameters():
         p.sequence_parallel = ctx.sequence_parallel
     return norm
+
+
+def squared_relu(x: torch.Tensor) -> torch.Tensor:
+    return F.relu(x).square()
+
+
+def openai_gelu(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's tanh approximation of GELU (HF's gelu_new, Megatron's openai_gelu)."""
+    return F.gelu(x, approximate="tanh")
+
+
+def mlp_activation(cfg):
+    """The non-gated MLP activation: exact GELU unless --openai-gelu or --squared-relu."""
+    return squared_relu if cfg.squared_relu else openai_gelu if cfg.openai_gelu else F.gelu
 
 
 class RotaryEmbedding(nn.Module):
@@ -99,6 +143,14 @@ class SelfAttention(nn.Module):
         self.dropout = cfg.attention_dropout
         self.recompute_core_attention = RecomputeSettings.from_model_config(cfg).core_attention
         qkv_out = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * self.d
+        self.sdpa_backend = sdpa_context(cfg.attention_backend)
+        self.q_layernorm = self.k_layernorm = None
+        if cfg.qk_layernorm:
+            # Each TP rank normalizes its own heads with the same (replicated) weights, so each
+            # rank's gradient is a partial sum: finalize_model_grads sums it over TP.
+            self.q_layernorm, self.k_layernorm = build_norm(cfg, ctx, self.d), build_norm(cfg, ctx, self.d)
+            for p in (*self.q_layernorm.parameters(), *self.k_layernorm.parameters()):
+                p.sequence_parallel, p.grad_sum_over_tp = False, True
         self.linear_qkv = ColumnParallelLinear(
             cfg.hidden_size, qkv_out, tp_group=ctx.tp_group, bias=cfg.add_bias_linear or cfg.add_qkv_bias,
             sequence_parallel=ctx.sequence_parallel, params_dtype=ctx.params_dtype, device=ctx.device,
@@ -120,6 +172,8 @@ class SelfAttention(nn.Module):
         qkv = qkv.view(s, b, self.groups_local, self.heads_per_group + 2, self.d)
         q = qkv[:, :, :, : self.heads_per_group].reshape(s, b, -1, self.d)  # [s, b, heads/tp, d]
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # [s, b, groups/tp, d]
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary_angles is not None:
             q, k = apply_rotary(q, rotary_angles), apply_rotary(k, rotary_angles)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
@@ -143,7 +197,7 @@ class SelfAttention(nn.Module):
         recompute recomputes. Grouped keys/values go to SDPA as they are (enable_gqa), so no
         head-repeated copies of k and v are made or saved."""
         gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
-        with self.ctx.tp_region_rng() if dropout > 0 else contextlib.nullcontext():
+        with self.ctx.tp_region_rng() if dropout > 0 else contextlib.nullcontext(), self.sdpa_backend():
             if attention_mask is None:
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, **gqa)
             # Megatron's mask: True where attention is NOT allowed
@@ -152,11 +206,13 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """h -> ffn (GELU) -> h, or SwiGLU with fc1 packed [gate; up] and split with stride 2."""
+    """h -> ffn (GELU, tanh GELU or squared ReLU) -> h, or SwiGLU with fc1 packed [gate; up] and
+    split with stride 2."""
 
     def __init__(self, cfg, ctx: LayerContext, prefix: str):
         super().__init__()
         self.swiglu = cfg.swiglu
+        self.activation = mlp_activation(cfg)
         fc1_out = cfg.ffn_hidden_size * (2 if cfg.swiglu else 1)
         self.linear_fc1 = ColumnParallelLinear(
             cfg.hidden_size, fc1_out, tp_group=ctx.tp_group, bias=cfg.add_bias_linear,
@@ -178,7 +234,7 @@ class MLP(nn.Module):
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
-            h = F.gelu(h)
+            h = self.activation(h)
         out, _ = self.linear_fc2(h)
         return out
 
@@ -189,6 +245,7 @@ class TransformerLayer(nn.Module):
         prefix = f"decoder.layers.{layer_number}."
         self.ctx = ctx
         self.hidden_dropout = cfg.hidden_dropout
+        self.residual_post_norm = cfg.apply_residual_connection_post_layernorm
         self.input_layernorm = build_norm(cfg, ctx)
         self.self_attention = SelfAttention(cfg, ctx, prefix + "self_attention.")
         self.pre_mlp_layernorm = build_norm(cfg, ctx)
@@ -201,6 +258,9 @@ class TransformerLayer(nn.Module):
             return F.dropout(x, self.hidden_dropout, training=True)
 
     def forward(self, x, rotary_angles=None, attention_mask=None, kv_cache=None):
-        x = x + self._dropout(self.self_attention(self.input_layernorm(x), rotary_angles, attention_mask,
-                                                  kv_cache))
-        return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))
+        normed = self.input_layernorm(x)
+        residual = normed if self.residual_post_norm else x
+        x = residual + self._dropout(self.self_attention(normed, rotary_angles, attention_mask, kv_cache))
+        normed = self.pre_mlp_layernorm(x)
+        residual = normed if self.residual_post_norm else x
+        return residual + self._dropout(self.mlp(normed))

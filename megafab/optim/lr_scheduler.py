@@ -11,7 +11,8 @@ With n = samples consumed so far, W = warmup samples, D = decay samples:
       ratio q: linear 1 - q, cosine (1 + cos(pi q)) / 2, exponential 2 * 0.5^q - 1,
       minus_sqrt 1 - sqrt(q).
 Weight decay goes from start_wd to end_wd over wd_incr_samples (constant | linear | cosine).
-Each param group's lr is lr * group["lr_mult"], its weight decay wd * group["wd_mult"].
+Each param group's lr is lr * group["lr_mult"], its weight decay wd * group["wd_mult"]; a group
+with "max_lr" / "min_lr" (--decoupled-lr / --decoupled-min-lr) uses those bounds instead.
 """
 
 from __future__ import annotations
@@ -78,16 +79,20 @@ class OptimizerParamScheduler:
         self.num_samples = 0
         self.step(0)
 
-    def get_lr(self) -> float:
+    def get_lr(self, group: dict | None = None) -> float:
+        """The schedule's lr now; a param group with its own max_lr / min_lr (--decoupled-lr) runs
+        the same shape between its own bounds."""
+        group = group or {}
+        max_lr, min_lr = group.get("max_lr", self.max_lr), group.get("min_lr", self.min_lr)
         n, warmup, decay = self.num_samples, self.lr_warmup_samples, self.lr_decay_samples
         if warmup > 0 and n <= warmup:
-            return self.lr_warmup_init + (self.max_lr - self.lr_warmup_init) * n / warmup
+            return self.lr_warmup_init + (max_lr - self.lr_warmup_init) * n / warmup
         if self.lr_decay_style == "constant":
-            return self.max_lr
+            return max_lr
         if n > decay:
-            return self.min_lr
+            return min_lr
         if self.lr_decay_style == "inverse-square-root":
-            return max(self.min_lr, self.max_lr * math.sqrt(max(warmup, 1)) / math.sqrt(max(n, 1)))
+            return max(min_lr, max_lr * math.sqrt(max(warmup, 1)) / math.sqrt(max(n, 1)))
         ratio = (n - warmup) / (decay - warmup)
         if self.lr_decay_style == "linear":
             coeff = 1.0 - ratio
@@ -95,7 +100,7 @@ class OptimizerParamScheduler:
             coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
         else:
             coeff = self._wsd_coeff(n)
-        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+        return min_lr + coeff * (max_lr - min_lr)
 
     def _wsd_coeff(self, n: int) -> float:
         anneal_start = self.lr_decay_samples - self.wsd_decay_samples
@@ -122,9 +127,9 @@ class OptimizerParamScheduler:
     def step(self, increment_samples: int):
         """Advance by the samples of one step (the global batch size) and set lr / wd."""
         self.num_samples += increment_samples
-        lr, wd = self.get_lr(), self.get_wd()
+        wd = self.get_wd()
         for group in self.optimizer.param_groups:
-            group["lr"] = lr * group.get("lr_mult", 1.0)
+            group["lr"] = self.get_lr(group) * group.get("lr_mult", 1.0)
             group["weight_decay"] = wd * group.get("wd_mult", 1.0)
 
     _FIELDS = ("max_lr", "min_lr", "lr_warmup_init", "lr_warmup_samples", "lr_decay_samples",

@@ -1,4 +1,4 @@
-"""AdamW with fp32 main parameters for bf16/fp16 models, grad clipping and loss scaling.
+"""AdamW (or SGD) with fp32 main parameters for bf16/fp16 models, grad clipping and loss scaling.
 
 One step (`step()`), Megatron's order:
   1. main grads: each main param's `.grad` is its model param's `main_grad` (DDP buffer) or `.grad`,
@@ -9,7 +9,8 @@ One step (`step()`), Megatron's order:
      a non-finite norm without a loss scaler (bf16/fp32) raises NonFiniteGradError naming the
      iteration (parameters untouched), unless `raise_on_non_finite=False`, then the step is skipped;
   4. optional count of zeros;
-  5. torch AdamW (fused where the device supports it) on the main params;
+  5. torch AdamW, or torch SGD with --optimizer sgd (fused where the device supports it), on the
+     main params;
   6. main params copied back into the model dtype.
 Returns (update_successful, grad_norm, num_zeros_in_grad).
 
@@ -18,12 +19,13 @@ For fp32/fp64 models the main param *is* the model param (no copy).
 With optimizer CPU offload (`cpu_offload=OffloadConfig(...)`, megafab.optim.cpu_offload) a share
 of the entries keeps its main params and Adam state on the host: steps 2-4 read those entries'
 gradients where backward left them (the device), and the host applies 1/loss scale x the clip
-coefficient to its own fp32 copies before its AdamW step (5), which also writes the new weights
-back to the device (6).
+coefficient to its own fp32 copies before its own step (5: the same torch optimizer, on the CPU),
+which also writes the new weights back to the device (6).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -117,12 +119,41 @@ def named_model_params(model_chunks: list[nn.Module]) -> list[tuple[str, nn.Para
     return out
 
 
-def make_adamw(groups: list[dict], lr: float, betas, eps: float) -> torch.optim.AdamW:
-    """torch AdamW, fused where the device supports it, else foreach/for-loop."""
+def make_torch_optimizer(name: str, groups: list[dict], lr: float, betas, eps: float,
+                         sgd_momentum: float) -> torch.optim.Optimizer:
+    """torch AdamW (adam: decoupled weight decay, as Megatron) or torch SGD (sgd: L2 weight decay
+    added to the gradient, then momentum), fused where the device supports it."""
+    if name == "sgd":
+        make = functools.partial(torch.optim.SGD, groups, lr=lr, momentum=sgd_momentum)
+    elif name == "adam":
+        make = functools.partial(torch.optim.AdamW, groups, lr=lr, betas=betas, eps=eps)
+    else:
+        raise OptimizerConfigError(f"--optimizer {name!r} is not adam or sgd")
     try:
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
+        return make(fused=True)
     except (RuntimeError, ValueError):
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+        return make()
+
+
+def param_groups(entries: list[MainParam], weight_decay: float, decoupled_lr: float | None = None,
+                 decoupled_min_lr: float | None = None) -> list[dict]:
+    """Megatron's groups: weight decay or not (biases, 1-D params), and with --decoupled-lr the
+    embedding/output-layer params on their own schedule (the group's max_lr / min_lr)."""
+    groups: dict[tuple[bool, bool], dict] = {}
+    for e in entries:
+        decoupled = decoupled_lr is not None and \
+            getattr(e.model_param, "is_embedding_or_output_parameter", False)
+        key = (e.weight_decay, decoupled)
+        if key not in groups:
+            group = {"params": [], "weight_decay": weight_decay if e.weight_decay else 0.0,
+                     "wd_mult": 1.0 if e.weight_decay else 0.0, "lr_mult": 1.0}
+            if decoupled:
+                group["max_lr"] = decoupled_lr
+                if decoupled_min_lr is not None:
+                    group["min_lr"] = decoupled_min_lr
+            groups[key] = group
+        groups[key]["params"].append(e.main)
+    return [groups[k] for k in sorted(groups, key=lambda k: (not k[0], k[1]))]
 
 
 class MixedPrecisionOptimizer:
@@ -133,7 +164,8 @@ class MixedPrecisionOptimizer:
     clip_grad: max global L2 norm (Megatron's --clip-grad, default 1.0); 0 disables clipping (the
     norm is still computed and returned).
     grad_scaler: a ConstantGradScaler / DynamicGradScaler for fp16, None otherwise.
-    cpu_offload: an OffloadConfig to keep that share of the main params and Adam state on the host.
+    cpu_offload: an OffloadConfig to keep that share of the main params and optimizer state on the
+    host.
     """
 
     shards_across_dp = False  # each DP rank steps a disjoint shard (distributed optimizer, FSDP2)
@@ -142,7 +174,8 @@ class MixedPrecisionOptimizer:
                  weight_decay: float = 0.01, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  clip_grad: float = 1.0, grad_scaler: ConstantGradScaler | None = None,
                  log_num_zeros_in_grad: bool = False, raise_on_non_finite: bool = True,
-                 cpu_offload: OffloadConfig | None = None):
+                 optimizer: str = "adam", sgd_momentum: float = 0.9, decoupled_lr: float | None = None,
+                 decoupled_min_lr: float | None = None, cpu_offload: OffloadConfig | None = None):
         if isinstance(model_chunks, nn.Module):
             model_chunks = [model_chunks]
         self.model_chunks = list(model_chunks)
@@ -162,7 +195,11 @@ class MixedPrecisionOptimizer:
                 "ConstantGradScaler(s) (--loss-scale s), or train in bf16")
         self.device = named[0][1].device
         self.entries = self._build_entries(named)
-        self._hyper = dict(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+        self.optimizer_name = optimizer
+        self.sgd_momentum = sgd_momentum
+        self._hyper = dict(name=optimizer, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
+                           sgd_momentum=sgd_momentum, decoupled_lr=decoupled_lr,
+                           decoupled_min_lr=decoupled_min_lr)
         on_device, self.host = self.entries, None
         if cpu_offload is not None:
             on_host, on_device = split_for_offload(self.entries, cpu_offload.fraction)
@@ -173,13 +210,10 @@ class MixedPrecisionOptimizer:
                               for g in o.param_groups for main in g["params"]}
 
     def _make_torch_optimizer(self, entries: list[MainParam]) -> torch.optim.Optimizer:
-        """The torch optimizer over `entries`' mains, in Megatron's two weight-decay groups."""
+        """The torch optimizer over `entries`' mains, in Megatron's param groups."""
         h = self._hyper
-        decay = [e.main for e in entries if e.weight_decay]
-        plain = [e.main for e in entries if not e.weight_decay]
-        groups = [{"params": decay, "weight_decay": h["weight_decay"], "wd_mult": 1.0, "lr_mult": 1.0},
-                  {"params": plain, "weight_decay": 0.0, "wd_mult": 0.0, "lr_mult": 1.0}]
-        return make_adamw([g for g in groups if g["params"]], h["lr"], h["betas"], h["eps"])
+        groups = param_groups(entries, h["weight_decay"], h["decoupled_lr"], h["decoupled_min_lr"])
+        return make_torch_optimizer(h["name"], groups, h["lr"], h["betas"], h["eps"], h["sgd_momentum"])
 
     # ---- what this rank steps -----------------------------------------------------------------
     def _build_entries(self, named) -> list[MainParam]:
@@ -207,6 +241,13 @@ class MixedPrecisionOptimizer:
     def torch_optimizer_of(self, entry: MainParam) -> torch.optim.Optimizer:
         """The torch optimizer that steps (and keeps the state of) `entry`."""
         return self._optimizer_of[id(entry.main)]
+
+    @property
+    def state_keys(self) -> tuple[str, ...]:
+        """The per-parameter tensors the torch optimizer keeps (what a checkpoint stores)."""
+        if self.optimizer_name == "sgd":
+            return ("momentum_buffer",) if self.sgd_momentum != 0 else ()
+        return ("exp_avg", "exp_avg_sq")
 
     @property
     def param_groups(self) -> list[dict]:

@@ -19,6 +19,7 @@ from megafab.optim.fully_sharded_optimizer import FullyShardedOptimizer
 from megafab.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megafab.optim.lr_scheduler import OptimizerParamScheduler
 from megafab.optim.mixed_precision import MixedPrecisionOptimizer
+from megafab.pipeline_split import PipelineSplit
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
@@ -66,12 +67,15 @@ def build_model(cfg, topo: Topology, tracker, dtype: torch.dtype | None = None) 
                        topo.device, cfg.training.seed, tracker, precision=cfg.precision,
                        gradient_accumulation_fusion=cfg.parallel.gradient_accumulation_fusion)
     chunks = build_model_chunks(cfg.model, ctx, topo.pp, topo.pp_rank,
-                                cfg.parallel.virtual_pipeline_model_parallel_size or 1)
+                                cfg.parallel.virtual_pipeline_model_parallel_size or 1,
+                                PipelineSplit.from_config(cfg))
     p = cfg.parallel
     if p.fully_sharded:
         return [fully_shard_chunk(cfg, topo, c) for c in chunks]
     bucket = p.ddp_bucket_size if p.overlap_grad_reduce or p.use_distributed_optimizer else None
-    return [DistributedDataParallel(c, dp_group=topo.dp_group, bucket_size=bucket,
+    # fp32 main grads (fp64 for fp64 models), or the bf16 params' own dtype (--grad-reduce-in-bf16)
+    grad_dtype = None if p.accumulate_allreduce_grads_in_fp32 else dtype
+    return [DistributedDataParallel(c, dp_group=topo.dp_group, bucket_size=bucket, grad_dtype=grad_dtype,
                                     overlap_grad_reduce=p.overlap_grad_reduce,
                                     use_distributed_optimizer=p.use_distributed_optimizer)
             for c in chunks]
@@ -84,9 +88,11 @@ def fully_shard_chunk(cfg, topo: Topology, chunk) -> FullyShardedDataParallel:
     dtype = next(chunk.parameters()).dtype
     low_precision = dtype in (torch.bfloat16, torch.float16)
     main = torch.float32 if low_precision and not cfg.optimizer.optimizer_cpu_offload else dtype
+    reduce = None if cfg.parallel.accumulate_allreduce_grads_in_fp32 else dtype  # --grad-reduce-in-bf16
     return FullyShardedDataParallel(chunk, mesh=data_parallel_mesh(topo),
                                     units=list(chunk.decoder.layers.values()), main_dtype=main,
-                                    reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward)
+                                    reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward,
+                                    reduce_dtype=reduce)
 
 
 def build_optimizer(cfg, topo: Topology, model: list):
@@ -98,7 +104,9 @@ def build_optimizer(cfg, topo: Topology, model: list):
             growth_interval=pr.loss_scale_window, hysteresis=pr.hysteresis)
     kwargs = dict(topology=topo, lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
                   eps=o.adam_eps, clip_grad=o.clip_grad, grad_scaler=scaler,
-                  log_num_zeros_in_grad=cfg.logging.log_num_zeros_in_grad, raise_on_non_finite=False)
+                  log_num_zeros_in_grad=cfg.logging.log_num_zeros_in_grad, raise_on_non_finite=False,
+                  optimizer=o.optimizer, sgd_momentum=o.sgd_momentum, decoupled_lr=o.decoupled_lr,
+                  decoupled_min_lr=o.decoupled_min_lr)
     if o.optimizer_cpu_offload:
         kwargs["cpu_offload"] = OffloadConfig(o.optimizer_offload_fraction, o.pin_cpu_grads, o.pin_cpu_params)
     if cfg.parallel.fully_sharded:
@@ -122,10 +130,3 @@ def build_scheduler(cfg, optimizer) -> OptimizerParamScheduler:
         optimizer, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_samples=warmup, lr_decay_samples=decay,
         lr_decay_style=o.lr_decay_style, lr_warmup_init=o.lr_warmup_init, wsd_decay_samples=wsd,
         lr_wsd_decay_style=o.lr_wsd_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay)
-
-
-def train_iters(cfg) -> int:
-    t = cfg.training
-    if t.train_iters is not None:
-        return t.train_iters
-    return -(-(t.train_samples or 0) // t.global_batch_size)

@@ -40,7 +40,8 @@ activations at a time.
 Per chunk: RoPE's cos and sin, 2*e*s*b*rot (shared by the chunk's layers, full sequence).
 Embedding (first stage): the dropout mask s*b*h*mask / r. Logits + loss (last stage): final norm
 input e*s*b*h / r, output-layer input e*s*b*h / r (sharded under SP, as every linear's input),
-fp32 softmax 4*s*b*V / t.
+fp32 softmax 4*s*b*V / t; during the loss's backward also the logits' fp32 gradient 4*s*b*V / t
+(plus its cast for a bf16/fp16 model), before any recomputed group's activations exist.
 
 In flight (micro-batches whose activations are alive at once): 1F1B stage i holds min(pp - i, M);
 interleaved: min(2*(pp - i - 1) + (vpp - 1)*pp + 1, M*vpp) chunk-micro-batches (Megatron's warmup
@@ -51,6 +52,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megafab.pipeline_split import PipelineSplit
 from megafab.training.flops import flops_per_iteration
 from megafab.training.state_memory import state_bytes
 
@@ -93,6 +95,8 @@ def layer_params(m, tp: int) -> int:
     h, d, a, g, f = m.hidden_size, m.kv_channels, m.num_attention_heads, m.num_query_groups, m.ffn_hidden_size
     qkv, fc1 = (a + 2 * g) * d, f * (2 if m.swiglu else 1)
     n = 2 * _norm_params(m) + h * qkv // tp + a * d * h // tp + h * fc1 // tp + f * h // tp
+    if m.qk_layernorm:  # q_layernorm + k_layernorm over one head's d channels, replicated over TP
+        n += 2 * _norm_params(m) * d // h
     if m.add_bias_linear or m.add_qkv_bias:
         n += qkv // tp
     if m.add_bias_linear:
@@ -116,21 +120,20 @@ def chunk_params(m, tp: int, layers: int, pre_process: bool, post_process: bool)
 
 def stage_params(cfg, pp_rank: int) -> int:
     p = cfg.parallel
-    pp, vpp, tp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1, \
-        p.tensor_model_parallel_size
-    per_chunk = cfg.model.num_layers // (pp * vpp)
-    return sum(chunk_params(cfg.model, tp, per_chunk, pp_rank == 0 and c == 0,
-                            pp_rank == pp - 1 and c == vpp - 1) for c in range(vpp))
+    pp, tp = p.pipeline_model_parallel_size, p.tensor_model_parallel_size
+    layers = PipelineSplit.from_config(cfg).counts()[pp_rank]
+    return sum(chunk_params(cfg.model, tp, n, pp_rank == 0 and c == 0,
+                            pp_rank == pp - 1 and c == len(layers) - 1) for c, n in enumerate(layers))
 
 
 def largest_fsdp_unit(cfg, pp_rank: int) -> int:
     """FSDP2's largest group on the stage: a transformer layer, or a chunk's root (its embedding,
     final norm and output layer)."""
     p = cfg.parallel
-    pp, vpp, tp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1, \
-        p.tensor_model_parallel_size
-    roots = [chunk_params(cfg.model, tp, 0, pp_rank == 0 and c == 0, pp_rank == pp - 1 and c == vpp - 1)
-             for c in range(vpp)]
+    pp, tp = p.pipeline_model_parallel_size, p.tensor_model_parallel_size
+    chunks = len(PipelineSplit.from_config(cfg).counts()[pp_rank])
+    roots = [chunk_params(cfg.model, tp, 0, pp_rank == 0 and c == 0, pp_rank == pp - 1 and c == chunks - 1)
+             for c in range(chunks)]
     return max([layer_params(cfg.model, tp)] + roots)
 
 
@@ -208,22 +211,25 @@ def plan(cfg, kernels: str = "flash") -> list[StagePlan]:
     s, b, h = m.seq_length, t.micro_batch_size, m.hidden_size
     r = tp if p.sequence_parallel else 1
     e = BYTES[pr.params_dtype_name]
-    per_chunk = m.num_layers // (pp * vpp)
     granularity = m.recompute_granularity
     layer = layer_activation_bytes(cfg, kernels, recompute_core_attention=granularity == "selective")
     layer_input = e * s * b * h // r
-    if granularity == "full":
+
+    def chunk_activations(per_chunk: int) -> tuple[int, int]:
+        """(kept per in-flight chunk, transient during its backward) for a chunk of per_chunk layers."""
+        if granularity != "full":
+            return per_chunk * layer, 0
         n = m.recompute_num_layers
         if m.recompute_method == "uniform":
-            groups = -(-per_chunk // n)
-            chunk_kept, transient = groups * layer_input, min(n, per_chunk) * layer
-        else:
-            block = min(n, per_chunk)
-            chunk_kept, transient = block * layer_input + (per_chunk - block) * layer, layer if block else 0
-    else:
-        chunk_kept, transient = per_chunk * layer, 0
+            return -(-per_chunk // n) * layer_input, min(n, per_chunk) * layer
+        block = min(n, per_chunk)
+        return block * layer_input + (per_chunk - block) * layer, layer if block else 0
+
+    counts = PipelineSplit.from_config(cfg).counts()
     out = []
     for rank in range(pp):
+        # the stage's largest chunk bounds what each in-flight chunk keeps
+        chunk_kept, transient = chunk_activations(max(counts[rank]))
         params = stage_params(cfg, rank)
         first, last = rank == 0, rank == pp - 1
         embed = s * b * h * _mask_bytes(kernels, e) // r if first and m.hidden_dropout > 0 else 0
@@ -231,8 +237,13 @@ def plan(cfg, kernels: str = "flash") -> list[StagePlan]:
             if m.position_embedding_type == "rope" else 0
         logits = int((2 * e * s * b * h + _norm_stats_bytes(m, s, b)) / r
                      + 4 * s * b * m.padded_vocab_size / tp) if last else 0
+        # The loss's backward makes the logits' gradient, fp32 [s*b, V/t] (and a cast to the model dtype)
+        loss_backward = int((4 + (e if e != 4 else 0)) * s * b * m.padded_vocab_size / tp) if last else 0
         chunks = in_flight_chunks(pp, vpp, rank, t.num_micro_batches or 1)
-        peak = chunks * chunk_kept + transient + (embed + rotary) * min(chunks, pp if pp > 1 else 1) + logits
+        # Backward starts at the loss (logits alive, their gradient made); a recomputed group's
+        # activations come later, once the logits are freed.
+        peak = chunks * chunk_kept + (embed + rotary) * min(chunks, pp if pp > 1 else 1) \
+            + max(logits + loss_backward, transient)
         state = state_bytes(cfg, params, largest_fsdp_unit(cfg, rank))
         out.append(StagePlan(
             pp_rank=rank, params=params, weights_bytes=state.weights, grads_bytes=state.grads,

@@ -10,17 +10,18 @@ import torch
 import torch.distributed as dist
 
 from megafab.checkpoint import checkpointing
+from megafab.training.batch_size import train_iterations
 from megafab.training.build import (
     TrainState,
     build_model,
     build_optimizer,
     build_scheduler,
     init_distributed,
-    train_iters,
 )
 from megafab.training.data_setup import attach_tokenizer, build_data_iterators
 from megafab.training.flops import flops_per_iteration, peak_tflops
 from megafab.training.log_line import ScalarWriters, iteration_line, validation_line
+from megafab.training.loop_hooks import ManualGC, StepProfiler, setup_logging
 from megafab.training.step import evaluate, train_step
 
 
@@ -74,50 +75,65 @@ def _should_exit(state, start_time: float, sigterm: _SigtermFlag) -> str | None:
     return None
 
 
-def train(state: TrainState, iterators, writers: ScalarWriters) -> None:
+def train(state: TrainState, iterators, writers: ScalarWriters, gc_control: ManualGC) -> None:
     cfg, topo = state.cfg, state.topology
     t, lg = cfg.training, cfg.logging
-    total = train_iters(cfg)
+    total = train_iterations(cfg)
     train_iter, valid_iter, _ = iterators
     sigterm = _SigtermFlag(t.exit_signal_handler)
+    profiler = StepProfiler(cfg, topo.rank, topo.device)
     start = time.time()
-    flops = flops_per_iteration(cfg, t.global_batch_size)
     peak = peak_tflops(topo.device)
-    window_start, window_iters = time.time(), 0
-    while state.iteration < total:
-        metrics = train_step(state, train_iter)
-        window_iters += 1
-        if state.iteration % lg.log_interval == 0:
-            elapsed = (time.time() - window_start) / window_iters
-            tflops = flops / elapsed / topo.world_size / 1e12
-            line = {"consumed_samples": state.consumed_train_samples, "elapsed_ms": elapsed * 1000,
-                    "tflops": tflops if lg.log_throughput else None,
-                    "mfu": tflops / peak if (lg.log_throughput and peak) else None,
-                    "tokens_per_sec": t.global_batch_size * cfg.model.seq_length / elapsed,
-                    "lr": state.scheduler.get_lr(), "global_batch_size": t.global_batch_size,
-                    "lm loss": metrics["lm loss"],
-                    "loss_scale": state.optimizer.grad_scaler.scale if state.optimizer.grad_scaler else 1.0,
-                    "grad_norm": metrics["grad_norm"], "num_zeros": metrics["num_zeros"],
-                    "skipped": state.skipped_iterations, "nan": state.nan_iterations}
-            if log_rank(topo):
-                print(iteration_line(state.iteration, total, line), flush=True)
-                writers.scalars(state.iteration, {
-                    "lm loss": metrics["lm loss"], "learning-rate": line["lr"],
-                    "grad-norm": metrics["grad_norm"], "loss-scale": line["loss_scale"],
-                    "throughput/tokens-per-sec": line["tokens_per_sec"],
-                    "throughput/tflops": tflops, "iteration-time-ms": line["elapsed_ms"]})
-            window_start, window_iters = time.time(), 0
-        if t.eval_interval and state.iteration % t.eval_interval == 0 and valid_iter is not None:
-            run_evaluation(state, valid_iter, "validation", writers)
-        if cfg.checkpoint.save and cfg.checkpoint.save_interval and \
-                state.iteration % cfg.checkpoint.save_interval == 0:
-            checkpointing.save_checkpoint(state)
-        reason = _should_exit(state, start, sigterm)
-        if reason:
-            if cfg.checkpoint.save and checkpointing.latest_iteration(cfg.checkpoint.save) != state.iteration:
+    window_start, window_iters, window_samples = time.time(), 0, 0
+    try:
+        while state.iteration < total:
+            profiler.before_step(state.iteration)
+            metrics = train_step(state, train_iter)
+            gc_control.after_step(state.iteration)
+            window_iters += 1
+            window_samples += metrics["global_batch_size"]
+            if state.iteration % lg.log_interval == 0:
+                _log_iteration(state, metrics, total, window_samples / window_iters,
+                               (time.time() - window_start) / window_iters, peak, writers)
+                window_start, window_iters, window_samples = time.time(), 0, 0
+            if t.eval_interval and state.iteration % t.eval_interval == 0 and valid_iter is not None:
+                with gc_control.evaluation():
+                    run_evaluation(state, valid_iter, "validation", writers)
+            if cfg.checkpoint.save and cfg.checkpoint.save_interval and \
+                    state.iteration % cfg.checkpoint.save_interval == 0:
                 checkpointing.save_checkpoint(state)
-            print_rank_0(topo, f"exiting at iteration {state.iteration}: {reason}")
-            return
+            reason = _should_exit(state, start, sigterm)
+            if reason:
+                if cfg.checkpoint.save and \
+                        checkpointing.latest_iteration(cfg.checkpoint.save) != state.iteration:
+                    checkpointing.save_checkpoint(state)
+                print_rank_0(topo, f"exiting at iteration {state.iteration}: {reason}")
+                return
+    finally:
+        profiler.stop()
+
+
+def _log_iteration(state, metrics: dict, total: int, samples_per_iteration: float, elapsed: float, peak,
+                   writers: ScalarWriters) -> None:
+    """Megatron's iteration line (and scalars), timed over the iterations since the last one."""
+    cfg, topo, lg = state.cfg, state.topology, state.cfg.logging
+    tflops = flops_per_iteration(cfg, samples_per_iteration) / elapsed / topo.world_size / 1e12
+    line = {"consumed_samples": state.consumed_train_samples, "elapsed_ms": elapsed * 1000,
+            "tflops": tflops if lg.log_throughput else None,
+            "mfu": tflops / peak if (lg.log_throughput and peak) else None,
+            "tokens_per_sec": samples_per_iteration * cfg.model.seq_length / elapsed,
+            "lr": state.scheduler.get_lr(), "global_batch_size": metrics["global_batch_size"],
+            "lm loss": metrics["lm loss"],
+            "loss_scale": state.optimizer.grad_scaler.scale if state.optimizer.grad_scaler else 1.0,
+            "grad_norm": metrics["grad_norm"], "num_zeros": metrics["num_zeros"],
+            "skipped": state.skipped_iterations, "nan": state.nan_iterations}
+    if log_rank(topo):
+        print(iteration_line(state.iteration, total, line), flush=True)
+        writers.scalars(state.iteration, {
+            "lm loss": metrics["lm loss"], "learning-rate": line["lr"],
+            "grad-norm": metrics["grad_norm"], "loss-scale": line["loss_scale"],
+            "throughput/tokens-per-sec": line["tokens_per_sec"],
+            "throughput/tflops": tflops, "iteration-time-ms": line["elapsed_ms"]})
 
 
 def run_evaluation(state, data_iterator, label: str, writers: ScalarWriters,
@@ -133,32 +149,38 @@ def run_evaluation(state, data_iterator, label: str, writers: ScalarWriters,
 
 
 def pretrain(cfg) -> int:
+    setup_logging(cfg.logging.logging_level)
     tokenizer = attach_tokenizer(cfg)
     state = setup(cfg)
     topo = state.topology
     print_rank_0(topo, f"megafab: {topo.world_size} process(es), tp {topo.tp} pp {topo.pp} dp {topo.dp}, "
                        f"{topo.device} / {topo.backend}")
-    for note in cfg.notes:
+    notes = cfg.start_up_notes()
+    if cfg.training.empty_unused_memory_level and topo.device.type != "cuda":
+        notes.append(f"accepted, no effect on {topo.device.type}: --empty-unused-memory-level "
+                     f"(only CUDA's caching allocator holds unused memory)")
+    for note in notes:
         print_rank_0(topo, f"megafab: note: {note}")
     iterators = build_data_iterators(cfg, topo, state.consumed_train_samples, tokenizer)
     checkpointing.restore_pending_rng(state)
     writers = ScalarWriters(cfg if log_rank(topo) else None, cfg.to_flat())
+    gc_control = ManualGC(cfg.training)
     try:
         if not cfg.training.skip_train:
-            train(state, iterators, writers)
-        total = train_iters(cfg)
-        if iterators[1] is not None and cfg.training.eval_iters and state.iteration >= total:
-            run_evaluation(state, iterators[1], "validation", writers,
-                           "the end of training for val data")
-        if iterators[2] is not None and cfg.training.eval_iters and state.iteration >= total:
-            run_evaluation(state, iterators[2], "test", writers, "the end of training for test data")
+            train(state, iterators, writers, gc_control)
+        total = train_iterations(cfg)
+        with gc_control.evaluation():
+            if iterators[1] is not None and cfg.training.eval_iters and state.iteration >= total:
+                run_evaluation(state, iterators[1], "validation", writers,
+                               "the end of training for val data")
+            if iterators[2] is not None and cfg.training.eval_iters and state.iteration >= total:
+                run_evaluation(state, iterators[2], "test", writers, "the end of training for test data")
         if cfg.checkpoint.save and state.iteration >= total and \
                 checkpointing.latest_iteration(cfg.checkpoint.save) != state.iteration:
             checkpointing.save_checkpoint(state)
     finally:
         writers.close()
+        gc_control.close()
     dist.barrier()
     dist.destroy_process_group()
     return 0
-
-

@@ -12,40 +12,73 @@ from megafab.distributed.finalize_grads import finalize_model_grads
 from megafab.distributed.fsdp import compute_dtype
 from megafab.distributed.pipeline import get_forward_backward_func
 from megafab.model.gpt import masked_mean_loss
+from megafab.training.batch_size import global_batch_size_at, num_micro_batches_at
+from megafab.training.loop_hooks import empty_unused_memory
 
 
 def _to_device(batch: dict, device) -> dict:
     return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
 
 
+def _upcast(per_token_loss: torch.Tensor) -> torch.Tensor:
+    return per_token_loss.float() if per_token_loss.dtype != torch.float64 else per_token_loss
+
+
 def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
-    loss = masked_mean_loss(per_token_loss.float() if per_token_loss.dtype != torch.float64
-                            else per_token_loss, loss_mask)
+    loss = masked_mean_loss(_upcast(per_token_loss), loss_mask)
     return loss, {"lm loss": loss.detach()}
 
 
-def gpt_forward_step(data_iterator, model):
+def per_token_loss_func(scale: float, loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
+    """--calculate-per-token-loss: sum(loss * mask) * scale, where scale = micro-batches x dp /
+    (tokens of the global batch), so that after the schedule's mean over micro-batches and DDP's
+    mean over DP the gradient is that of sum(loss * mask over the global batch) / its tokens."""
+    mask = loss_mask.to(torch.float64 if per_token_loss.dtype == torch.float64 else torch.float32)
+    total = (_upcast(per_token_loss) * mask).sum()
+    return total * scale, {"lm loss sum": total.detach(), "tokens": mask.sum().detach()}
+
+
+def gpt_forward_step(data_iterator, model, token_scale: float | None = None):
     """Megatron's contract: (output, loss_func). Every stage reads the batch (RoPE needs positions)."""
     batch = _to_device(next(data_iterator), next(model.parameters()).device)
     output = model(batch["tokens"], batch.get("position_ids"), labels=batch["labels"],
                    attention_mask=batch.get("attention_mask"))
+    if token_scale is not None:
+        return output, functools.partial(per_token_loss_func, token_scale, batch["loss_mask"])
     return output, functools.partial(loss_func, batch["loss_mask"])
 
 
-def run_schedule(state, data_iterator, forward_only: bool) -> list:
+def global_batch_tokens(batches: list, topo) -> float:
+    """Loss tokens (sum of loss masks) of this step's whole global batch, over all DP ranks."""
+    local = torch.tensor([float(sum(b["loss_mask"].sum() for b in batches))], dtype=torch.float64,
+                         device=topo.device)
+    if topo.dp > 1:
+        dist.all_reduce(local, group=topo.dp_group)
+    return local.item()
+
+
+def run_schedule(state, data_iterator, forward_only: bool, num_micro_batches: int | None = None) -> list:
+    """One forward(-backward) pass over a global batch of num_micro_batches (default: the config's;
+    fewer while --rampup-batch-size ramps up)."""
     cfg, topo = state.cfg, state.topology
     p, t, m = cfg.parallel, cfg.training, cfg.model
+    num_micro_batches = num_micro_batches or t.num_micro_batches
     vpp = p.virtual_pipeline_model_parallel_size or 1
     schedule = get_forward_backward_func(topo.pp, vpp)
     # Every chunk of this rank reads the same micro-batches (Megatron gives each chunk its own
     # iterator over the same data): take this step's batches once and replay them per chunk.
-    batches = [next(data_iterator) for _ in range(t.num_micro_batches)]
+    batches = [next(data_iterator) for _ in range(num_micro_batches)]
     iterators = [iter(batches) for _ in range(vpp)] if vpp > 1 else iter(batches)
+    forward_step = gpt_forward_step
+    if t.calculate_per_token_loss:
+        tokens = global_batch_tokens(batches, topo)
+        forward_step = functools.partial(gpt_forward_step,
+                                         token_scale=num_micro_batches * topo.dp / max(tokens, 1.0))
     finalize = functools.partial(finalize_model_grads, topology=topo, sequence_parallel=p.sequence_parallel)
     scaler = getattr(state.optimizer, "grad_scaler", None)
     return schedule(
-        forward_step_func=gpt_forward_step, data_iterator=iterators,
-        model=state.model if vpp > 1 else state.model[0], num_microbatches=t.num_micro_batches,
+        forward_step_func=forward_step, data_iterator=iterators,
+        model=state.model if vpp > 1 else state.model[0], num_microbatches=num_micro_batches,
         seq_length=m.seq_length, micro_batch_size=t.micro_batch_size, hidden_size=m.hidden_size,
         topology=topo, dtype=compute_dtype(state.model[0]), forward_only=forward_only,
         sequence_parallel=p.sequence_parallel,
@@ -55,9 +88,15 @@ def run_schedule(state, data_iterator, forward_only: bool) -> list:
 
 
 def average_loss_across_dp(logs: list, topo, device) -> float | None:
-    """Mean over micro-batches on this rank, then over DP ranks (last stage only)."""
+    """Mean over micro-batches on this rank, then over DP ranks (last stage only); with the
+    per-token loss, sum of token losses / tokens over the whole global batch."""
     if not topo.is_last_stage:
         return None
+    if logs and "tokens" in logs[0]:
+        sums = torch.stack([torch.stack([log["lm loss sum"], log["tokens"]]).double() for log in logs])
+        total = sums.sum(dim=0).to(device)
+        dist.all_reduce(total, group=topo.dp_group)
+        return (total[0] / total[1]).item()
     local = torch.stack([log["lm loss"].double() for log in logs]).mean() if logs else \
         torch.tensor(float("nan"), dtype=torch.float64)
     local = local.to(device)
@@ -67,9 +106,13 @@ def average_loss_across_dp(logs: list, topo, device) -> float | None:
 
 def train_step(state, data_iterator) -> dict:
     state.optimizer.zero_grad()  # zeroes every chunk's DDP grad buffer (once: it is a full memset)
-    logs = run_schedule(state, data_iterator, forward_only=False)
+    gbs = global_batch_size_at(state.cfg, state.consumed_train_samples)  # ramps with --rampup-batch-size
+    logs = run_schedule(state, data_iterator, forward_only=False,
+                        num_micro_batches=num_micro_batches_at(state.cfg, state.consumed_train_samples))
+    memory_level = state.cfg.training.empty_unused_memory_level
+    empty_unused_memory(memory_level, 1, state.topology.device)
     ok, grad_norm, num_zeros = state.optimizer.step()
-    gbs = state.cfg.training.global_batch_size
+    empty_unused_memory(memory_level, 2, state.topology.device)
     state.consumed_train_samples += gbs
     state.iteration += 1
     if ok:
@@ -79,7 +122,8 @@ def train_step(state, data_iterator) -> dict:
     loss = average_loss_across_dp(logs, state.topology, state.topology.device)
     if grad_norm is not None and not math.isfinite(grad_norm):
         state.nan_iterations += 1
-    return {"lm loss": loss, "grad_norm": grad_norm, "num_zeros": num_zeros, "update_ok": ok}
+    return {"lm loss": loss, "grad_norm": grad_norm, "num_zeros": num_zeros, "update_ok": ok,
+            "global_batch_size": gbs}
 
 
 def evaluate(state, data_iterator, eval_iters: int) -> float | None:
@@ -89,6 +133,7 @@ def evaluate(state, data_iterator, eval_iters: int) -> float | None:
     with torch.no_grad():
         for _ in range(eval_iters):
             logs = run_schedule(state, data_iterator, forward_only=True)
+            empty_unused_memory(state.cfg.training.empty_unused_memory_level, 1, state.topology.device)
             losses.append(average_loss_across_dp(logs, state.topology, state.topology.device))
     for chunk in state.model:
         chunk.train()

@@ -49,6 +49,28 @@ def test_distributed_optimizer_dp2_to_dp4_to_plain_dp1_continues_the_same_losses
     assert len(chunks["optim.decoder.layers.0.mlp.linear_fc1.weight.exp_avg"].chunks) >= 4
 
 
+def _sgd(rank, world, path, dp, dist_opt, load):
+    state = make_state(tp=1, dp=dp, dist_opt=dist_opt, optimizer="sgd", sgd_momentum=0.9,
+                       save=None if load else path, load=path if load else None)
+    if load:
+        assert checkpointing.load_checkpoint(state) == 2
+        return train(state, 2)
+    train(state, 2)
+    checkpointing.save_checkpoint(state)
+    return train(state, 2)
+
+
+def test_sgd_momentum_from_distributed_dp2_continues_in_plain_dp1(tmp_path):
+    path = str(tmp_path / "sgd")
+    expected = run_ranks(_sgd, 2, path, 2, True, False, timeout=180)[0]
+    [got] = run_ranks(_sgd, 1, path, 1, False, True, timeout=180)
+    for x, y in zip(got, expected):
+        assert abs(x - y) <= 1e-10 * abs(y), (got, expected)
+    stored = read_everything(directory.iteration_dir(path, 2))
+    assert stored["optim.decoder.layers.0.mlp.linear_fc1.weight.momentum_buffer"].abs().sum() > 0
+    assert not any(k.endswith(".exp_avg") for k in stored)
+
+
 # ---- a different padded vocabulary ---------------------------------------------------------------
 EMBEDDINGS = ("embedding.word_embeddings.weight", "output_layer.weight")  # LLAMA_STYLE: untied
 

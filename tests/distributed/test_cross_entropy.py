@@ -5,10 +5,13 @@ does. Two treatments of the padded columns are checked: as ordinary never-target
 (Megatron's model) and filled with -inf (then the loss is exactly the unpadded 13-class loss).
 """
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from megafab.distributed import cross_entropy
 from megafab.distributed.cross_entropy import vocab_parallel_cross_entropy
 from megafab.distributed.topology import build_topology
 from tests.harness import run_ranks
@@ -33,17 +36,18 @@ def _reference(full_logits, target, weights, label_smoothing=0.0, classes=None):
     return loss.detach(), logits.grad
 
 
-def _parallel(full_logits, target, weights, group, r, tp, label_smoothing=0.0):
+def _parallel_one(full_logits, target, weights, group, r, tp, label_smoothing=0.0, fused=False):
     local = full_logits.chunk(tp, dim=-1)[r].clone().requires_grad_(True)  # [s, b, V/tp]
     before = local.detach().clone()
-    loss = vocab_parallel_cross_entropy(local, target, group, label_smoothing=label_smoothing)
+    loss = vocab_parallel_cross_entropy(local, target, group, label_smoothing=label_smoothing, fused=fused)
     assert loss.shape == target.shape
     (loss * weights).sum().backward()
     assert torch.equal(local.detach(), before), "the caller's logits were modified"
     return loss.detach(), local.grad
 
 
-def _check_cross_entropy(rank, world, tp):
+def _check_cross_entropy(rank, world, tp, fused=False):
+    _parallel = functools.partial(_parallel_one, fused=fused)
     topo = build_topology(tp=tp)
     group, r = topo.tp_group, topo.tp_rank
     padded = -(-REAL_VOCAB // tp) * tp
@@ -73,18 +77,29 @@ def _check_cross_entropy(rank, world, tp):
     ref_loss, ref_grad = _reference(logits, target, weights, label_smoothing=0.1)
     close(loss, ref_loss)
     close(grad, ref_grad.chunk(tp, dim=-1)[r])
-    return True
+
+    calls = []  # collectives of one call, plain and label-smoothed
+    real = cross_entropy.dist.all_reduce
+    cross_entropy.dist.all_reduce = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        for smoothing in (0.0, 0.1):
+            _parallel(logits, target, weights, group, r, tp, label_smoothing=smoothing)
+    finally:
+        cross_entropy.dist.all_reduce = real
+    return len(calls)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-def test_vocab_parallel_cross_entropy_equals_torch(tp):
-    assert run_ranks(_check_cross_entropy, 4, tp, timeout=90) == [True] * 4
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_vocab_parallel_cross_entropy_equals_torch(tp, fused):
+    # --cross-entropy-loss-fusion: max, then one all-reduce for everything else (3 + 4 -> 2 + 2)
+    assert run_ranks(_check_cross_entropy, 4, tp, fused, timeout=90) == [4 if fused else 7] * 4
 
 
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.2])
 def test_one_process_equals_torch(label_smoothing):
     logits, target, weights = rand(4, S, B, 16), torch.randint(0, 16, (S, B)), rand(5, S, B)
-    loss, grad = _parallel(logits, target, weights, None, 0, 1, label_smoothing)
+    loss, grad = _parallel_one(logits, target, weights, None, 0, 1, label_smoothing)
     ref_loss, ref_grad = _reference(logits, target, weights, label_smoothing)
     close(loss, ref_loss)
     close(grad, ref_grad)

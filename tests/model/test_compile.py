@@ -21,9 +21,14 @@ def _loss_and_grads(model_cfg, style_batch):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _check_parity(style, monkeypatch):
-    # compile in this process: a worker pool costs more than it saves on a busy 2-core machine
-    monkeypatch.setattr(torch._inductor.config, "compile_threads", 1)
+def _check_parity(style):
+    # compile in this process: a worker pool costs more than it saves on a busy 2-core machine.
+    # (config.patch, not monkeypatch: undoing a setattr on inductor's config hides the entry.)
+    with torch._inductor.config.patch(compile_threads=1):
+        _compare(style)
+
+
+def _compare(style):
     eager_cfg = tiny_config(style=style, num_layers=2).model
     compiled_cfg = tiny_config(style=style, num_layers=2, compile_layers=True).model
     data = batch(eager_cfg)
@@ -43,7 +48,7 @@ def test_compile_flag_is_parsed_and_off_by_default():
     assert config_from_args(base + ["--compile"], world_size=1).model.compile_layers is True
 
 
-def test_compiled_layers_match_eager_gpt2_style(monkeypatch):
+def test_compiled_layers_match_eager_gpt2_style():
     """The benchmark's shape. (A Llama-style variant passed too, but a second compilation costs
     a minute of the suite on 2 cores.)"""
-    _check_parity(GPT2_STYLE, monkeypatch)
+    _check_parity(GPT2_STYLE)

@@ -27,3 +27,23 @@ def torchrun(nproc: int, args: list[str], timeout: float = 300, cwd: str | None 
 
 def losses(output: str) -> dict[int, float]:
     return {int(m.group(1)): float(m.group(2)) for m in LOSS_LINE.finditer(output)}
+
+
+def _pretrain_captured(rank, world, flags):
+    import contextlib
+    import io
+
+    from megafab.arguments import config_from_args
+    from megafab.training.pretrain import pretrain
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        pretrain(config_from_args(flags, world_size=world))
+    return out.getvalue()
+
+
+def pretrain_in_ranks(flags: list[str], world_size: int, timeout: float = 240) -> list[str]:
+    """pretrain() on forked gloo ranks (tests/harness.py, far cheaper than torchrun); each rank's stdout."""
+    from tests.harness import run_ranks
+
+    return run_ranks(_pretrain_captured, world_size, flags, timeout=timeout)

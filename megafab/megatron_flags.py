@@ -1,0 +1,93 @@
+"""Megatron-LM flags that megafab refuses, or accepts without effect, each with its reason.
+
+A refused flag stops the run by name (in the one message that lists every problem of a command
+line); a value that means "feature off" (the `off` values) is accepted, since it asks for nothing.
+A no-effect flag is accepted and announced once at start-up: "accepted, no effect in megafab: ...".
+Every other Megatron flag megafab knows is parsed into the config and honoured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+NOT_YET = "not implemented in megafab yet"
+FSDP = ("megafab runs Megatron-FSDP's sharding strategies on torch FSDP2 (--use-megatron-fsdp), "
+        "which has no such buffers to tune")
+MOE = f"mixture-of-experts layers are {NOT_YET}"
+
+
+@dataclass(frozen=True)
+class Refused:
+    reason: str
+    off: tuple[str, ...] = ()  # values that ask for nothing, accepted silently
+
+
+REFUSED: dict[str, Refused] = {
+    "--context-parallel-size": Refused(f"context parallelism is {NOT_YET}", off=("1",)),
+    "--cp-comm-type": Refused(f"context parallelism is {NOT_YET}", off=("p2p",)),
+    "--expert-model-parallel-size": Refused(MOE, off=("1",)),
+    "--expert-tensor-parallel-size": Refused(MOE),
+    "--num-experts": Refused(MOE),
+    "--moe-router-topk": Refused(MOE),
+    "--moe-grouped-gemm": Refused(MOE),
+    "--multi-latent-attention": Refused(f"multi-latent attention is {NOT_YET}"),
+    "--mtp-num-layers": Refused(f"multi-token prediction is {NOT_YET}"),
+    "--tp-comm-overlap": Refused(f"TP communication overlap (Transformer Engine userbuffers) is {NOT_YET}"),
+    "--fsdp-double-buffer": Refused(f"Megatron-FSDP buffer tuning; {FSDP}"),
+    "--fsdp-manual-registration": Refused(f"Megatron-FSDP buffer registration; {FSDP}"),
+    "--use-nccl-ub": Refused(f"NCCL user-buffer registration is {NOT_YET}"),
+    "--num-distributed-optimizer-instances": Refused(
+        f"the hierarchical distributed optimizer is {NOT_YET}", off=("1",)),
+    "--fp8-param-gather": Refused(
+        f"FP8 parameter storage and all-gather are {NOT_YET}; --fp8-format keeps bf16 parameters"),
+    "--yaml-cfg": Refused(f"YAML configs are {NOT_YET}; give the flags on the command line"),
+    "--spec": Refused("custom layer specs cannot be loaded; megafab builds megatron-core's GPT layer "
+                      "(--transformer-impl local or transformer_engine)"),
+    "--use-legacy-models": Refused("Megatron's legacy models are not implemented; megafab's model is "
+                                   "megatron-core's GPTModel"),
+    "--retro-project-dir": Refused(f"Retro is {NOT_YET}"),
+    "--use-tp-pp-dp-mapping": Refused(f"the tp-pp-dp rank order is {NOT_YET} (megafab uses Megatron's "
+                                      f"default tp-cp-ep-dp-pp)"),
+    "--encoder-num-layers": Refused("encoder-decoder models are not implemented; use --num-layers"),
+    "--decoder-num-layers": Refused("encoder-decoder models are not implemented; use --num-layers"),
+    "--pipeline-model-parallel-layout": Refused(
+        f"custom pipeline layouts are {NOT_YET}; use --decoder-first/last-pipeline-num-layers or "
+        f"--account-for-embedding/loss-in-pipeline-split"),
+    "--step-batch-size-schedule": Refused(
+        "this is Megatron-LM after core 0.16 (its replacement of --rampup-batch-size); megafab follows "
+        "0.16.1: use --rampup-batch-size START INCREMENT SAMPLES"),
+    "--cpu-offloading": Refused(f"activation CPU offloading is {NOT_YET}"),
+    "--recompute-activations-offload": Refused(f"activation CPU offloading is {NOT_YET}"),
+    "--delay-wgrad-compute": Refused(f"delayed weight-gradient computation is {NOT_YET}"),
+    "--record-memory-history": Refused(f"CUDA memory-history snapshots are {NOT_YET}"),
+}
+
+KERNELS = "a kernel-fusion choice of Megatron's; megafab runs these ops in eager PyTorch (--compile fuses)"
+
+NO_EFFECT: dict[str, str] = {
+    "--use-mcore-models": "megafab's model is megatron-core's GPTModel; there is no other to choose",
+    "--use-flash-attn": "PyTorch SDPA uses flash attention where it can; choose with --attention-backend",
+    "--no-masked-softmax-fusion": "the softmax runs inside PyTorch's SDPA kernel",
+    "--masked-softmax-fusion": "the softmax runs inside PyTorch's SDPA kernel",
+    "--attention-softmax-in-fp32": "the softmax runs inside PyTorch's SDPA kernel",
+    "--no-bias-gelu-fusion": KERNELS,
+    "--bias-gelu-fusion": KERNELS,
+    "--bias-swiglu-fusion": KERNELS,
+    "--no-bias-swiglu-fusion": KERNELS,
+    "--no-bias-dropout-fusion": KERNELS,
+    "--bias-dropout-fusion": KERNELS,
+    "--no-rope-fusion": KERNELS,
+    "--no-persist-layer-norm": "persistent LayerNorm is an Apex kernel; megafab uses PyTorch's norms",
+    "--no-async-tensor-model-parallel-allreduce": "deprecated in Megatron-LM; nothing to turn off",
+    "--use-checkpoint-opt_param-scheduler": "megafab always restores the LR schedule from the checkpoint",
+    "--use-torch-optimizer-for-cpu-offload": "megafab's optimizer CPU offload always steps with torch's "
+                                             "AdamW (fused where torch has it)",
+    "--overlap-cpu-optimizer-d2h-h2d": "megafab's optimizer CPU offload always overlaps its copies with "
+                                       "the CPU step on CUDA (and has nothing to overlap on CPU)",
+    "--init-model-with-meta-device": "megafab initializes each rank's own shard directly; the full "
+                                     "model is never materialized on one rank",
+}
+
+
+def refused_problem(flag: str) -> str:
+    return f"{flag}: refused, {REFUSED[flag].reason}; remove it (megafab never ignores a flag)"
