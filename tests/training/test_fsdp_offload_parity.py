@@ -6,7 +6,7 @@ the grad norm of every step and every parameter after it within 1e-10. FSDP2 at 
 TP 2 + SP, FSDP2 x PP 2, each with and without offload (a fraction that splits the entries between
 host and device where it is not 1), FSDP2 with full recompute (two layers per recompute group,
 i.e. two FSDP2 units) and without resharding after forward, and offload with the distributed
-optimizer and with plain DDP.
+optimizer and with plain DDP; bf16/fp16 against DDP's losses; SGD with momentum against DDP.
 """
 
 import pytest
@@ -20,7 +20,14 @@ from megafab.training.build import TrainState, build_model, build_optimizer, bui
 from megafab.training.step import train_step
 from tests.harness import run_ranks
 from tests.model.tiny import GPT2_STYLE, LLAMA_STYLE, batch, tiny_config
-from tests.training.test_3d_parity import MICRO, STEPS, _reference_run, _samples, train_and_compare
+from tests.training.test_3d_parity import (
+    MICRO,
+    STEPS,
+    _reference_run,
+    _samples,
+    full_values,
+    train_and_compare,
+)
 
 CLIP = 0.25
 
@@ -116,3 +123,26 @@ def test_mixed_precision_trains_like_ddp(precision):
             assert (ok, scale) == (ref_ok, ref_scale), (layout, got, ddp)
             assert abs(loss - ref_loss) <= 2e-3 * abs(ref_loss), (layout, got, ddp)
     assert all(ok for _, ok, _ in ddp) and ddp[-1][0] < ddp[0][0]
+
+
+def _sgd_params(rank, world, layout):
+    cfg = tiny_config(dp=world, global_batch_size=2 * world, lr=1e-2, optimizer="sgd", train_iters=5,
+                      **layout)
+    topo = build_topology()
+    tracker = RNGStatesTracker("cpu")
+    model_parallel_seed(1234, 0, 0, "cpu", tracker)
+    model = build_model(cfg, topo, tracker, dtype=torch.float64)
+    optimizer = build_optimizer(cfg, topo, model)
+    state = TrainState(cfg, topo, tracker, model, optimizer, build_scheduler(cfg, optimizer))
+    for step in range(3):
+        tokens, labels, mask = batch(cfg.model, seed=10 * step + topo.dp_rank)
+        train_step(state, iter([{"tokens": tokens, "labels": labels, "loss_mask": mask}]))
+    return {n: full_values(p, None) for n, p in model[0].module.named_parameters()}
+
+
+def test_sgd_with_momentum_under_fsdp2_and_offload_equals_ddp():
+    ddp = run_ranks(_sgd_params, 2, {}, timeout=300)[0]
+    for layout in (FSDP, {**FSDP, **OFFLOAD, **fraction(0.5)}, OFFLOAD):
+        got = run_ranks(_sgd_params, 2, layout, timeout=300)[0]
+        for name, want in ddp.items():
+            assert (got[name] - want).abs().max().item() < 1e-12, (layout, name)
