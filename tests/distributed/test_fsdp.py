@@ -8,12 +8,11 @@ import torch.distributed as dist
 from torch import nn
 
 from megafab.distributed.fsdp import FullyShardedDataParallel, data_parallel_mesh, local_tensor
-from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
 from megafab.distributed.topology import build_topology
-from megafab.training.build import TrainState, build_model, build_optimizer, build_scheduler
 from megafab.training.step import train_step
 from tests.harness import run_ranks
 from tests.model.tiny import batch, tiny_config
+from tests.training.test_3d_parity import driver_state
 
 
 class _Toy(nn.Module):
@@ -58,13 +57,8 @@ def test_shards_are_dim0_row_ranges_that_tile_each_parameter():
 def _reduce_scatters_per_step(rank, world, micro_batches):
     cfg = tiny_config(dp=world, micro_batch_size=1, global_batch_size=micro_batches * world,
                       use_torch_fsdp2=True, lr=1e-3)
-    topo = build_topology()
-    tracker = RNGStatesTracker("cpu")
-    model_parallel_seed(1234, 0, 0, "cpu", tracker)
-    model = build_model(cfg, topo, tracker, dtype=torch.float64)
-    optimizer = build_optimizer(cfg, topo, model)
-    state = TrainState(cfg, topo, tracker, model, optimizer, build_scheduler(cfg, optimizer))
-    assert not any(hasattr(p, "main_grad") for p in model[0].parameters())  # no fusion buffer
+    state = driver_state(cfg, torch.float64)
+    assert not any(hasattr(p, "main_grad") for p in state.model[0].parameters())  # no fusion buffer
     calls = []
     original = dist.reduce_scatter_single
 

@@ -68,13 +68,20 @@ def _driver_parity(rank, world, tp, pp, vpp, sp, dist_opt, overlap, style):
     samples = _samples(cfg.model, gbs * STEPS)
     reference = _reference_run(ref_cfg, samples, gbs)
 
-    topo = build_topology(tp=tp, pp=pp, vpp=vpp)
+    return train_and_compare(driver_state(cfg, torch.float64), samples, reference, gbs)
+
+
+def driver_state(cfg, dtype: torch.dtype | None = None) -> TrainState:
+    """The driver's TrainState for `cfg` on this rank, as pretrain builds it (dtype: the model's,
+    e.g. float64 for parity tests; None: the config's precision)."""
+    p = cfg.parallel
+    topo = build_topology(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
+                          vpp=p.virtual_pipeline_model_parallel_size or 1)
     tracker = RNGStatesTracker("cpu")
-    model_parallel_seed(1234, topo.tp_rank, topo.pp_rank, topo.device, tracker)
-    model = build_model(cfg, topo, tracker, dtype=torch.float64)
+    model_parallel_seed(cfg.training.seed, topo.tp_rank, topo.pp_rank, topo.device, tracker)
+    model = build_model(cfg, topo, tracker, dtype=dtype)
     optimizer = build_optimizer(cfg, topo, model)
-    state = TrainState(cfg, topo, tracker, model, optimizer, build_scheduler(cfg, optimizer))
-    return train_and_compare(state, samples, reference, gbs)
+    return TrainState(cfg, topo, tracker, model, optimizer, build_scheduler(cfg, optimizer))
 
 
 def train_and_compare(state, samples, reference, gbs, min_norm: float = 0.0) -> float:

@@ -13,10 +13,7 @@ import pytest
 import torch
 
 from megafab.distributed.fsdp import local_tensor
-from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
-from megafab.distributed.topology import build_topology
 from megafab.optim.fully_sharded_optimizer import FullyShardedOptimizer
-from megafab.training.build import TrainState, build_model, build_optimizer, build_scheduler
 from megafab.training.step import train_step
 from tests.harness import run_ranks
 from tests.model.tiny import GPT2_STYLE, LLAMA_STYLE, batch, tiny_config
@@ -25,6 +22,7 @@ from tests.training.test_3d_parity import (
     STEPS,
     _reference_run,
     _samples,
+    driver_state,
     full_values,
     train_and_compare,
 )
@@ -43,11 +41,8 @@ def _parity(rank, world, tp, pp, sp, style, layout):
     samples = _samples(cfg.model, gbs * STEPS)
     reference = _reference_run(ref_cfg, samples, gbs)
 
-    topo = build_topology(tp=tp, pp=pp)
-    tracker = RNGStatesTracker("cpu")
-    model_parallel_seed(1234, topo.tp_rank, topo.pp_rank, topo.device, tracker)
-    model = build_model(cfg, topo, tracker, dtype=torch.float64)
-    optimizer = build_optimizer(cfg, topo, model)
+    state = driver_state(cfg, torch.float64)
+    optimizer = state.optimizer
     assert isinstance(optimizer, FullyShardedOptimizer) == cfg.parallel.fully_sharded
     host = optimizer.host.entries if optimizer.host is not None else []
     if cfg.optimizer.optimizer_cpu_offload:
@@ -58,7 +53,6 @@ def _parity(rank, world, tp, pp, sp, style, layout):
         big = max(optimizer.entries, key=lambda e: e.model_param.numel())
         assert local_tensor(big.model_param).numel() <= -(-big.model_param.shape[0] // dp) * \
             (big.model_param.numel() // big.model_param.shape[0])
-    state = TrainState(cfg, topo, tracker, model, optimizer, build_scheduler(cfg, optimizer))
     return train_and_compare(state, samples, reference, gbs, min_norm=CLIP)
 
 
@@ -96,12 +90,8 @@ def test_training_steps_equal_single_process(case):
 def _mixed_precision_losses(rank, world, precision, layout):
     scaler = dict(initial_loss_scale=2.0**12)  # fp16 steps from the first one
     cfg = tiny_config(dp=world, global_batch_size=2 * world, lr=1e-2, **{precision: True}, **scaler, **layout)
-    topo = build_topology()
-    tracker = RNGStatesTracker("cpu")
-    model_parallel_seed(1234, 0, 0, "cpu", tracker)
-    model = build_model(cfg, topo, tracker)
-    optimizer = build_optimizer(cfg, topo, model)
-    state = TrainState(cfg, topo, tracker, model, optimizer, build_scheduler(cfg, optimizer))
+    state = driver_state(cfg)
+    topo, optimizer = state.topology, state.optimizer
     out = []
     for step in range(3):
         tokens, labels, mask = batch(cfg.model, seed=10 * step + topo.dp_rank)
@@ -128,16 +118,11 @@ def test_mixed_precision_trains_like_ddp(precision):
 def _sgd_params(rank, world, layout):
     cfg = tiny_config(dp=world, global_batch_size=2 * world, lr=1e-2, optimizer="sgd", train_iters=5,
                       **layout)
-    topo = build_topology()
-    tracker = RNGStatesTracker("cpu")
-    model_parallel_seed(1234, 0, 0, "cpu", tracker)
-    model = build_model(cfg, topo, tracker, dtype=torch.float64)
-    optimizer = build_optimizer(cfg, topo, model)
-    state = TrainState(cfg, topo, tracker, model, optimizer, build_scheduler(cfg, optimizer))
+    state = driver_state(cfg, torch.float64)
     for step in range(3):
-        tokens, labels, mask = batch(cfg.model, seed=10 * step + topo.dp_rank)
+        tokens, labels, mask = batch(cfg.model, seed=10 * step + state.topology.dp_rank)
         train_step(state, iter([{"tokens": tokens, "labels": labels, "loss_mask": mask}]))
-    return {n: full_values(p, None) for n, p in model[0].module.named_parameters()}
+    return {n: full_values(p, None) for n, p in state.model[0].module.named_parameters()}
 
 
 def test_sgd_with_momentum_under_fsdp2_and_offload_equals_ddp():
