@@ -1,49 +1,11 @@
-"""Pretrain a GPT with Megatron-style parallelism: parse -> initialize -> build -> train.
+"""Megatron's entry point name for megafab-pretrain (megafab/cli/pretrain.py):
 
     torchrun --nproc-per-node 8 pretrain_gpt.py --tensor-model-parallel-size 2 ... (Megatron flags)
 """
 
 import sys
 
-from megafab.arguments import config_or_exit
-from megafab.errors import exit_on_user_error
-
-
-def machine_checks():
-    """What the command line asks of this machine (TE, FP8, attention kernels), checked together
-    with the flags so that one message lists every problem."""
-    from megafab.model.attention_backend import attention_backend_problems
-    from megafab.model.te import transformer_engine_problems
-    from megafab.training.build import planned_device
-
-    def dry_run_vocabulary(cfg):
-        if cfg.training.dry_run and cfg.model.vocab_size is None and cfg.data.tokenizer_type is None:
-            return ["--dry-run needs the vocabulary size: give --vocab-size or the tokenizer flags "
-                    "(--tokenizer-type ...)"]
-        return []
-
-    return (lambda cfg: transformer_engine_problems(cfg.model, cfg.precision, planned_device(cfg)),
-            lambda cfg: attention_backend_problems(cfg, planned_device(cfg)),
-            dry_run_vocabulary)
-
-
-def main(argv=None):
-    with exit_on_user_error():
-        cfg = config_or_exit(argv, checks=machine_checks())
-        if cfg.training.dry_run:  # the plan only: no process group, no tensors
-            from megafab.training.data_setup import attach_tokenizer
-            from megafab.training.planner import format_plan, plan
-
-            for line in cfg.start_up_notes():
-                print(f"megafab: note: {line}")
-            if cfg.model.padded_vocab_size is None:
-                attach_tokenizer(cfg)
-            print(format_plan(cfg, plan(cfg)))
-            return 0
-        from megafab.training.pretrain import pretrain
-
-        return pretrain(cfg)
-
+from megafab.cli.pretrain import main
 
 if __name__ == "__main__":
     sys.exit(main())

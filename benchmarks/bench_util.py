@@ -52,9 +52,11 @@ def build_state(flags: list[str], world_size: int = 1, topo=None) -> TrainState:
     cfg = config_from_args(flags, world_size=world_size)
     p = cfg.parallel
     if topo is None:
-        topo = build_topology(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
+        topo = build_topology(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                              cp=p.context_parallel_size)
     tracker = RNGStatesTracker(topo.device)
-    model_parallel_seed(cfg.training.seed, topo.tp_rank, topo.pp_rank, topo.device, tracker)
+    model_parallel_seed(cfg.training.seed, topo.tp_rank, topo.pp_rank, topo.device, tracker,
+                        cp_rank=topo.cp_rank)
     model = build_model(cfg, topo, tracker)
     optimizer = build_optimizer(cfg, topo, model)
     return TrainState(cfg, topo, tracker, model, optimizer, build_scheduler(cfg, optimizer))

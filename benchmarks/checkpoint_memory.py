@@ -81,8 +81,8 @@ def rank_entry(argv: list[str]) -> int:
         record["written"] += sum(v.nbytes for s in shards.values() if s.write for v in s.views)
         return write(shards, path)
 
-    def measured_step(state, data_iterator):
-        out = step(state, data_iterator)
+    def measured_step(state, data_iterator, *timers):
+        out = step(state, data_iterator, *timers)
         record["state_bytes"] = measure_memory(state.model, state.optimizer).total_bytes
         return out
 

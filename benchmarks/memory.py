@@ -58,8 +58,9 @@ VARIANTS = [  # (name, data-parallel size, extra flags)
 def saved_bytes(state, data) -> int:
     """Bytes of distinct storages autograd saves in one micro-batch forward (parameters excluded)."""
     chunk = state.model[0]
+    topo = state.topology
     with SavedActivations(chunk.parameters()) as saved:
-        output, loss_func = gpt_forward_step(data, chunk)
+        output, loss_func = gpt_forward_step(data, chunk, cp_group=topo.cp_group if topo.cp > 1 else None)
         loss, _ = loss_func(output)
     loss.backward()
     chunk.zero_grad_buffer()

@@ -48,12 +48,12 @@ LAYOUTS = {  # name: (tp, pp, dp, micro-batches per global batch per DP rank)
 }
 
 
-def _step_seconds(rank, world, args, tp, pp, dp, micro, threads):
+def _step_seconds(rank, world, args, tp, pp, dp, micro, threads, extra=()):
     torch.set_num_threads(threads)
     mbs = args.batch // (dp * micro)
     flags = gpt_flags(args.layers, args.hidden, args.heads, args.seq, mbs, args.vocab)
     flags[flags.index("--global-batch-size") + 1] = str(args.batch)
-    flags += ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
+    flags += ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp), *extra]
     state = build_state(flags, world_size=world)
     data = repeat_batch(synthetic_batch(mbs, args.seq, args.vocab))
     for _ in range(args.warmup):
@@ -66,8 +66,10 @@ def _step_seconds(rank, world, args, tp, pp, dp, micro, threads):
     return (time.perf_counter() - start) / args.steps
 
 
-def run(args, tp, pp, dp, micro, world, threads) -> float:
-    return max(run_ranks(_step_seconds, world, args, tp, pp, dp, micro, threads, timeout=args.timeout))
+def run(args, tp, pp, dp, micro, world, threads, extra=()) -> float:
+    """Seconds per step of the slowest rank; `extra`: more Megatron flags (e.g. context parallel)."""
+    return max(run_ranks(_step_seconds, world, args, tp, pp, dp, micro, threads, extra,
+                         timeout=args.timeout))
 
 
 def main(argv=None):

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import sys
 from collections.abc import Callable
 
+from megafab.arguments_help import document
 from megafab.config import ATTENTION_BACKENDS, Config, ConfigError
+from megafab.config_file import CONFIG_FLAGS, parser_defaults, split_config_files
 from megafab.errors import exit_on_user_error
 from megafab.launch import planned_world_size
 from megafab.megatron_flags import NO_EFFECT, REFUSED, refused_problem
@@ -77,6 +80,9 @@ def _parallel_flags(p):
     g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true")
     g.add_argument("--account-for-loss-in-pipeline-split", action="store_true")
     g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--cp-comm-type", nargs="+", default=["p2p"],
+                   help="p2p, allgather (or all_gather) or a2a; one value for every layer")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")
@@ -231,6 +237,27 @@ def _logging_flags(p):
     g.add_argument("--profile-step-start", type=int, default=10)
     g.add_argument("--profile-step-end", type=int, default=12)
     g.add_argument("--profile-ranks", nargs="+", type=int, default=[0])
+    g.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2])
+    g.add_argument("--timing-log-option", default="minmax", choices=["max", "minmax", "all"])
+    g.add_argument("--log-timers-to-tensorboard", action="store_true")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
+    g.add_argument("--log-world-size-to-tensorboard", action="store_true")
+    g.add_argument("--no-log-loss-scale-to-tensorboard", action="store_false",
+                   dest="log_loss_scale_to_tensorboard")
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000)
+    g.add_argument("--wandb-entity", default="")
+    g.add_argument("--metrics-jsonl")
+
+
+def _config_file_flags(p):
+    g = p.add_argument_group("configuration files")
+    g.add_argument(*CONFIG_FLAGS, action="append", dest="config_files", metavar="FILE",
+                   help="flag values from a TOML (.toml) or YAML (.yaml, .yml) file, as name = value "
+                        "with the flags' dest names (num_layers = 24), optionally under [model], "
+                        "[parallel], ... tables; flags on the command line override them; repeatable, "
+                        "a later file overriding an earlier one (megafab reads --config; --yaml-cfg is "
+                        "Megatron's name)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -240,16 +267,25 @@ class _Parser(argparse.ArgumentParser):
         raise argparse.ArgumentError(None, message)
 
 
-def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
+def _prog() -> str:
+    """The name a user typed: Megatron's pretrain_gpt.py shim, else megafab's console script."""
+    return "pretrain_gpt.py" if os.path.basename(sys.argv[0]) == "pretrain_gpt.py" else "megafab-pretrain"
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    prog = prog or _prog()
     parser = _Parser(
         prog=prog, allow_abbrev=False, exit_on_error=False,
+        usage="%(prog)s [--config FILE] [Megatron-LM flags ...]",
         description="Train a GPT with Megatron-style tensor, sequence, pipeline and data parallelism. "
                     "Flags are Megatron-LM's.")
     for add in (_model_flags, _parallel_flags, _precision_flags, _optimizer_flags, _training_flags,
-                _data_flags, _checkpoint_flags, _logging_flags, _sharding_and_offload_flags):
+                _data_flags, _checkpoint_flags, _logging_flags, _sharding_and_offload_flags,
+                _config_file_flags):
         add(parser)
     for flag in NO_EFFECT:
-        parser.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+        parser.add_argument(flag, action="store_true")
+    document(parser)
     return parser
 
 
@@ -343,6 +379,8 @@ def _resolve_spellings(args: argparse.Namespace) -> None:
         args.recompute_granularity = "selective"
     if args.transformer_impl is None:  # FP8 exists only in Transformer Engine's layers
         args.transformer_impl = "transformer_engine" if args.fp8_format else "local"
+    # Megatron's per-layer list; one distinct type is what megafab runs (config refuses several)
+    args.cp_comm_type = " ".join(dict.fromkeys(args.cp_comm_type))
 
 
 def no_effect_flags(cfg: Config, given: set[str], argv: list[str]) -> list[str]:
@@ -398,7 +436,13 @@ def config_from_args(argv: list[str] | None = None, world_size: int | None = Non
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    kept, problems = split_refused(argv)
+    files, argv, problems = split_config_files(argv)
+    file_values, file_problems, file_no_effect = parser_defaults(parser, files)
+    problems += file_problems
+    flag_defaults = {dest: parser.get_default(dest) for dest in file_values}
+    parser.set_defaults(**file_values)
+    kept, refused = split_refused(argv)
+    problems += refused
     args, extras, parse_problems, broken = _parse_collecting(parser, kept)
     problems += parse_problems
     known = list(parser._option_string_actions) + list(REFUSED)
@@ -410,7 +454,8 @@ def config_from_args(argv: list[str] | None = None, world_size: int | None = Non
     if world_size is None:
         world_size = planned_world_size(dry_run=args.dry_run)
     cfg = Config.from_flat(vars(args)).finalize(world_size, validate=False)
-    cfg.no_effect += no_effect_flags(cfg, _given_dests(parser, kept), kept)
+    given = _given_dests(parser, kept) | {d for d, v in file_values.items() if v != flag_defaults[d]}
+    cfg.no_effect += no_effect_flags(cfg, given, kept) + file_no_effect
     problems += _without_consequences(cfg.problems(), broken | suggested)
     for check in checks:
         problems += check(cfg)

@@ -8,8 +8,12 @@ raises one ConfigError listing all of them with the values and the fix.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
+import inspect
 import os
+import textwrap
 from dataclasses import dataclass, field
 
 from megafab.errors import MegafabError
@@ -131,8 +135,14 @@ class ParallelConfig:
     """Derived: model chunks per pipeline rank (vpp); None without interleaving."""
     sequence_parallel: bool = False
     """Shard activations along the sequence in the non-TP regions (needs TP > 1)."""
+    context_parallel_size: int = 1
+    """CP degree: ranks that split every sequence; rank r holds chunks r and 2*cp-1-r of 2*cp
+    (Megatron's causal load balancing) and attention is exact across them."""
+    cp_comm_type: str = "p2p"
+    """How CP attention exchanges keys/values: p2p (ring, partial results merged by log-sum-exp),
+    allgather (all K/V gathered), a2a (DeepSpeed-Ulysses: heads scattered, sequence gathered)."""
     data_parallel_size: int | None = None
-    """Derived: world_size / (tp * pp)."""
+    """Derived: world_size / (tp * cp * pp)."""
     world_size: int | None = None
     """Derived: number of processes."""
     use_distributed_optimizer: bool = False
@@ -262,9 +272,9 @@ class OptimizerConfig:
     optimizer_offload_fraction: float | None = None
     """Share of the optimizer state offloaded, in [0, 1]; default 1.0 with --optimizer-cpu-offload."""
     pin_cpu_grads: bool = True
-    """Page-locked host gradient buffers for offload (--no-pin-cpu-grads turns it off)."""
+    """Page-locked host gradient buffers for offload."""
     pin_cpu_params: bool = True
-    """Page-locked host main params for offload (--no-pin-cpu-params turns it off)."""
+    """Page-locked host main params for offload."""
     use_precision_aware_optimizer: bool = False
     """Megatron's flag that its CPU offload requires; megafab accepts it with --optimizer-cpu-offload
     (fp32 main params and Adam moments, its default dtypes, are what megafab keeps)."""
@@ -400,7 +410,8 @@ class LoggingConfig:
     tensorboard_log_interval: int = 1
     """Write TensorBoard scalars every this many iterations."""
     wandb_project: str = ""
-    """Log to this wandb project (offline unless WANDB_MODE says otherwise)."""
+    """Log to this wandb project: online, unless the environment's WANDB_MODE says otherwise (offline,
+    disabled)."""
     wandb_exp_name: str = ""
     """wandb run name."""
     wandb_save_dir: str = ""
@@ -419,11 +430,50 @@ class LoggingConfig:
     """Iteration at which profiling stops (not profiled)."""
     profile_ranks: list[int] = field(default_factory=lambda: [0])
     """Global ranks that profile."""
+    timing_log_level: int = 0
+    """Timers printed after each iteration line (min and max over ranks, ms per iteration): 0 none
+    (only the iteration time), 1 once-per-step operations (forward-backward, all-grads-sync,
+    optimizer), 2 also per-micro-batch ones (forward-compute, backward-compute, pipeline send/recv,
+    batch-generator), which synchronize the device and may slow the step."""
+    timing_log_option: str = "minmax"
+    """How timers are reported across ranks: max, minmax, or all (every rank's value)."""
+    log_timers_to_tensorboard: bool = False
+    """Write the timers (as "<name>-time") and the iteration time to TensorBoard / wandb."""
+    log_memory_to_tensorboard: bool = False
+    """Write memory to TensorBoard: mem-allocated/max-allocated/reserved-bytes on CUDA, the process's
+    mem-resident/max-resident-bytes on CPU."""
+    log_validation_ppl_to_tensorboard: bool = False
+    """Also write the validation perplexity to TensorBoard ("lm loss validation ppl")."""
+    log_world_size_to_tensorboard: bool = False
+    """Write the number of processes to TensorBoard ("world-size")."""
+    log_loss_scale_to_tensorboard: bool = True
+    """Write the loss scale to TensorBoard ("loss-scale")."""
+    tensorboard_queue_size: int = 1000
+    """TensorBoard events held in memory before a write to disk."""
+    wandb_entity: str = ""
+    """wandb entity (team or user) of the run."""
+    metrics_jsonl: str | None = None
+    """megafab: file that gets each iteration line (and each evaluation) also as one JSON object per
+    line; default metrics.jsonl in --save, else in --tensorboard-dir, else none."""
 
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "precision": PrecisionConfig,
             "optimizer": OptimizerConfig, "data": DataConfig, "training": TrainingConfig,
             "checkpoint": CheckpointConfig, "logging": LoggingConfig}
+
+
+
+@functools.cache
+def field_docs() -> dict[str, str]:
+    """{field name: its docstring on one line} for every field of every section (the --help text)."""
+    docs = {}
+    for section in SECTIONS.values():
+        body = ast.parse(textwrap.dedent(inspect.getsource(section))).body[0].body
+        for node, after in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) \
+                    and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
+                docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
 
 
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
@@ -436,6 +486,10 @@ def swiglu_ffn_size(hidden_size: int) -> int:
 def pad_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     multiple = divisible_by * tp
     return -(-vocab_size // multiple) * multiple
+
+
+# --cp-comm-type spellings -> the name megafab uses (Megatron says allgather).
+CP_COMM_TYPES = {"p2p": "p2p", "allgather": "allgather", "all_gather": "allgather", "a2a": "a2a"}
 
 
 def default_bucket_size(dp: int) -> int:
@@ -477,8 +531,10 @@ class Config:
         m, p, t, o = self.model, self.parallel, self.training, self.optimizer
         p.world_size = world_size
         tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-        if tp >= 1 and pp >= 1 and world_size % (tp * pp) == 0:
-            p.data_parallel_size = world_size // (tp * pp)
+        cp = p.context_parallel_size
+        if tp >= 1 and pp >= 1 and cp >= 1 and world_size % (tp * cp * pp) == 0:
+            p.data_parallel_size = world_size // (tp * cp * pp)
+        p.cp_comm_type = CP_COMM_TYPES.get(p.cp_comm_type, p.cp_comm_type)
         if m.hidden_size and m.ffn_hidden_size is None:
             m.ffn_hidden_size = swiglu_ffn_size(m.hidden_size) if m.swiglu else 4 * m.hidden_size
         if m.hidden_size and m.num_attention_heads and m.kv_channels is None \
@@ -526,9 +582,9 @@ class Config:
 
     def problems(self) -> list[str]:
         """Every rule this configuration breaks, one line each."""
-        return (model_problems(self) + parallel_problems(self) + precision_problems(self)
-                + training_problems(self) + data_problems(self) + checkpoint_problems(self)
-                + sharding_problems(self))
+        return (model_problems(self) + parallel_problems(self) + context_parallel_problems(self)
+                + precision_problems(self) + training_problems(self) + data_problems(self)
+                + checkpoint_problems(self) + sharding_problems(self))
 
     def validate(self) -> None:
         problems = self.problems()
@@ -608,14 +664,17 @@ def model_problems(cfg: Config) -> list[str]:
 def parallel_problems(cfg: Config) -> list[str]:
     m, p, t = cfg.model, cfg.parallel, cfg.training
     tp, pp, world = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.world_size
+    cp = p.context_parallel_size
     out = []
-    for name, value in (("tensor-model-parallel-size", tp), ("pipeline-model-parallel-size", pp)):
+    for name, value in (("tensor-model-parallel-size", tp), ("pipeline-model-parallel-size", pp),
+                        ("context-parallel-size", cp)):
         if value < 1:
             out.append(f"--{name} {value} must be at least 1")
-    if world and tp >= 1 and pp >= 1 and world % (tp * pp):
+    if world and tp >= 1 and pp >= 1 and cp >= 1 and world % (tp * cp * pp):
+        cp_part = f"--context-parallel-size {cp} x " if cp > 1 else ""
         out.append(f"world size {world} is not divisible by --tensor-model-parallel-size {tp} x "
-                   f"--pipeline-model-parallel-size {pp} = {tp * pp}; launch a multiple of {tp * pp} "
-                   f"processes or change the sizes")
+                   f"{cp_part}--pipeline-model-parallel-size {pp} = {tp * cp * pp}; launch a multiple "
+                   f"of {tp * cp * pp} processes or change the sizes")
     vpp = p.virtual_pipeline_model_parallel_size
     if p.num_layers_per_virtual_pipeline_stage and p.num_virtual_stages_per_pipeline_rank:
         out.append("give only one of --num-layers-per-virtual-pipeline-stage and "
@@ -644,6 +703,44 @@ def parallel_problems(cfg: Config) -> list[str]:
         out.append("--overlap-param-gather needs --use-distributed-optimizer")
     if p.distributed_backend not in (None, "nccl", "gloo"):
         out.append(f"--distributed-backend {p.distributed_backend!r} is not nccl or gloo")
+    return out
+
+
+def context_parallel_problems(cfg: Config) -> list[str]:
+    """What CP needs: whole chunks per rank, a known comm type, and heads that split for a2a."""
+    m, p = cfg.model, cfg.parallel
+    cp, tp = p.context_parallel_size, p.tensor_model_parallel_size
+    out = []
+    split = (2 * cp if cp > 1 else 1) * (tp if p.sequence_parallel else 1)
+    if m.seq_length and split > 1 and m.seq_length % split:
+        parts = ([f"2 x --context-parallel-size {cp}"] if cp > 1 else []) + \
+            ([f"--tensor-model-parallel-size {tp} (--sequence-parallel)"] if p.sequence_parallel else [])
+        out.append(f"--seq-length {m.seq_length} is not divisible by {' x '.join(parts)} = {split}; "
+                   f"every rank must hold whole, equal sequence chunks: use a multiple of {split}")
+    if " " in p.cp_comm_type:
+        out.append(f"--cp-comm-type {p.cp_comm_type}: per-layer CP communication types are not "
+                   f"supported by megafab yet; give one type for every layer")
+    elif p.cp_comm_type not in CP_COMM_TYPES.values():
+        out.append(f"--cp-comm-type {p.cp_comm_type!r} is not supported; use p2p, allgather or a2a "
+                   f"(megafab has no hierarchical a2a+p2p)")
+    if cp <= 1:
+        return out
+    heads, groups = m.num_attention_heads, m.num_query_groups
+    if p.cp_comm_type == "a2a" and heads and groups and tp >= 1:
+        counts = [("--num-attention-heads", heads)] + (
+            [("--num-query-groups", groups)] if m.group_query_attention else [])
+        for flag, value in counts:
+            if value % tp == 0 and (value // tp) % cp:
+                out.append(f"--cp-comm-type a2a scatters heads over CP ranks, but {flag} {value} / "
+                           f"TP {tp} = {value // tp} is not divisible by --context-parallel-size {cp}; "
+                           f"use --cp-comm-type p2p or allgather, or a CP size that divides {value // tp}")
+    if m.transformer_impl == "transformer_engine":
+        out.append("--context-parallel-size > 1 runs megafab's own CP attention, not Transformer "
+                   "Engine's; use --transformer-impl local")
+    if cfg.data.reset_attention_mask:
+        out.append("--reset-attention-mask with --context-parallel-size > 1: CP attention is causal "
+                   "over the whole sequence and takes no per-sample mask; drop --reset-attention-mask "
+                   "or use --context-parallel-size 1")
     return out
 
 

@@ -23,8 +23,8 @@ class Refused:
 
 
 REFUSED: dict[str, Refused] = {
-    "--context-parallel-size": Refused(f"context parallelism is {NOT_YET}", off=("1",)),
-    "--cp-comm-type": Refused(f"context parallelism is {NOT_YET}", off=("p2p",)),
+    "--hierarchical-context-parallel-sizes": Refused(
+        f"hierarchical context parallelism (--cp-comm-type a2a+p2p) is {NOT_YET}"),
     "--expert-model-parallel-size": Refused(MOE, off=("1",)),
     "--expert-tensor-parallel-size": Refused(MOE),
     "--num-experts": Refused(MOE),
@@ -40,7 +40,6 @@ REFUSED: dict[str, Refused] = {
         f"the hierarchical distributed optimizer is {NOT_YET}", off=("1",)),
     "--fp8-param-gather": Refused(
         f"FP8 parameter storage and all-gather are {NOT_YET}; --fp8-format keeps bf16 parameters"),
-    "--yaml-cfg": Refused(f"YAML configs are {NOT_YET}; give the flags on the command line"),
     "--spec": Refused("custom layer specs cannot be loaded; megafab builds megatron-core's GPT layer "
                       "(--transformer-impl local or transformer_engine)"),
     "--use-legacy-models": Refused("Megatron's legacy models are not implemented; megafab's model is "

@@ -86,3 +86,17 @@ def test_checkpoint_memory_prints_its_rows():
     assert set(rows) == {"no saves", "save every iter", "load + continue"}, out
     assert all(row[-1] == "yes" for row in rows.values()), out  # same losses as the run without saves
     assert any(line.startswith("4 ") for line in out.splitlines()), out  # the DP 4 save-time row
+
+
+@pytest.mark.timeout(300)
+def test_context_parallel_prints_memory_per_layout_and_cp2_efficiency():
+    out = run_script("context_parallel.py", "--layers", "1", "--hidden", "32", "--heads", "4", "--seq", "64",
+                     "--vocab", "128", "--speed-layers", "1", "--speed-hidden", "32", "--speed-heads", "4",
+                     "--speed-seq", "32", "--speed-batch", "2", "--steps", "1", "--rounds", "1",
+                     "--comm-types", "p2p")
+    memory, speed = out.split("CP 2 step time")
+    rows = {line[:16].strip(): line[16:].split() for line in memory.splitlines() if line.startswith("CP")}
+    assert {"CP1", "CP2 p2p", "CP4 a2a"} <= set(rows), out
+    assert float(rows["CP2 p2p"][0]) < float(rows["CP1"][0]), out  # CP 2 saves less per rank
+    row = next(line for line in speed.splitlines() if line.startswith("CP2 p2p"))
+    assert float(row.split()[-2]) > 0, out  # efficiency median

@@ -1,18 +1,9 @@
-"""tools/plot_logs.py: parses Megatron log lines and TensorBoard scalars, writes a PNG."""
-
-import importlib.util
-import os
-import sys
+"""megafab-plot (tools/plot_logs.py): parses Megatron log lines and TensorBoard scalars, writes a PNG."""
 
 import pytest
 
+from megafab.cli import plot as plot_logs
 from megafab.training.log_line import iteration_line, validation_line
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("plot_logs", os.path.join(ROOT, "tools", "plot_logs.py"))
-plot_logs = importlib.util.module_from_spec(_spec)
-sys.modules["plot_logs"] = plot_logs
-_spec.loader.exec_module(plot_logs)
 
 # Megatron-LM's own line (no tokens/s), as printed by torchrun with --tee/rank prefixes.
 MEGATRON_LINE = (
@@ -70,7 +61,7 @@ def test_reads_tensorboard_scalars(tmp_path):
         writer.add_scalar("lm loss", 9.0 - it, it)
         writer.add_scalar("learning-rate", 0.1 * it, it)
         writer.add_scalar("throughput/tokens-per-sec", 100.0 * it, it)
-    writer.add_scalar("validation loss", 5.5, 3)
+    writer.add_scalar("lm loss validation", 5.5, 3)  # Megatron's tag
     writer.close()
     run = plot_logs.load_run(str(tmp_path / "tb"), "tb run")
     assert run.name == "tb run"

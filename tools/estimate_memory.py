@@ -1,45 +1,12 @@
-"""Per-stage memory and FLOPs plan for Megatron flags, without starting any process.
+"""Shim for Megatron habits: `python tools/estimate_memory.py` runs megafab-estimate
+(megafab/cli/estimate.py)."""
 
-    python tools/estimate_memory.py --world-size 8 --tensor-model-parallel-size 2 \
-        --pipeline-model-parallel-size 2 --num-layers 24 --hidden-size 2048 --num-attention-heads 16 \
-        --seq-length 2048 --vocab-size 50304 --micro-batch-size 4 --global-batch-size 64 --bf16 \
-        --use-distributed-optimizer --gpu-memory-gb 80
-
-Formulas: megafab/training/planner.py.
-"""
-
-from __future__ import annotations
-
-import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # a checkout, not installed
 
-from megafab.arguments import config_or_exit  # noqa: E402
-from megafab.training.planner import format_plan, plan  # noqa: E402
-
-
-def split_args(argv):
-    own = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    own.add_argument("--world-size", type=int, default=1)
-    own.add_argument("--gpu-memory-gb", type=float)
-    own.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilization")
-    own.add_argument("--peak-tflops", type=float, default=989.0, help="per-GPU dense bf16 peak")
-    own.add_argument("--attention-kernels", choices=["flash", "unfused", "cpu"], default="flash")
-    return own.parse_known_args(argv)
-
-
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    own, megatron_argv = split_args(argv)
-    if "--dry-run" not in megatron_argv:
-        megatron_argv.append("--dry-run")  # training-only requirements (--lr, --train-iters, data) off
-    cfg = config_or_exit(megatron_argv, world_size=own.world_size)
-    print(format_plan(cfg, plan(cfg, own.attention_kernels), mfu=own.mfu, peak_tflops=own.peak_tflops,
-                      gpu_memory_gb=own.gpu_memory_gb))
-    return 0
-
+from megafab.cli.estimate import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -45,8 +45,11 @@ def dcp_io():
 
 
 def _layout(topo, cfg) -> dict:
-    return {"world_size": topo.world_size, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
-            "vpp": cfg.parallel.virtual_pipeline_model_parallel_size or 1}
+    layout = {"world_size": topo.world_size, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
+              "vpp": cfg.parallel.virtual_pipeline_model_parallel_size or 1}
+    if topo.cp > 1:  # CP changes only activations; named so RNG states are not mixed up
+        layout["cp"] = topo.cp
+    return layout
 
 
 def _print0(topo, text: str) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import math
 import pickle
 import warnings
 
@@ -39,6 +40,13 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from megafab.checkpoint.errors import CheckpointError
 from megafab.checkpoint.layout import Shard
+from megafab.progress import Progress
+
+LARGE = 1 << 30  # bytes on one rank from which a save or load shows a progress bar
+
+
+def _bar(total_bytes: int, desc: str) -> Progress:
+    return Progress(total_bytes, desc, enabled=None if total_bytes >= LARGE else False)
 
 
 def _write_item(fqn: str, shard: Shard, box, view: torch.Tensor) -> WriteItem:
@@ -72,8 +80,19 @@ class _ShardSavePlanner(DefaultSavePlanner):
                               for box, view in zip(s.boxes, s.views)])
         return self.plan
 
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        plan = super().finish_plan(new_plan)
+        self.progress = _bar(sum(self.views[(i.index.fqn, tuple(i.index.offset))].nbytes
+                                 for i in plan.items), "checkpoint save")
+        return plan
+
     def lookup_object(self, index: MetadataIndex):
         return _exact_storage(self.views[(index.fqn, tuple(index.offset))])
+
+    def resolve_data(self, write_item: WriteItem):
+        data = super().resolve_data(write_item)
+        self.progress.update(getattr(data, "nbytes", 0))
+        return data
 
 
 def _exact_storage(view: torch.Tensor) -> torch.Tensor:
@@ -104,10 +123,16 @@ class _ShardLoadPlanner(DefaultLoadPlanner):
             chunks = [ChunkStorageMetadata(offsets=torch.Size(b.offsets), sizes=torch.Size(b.sizes))
                       for b in shard.boxes]
             requests += create_read_items_for_chunk_list(fqn, md, chunks)
+        self.progress = _bar(sum(math.prod(r.lengths) * self.lookup_tensor(r.dest_index).element_size()
+                                 for r in requests), "checkpoint load")
         return LoadPlan(requests)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         return self.shards[index.fqn].views[index.index]
+
+    def commit_tensor(self, read_item, tensor: torch.Tensor) -> None:
+        super().commit_tensor(read_item, tensor)
+        self.progress.update(math.prod(read_item.lengths) * tensor.element_size())
 
 
 def check_stored_shape(fqn: str, md, global_shape) -> None:
@@ -187,14 +212,24 @@ def _maybe_without_process_group():
 def save_shards(shards: dict[str, Shard], path: str) -> None:
     """Collective: write every rank's boxes into `path` (also works in a process without
     torch.distributed, e.g. a conversion tool)."""
-    with _maybe_without_process_group() as no_dist:
-        dcp.save(_dcp_state_dict(shards), storage_writer=FileSystemWriter(path, thread_count=1),
-                 planner=_ShardSavePlanner(shards), no_dist=no_dist)
+    planner = _ShardSavePlanner(shards)
+    try:
+        with _maybe_without_process_group() as no_dist:
+            dcp.save(_dcp_state_dict(shards), storage_writer=FileSystemWriter(path, thread_count=1),
+                     planner=planner, no_dist=no_dist)
+    finally:
+        if hasattr(planner, "progress"):
+            planner.progress.close()
 
 
 def load_shards(shards: dict[str, Shard], path: str) -> None:
     """Collective: fill every Shard's views in place from the checkpoint in `path` (also works
     in a process without torch.distributed)."""
-    with _maybe_without_process_group() as no_dist:
-        dcp.load(_dcp_state_dict(shards), storage_reader=SafeFileSystemReader(path),
-                 planner=_ShardLoadPlanner(shards), no_dist=no_dist)
+    planner = _ShardLoadPlanner(shards)
+    try:
+        with _maybe_without_process_group() as no_dist:
+            dcp.load(_dcp_state_dict(shards), storage_reader=SafeFileSystemReader(path),
+                     planner=planner, no_dist=no_dist)
+    finally:
+        if hasattr(planner, "progress"):
+            planner.progress.close()

@@ -27,6 +27,7 @@ from megafab.convert.state_dict import (
     unpack_qkv,
     unpad_vocab,
 )
+from megafab.progress import progress
 
 EXACT_GELU = ("gelu",)
 TANH_GELU = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")  # one formula: megafab's --openai-gelu
@@ -104,7 +105,7 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, t
     if m.untie_embeddings_and_output_weights:
         out["lm_head.weight"] = unpad_vocab(sd[OUTPUT_LAYER], m.vocab_size)
     heads = m.num_attention_heads
-    for i in range(m.num_layers):
+    for i in progress(range(m.num_layers), desc="export to HF GPT-2", unit="layer"):
         src, dst = layer_prefix(i), f"transformer.h.{i}."
         for kind in ("weight", "bias"):
             qkv = unpack_qkv(sd[f"{src}self_attention.linear_qkv.{kind}"], heads, heads)
@@ -142,7 +143,7 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], m: ModelConfig) -> dict[str,
     if m.untie_embeddings_and_output_weights:
         sd[OUTPUT_LAYER] = pad_vocab(hf["lm_head.weight"], m.padded_vocab_size)
     heads = m.num_attention_heads
-    for i in range(m.num_layers):
+    for i in progress(range(m.num_layers), desc="import from HF GPT-2", unit="layer"):
         src, dst = f"transformer.h.{i}.", layer_prefix(i)
         for kind in ("weight", "bias"):
             c_attn = hf[f"{src}attn.c_attn.{kind}"]

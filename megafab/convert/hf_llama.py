@@ -27,6 +27,7 @@ from megafab.convert.state_dict import (
     unpack_qkv,
     unpad_vocab,
 )
+from megafab.progress import progress
 
 _SAME = {"self_attn.o_proj.weight": "self_attention.linear_proj.weight",
          "mlp.down_proj.weight": "mlp.linear_fc2.weight",
@@ -106,7 +107,7 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, t
            "model.norm.weight": sd[FINAL_NORM + ".weight"]}
     if m.untie_embeddings_and_output_weights:
         out["lm_head.weight"] = unpad_vocab(sd[OUTPUT_LAYER], m.vocab_size)
-    for i in range(m.num_layers):
+    for i in progress(range(m.num_layers), desc="export to HF Llama", unit="layer"):
         src, dst = layer_prefix(i), f"model.layers.{i}."
         q, k, v = unpack_qkv(sd[src + "self_attention.linear_qkv.weight"], m.num_attention_heads,
                              m.num_query_groups)
@@ -141,7 +142,7 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], m: ModelConfig) -> dict[str,
           FINAL_NORM + ".weight": hf["model.norm.weight"]}
     if m.untie_embeddings_and_output_weights:
         sd[OUTPUT_LAYER] = pad_vocab(hf["lm_head.weight"], m.padded_vocab_size)
-    for i in range(m.num_layers):
+    for i in progress(range(m.num_layers), desc="import from HF Llama", unit="layer"):
         src, dst = f"model.layers.{i}.", layer_prefix(i)
         sd[dst + "self_attention.linear_qkv.weight"] = pack_qkv(
             hf[src + "self_attn.q_proj.weight"], hf[src + "self_attn.k_proj.weight"],

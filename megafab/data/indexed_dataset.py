@@ -22,6 +22,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from megafab.data.errors import DataError
+from megafab.progress import Progress
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -251,8 +252,9 @@ class IndexedDatasetWriter:
             self._modes.append(np.asarray(modes, dtype=np.int8))
         self._count += len(lengths)
 
-    def add_index(self, path_prefix: str) -> None:
-        """Append a whole existing dataset (merge); its dtype must equal ours."""
+    def add_index(self, path_prefix: str, progress=None) -> None:
+        """Append a whole existing dataset (merge); its dtype must equal ours. progress: a
+        megafab.progress.Progress told every byte of .bin copied."""
         other = IndexedDataset(path_prefix, multimodal=self.multimodal)
         if np.dtype(other.dtype) != self.dtype:
             raise DataError(f"{index_file_path(path_prefix)}: dtype {np.dtype(other.dtype).name} differs "
@@ -266,6 +268,8 @@ class IndexedDatasetWriter:
         with open(other.bin_path, "rb") as f:
             while chunk := f.read(1 << 24):
                 self._file.write(chunk)
+                if progress is not None:
+                    progress.update(len(chunk))
 
     @property
     def sequence_lengths(self) -> np.ndarray:
@@ -306,6 +310,11 @@ def merge_datasets(prefixes: Sequence[str], output_prefix: str, multimodal: bool
         raise DataError("merge: no input datasets given")
     first = IndexedDataset(prefixes[0], multimodal=multimodal)
     writer = IndexedDatasetWriter(data_file_path(output_prefix), first.dtype, multimodal=multimodal)
-    for prefix in prefixes:
-        writer.add_index(prefix)
+    total = sum(os.path.getsize(data_file_path(p)) for p in prefixes if os.path.isfile(data_file_path(p)))
+    progress = Progress(total, f"merge {len(prefixes)} datasets")
+    try:
+        for prefix in prefixes:
+            writer.add_index(prefix, progress)
+    finally:
+        progress.close()
     writer.finalize(index_file_path(output_prefix))

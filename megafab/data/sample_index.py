@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from megafab.progress import Progress
+
+LARGE_INDEX = 10_000_000  # document-index entries from which an index build shows its steps
+
 SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
 
 
@@ -87,13 +91,21 @@ def build_gpt_indices(sequence_lengths: np.ndarray, documents: np.ndarray, num_s
     num_epochs = num_epochs_needed(tokens_per_epoch, num_samples, seq_length)
     separate = use_separate_final_epoch(tokens_per_epoch, num_epochs, num_samples, seq_length)
     rng = np.random.RandomState(seed)
-    document_index = build_document_index(documents, num_epochs, rng, separate)
-    sample_index = build_sample_index(sequence_lengths, document_index, seq_length, num_epochs,
-                                      tokens_per_epoch)
-    total = sample_index.shape[0] - 1
-    if separate:
-        num_samples_sans_final = samples_in((num_epochs - 1) * tokens_per_epoch, seq_length)
-        shuffle_index = build_shuffle_index(num_samples_sans_final, total, rng)
-    else:
-        shuffle_index = build_shuffle_index(total, total, rng)
+    steps = Progress(3, f"index build ({num_epochs} epoch(s) of {len(documents):,} documents)", unit="index",
+                     enabled=None if len(documents) * num_epochs >= LARGE_INDEX else False)
+    try:
+        document_index = build_document_index(documents, num_epochs, rng, separate)
+        steps.update(1)
+        sample_index = build_sample_index(sequence_lengths, document_index, seq_length, num_epochs,
+                                          tokens_per_epoch)
+        steps.update(1)
+        total = sample_index.shape[0] - 1
+        if separate:
+            num_samples_sans_final = samples_in((num_epochs - 1) * tokens_per_epoch, seq_length)
+            shuffle_index = build_shuffle_index(num_samples_sans_final, total, rng)
+        else:
+            shuffle_index = build_shuffle_index(total, total, rng)
+        steps.update(1)
+    finally:
+        steps.close()
     return document_index, sample_index, shuffle_index

@@ -4,9 +4,11 @@ The schedule calls `finalize_model_grads(model_chunks, topology=..., sequence_pa
 after the last micro-batch's backward and before the optimizer step. It does, in this order
 (Megatron's order):
 
-  1. Data parallel, over the DP group: wait for (or run) every bucket's all-reduce /
-     reduce-scatter (`DistributedDataParallel.finish_grad_sync`), averaging over DP. FSDP2 chunks
-     (megafab.distributed.fsdp) reduce-scattered during the last backward already.
+  1. Data parallel, over the DP x CP group (the DDP wrapper's group; CP ranks hold the same
+     parameters and saw different tokens of the same samples, Megatron's dp-cp group): wait for
+     (or run) every bucket's all-reduce / reduce-scatter (`DistributedDataParallel
+     .finish_grad_sync`), averaging over DP x CP. FSDP2 chunks (megafab.distributed.fsdp, sharded
+     over the same group) reduce-scattered during the last backward already.
   2. TP-replicated params with partial grads, over the TP group. Under sequence parallelism each
      TP rank sees only its slice of the sequence, so the gradient of a parameter that is replicated
      across TP (norm weights/biases, RowParallelLinear bias: `param.sequence_parallel = True`) is

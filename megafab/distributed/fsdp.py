@@ -30,8 +30,9 @@ On CUDA, FSDP2 overlaps its all-gathers and reduce-scatters with compute on sepa
 needs CUDA_DEVICE_MAX_CONNECTIONS > 1 (Megatron requires it unset or > 1 for FSDP; the
 tensor-parallel core's warning asks for 1, which serializes those streams).
 
-The mesh is the DP group today (`data_parallel_mesh`); with context parallelism it becomes the
-dp-cp group, one line there.
+The mesh is the DP x CP group (`data_parallel_mesh`, Megatron's dp-cp group: context-parallel
+ranks hold the same parameters and see other tokens of the same samples), as DistributedDataParallel
+reduces over; at CP 1 it is the DP group.
 
 torch.distributed.tensor costs seconds to import, so only runs that shard import it (a DTensor
 exists only once it is imported, which is how `local_tensor` tells without importing it).
@@ -51,11 +52,11 @@ PARAM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride"
 
 
 def data_parallel_mesh(topology):
-    """The 1-D DeviceMesh FSDP2 shards over, made from the group megafab already built (no new
-    groups: gloo cannot split groups on CPU)."""
+    """The 1-D DeviceMesh FSDP2 shards over (DP x CP), made from the group megafab already built
+    (no new groups: gloo cannot split groups on CPU)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    return DeviceMesh.from_group(topology.dp_group, device_type=topology.device.type,
+    return DeviceMesh.from_group(topology.dp_cp_group, device_type=topology.device.type,
                                  mesh_dim_names=("dp",))
 
 

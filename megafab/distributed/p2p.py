@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megafab.distributed.pipeline_steps import timed
 from megafab.distributed.topology import Topology
 from megafab.errors import MegafabError
 
@@ -50,6 +51,14 @@ def pipeline_tensor_shape(seq_length: int, micro_batch_size: int, hidden_size: i
     return (s, micro_batch_size, hidden_size)
 
 
+def _timer_name(send_next: bool, send_prev: bool, recv_prev: bool, recv_next: bool) -> str:
+    """Megatron's timer of one exchange: forward-send, backward-send-forward-recv, ..."""
+    sends = [d for d, on in (("forward", send_next), ("backward", send_prev)) if on]
+    recvs = [d for d, on in (("forward", recv_prev), ("backward", recv_next)) if on]
+    parts = (["-".join(sends) + "-send"] if sends else []) + (["-".join(recvs) + "-recv"] if recvs else [])
+    return "-".join(parts)
+
+
 class P2PCommunicator:
     """Sends and receives pipeline tensors of one fixed shape over the topology's PP group.
 
@@ -58,8 +67,10 @@ class P2PCommunicator:
     virtual stages wrap around the ring, calls `exchange` with explicit flags instead.
     """
 
-    def __init__(self, topology: Topology, tensor_shape: tuple[int, ...], dtype: torch.dtype):
+    def __init__(self, topology: Topology, tensor_shape: tuple[int, ...], dtype: torch.dtype,
+                 timers=None):
         self.topology = topology
+        self.timers = timers
         self.tensor_shape = tuple(tensor_shape)
         self.dtype = dtype
         self.device = topology.device
@@ -101,14 +112,19 @@ class P2PCommunicator:
             recvs.append((dist.irecv, from_next, topo.next_pp_rank, BACKWARD_TAG))
         ops = sends + recvs if topo.pp_rank % 2 == 0 else recvs + sends
         if ops:
-            if self.use_batched:
-                requests = dist.batch_isend_irecv(
-                    [dist.P2POp(op, t, peer, self.group, tag) for op, t, peer, tag in ops])
-            else:
-                requests = [op(t, peer, group=self.group, tag=tag) for op, t, peer, tag in ops]
-            for request in requests:
-                request.wait()
+            name = _timer_name(send_next is not None, send_prev is not None, recv_prev, recv_next)
+            with timed(self.timers, name, 2):
+                self._run(ops)
         return from_prev, from_next
+
+    def _run(self, ops) -> None:
+        if self.use_batched:
+            requests = dist.batch_isend_irecv(
+                [dist.P2POp(op, t, peer, self.group, tag) for op, t, peer, tag in ops])
+        else:
+            requests = [op(t, peer, group=self.group, tag=tag) for op, t, peer, tag in ops]
+        for request in requests:
+            request.wait()
 
     # Physical-stage helpers (no-op at the ends of the pipeline), Megatron's names.
     def recv_forward(self) -> torch.Tensor | None:

@@ -71,14 +71,16 @@ def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator
                                    forward_only: bool = False, sequence_parallel: bool = False,
                                    finalize_model_grads_func: Callable | None = None,
                                    no_sync_func=None, grad_sync_func: Callable | None = None,
-                                   loss_scale=1.0, deallocate_pipeline_outputs: bool = True) -> list:
+                                   loss_scale=1.0, deallocate_pipeline_outputs: bool = True,
+                                   timers=None) -> list:
     """Gradient accumulation over micro-batches on one stage (pipeline size 1)."""
     models, iterators = as_list(model), as_list(data_iterator)
     if len(models) != 1:
         raise PipelineScheduleError(
             f"no-pipelining schedule got {len(models)} model chunks; it runs exactly one")
     check_common(num_microbatches, models, iterators)
-    runner = StepRunner(forward_step_func, num_microbatches, forward_only, loss_scale, collect_logs=True)
+    runner = StepRunner(forward_step_func, num_microbatches, forward_only, loss_scale, collect_logs=True,
+                        timers=timers)
     sync = None if forward_only else GradSync(models, num_microbatches, no_sync_func, grad_sync_func)
     try:
         for _ in range(num_microbatches):
@@ -101,7 +103,7 @@ def forward_backward_pipelining_without_interleaving(
         forward_only: bool = False, sequence_parallel: bool = False,
         finalize_model_grads_func: Callable | None = None, no_sync_func=None,
         grad_sync_func: Callable | None = None, loss_scale=1.0,
-        deallocate_pipeline_outputs: bool = True) -> list:
+        deallocate_pipeline_outputs: bool = True, timers=None) -> list:
     """1F1B: warmup forwards, steady one-forward-one-backward, cooldown backwards."""
     models, iterators = as_list(model), as_list(data_iterator)
     if len(models) != 1:
@@ -111,9 +113,10 @@ def forward_backward_pipelining_without_interleaving(
     check_common(num_microbatches, models, iterators)
     chunk, data = models[0], iterators[0]
     shape = pipeline_tensor_shape(seq_length, micro_batch_size, hidden_size, topology.tp, sequence_parallel)
-    comm = P2PCommunicator(topology, shape, dtype)
+    comm = P2PCommunicator(topology, shape, dtype, timers)
     last = topology.is_last_stage
-    runner = StepRunner(forward_step_func, num_microbatches, forward_only, loss_scale, collect_logs=last)
+    runner = StepRunner(forward_step_func, num_microbatches, forward_only, loss_scale, collect_logs=last,
+                        timers=timers)
 
     def forward(input_tensor):
         return runner.forward(chunk, data, input_tensor, is_last_stage=last)

@@ -53,16 +53,17 @@ def forward_backward_pipelining_with_interleaving(
         forward_only: bool = False, sequence_parallel: bool = False,
         finalize_model_grads_func: Callable | None = None, no_sync_func=None,
         grad_sync_func: Callable | None = None, loss_scale=1.0,
-        deallocate_pipeline_outputs: bool = True) -> list:
+        deallocate_pipeline_outputs: bool = True, timers=None) -> list:
     """Interleaved 1F1B over this rank's model chunks `model` (a list, chunk c = virtual stage c*p+r)."""
     models, iterators = as_list(model), as_list(data_iterator)
     pp, rank, vpp, m = topology.pp, topology.pp_rank, len(models), num_microbatches
     check_common(m, models, iterators)
     check_interleaving(m, pp, vpp, len(iterators))
     shape = pipeline_tensor_shape(seq_length, micro_batch_size, hidden_size, topology.tp, sequence_parallel)
-    comm = P2PCommunicator(topology, shape, dtype)
+    comm = P2PCommunicator(topology, shape, dtype, timers)
     first_rank, last_rank = topology.is_first_stage, topology.is_last_stage
-    runner = StepRunner(forward_step_func, m, forward_only, loss_scale, collect_logs=last_rank)
+    runner = StepRunner(forward_step_func, m, forward_only, loss_scale, collect_logs=last_rank,
+                        timers=timers)
 
     total = m * vpp
     all_warmup = forward_only or m == pp

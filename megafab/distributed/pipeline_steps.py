@@ -6,6 +6,10 @@ Megatron's contract:
   loss_func(output_tensor) -> (loss_scalar, logs: dict)        # called on the last stage only
 The schedule divides each micro-batch loss by num_microbatches (the total is then the mean over
 micro-batches) and multiplies by loss_scale before backward.
+
+timers (optional, every schedule): Megatron's `timers(name, log_level)` -> a context manager
+(megafab.timers.Timers); the schedules time forward-compute, backward-compute (level 2) and, in
+p2p, their sends and receives.
 """
 
 from __future__ import annotations
@@ -21,6 +25,11 @@ from megafab.errors import MegafabError
 
 class PipelineScheduleError(MegafabError):
     """A schedule that cannot run with the given arguments; the message names the fix."""
+
+
+def timed(timers, name: str, log_level: int):
+    """timers(name, log_level), or nothing to time without timers."""
+    return timers(name, log_level) if timers is not None else contextlib.nullcontext()
 
 
 def as_list(x) -> list:
@@ -60,13 +69,14 @@ class StepRunner:
     """Runs forward and backward steps for one schedule call and remembers the loss logs."""
 
     def __init__(self, forward_step_func: Callable, num_microbatches: int, forward_only: bool,
-                 loss_scale, collect_logs: bool):
+                 loss_scale, collect_logs: bool, timers=None):
         self.forward_step_func = forward_step_func
         self.num_microbatches = num_microbatches
         self.forward_only = forward_only
         self.loss_scale = loss_scale
         self.logs: list = []
         self.collect_logs = collect_logs
+        self.timers = timers
 
     def forward(self, model, data_iterator, input_tensor: torch.Tensor | None,
                 is_last_stage: bool) -> torch.Tensor:
@@ -75,7 +85,7 @@ class StepRunner:
             input_tensor.requires_grad_(True)
         model.set_input_tensor(input_tensor)
         context = torch.no_grad() if self.forward_only else contextlib.nullcontext()
-        with context:
+        with context, timed(self.timers, "forward-compute", 2):
             output, loss_func = self.forward_step_func(data_iterator, model)
             if is_last_stage:
                 loss, logs = loss_func(output)
@@ -89,9 +99,10 @@ class StepRunner:
         """Backward one micro-batch; returns the gradient for the previous stage (or None)."""
         if input_tensor is not None:
             input_tensor.retain_grad()
-        if output_grad is None:  # last stage: output is the scaled micro-batch loss
-            output = output * self.loss_scale
-        custom_backward(output, output_grad)
+        with timed(self.timers, "backward-compute", 2):
+            if output_grad is None:  # last stage: output is the scaled micro-batch loss
+                output = output * self.loss_scale
+            custom_backward(output, output_grad)
         return None if input_tensor is None else input_tensor.grad
 
 

@@ -3,15 +3,20 @@
 Which state differs across which ranks:
 
     stream                 seed                               same across      differs across
-    default                seed + 100*pp_rank                 TP, DP ranks     PP stages
-    'data-parallel-rng'    seed + 100*pp_rank                 TP, DP ranks     PP stages
-    'model-parallel-rng'   seed + 100*pp_rank + 2718 + tp     DP ranks         TP ranks, PP stages
+    default                seed + 100*pp + 10007*cp           TP, DP ranks     PP stages, CP ranks
+    'data-parallel-rng'    seed + 100*pp + 10007*cp           TP, DP ranks     PP stages, CP ranks
+    'model-parallel-rng'   seed + 100*pp + 10007*cp + 2718 + tp    DP ranks    TP, CP ranks, PP stages
+
+(pp, cp, tp: this rank's pipeline, context-parallel and tensor-parallel coordinates.) CP ranks hold
+different tokens, so every activation dropout differs across them; Megatron leaves CP out of the
+seeds (equal masks on different tokens), megafab does not. At CP 1 the seeds are Megatron's.
 
 Dropout on activations that are replicated across the TP group (after a RowParallelLinear, on the
 embedding, with sequence parallel off) draws from the default stream, so every TP rank drops the
 same elements. Dropout on activations split across TP ranks (attention probabilities of each
 rank's heads; anything in the sequence-parallel region) runs inside `tracker.fork()` so each rank
-draws its own mask.
+draws its own mask. Context-parallel attention dropout draws one seed per call from that stream and
+derives every block's mask from it (context_parallel.py), so backward and recompute replay it.
 
 The tracker works on the generator of one device: torch.default_generator for CPU, the CUDA
 device's generator for CUDA. States are CPU ByteTensors on both, so checkpoints are portable.
@@ -29,6 +34,7 @@ MODEL_PARALLEL_RNG = "model-parallel-rng"
 DATA_PARALLEL_RNG = "data-parallel-rng"
 TP_SEED_OFFSET = 2718
 PP_SEED_STRIDE = 100
+CP_SEED_STRIDE = 10007
 
 
 class _DeviceRNG:
@@ -117,7 +123,8 @@ class RNGStatesTracker:
             self._rng.set_state(original)
 
 
-def model_parallel_seed(seed: int, tp_rank: int, pp_rank: int, device, tracker: RNGStatesTracker) -> dict:
+def model_parallel_seed(seed: int, tp_rank: int, pp_rank: int, device, tracker: RNGStatesTracker,
+                        cp_rank: int = 0) -> dict:
     """Seed the default streams and (re)fill `tracker` per the table in this module's docstring.
 
     The CPU generator is always seeded with the default seed (layers build their master weights
@@ -128,7 +135,7 @@ def model_parallel_seed(seed: int, tp_rank: int, pp_rank: int, device, tracker: 
     if tracker.device.type != device.type:
         raise ValueError(f"the RNG tracker is on {tracker.device} but model_parallel_seed got device "
                          f"{device}; build the tracker with RNGStatesTracker({str(device)!r})")
-    default_seed = seed + PP_SEED_STRIDE * pp_rank
+    default_seed = seed + PP_SEED_STRIDE * pp_rank + CP_SEED_STRIDE * cp_rank
     tp_seed = default_seed + TP_SEED_OFFSET + tp_rank
     torch.default_generator.manual_seed(default_seed)
     if device.type == "cuda":

@@ -1,22 +1,31 @@
-"""The parallel grid: world -> (tp, dp, pp) ranks and process groups (the launch environment,
-device and backend come from megafab.launch).
+"""The parallel grid as ordered named axes, and the process groups of one rank (the launch
+environment, device and backend come from megafab.launch).
 
-Rank order is tp-dp-pp with TP fastest, Megatron's default:
+The axes, in Megatron's default order string 'tp-cp-ep-dp-pp', TP fastest:
 
-    global_rank = tp_rank + TP * (dp_rank + DP * pp_rank)
+    global_rank = tp_rank + TP * (cp_rank + CP * (ep_rank + EP * (dp_rank + DP * pp_rank)))
 
-Example, 16 ranks with TP=2, PP=4 (so DP=2):
+ep (expert parallel) is an axis of size 1 until megafab has experts. A group is named by the axes
+its ranks vary over, all other coordinates fixed: "dp" (pure data parallel), "cp", "dp-cp" (what
+gradients are averaged over and the distributed optimizer shards over, as Megatron's), "tp-pp"
+(model parallel), "tp-dp" and "tp-dp-cp" (FP8 amax reductions). Order inside a name does not
+matter: group("cp", "dp") is group("dp", "cp").
+
+Example, 16 ranks with TP=2, PP=4 (so DP=2, CP=1):
     TP groups : [0,1] [2,3] [4,5] ... [14,15]
     DP groups : [0,2] [1,3] [4,6] [5,7] ... [13,15]
     PP groups : [0,4,8,12] [1,5,9,13] [2,6,10,14] [3,7,11,15]
     embedding : first and last stage of each PP group, e.g. [0,12]
+With TP=2, CP=2, PP=2 on 8 ranks (DP=1): CP groups [0,2] [1,3] [4,6] [5,7]; TP-CP [0,1,2,3] [4..7].
 
-One Topology per process, made once at initialize and passed to whatever needs groups.
+`Layout` holds only sizes and computes every rank list (pure, no process groups). One Topology
+per process, made once at initialize and passed to whatever needs groups.
 """
 
 from __future__ import annotations
 
 import datetime
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -25,56 +34,127 @@ import torch.distributed as dist
 from megafab.errors import MegafabError
 from megafab.launch import pick_device_and_backend, read_launch_env
 
+ORDER = ("tp", "cp", "ep", "dp", "pp")  # Megatron's 'tp-cp-ep-dp-pp'
+FLAGS = {"tp": "tensor-model-parallel-size", "cp": "context-parallel-size",
+         "ep": "expert-model-parallel-size", "pp": "pipeline-model-parallel-size"}
+# The groups every rank builds at initialize: attribute prefix -> axes the group spans.
+GROUP_KINDS = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",), "mp": ("tp", "pp"),
+               "tp_dp": ("tp", "dp"), "dp_cp": ("dp", "cp"), "tp_cp": ("tp", "cp"),
+               "tp_dp_cp": ("tp", "dp", "cp")}
+
 
 class TopologyError(MegafabError):
     """A parallel layout that cannot be built; the message names every problem."""
 
 
-def grid_rank(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int) -> int:
-    return tp_rank + tp * (dp_rank + dp * pp_rank)
-
-
-def grid_coords(rank: int, tp: int, dp: int) -> tuple[int, int, int]:
-    """(tp_rank, dp_rank, pp_rank) of a global rank."""
-    return rank % tp, (rank // tp) % dp, rank // (tp * dp)
-
-
-def layout_problems(world_size: int, tp: int, pp: int) -> list[str]:
+def layout_problems(world_size: int, tp: int, pp: int, cp: int = 1) -> list[str]:
     problems = []
-    for name, value in (("tensor-model-parallel-size", tp), ("pipeline-model-parallel-size", pp)):
+    sizes = {"tp": tp, "cp": cp, "pp": pp}
+    for axis, value in sizes.items():
         if value < 1:
-            problems.append(f"--{name} is {value}; it must be at least 1")
-    if tp >= 1 and pp >= 1 and world_size % (tp * pp) != 0:
+            problems.append(f"--{FLAGS[axis]} is {value}; it must be at least 1")
+    product = tp * cp * pp
+    if min(sizes.values()) >= 1 and world_size % product != 0:
+        names = " x ".join(f"{FLAGS[a]} {v}" for a, v in sizes.items() if a != "cp" or cp > 1)
         problems.append(
-            f"world size {world_size} is not divisible by tensor-model-parallel-size {tp} x "
-            f"pipeline-model-parallel-size {pp} = {tp * pp}; choose sizes whose product divides "
-            f"the number of processes")
+            f"world size {world_size} is not divisible by {names} = {product}; choose sizes whose "
+            f"product divides the number of processes")
     return problems
 
 
-def all_group_ranks(world_size: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
-    """Every group of every kind as lists of global ranks, in a fixed order.
+@dataclass(frozen=True)
+class Layout:
+    """Sizes of the named axes of a world; every rank list is a pure function of these."""
+
+    world_size: int
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    ep: int = 1
+
+    def __post_init__(self):
+        problems = layout_problems(self.world_size, self.tp, self.pp, self.cp)
+        if problems:
+            raise TopologyError("; ".join(problems))
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.cp * self.ep * self.pp)
+
+    def size(self, axis: str) -> int:
+        if axis not in ORDER:
+            raise TopologyError(f"unknown parallel axis {axis!r}; the axes are {'-'.join(ORDER)}")
+        return getattr(self, axis)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """{axis: coordinate} of a global rank."""
+        out = {}
+        for axis in ORDER:
+            out[axis] = rank % self.size(axis)
+            rank //= self.size(axis)
+        return out
+
+    def rank(self, **coords: int) -> int:
+        """Global rank of the given coordinates (missing axes at 0)."""
+        rank = 0
+        for axis in reversed(ORDER):
+            rank = rank * self.size(axis) + coords.get(axis, 0)
+        return rank
+
+    def groups(self, *axes: str) -> list[list[int]]:
+        """Every group spanning `axes`, as ascending global ranks; groups enumerated over the
+        other axes' coordinates, first axis of the order fastest (Megatron's RankGenerator)."""
+        for axis in axes:
+            self.size(axis)  # refuses unknown names
+        spanned = [a for a in ORDER if a in axes]
+        fixed = [a for a in ORDER if a not in spanned]
+
+        def product(names):  # coordinates, first name fastest
+            ranges = [range(self.size(a)) for a in reversed(names)]
+            return [dict(zip(reversed(names), c)) for c in itertools.product(*ranges)]
+
+        return [sorted(self.rank(**outer, **inner) for inner in product(spanned))
+                for outer in product(fixed)]
+
+    def group_of(self, rank: int, *axes: str) -> list[int]:
+        """The ranks of the group spanning `axes` that holds `rank`."""
+        return next(g for g in self.groups(*axes) if rank in g)
+
+    def embedding_groups(self) -> list[list[int]]:
+        """First and last pipeline stage of each PP group (the tied word-embedding copies)."""
+        return [sorted({g[0], g[-1]}) for g in self.groups("pp")]
+
+
+def grid_rank(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int,
+              cp_rank: int = 0, cp: int = 1) -> int:
+    return tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
+
+
+def grid_coords(rank: int, tp: int, dp: int, cp: int = 1) -> tuple[int, int, int]:
+    """(tp_rank, dp_rank, pp_rank) of a global rank."""
+    return rank % tp, (rank // (tp * cp)) % dp, rank // (tp * cp * dp)
+
+
+def all_group_ranks(world_size: int, tp: int, pp: int, cp: int = 1) -> dict[str, list[list[int]]]:
+    """Every group of every kind (GROUP_KINDS, plus "embedding") as lists of global ranks.
 
     Pure function of the layout, so each rank can build all groups in the same order
     (torch.distributed requires every rank to take part in every new_group call).
     """
-    problems = layout_problems(world_size, tp, pp)
-    if problems:
-        raise TopologyError("; ".join(problems))
-    dp = world_size // (tp * pp)
-    tp_groups = [[grid_rank(t, d, p, tp, dp) for t in range(tp)] for p in range(pp) for d in range(dp)]
-    dp_groups = [[grid_rank(t, d, p, tp, dp) for d in range(dp)] for p in range(pp) for t in range(tp)]
-    pp_groups = [[grid_rank(t, d, p, tp, dp) for p in range(pp)] for d in range(dp) for t in range(tp)]
-    mp_groups = [[grid_rank(t, d, p, tp, dp) for p in range(pp) for t in range(tp)] for d in range(dp)]
-    tp_dp_groups = [[grid_rank(t, d, p, tp, dp) for d in range(dp) for t in range(tp)] for p in range(pp)]
-    embedding_groups = [sorted({g[0], g[-1]}) for g in pp_groups]
-    return {"tp": tp_groups, "dp": dp_groups, "pp": pp_groups, "mp": mp_groups,
-            "tp_dp": tp_dp_groups, "embedding": embedding_groups}
+    layout = Layout(world_size, tp=tp, cp=cp, pp=pp)
+    out = {kind: layout.groups(*axes) for kind, axes in GROUP_KINDS.items()}
+    out["embedding"] = layout.embedding_groups()
+    return out
+
+
+def _axes_key(layout: Layout, axes) -> tuple[str, ...]:
+    """Axes of size 1 change no group: ("dp", "cp") at CP 1 is the DP group."""
+    return tuple(a for a in ORDER if a in axes and layout.size(a) > 1)
 
 
 @dataclass
 class Topology:
-    """This process's place in the (tp, dp, pp) grid and the groups it talks to."""
+    """This process's place in the tp-cp-ep-dp-pp grid and the groups it talks to."""
 
     rank: int
     world_size: int
@@ -91,18 +171,44 @@ class Topology:
     tp_dp_group: object = None
     embedding_group: object = None
     group_ranks: dict[str, list[int]] = field(default_factory=dict)
+    cp: int = 1
+    cp_group: object = None
+    dp_cp_group: object = None
+    tp_cp_group: object = None
+    tp_dp_cp_group: object = None
+    groups_by_axes: dict[tuple[str, ...], object] = field(default_factory=dict)
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.world_size, tp=self.tp, cp=self.cp, pp=self.pp)
+
+    def coord(self, axis: str) -> int:
+        return self.layout.coords(self.rank)[axis]
 
     @property
     def tp_rank(self) -> int:
-        return grid_coords(self.rank, self.tp, self.dp)[0]
+        return self.coord("tp")
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coord("cp")
 
     @property
     def dp_rank(self) -> int:
-        return grid_coords(self.rank, self.tp, self.dp)[1]
+        return self.coord("dp")
 
     @property
     def pp_rank(self) -> int:
-        return grid_coords(self.rank, self.tp, self.dp)[2]
+        return self.coord("pp")
+
+    def group(self, *axes: str):
+        """The process group spanning `axes` (e.g. group("dp", "cp")) that holds this rank."""
+        key = _axes_key(self.layout, axes)
+        if key not in self.groups_by_axes:
+            built = sorted({"-".join(k) or "(single rank)" for k in self.groups_by_axes})
+            raise TopologyError(f"no process group spans {'-'.join(axes)} in this layout; built: "
+                                f"{', '.join(built)}")
+        return self.groups_by_axes[key]
 
     @property
     def is_first_stage(self) -> bool:
@@ -126,43 +232,52 @@ class Topology:
         return self.rank in self.group_ranks.get("embedding", [])
 
     def describe(self) -> str:
-        return (f"rank {self.rank}/{self.world_size} tp {self.tp_rank}/{self.tp} "
+        cp = f" cp {self.cp_rank}/{self.cp}" if self.cp > 1 else ""
+        return (f"rank {self.rank}/{self.world_size} tp {self.tp_rank}/{self.tp}{cp} "
                 f"dp {self.dp_rank}/{self.dp} pp {self.pp_rank}/{self.pp} on {self.device}")
 
 
 def build_topology(tp: int = 1, pp: int = 1, vpp: int = 1, device: torch.device | None = None,
-                   backend: str | None = None) -> Topology:
+                   backend: str | None = None, cp: int = 1) -> Topology:
     """Make the groups of an already initialized default process group.
 
     Groups are made with new_group for every layout group, in the same order on every rank
-    (gloo on CPU cannot use split_group, and DeviceMesh's CPU path would need it).
+    (gloo on CPU cannot use split_group, and DeviceMesh's CPU path would need it); kinds whose
+    rank lists coincide (dp and dp-cp at CP 1) share one process group.
     """
     if not dist.is_initialized():
         raise RuntimeError("initialize torch.distributed first (megafab.distributed.initialize)")
     world, rank = dist.get_world_size(), dist.get_rank()
-    layouts = all_group_ranks(world, tp, pp)
+    layout = Layout(world, tp=tp, cp=cp, pp=pp)
+    layouts = all_group_ranks(world, tp, pp, cp)
     if device is None:
         device = torch.device("cpu") if dist.get_backend() == "gloo" else torch.device(
             "cuda", torch.cuda.current_device())
-    topo = Topology(rank, world, tp, pp, world // (tp * pp), vpp, device,
-                    backend or dist.get_backend())
+    topo = Topology(rank=rank, world_size=world, tp=tp, pp=pp, dp=layout.dp, vpp=vpp, device=device,
+                    backend=backend or dist.get_backend(), cp=cp)
+    made: dict[tuple[int, ...], object] = {}
     for kind, groups in layouts.items():
         for ranks in groups:
-            group = dist.new_group(ranks) if len(groups) > 1 or len(ranks) != world else dist.group.WORLD
+            key = tuple(ranks)
+            if key not in made:
+                made[key] = dist.group.WORLD if len(ranks) == world else dist.new_group(ranks)
             if rank in ranks:
-                setattr(topo, f"{kind}_group", group)
+                setattr(topo, f"{kind}_group", made[key])
                 topo.group_ranks[kind] = ranks
+                if kind in GROUP_KINDS:
+                    topo.groups_by_axes[_axes_key(layout, GROUP_KINDS[kind])] = made[key]
     return topo
 
 
 def initialize(tp: int = 1, pp: int = 1, vpp: int = 1, backend: str | None = None,
-               timeout_minutes: float = 10.0, env: dict[str, str] | None = None) -> Topology:
+               timeout_minutes: float = 10.0, env: dict[str, str] | None = None,
+               cp: int = 1) -> Topology:
     """Start the default process group from the launcher's environment and build the grid.
 
     Layout problems are raised before any process group exists.
     """
     launch = read_launch_env(env)
-    problems = layout_problems(launch.world_size, tp, pp)
+    problems = layout_problems(launch.world_size, tp, pp, cp)
     if problems:
         raise TopologyError("; ".join(problems))
     device, backend = pick_device_and_backend(launch.local_rank, backend)
@@ -173,4 +288,4 @@ def initialize(tp: int = 1, pp: int = 1, vpp: int = 1, backend: str | None = Non
             backend=backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
             rank=launch.rank, world_size=launch.world_size,
             timeout=datetime.timedelta(minutes=timeout_minutes))
-    return build_topology(tp, pp, vpp, device, backend)
+    return build_topology(tp, pp, vpp, device, backend, cp)

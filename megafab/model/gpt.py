@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megafab.distributed.context_parallel import local_position_ids
 from megafab.distributed.cross_entropy import vocab_parallel_cross_entropy
 from megafab.distributed.layers import VocabParallelEmbedding
 from megafab.distributed.linear import linear_with_grad_accumulation_and_async_allreduce
@@ -135,7 +136,8 @@ class GPTModel(nn.Module):
         Other chunks return hidden states [s(/tp), b, h] for the next stage.
         """
         if position_ids is None and input_ids is not None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+            position_ids = local_position_ids(input_ids.shape[1], self.ctx.cp_group,
+                                              input_ids.device).expand_as(input_ids)
         x = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor
         angles = self.rotary(position_ids, self.ctx.params_dtype) if self.rotary is not None else None
         if kv_cache is None:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megafab.distributed.context_parallel import context_parallel_attention
 from megafab.distributed.layers import ColumnParallelLinear, RowParallelLinear
 from megafab.distributed.mappings import group_size
 from megafab.model.attention_backend import sdpa_context
@@ -38,6 +39,8 @@ class LayerContext:
     rng_tracker: object = None
     precision: object = None  # PrecisionConfig: the Transformer Engine layers read --fp8-* here
     gradient_accumulation_fusion: bool = True  # weight grads straight into DDP's main_grad buffer
+    cp_group: object = None  # context parallel: this rank holds 2 of 2*cp sequence chunks
+    cp_comm_type: str = "p2p"
 
     def tp_region_rng(self):
         """Dropout on tensors that differ across TP ranks draws from the per-rank stream."""
@@ -195,9 +198,13 @@ class SelfAttention(nn.Module):
     def core_attention(self, q, k, v, attention_mask, dropout):
         """q [b, heads, s, d], k/v [b, groups, s, d] (or heads) -> [b, heads, s, d]; what selective
         recompute recomputes. Grouped keys/values go to SDPA as they are (enable_gqa), so no
-        head-repeated copies of k and v are made or saved."""
+        head-repeated copies of k and v are made or saved. Under context parallelism s is this
+        rank's s/cp tokens and the whole sequence's keys/values come from the CP group."""
         gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
         with self.ctx.tp_region_rng() if dropout > 0 else contextlib.nullcontext(), self.sdpa_backend():
+            if self.ctx.cp_group is not None:
+                assert attention_mask is None, "context parallel attention takes no attention mask"
+                return context_parallel_attention(q, k, v, self.ctx.cp_group, self.ctx.cp_comm_type, dropout)
             if attention_mask is None:
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, **gqa)
             # Megatron's mask: True where attention is NOT allowed

@@ -1,6 +1,7 @@
 """The distributed optimizer (ZeRO-1, Megatron's `--use-distributed-optimizer`).
 
-Data flow of one step, per DP rank r of DP ranks d:
+Data flow of one step, per DP rank r of DP ranks d (with context parallelism "DP" here is the
+DP x CP group, d = dp * cp, as Megatron's: CP ranks hold the same parameters):
 
     grad buffer (fp32)  [ bucket 0: s0 | s1 | .. | s(d-1) ][ bucket 1: s0 | .. ] ...
                                     ^ rank r owns shard s_r of every bucket

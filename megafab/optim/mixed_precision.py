@@ -224,12 +224,12 @@ class MixedPrecisionOptimizer:
         return entries
 
     def _norm_groups(self) -> list:
-        """Groups over which ranks hold disjoint grads: model parallel (TP x PP), and DP too when
-        every DP rank steps its own shard."""
+        """Groups over which ranks hold disjoint grads: model parallel (TP x PP), and the sharding
+        group (DP x CP, Megatron's dp-cp group) too when every rank of it steps its own shard."""
         if self.topology is None:
             return [self.model_chunks[0].dp_group] if self.shards_across_dp else []
         if self.shards_across_dp:
-            return [self.topology.dp_group, self.topology.mp_group]
+            return [self.topology.dp_cp_group, self.topology.mp_group]
         return [self.topology.mp_group]
 
     @property

@@ -45,9 +45,10 @@ def init_distributed(cfg) -> tuple[Topology, RNGStatesTracker]:
     check_transformer_engine(cfg.model, cfg.precision, planned_device(cfg))  # before any process group
     topo = initialize(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                       p.virtual_pipeline_model_parallel_size or 1, p.distributed_backend,
-                      p.distributed_timeout_minutes)
+                      p.distributed_timeout_minutes, cp=p.context_parallel_size)
     tracker = RNGStatesTracker(topo.device)
-    model_parallel_seed(cfg.training.seed, topo.tp_rank, topo.pp_rank, topo.device, tracker)
+    model_parallel_seed(cfg.training.seed, topo.tp_rank, topo.pp_rank, topo.device, tracker,
+                        cp_rank=topo.cp_rank)
     return topo, tracker
 
 
@@ -65,7 +66,9 @@ def build_model(cfg, topo: Topology, tracker, dtype: torch.dtype | None = None) 
     dtype = dtype or params_dtype(cfg)
     ctx = LayerContext(topo.tp_group if topo.tp > 1 else None, cfg.parallel.sequence_parallel, dtype,
                        topo.device, cfg.training.seed, tracker, precision=cfg.precision,
-                       gradient_accumulation_fusion=cfg.parallel.gradient_accumulation_fusion)
+                       gradient_accumulation_fusion=cfg.parallel.gradient_accumulation_fusion,
+                       cp_group=topo.cp_group if topo.cp > 1 else None,
+                       cp_comm_type=cfg.parallel.cp_comm_type)
     chunks = build_model_chunks(cfg.model, ctx, topo.pp, topo.pp_rank,
                                 cfg.parallel.virtual_pipeline_model_parallel_size or 1,
                                 PipelineSplit.from_config(cfg))
@@ -75,8 +78,9 @@ def build_model(cfg, topo: Topology, tracker, dtype: torch.dtype | None = None) 
     bucket = p.ddp_bucket_size if p.overlap_grad_reduce or p.use_distributed_optimizer else None
     # fp32 main grads (fp64 for fp64 models), or the bf16 params' own dtype (--grad-reduce-in-bf16)
     grad_dtype = None if p.accumulate_allreduce_grads_in_fp32 else dtype
-    return [DistributedDataParallel(c, dp_group=topo.dp_group, bucket_size=bucket, grad_dtype=grad_dtype,
-                                    overlap_grad_reduce=p.overlap_grad_reduce,
+    # Gradients are averaged (and the distributed optimizer shards) over DP x CP, as Megatron's.
+    return [DistributedDataParallel(c, dp_group=topo.dp_cp_group, bucket_size=bucket,
+                                    grad_dtype=grad_dtype, overlap_grad_reduce=p.overlap_grad_reduce,
                                     use_distributed_optimizer=p.use_distributed_optimizer)
             for c in chunks]
 

@@ -9,6 +9,7 @@ from megafab.data.builder import build_gpt_datasets
 from megafab.data.samplers import build_data_iterator
 from megafab.data.tokenizers import build_tokenizer
 from megafab.training.batch_size import train_iterations
+from megafab.training.run_record import dataset_lines
 
 
 def attach_tokenizer(cfg):
@@ -36,14 +37,17 @@ def sample_counts(cfg, train_iters: int) -> tuple[int, int, int]:
 def build_data_iterators(cfg, topo, consumed_train_samples: int, tokenizer=None):
     d, t = cfg.data, cfg.training
     tokenizer = tokenizer or attach_tokenizer(cfg)
+    targets = sample_counts(cfg, train_iterations(cfg))
     datasets = build_gpt_datasets(
         data_path=d.data_path, split=d.split or "969,30,1", seq_length=cfg.model.seq_length,
-        seed=t.seed, num_samples=sample_counts(cfg, train_iterations(cfg)), tokenizer=tokenizer,
+        seed=t.seed, num_samples=targets, tokenizer=tokenizer,
         cache_path=d.data_cache_path, eod_mask_loss=d.eod_mask_loss,
         reset_position_ids=d.reset_position_ids, reset_attention_mask=d.reset_attention_mask,
         mock=d.mock_data, train_data_path=d.train_data_path, valid_data_path=d.valid_data_path,
         test_data_path=d.test_data_path, barrier=dist.barrier, is_builder=topo.rank == 0,
         mmap_bin_files=d.mmap_bin_files)
+    if topo.rank == 0:
+        print("\n".join(dataset_lines(targets, datasets)), flush=True)
     consumed = [consumed_train_samples, 0, 0]
     return tuple(build_data_iterator(ds, consumed[i], t.micro_batch_size, topo.dp_rank, topo.dp,
                                      num_workers=d.num_workers) for i, ds in enumerate(datasets))

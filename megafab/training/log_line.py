@@ -1,7 +1,10 @@
-"""The log lines Megatron users already parse, and optional TensorBoard / wandb writers."""
+"""The log lines Megatron users already parse, their JSON-lines twin, and optional TensorBoard /
+wandb writers (Megatron's tag names)."""
 
 from __future__ import annotations
 
+import datetime
+import json
 import math
 import os
 import time
@@ -11,9 +14,14 @@ def timestamp() -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S")
 
 
-def iteration_line(iteration: int, train_iters: int, metrics: dict) -> str:
-    """` [time] iteration N/ T | consumed samples: ... | ... |` in Megatron's order and format."""
-    parts = [f" [{timestamp()}] iteration {iteration:8d}/{train_iters:8d}",
+def format_eta(seconds: float) -> str:
+    return str(datetime.timedelta(seconds=max(0, round(seconds))))
+
+
+def iteration_line(iteration: int, train_iters: int, metrics: dict, when: str | None = None) -> str:
+    """` [time] iteration N/ T | consumed samples: ... | ... |` in Megatron's order and format, then
+    megafab's estimate of the time left (` ETA: H:MM:SS |`, from the recent iterations' pace)."""
+    parts = [f" [{when or timestamp()}] iteration {iteration:8d}/{train_iters:8d}",
              f" consumed samples: {metrics['consumed_samples']:12d}",
              f" elapsed time per iteration (ms): {metrics['elapsed_ms']:.1f}"]
     if metrics.get("tflops") is not None:
@@ -32,6 +40,8 @@ def iteration_line(iteration: int, train_iters: int, metrics: dict) -> str:
         parts.append(f" num zeros: {metrics['num_zeros']:.1f}")
     parts.append(f" number of skipped iterations: {metrics['skipped']:3d}")
     parts.append(f" number of nan iterations: {metrics['nan']:3d}")
+    if metrics.get("eta_s") is not None:
+        parts.append(f" ETA: {format_eta(metrics['eta_s'])}")
     return " |".join(parts) + " |"
 
 
@@ -41,45 +51,69 @@ def validation_line(label: str, where: str, loss: float) -> str:
     return f" {label} loss at {where} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
 
 
+class MetricsJSONL:
+    """The iteration and evaluation lines as JSON objects, one per line, appended to `path` (a
+    resumed run continues the file). path None writes nothing."""
+
+    def __init__(self, path: str | None):
+        self.file = None
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self.file = open(path, "a", encoding="utf-8")  # kept open for the whole run
+
+    def write(self, record: dict) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
 class ScalarWriters:
     """TensorBoard and/or wandb, created only when their flags ask (clear error if not installed).
 
-    cfg None makes a writer that writes nothing (ranks other than the logging rank).
+    cfg None makes a writer that writes nothing (ranks other than the logging rank). wandb runs as
+    the environment's WANDB_MODE says (online by default, as wandb's own default).
     """
 
     def __init__(self, cfg, config_dict: dict):
         self.tb = None
         self.wandb = None
-        self.interval = 1
         if cfg is None:  # ranks that do not log
             return
         lg = cfg.logging
-        self.interval = lg.tensorboard_log_interval
         if lg.tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as err:
                 raise SystemExit("megafab: error: --tensorboard-dir needs the tensorboard package: "
                                  "pip install tensorboard") from err
-            self.tb = SummaryWriter(log_dir=lg.tensorboard_dir, max_queue=1000)
+            self.tb = SummaryWriter(log_dir=lg.tensorboard_dir, max_queue=lg.tensorboard_queue_size)
         if lg.wandb_project:
             try:
                 import wandb
             except ImportError as err:
                 raise SystemExit("megafab: error: --wandb-project needs the wandb package: "
                                  "pip install megafab[wandb]") from err
-            os.environ.setdefault("WANDB_MODE", "offline")
             save_dir = lg.wandb_save_dir or os.path.join(cfg.checkpoint.save or ".", "wandb")
             os.makedirs(save_dir, exist_ok=True)
             self.wandb = wandb.init(project=lg.wandb_project, name=lg.wandb_exp_name or None,
-                                    dir=save_dir, config=config_dict)
+                                    entity=lg.wandb_entity or None, dir=save_dir, config=config_dict)
 
-    def scalars(self, iteration: int, values: dict) -> None:
+    def scalars(self, iteration: int, values: dict, consumed_samples: int | None = None,
+                wandb: bool = True) -> None:
+        """Each value under its tag at step `iteration`, and (Megatron's twin) under
+        "<tag> vs samples" at step consumed_samples when given."""
         values = {k: v for k, v in values.items() if v is not None}
-        if self.tb is not None and iteration % self.interval == 0:
+        if self.tb is not None:
             for key, value in values.items():
                 self.tb.add_scalar(key, value, iteration)
-        if self.wandb is not None:
+                if consumed_samples is not None:
+                    self.tb.add_scalar(f"{key} vs samples", value, consumed_samples)
+        if self.wandb is not None and wandb and values:
             self.wandb.log(values, step=iteration)
 
     def close(self) -> None:

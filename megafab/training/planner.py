@@ -43,6 +43,15 @@ input e*s*b*h / r, output-layer input e*s*b*h / r (sharded under SP, as every li
 fp32 softmax 4*s*b*V / t; during the loss's backward also the logits' fp32 gradient 4*s*b*V / t
 (plus its cast for a bf16/fp16 model), before any recomputed group's activations exist.
 
+Context parallelism (cp > 1): every activation above is per rank with s -> s/cp (each rank holds
+s/cp tokens). Core attention under p2p/allgather is megafab's block kernels, which keep what flash
+keeps (output and fp32 log-sum-exp of the s/cp queries, whatever `kernels` says); under a2a the
+chosen kernel runs on a/cp heads of all s tokens.
+The K/V exchange adds a transient per rank, one layer at a time (kv = 2*b*g/t*d*s/cp elements):
+p2p kv*(2e + 8) (K/V being sent and received, dK/dV in fp32 travelling with them in backward),
+allgather cp*kv*(2e + 8) (gathered and reordered K/V, their fp32 gradients), a2a
+2*e*b*(a + 2g)/t*d*s/cp (one all-to-all's send and receive buffers for q, k, v).
+
 In flight (micro-batches whose activations are alive at once): 1F1B stage i holds min(pp - i, M);
 interleaved: min(2*(pp - i - 1) + (vpp - 1)*pp + 1, M*vpp) chunk-micro-batches (Megatron's warmup
 + 1); without pipelining one.
@@ -74,6 +83,7 @@ class StagePlan:
     forward_saved_bytes: int = 0  # what one micro-batch's forward leaves saved for its backward
     host_bytes: int = 0  # optimizer CPU offload: main params, Adam state and copy buffers on the host
     fsdp_transient_bytes: int = 0  # FSDP2: gathered weights and unsharded grads while in use
+    kv_exchange_bytes: int = 0  # context parallel: transient K/V exchange buffers (in the peak)
 
     @property
     def state_bytes(self) -> int:
@@ -146,12 +156,25 @@ def _norm_stats_bytes(m, s: int, b: int) -> int:
     return 4 * s * b * (2 if m.normalization == "LayerNorm" else 1)
 
 
+def attention_kernels(cfg, kernels: str) -> str:
+    """The kernels attention runs: CP p2p/allgather always use megafab's block kernels, which keep
+    what flash attention keeps (output and log-sum-exp, no probabilities)."""
+    p = cfg.parallel
+    return "flash" if p.context_parallel_size > 1 and p.cp_comm_type != "a2a" else kernels
+
+
 def core_attention_bytes(cfg, kernels: str) -> float:
     """Bytes the attention kernel itself keeps, on one TP rank (the QKV output is counted apart)."""
     m, t = cfg.model, cfg.training
     s, b, a, d = m.seq_length, t.micro_batch_size, m.num_attention_heads, m.kv_channels
     tp = cfg.parallel.tensor_model_parallel_size
     e = BYTES[cfg.precision.params_dtype_name]
+    cp = cfg.parallel.context_parallel_size
+    kernels = attention_kernels(cfg, kernels)
+    if cp > 1 and cfg.parallel.cp_comm_type != "a2a":
+        s //= cp  # megafab's block kernels keep what flash keeps, for this rank's s/cp queries
+    elif cp > 1:  # a2a: the kernel sees a/cp heads of all s tokens
+        a //= cp
     probs = a * s * s * b
     dropout = m.attention_dropout > 0
     if kernels == "unfused":
@@ -165,7 +188,7 @@ def core_attention_bytes(cfg, kernels: str) -> float:
 def _qkv_output_saved(cfg, kernels: str, recompute_core_attention: bool) -> bool:
     """CPU's math kernel (attention dropout) keeps its own copies of q, k, v, not the packed QKV."""
     m = cfg.model
-    if recompute_core_attention or kernels != "cpu" or m.attention_dropout == 0:
+    if recompute_core_attention or attention_kernels(cfg, kernels) != "cpu" or m.attention_dropout == 0:
         return True
     e = BYTES[cfg.precision.params_dtype_name]
     return m.num_query_groups == m.num_attention_heads and e >= 4
@@ -176,6 +199,7 @@ def layer_activation_bytes(cfg, kernels: str = "flash", recompute_core_attention
     CPU SDPA: flash without attention dropout, the math kernel with it); see the module docstring."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
     s, b, h = m.seq_length, t.micro_batch_size, m.hidden_size
+    s //= p.context_parallel_size  # CP: each rank holds s/cp tokens of every activation
     a, g, d, f = m.num_attention_heads, m.num_query_groups, m.kv_channels, m.ffn_hidden_size
     tp = p.tensor_model_parallel_size
     r = tp if p.sequence_parallel else 1
@@ -185,7 +209,8 @@ def layer_activation_bytes(cfg, kernels: str = "flash", recompute_core_attention
     fc1 = f * (2 if m.swiglu else 1)
     qkv_saved = _qkv_output_saved(cfg, kernels, recompute_core_attention)
     qkv = (a + 2 * g) * d if qkv_saved else 0
-    math_kernel = kernels == "cpu" and m.attention_dropout > 0 and not recompute_core_attention
+    math_kernel = attention_kernels(cfg, kernels) == "cpu" and m.attention_dropout > 0 and \
+        not recompute_core_attention
     rope = m.position_embedding_type == "rope"
     # The q and k given to attention are new tensors after RoPE (q also when copied out for GQA);
     # CPU's math kernel keeps its own copies instead.
@@ -193,6 +218,20 @@ def layer_activation_bytes(cfg, kernels: str = "flash", recompute_core_attention
     tp_region = e * s * b * (qkv + new_qk + a * d + fc1 + f + (f if m.swiglu else 0)) / tp
     core = 0.0 if recompute_core_attention else core_attention_bytes(cfg, kernels)
     return int(replicated / r + tp_region + core)
+
+
+def kv_exchange_bytes(cfg) -> int:
+    """Transient buffers of one layer's CP K/V exchange per rank (see the module docstring)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    cp, tp = p.context_parallel_size, p.tensor_model_parallel_size
+    if cp == 1:
+        return 0
+    e = BYTES[cfg.precision.params_dtype_name]
+    s, b, d = m.seq_length // cp, t.micro_batch_size, m.kv_channels
+    kv = 2 * b * m.num_query_groups // tp * d * s
+    if p.cp_comm_type == "a2a":
+        return 2 * e * b * (m.num_attention_heads + 2 * m.num_query_groups) // tp * d * s
+    return kv * (2 * e + 8) * (cp if p.cp_comm_type == "allgather" else 1)
 
 
 def in_flight_chunks(pp: int, vpp: int, pp_rank: int, micro_batches: int) -> int:
@@ -209,6 +248,8 @@ def plan(cfg, kernels: str = "flash") -> list[StagePlan]:
     pp, vpp, tp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1, \
         p.tensor_model_parallel_size
     s, b, h = m.seq_length, t.micro_batch_size, m.hidden_size
+    s //= p.context_parallel_size  # CP: each rank holds s/cp tokens
+    kv_exchange = kv_exchange_bytes(cfg)
     r = tp if p.sequence_parallel else 1
     e = BYTES[pr.params_dtype_name]
     granularity = m.recompute_granularity
@@ -244,13 +285,14 @@ def plan(cfg, kernels: str = "flash") -> list[StagePlan]:
         # activations come later, once the logits are freed.
         peak = chunks * chunk_kept + (embed + rotary) * min(chunks, pp if pp > 1 else 1) \
             + max(logits + loss_backward, transient)
+        peak += kv_exchange
         state = state_bytes(cfg, params, largest_fsdp_unit(cfg, rank))
         out.append(StagePlan(
             pp_rank=rank, params=params, weights_bytes=state.weights, grads_bytes=state.grads,
             optimizer_bytes=state.optimizer, host_bytes=state.host, fsdp_transient_bytes=state.fsdp_transient,
             activation_bytes_per_micro_batch=vpp * (chunk_kept + transient) + embed + rotary + logits,
             layer_activation_bytes=layer, logits_bytes=logits, in_flight=chunks / vpp,
-            activation_peak_bytes=int(peak),
+            activation_peak_bytes=int(peak), kv_exchange_bytes=kv_exchange,
             forward_saved_bytes=int(vpp * chunk_kept + embed + rotary + logits)))
     return out
 
@@ -282,7 +324,8 @@ def format_plan(cfg, stages: list[StagePlan], mfu: float = 0.4, peak_tflops: flo
     vpp = f" (VPP {p.virtual_pipeline_model_parallel_size})" if p.virtual_pipeline_model_parallel_size else ""
     lines = [f"megafab plan: world {p.world_size} = TP {p.tensor_model_parallel_size} x PP "
              f"{p.pipeline_model_parallel_size} x DP {p.data_parallel_size}{vpp}"
-             f", {cfg.precision.params_dtype_name}, recompute {cfg.model.recompute_granularity or 'none'}, "
+             + (f" x CP {p.context_parallel_size} ({p.cp_comm_type})" if p.context_parallel_size > 1 else "")
+             + f", {cfg.precision.params_dtype_name}, recompute {cfg.model.recompute_granularity or 'none'}, "
              f"{_sharding_summary(cfg)}"]
     for st in stages:
         fits = ""
@@ -297,7 +340,9 @@ def format_plan(cfg, stages: list[StagePlan], mfu: float = 0.4, peak_tflops: flo
                if st.fsdp_transient_bytes else "") +
             f" | activations {st.activation_bytes_per_micro_batch / gib:.2f} GiB/micro-batch"
             f" (layer {st.layer_activation_bytes / 2**20:.1f} MiB, logits {st.logits_bytes / gib:.2f} GiB)"
-            f" x {st.in_flight:g} in flight = {st.activation_peak_bytes / gib:.2f} GiB"
+            f" x {st.in_flight:g} in flight"
+            + (f" + K/V exchange {st.kv_exchange_bytes / 2**20:.1f} MiB" if st.kv_exchange_bytes else "")
+            + f" = {st.activation_peak_bytes / gib:.2f} GiB"
             f" | total {st.total_bytes / gib:.2f} GiB{fits}")
     model, hardware = iteration_flops(cfg)
     seconds = hardware / (p.world_size * peak_tflops * 1e12 * mfu)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import signal
 import time
 
@@ -19,10 +18,17 @@ from megafab.training.build import (
     init_distributed,
 )
 from megafab.training.data_setup import attach_tokenizer, build_data_iterators
-from megafab.training.flops import flops_per_iteration, peak_tflops
-from megafab.training.log_line import ScalarWriters, iteration_line, validation_line
 from megafab.training.loop_hooks import ManualGC, StepProfiler, setup_logging
+from megafab.training.run_record import (
+    arguments_block,
+    parameter_lines,
+    parameters_per_rank,
+    run_directory,
+    world_layout_line,
+    write_resolved_config,
+)
 from megafab.training.step import evaluate, train_step
+from megafab.training.train_log import TrainingLog
 
 
 class _SigtermFlag:
@@ -38,11 +44,6 @@ class _SigtermFlag:
         flag = torch.tensor([1.0 if self.received else 0.0], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return flag.item() > 0
-
-
-def log_rank(topo) -> bool:
-    """Megatron prints the iteration line on the last rank (it holds the loss)."""
-    return topo.rank == topo.world_size - 1
 
 
 def print_rank_0(topo, text: str) -> None:
@@ -75,30 +76,23 @@ def _should_exit(state, start_time: float, sigterm: _SigtermFlag) -> str | None:
     return None
 
 
-def train(state: TrainState, iterators, writers: ScalarWriters, gc_control: ManualGC) -> None:
+def train(state: TrainState, iterators, log: TrainingLog, gc_control: ManualGC) -> None:
     cfg, topo = state.cfg, state.topology
-    t, lg = cfg.training, cfg.logging
+    t = cfg.training
     total = train_iterations(cfg)
     train_iter, valid_iter, _ = iterators
     sigterm = _SigtermFlag(t.exit_signal_handler)
     profiler = StepProfiler(cfg, topo.rank, topo.device)
     start = time.time()
-    peak = peak_tflops(topo.device)
-    window_start, window_iters, window_samples = time.time(), 0, 0
     try:
         while state.iteration < total:
             profiler.before_step(state.iteration)
-            metrics = train_step(state, train_iter)
+            metrics = train_step(state, train_iter, log.timers)
             gc_control.after_step(state.iteration)
-            window_iters += 1
-            window_samples += metrics["global_batch_size"]
-            if state.iteration % lg.log_interval == 0:
-                _log_iteration(state, metrics, total, window_samples / window_iters,
-                               (time.time() - window_start) / window_iters, peak, writers)
-                window_start, window_iters, window_samples = time.time(), 0, 0
+            log.after_step(state, metrics)
             if t.eval_interval and state.iteration % t.eval_interval == 0 and valid_iter is not None:
                 with gc_control.evaluation():
-                    run_evaluation(state, valid_iter, "validation", writers)
+                    run_evaluation(state, valid_iter, "validation", log)
             if cfg.checkpoint.save and cfg.checkpoint.save_interval and \
                     state.iteration % cfg.checkpoint.save_interval == 0:
                 checkpointing.save_checkpoint(state)
@@ -113,39 +107,25 @@ def train(state: TrainState, iterators, writers: ScalarWriters, gc_control: Manu
         profiler.stop()
 
 
-def _log_iteration(state, metrics: dict, total: int, samples_per_iteration: float, elapsed: float, peak,
-                   writers: ScalarWriters) -> None:
-    """Megatron's iteration line (and scalars), timed over the iterations since the last one."""
-    cfg, topo, lg = state.cfg, state.topology, state.cfg.logging
-    tflops = flops_per_iteration(cfg, samples_per_iteration) / elapsed / topo.world_size / 1e12
-    line = {"consumed_samples": state.consumed_train_samples, "elapsed_ms": elapsed * 1000,
-            "tflops": tflops if lg.log_throughput else None,
-            "mfu": tflops / peak if (lg.log_throughput and peak) else None,
-            "tokens_per_sec": samples_per_iteration * cfg.model.seq_length / elapsed,
-            "lr": state.scheduler.get_lr(), "global_batch_size": metrics["global_batch_size"],
-            "lm loss": metrics["lm loss"],
-            "loss_scale": state.optimizer.grad_scaler.scale if state.optimizer.grad_scaler else 1.0,
-            "grad_norm": metrics["grad_norm"], "num_zeros": metrics["num_zeros"],
-            "skipped": state.skipped_iterations, "nan": state.nan_iterations}
-    if log_rank(topo):
-        print(iteration_line(state.iteration, total, line), flush=True)
-        writers.scalars(state.iteration, {
-            "lm loss": metrics["lm loss"], "learning-rate": line["lr"],
-            "grad-norm": metrics["grad_norm"], "loss-scale": line["loss_scale"],
-            "throughput/tokens-per-sec": line["tokens_per_sec"],
-            "throughput/tflops": tflops, "iteration-time-ms": line["elapsed_ms"]})
-
-
-def run_evaluation(state, data_iterator, label: str, writers: ScalarWriters,
+def run_evaluation(state, data_iterator, label: str, log: TrainingLog,
                    where: str | None = None) -> float | None:
     """where: Megatron's prefix after "<label> loss at", default "iteration N"."""
     loss = evaluate(state, data_iterator, state.cfg.training.eval_iters)
-    if log_rank(state.topology):
-        line = validation_line(label, where or f"iteration {state.iteration}", loss)
-        print("-" * 100 + "\n" + line + "\n" + "-" * 100, flush=True)
-        writers.scalars(state.iteration, {f"{label} loss": loss,
-                                          f"{label} ppl": math.exp(min(loss, 60.0))})
+    log.evaluation(state, label, where or f"iteration {state.iteration}", loss)
     return loss
+
+
+def record_start(state) -> None:
+    """The start-up summary (layout, resolved arguments, parameters per stage; rank 0) and the
+    resolved configuration as a file in the run directory."""
+    cfg, topo = state.cfg, state.topology
+    print_rank_0(topo, world_layout_line(topo, cfg))
+    print_rank_0(topo, arguments_block(cfg))
+    print_rank_0(topo, "\n".join(parameter_lines(parameters_per_rank(state.model, topo))))
+    directory = run_directory(cfg)
+    if directory and topo.rank == 0:
+        path = write_resolved_config(cfg, directory)
+        print_rank_0(topo, f"megafab: resolved configuration written to {path}")
 
 
 def pretrain(cfg) -> int:
@@ -153,7 +133,8 @@ def pretrain(cfg) -> int:
     tokenizer = attach_tokenizer(cfg)
     state = setup(cfg)
     topo = state.topology
-    print_rank_0(topo, f"megafab: {topo.world_size} process(es), tp {topo.tp} pp {topo.pp} dp {topo.dp}, "
+    cp = f" cp {topo.cp}" if topo.cp > 1 else ""
+    print_rank_0(topo, f"megafab: {topo.world_size} process(es), tp {topo.tp}{cp} pp {topo.pp} dp {topo.dp}, "
                        f"{topo.device} / {topo.backend}")
     notes = cfg.start_up_notes()
     if cfg.training.empty_unused_memory_level and topo.device.type != "cuda":
@@ -161,25 +142,25 @@ def pretrain(cfg) -> int:
                      f"(only CUDA's caching allocator holds unused memory)")
     for note in notes:
         print_rank_0(topo, f"megafab: note: {note}")
+    record_start(state)
     iterators = build_data_iterators(cfg, topo, state.consumed_train_samples, tokenizer)
     checkpointing.restore_pending_rng(state)
-    writers = ScalarWriters(cfg if log_rank(topo) else None, cfg.to_flat())
+    log = TrainingLog(cfg, topo, state.iteration)
     gc_control = ManualGC(cfg.training)
     try:
         if not cfg.training.skip_train:
-            train(state, iterators, writers, gc_control)
+            train(state, iterators, log, gc_control)
         total = train_iterations(cfg)
         with gc_control.evaluation():
             if iterators[1] is not None and cfg.training.eval_iters and state.iteration >= total:
-                run_evaluation(state, iterators[1], "validation", writers,
-                               "the end of training for val data")
+                run_evaluation(state, iterators[1], "validation", log, "the end of training for val data")
             if iterators[2] is not None and cfg.training.eval_iters and state.iteration >= total:
-                run_evaluation(state, iterators[2], "test", writers, "the end of training for test data")
+                run_evaluation(state, iterators[2], "test", log, "the end of training for test data")
         if cfg.checkpoint.save and state.iteration >= total and \
                 checkpointing.latest_iteration(cfg.checkpoint.save) != state.iteration:
             checkpointing.save_checkpoint(state)
     finally:
-        writers.close()
+        log.close()
         gc_control.close()
     dist.barrier()
     dist.destroy_process_group()

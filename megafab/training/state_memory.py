@@ -2,9 +2,9 @@
 data-parallel engine, from the config alone. The planner (megafab.training.planner) adds them to
 its stage rows; benchmarks/memory.py and tests measure them against the real tensors.
 
-P = parameters of the rank's stage (on its TP rank), d = DP size, e = bytes of the model dtype,
-m = bytes of a main param (4; 8 for fp64 models), f = --optimizer-offload-fraction (0 without
-offload), mixed = bf16/fp16:
+P = parameters of the rank's stage (on its TP rank), d = DP x CP size (the sharding group), e =
+bytes of the model dtype, m = bytes of a main param (4; 8 for fp64 models), f =
+--optimizer-offload-fraction (0 without offload), mixed = bf16/fp16:
 
                       weights      grads        optimizer (device)              host (offload)
   DDP                 e P          4 P          (1-f) (12 | 8) P                f (16 | 18) P
@@ -48,7 +48,7 @@ class StateBytes:
 def state_bytes(cfg, params: int, largest_unit: int) -> StateBytes:
     """StateBytes of a stage with `params` parameters whose largest FSDP2 unit has `largest_unit`."""
     p, o, pr = cfg.parallel, cfg.optimizer, cfg.precision
-    dp = p.data_parallel_size or 1
+    dp = (p.data_parallel_size or 1) * p.context_parallel_size  # shards over DP x CP
     e = BYTES[pr.params_dtype_name]
     mixed = pr.bf16 or pr.fp16
     main = 8 if pr.params_dtype_name == "float64" else 4

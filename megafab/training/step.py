@@ -8,9 +8,11 @@ import math
 import torch
 import torch.distributed as dist
 
+from megafab.distributed.context_parallel import context_parallel_masked_mean, split_for_context_parallel
 from megafab.distributed.finalize_grads import finalize_model_grads
 from megafab.distributed.fsdp import compute_dtype
 from megafab.distributed.pipeline import get_forward_backward_func
+from megafab.distributed.pipeline_steps import timed
 from megafab.model.gpt import masked_mean_loss
 from megafab.training.batch_size import global_batch_size_at, num_micro_batches_at
 from megafab.training.loop_hooks import empty_unused_memory
@@ -24,28 +26,52 @@ def _upcast(per_token_loss: torch.Tensor) -> torch.Tensor:
     return per_token_loss.float() if per_token_loss.dtype != torch.float64 else per_token_loss
 
 
-def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
-    loss = masked_mean_loss(_upcast(per_token_loss), loss_mask)
+def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor, cp_group=None):
+    """The micro-batch's masked mean; under CP over the whole sequence (all CP ranks' tokens)."""
+    if cp_group is None:
+        loss = masked_mean_loss(_upcast(per_token_loss), loss_mask)
+    else:
+        loss = context_parallel_masked_mean(_upcast(per_token_loss), loss_mask, cp_group)
     return loss, {"lm loss": loss.detach()}
 
 
 def per_token_loss_func(scale: float, loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
-    """--calculate-per-token-loss: sum(loss * mask) * scale, where scale = micro-batches x dp /
+    """--calculate-per-token-loss: sum(loss * mask) * scale, where scale = micro-batches x dp x cp /
     (tokens of the global batch), so that after the schedule's mean over micro-batches and DDP's
-    mean over DP the gradient is that of sum(loss * mask over the global batch) / its tokens."""
+    mean over DP x CP the gradient is that of sum(loss * mask over the global batch) / its tokens
+    (under CP each rank sums its own tokens)."""
     mask = loss_mask.to(torch.float64 if per_token_loss.dtype == torch.float64 else torch.float32)
     total = (_upcast(per_token_loss) * mask).sum()
     return total * scale, {"lm loss sum": total.detach(), "tokens": mask.sum().detach()}
 
 
-def gpt_forward_step(data_iterator, model, token_scale: float | None = None):
-    """Megatron's contract: (output, loss_func). Every stage reads the batch (RoPE needs positions)."""
-    batch = _to_device(next(data_iterator), next(model.parameters()).device)
+def get_batch_on_this_cp_rank(batch: dict, cp_group) -> dict:
+    """Megatron's name: this CP rank's two chunks of every [b, s] field (positions made explicit,
+    so learned and rotary embeddings see the tokens' global positions)."""
+    if cp_group is None:
+        return batch
+    assert batch.get("attention_mask") is None, "config refuses --reset-attention-mask under CP"
+    cp, cp_rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
+    batch = dict(batch)
+    if batch.get("position_ids") is None:
+        b, s = batch["tokens"].shape
+        batch["position_ids"] = torch.arange(s, device=batch["tokens"].device).expand(b, s)
+    for key in ("tokens", "labels", "loss_mask", "position_ids"):
+        batch[key] = split_for_context_parallel(batch[key], 1, cp_rank, cp)
+    return batch
+
+
+def gpt_forward_step(data_iterator, model, token_scale: float | None = None, cp_group=None, timers=None):
+    """Megatron's contract: (output, loss_func). Every stage reads the batch (RoPE needs positions);
+    with context parallelism every CP rank reads the same samples and keeps its chunks."""
+    with timed(timers, "batch-generator", 2):
+        batch = _to_device(next(data_iterator), next(model.parameters()).device)
+        batch = get_batch_on_this_cp_rank(batch, cp_group)
     output = model(batch["tokens"], batch.get("position_ids"), labels=batch["labels"],
                    attention_mask=batch.get("attention_mask"))
     if token_scale is not None:
         return output, functools.partial(per_token_loss_func, token_scale, batch["loss_mask"])
-    return output, functools.partial(loss_func, batch["loss_mask"])
+    return output, functools.partial(loss_func, batch["loss_mask"], cp_group=cp_group)
 
 
 def global_batch_tokens(batches: list, topo) -> float:
@@ -57,9 +83,10 @@ def global_batch_tokens(batches: list, topo) -> float:
     return local.item()
 
 
-def run_schedule(state, data_iterator, forward_only: bool, num_micro_batches: int | None = None) -> list:
+def run_schedule(state, data_iterator, forward_only: bool, num_micro_batches: int | None = None,
+                 timers=None) -> list:
     """One forward(-backward) pass over a global batch of num_micro_batches (default: the config's;
-    fewer while --rampup-batch-size ramps up)."""
+    fewer while --rampup-batch-size ramps up). timers: megafab.timers.Timers (or None)."""
     cfg, topo = state.cfg, state.topology
     p, t, m = cfg.parallel, cfg.training, cfg.model
     num_micro_batches = num_micro_batches or t.num_micro_batches
@@ -69,33 +96,38 @@ def run_schedule(state, data_iterator, forward_only: bool, num_micro_batches: in
     # iterator over the same data): take this step's batches once and replay them per chunk.
     batches = [next(data_iterator) for _ in range(num_micro_batches)]
     iterators = [iter(batches) for _ in range(vpp)] if vpp > 1 else iter(batches)
-    forward_step = gpt_forward_step
+    cp_group = topo.cp_group if topo.cp > 1 else None
+    forward_step = functools.partial(gpt_forward_step, cp_group=cp_group, timers=timers)
     if t.calculate_per_token_loss:
-        tokens = global_batch_tokens(batches, topo)
-        forward_step = functools.partial(gpt_forward_step,
-                                         token_scale=num_micro_batches * topo.dp / max(tokens, 1.0))
-    finalize = functools.partial(finalize_model_grads, topology=topo, sequence_parallel=p.sequence_parallel)
+        tokens = global_batch_tokens(batches, topo)  # full samples: every CP rank counts alike
+        forward_step = functools.partial(gpt_forward_step, cp_group=cp_group, timers=timers,
+                                         token_scale=num_micro_batches * topo.dp * topo.cp / max(tokens, 1.0))
+
+    def finalize(models):
+        with timed(timers, "all-grads-sync", 1):
+            finalize_model_grads(models, topology=topo, sequence_parallel=p.sequence_parallel)
     scaler = getattr(state.optimizer, "grad_scaler", None)
     return schedule(
         forward_step_func=forward_step, data_iterator=iterators,
         model=state.model if vpp > 1 else state.model[0], num_microbatches=num_micro_batches,
-        seq_length=m.seq_length, micro_batch_size=t.micro_batch_size, hidden_size=m.hidden_size,
+        seq_length=m.seq_length // topo.cp, micro_batch_size=t.micro_batch_size, hidden_size=m.hidden_size,
         topology=topo, dtype=compute_dtype(state.model[0]), forward_only=forward_only,
         sequence_parallel=p.sequence_parallel,
         finalize_model_grads_func=None if forward_only else finalize,
         no_sync_func=None if forward_only else [c.no_sync for c in state.model],
-        loss_scale=scaler.scale if scaler is not None else 1.0)
+        loss_scale=scaler.scale if scaler is not None else 1.0, timers=timers)
 
 
 def average_loss_across_dp(logs: list, topo, device) -> float | None:
-    """Mean over micro-batches on this rank, then over DP ranks (last stage only); with the
-    per-token loss, sum of token losses / tokens over the whole global batch."""
+    """Mean over micro-batches on this rank, then over DP ranks (last stage only; every CP rank
+    already holds its samples' whole-sequence loss); with the per-token loss, sum of token losses /
+    tokens over the whole global batch (all DP x CP ranks' tokens)."""
     if not topo.is_last_stage:
         return None
     if logs and "tokens" in logs[0]:
         sums = torch.stack([torch.stack([log["lm loss sum"], log["tokens"]]).double() for log in logs])
         total = sums.sum(dim=0).to(device)
-        dist.all_reduce(total, group=topo.dp_group)
+        dist.all_reduce(total, group=topo.dp_cp_group)  # under CP each rank summed its own tokens
         return (total[0] / total[1]).item()
     local = torch.stack([log["lm loss"].double() for log in logs]).mean() if logs else \
         torch.tensor(float("nan"), dtype=torch.float64)
@@ -104,14 +136,16 @@ def average_loss_across_dp(logs: list, topo, device) -> float | None:
     return local.item() / topo.dp
 
 
-def train_step(state, data_iterator) -> dict:
+def train_step(state, data_iterator, timers=None) -> dict:
     state.optimizer.zero_grad()  # zeroes every chunk's DDP grad buffer (once: it is a full memset)
     gbs = global_batch_size_at(state.cfg, state.consumed_train_samples)  # ramps with --rampup-batch-size
-    logs = run_schedule(state, data_iterator, forward_only=False,
-                        num_micro_batches=num_micro_batches_at(state.cfg, state.consumed_train_samples))
+    with timed(timers, "forward-backward", 1):
+        logs = run_schedule(state, data_iterator, forward_only=False, timers=timers,
+                            num_micro_batches=num_micro_batches_at(state.cfg, state.consumed_train_samples))
     memory_level = state.cfg.training.empty_unused_memory_level
     empty_unused_memory(memory_level, 1, state.topology.device)
-    ok, grad_norm, num_zeros = state.optimizer.step()
+    with timed(timers, "optimizer", 1):
+        ok, grad_norm, num_zeros = state.optimizer.step()
     empty_unused_memory(memory_level, 2, state.topology.device)
     state.consumed_train_samples += gbs
     state.iteration += 1

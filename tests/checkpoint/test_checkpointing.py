@@ -113,6 +113,7 @@ def _load_and_resave(rank, world, src, dst):
             state.optimizer.optimizer.state[entry.main]["exp_avg"].clone())
 
 
+@pytest.mark.smoke
 def test_tp2_dp2_state_loads_into_pp2_dp2_and_saves_back_bit_identical(tmp_path):
     """bf16 + distributed optimizer (fp32 main copies and Adam moments in flat DP ranges), SwiGLU,
     tied embeddings: TP2 x DP2 -> TP1 x PP2 x DP2 -> saved again: every tensor identical."""

@@ -78,8 +78,8 @@ def test_resume_after_sigkill_and_a_kill_during_save_matches_the_straight_run(tm
     assert sorted(got) == list(range(11, 21))
     assert [got[i] for i in range(11, 21)] == [expected[i] for i in range(11, 21)]
     assert latest_iteration(ckpt) == 20
-    assert sorted(os.listdir(ckpt)) == ["iter_0000010", "iter_0000020",
-                                        "latest_checkpointed_iteration.txt"]  # the stale .tmp is gone
+    assert sorted(os.listdir(ckpt)) == ["iter_0000010", "iter_0000020", "latest_checkpointed_iteration.txt",
+                                        "metrics.jsonl", "resolved_config.toml"]  # the stale .tmp is gone
 
 
 def _close(got: dict, expected: dict, iters) -> None:

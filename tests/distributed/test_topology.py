@@ -2,6 +2,8 @@ import pytest
 import torch.distributed as dist
 
 from megafab.distributed.topology import (
+    GROUP_KINDS,
+    Layout,
     TopologyError,
     all_group_ranks,
     build_topology,
@@ -115,3 +117,68 @@ def test_harness_turns_a_hung_rank_into_a_timeout():
 
 def test_harness_returns_each_ranks_value():
     assert run_ranks(lambda r, w: r * 10, 3, timeout=30) == [0, 10, 20]
+
+
+# ---- named axes (context parallel) ---------------------------------------------------------------
+def _layouts(world):
+    return [(tp, cp, pp) for tp in (1, 2, 4) for cp in (1, 2, 4) for pp in (1, 2, 4)
+            if world % (tp * cp * pp) == 0]
+
+
+@pytest.mark.parametrize("world", [8, 16])
+def test_every_group_is_the_ranks_that_agree_on_the_other_axes(world):
+    for tp, cp, pp in _layouts(world):
+        layout = Layout(world, tp=tp, cp=cp, pp=pp)
+        assert layout.dp == world // (tp * cp * pp)
+        coords = [layout.coords(r) for r in range(world)]
+        # tp-cp-ep-dp-pp, TP fastest
+        assert all(layout.rank(**c) == r for r, c in enumerate(coords))
+        assert all(r == c["tp"] + tp * (c["cp"] + cp * (c["dp"] + layout.dp * c["pp"]))
+                   for r, c in enumerate(coords))
+        for axes in GROUP_KINDS.values():
+            groups = layout.groups(*axes)
+            assert sorted(r for g in groups for r in g) == list(range(world))  # a partition
+            for g in groups:
+                others = {(a, coords[g[0]][a]) for a in coords[0] if a not in axes}
+                assert g == [r for r in range(world) if others <= set(coords[r].items())]
+            assert groups == layout.groups(*reversed(axes))  # names, not their order, decide
+
+
+def test_cp_groups_of_an_8_rank_tp2_cp2_pp2_grid():
+    groups = all_group_ranks(8, tp=2, pp=2, cp=2)
+    assert groups["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["tp_cp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert groups["dp"] == [[0], [1], [2], [3], [4], [5], [6], [7]]
+    assert groups["dp_cp"] == groups["cp"]
+    assert groups["pp"][:2] == [[0, 4], [1, 5]]
+    assert groups["mp"] == [[0, 1, 4, 5], [2, 3, 6, 7]]  # tp-pp: CP replicas are not in it
+
+
+def test_layout_with_cp_that_does_not_divide_the_world_is_refused_by_name():
+    with pytest.raises(TopologyError, match="world size 8 is not divisible by .*context-parallel-size 3"):
+        all_group_ranks(8, tp=1, pp=1, cp=3)
+    with pytest.raises(TopologyError, match="unknown parallel axis 'xp'"):
+        Layout(8).groups("xp")
+
+
+def _cp_groups(rank, world, tp, cp, pp):
+    topo = build_topology(tp=tp, pp=pp, cp=cp)
+    layout = Layout(world, tp=tp, cp=cp, pp=pp)
+    assert topo.cp_rank == layout.coords(rank)["cp"] and topo.dp == layout.dp
+    import torch
+
+    for kind, axes in GROUP_KINDS.items():
+        group = topo.group(*reversed(axes))
+        assert group is getattr(topo, f"{kind}_group")
+        assert dist.get_process_group_ranks(group) == layout.group_of(rank, *axes), kind
+        x = torch.tensor([float(rank)])
+        dist.all_reduce(x, group=group)
+        assert x.item() == sum(layout.group_of(rank, *axes))
+    assert topo.group("ep", "dp", "cp") is topo.dp_cp_group  # ep is an axis of size 1
+    return topo.describe()
+
+
+@pytest.mark.parametrize("tp,cp,pp", [(2, 2, 2), (1, 2, 2), (1, 4, 1)])
+def test_groups_by_axis_names_are_real_process_groups(tp, cp, pp):
+    described = run_ranks(_cp_groups, 8, tp, cp, pp, timeout=120)
+    assert f"cp 1/{cp}" in described[tp]

@@ -48,12 +48,13 @@ def _tp_parity(rank, world):
     return checked
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.smoke), 4])
 def test_gpt_tensor_and_sequence_parallel_equal_single_process(tp):
     checked = run_ranks(_tp_parity, tp, timeout=120)[0]
     assert len(checked) == (2 if tp == 1 else 4)
 
 
+@pytest.mark.smoke
 def test_parameter_names_follow_megatron_core():
     cfg = tiny_config(style=LLAMA_STYLE).model
     names = set(dict(reference_model(cfg).named_parameters()))

@@ -37,3 +37,36 @@ def test_num_workers_flag_is_honoured_and_dp_ranks_get_different_samples():
     [firsts] = run_ranks(_first_batches, 1, timeout=120)
     assert not torch.equal(firsts[0], firsts[1])  # DP ranks read different samples
     assert torch.equal(firsts[0], firsts[2]) and torch.equal(firsts[1], firsts[3])  # workers change nothing
+
+
+def _cp_ranks_read_the_same_samples(rank, world):
+    import torch.distributed as dist
+
+    from megafab.distributed.topology import build_topology
+    from megafab.training.step import get_batch_on_this_cp_rank
+
+    cfg = tiny_config(vocab_size=127, micro_batch_size=2, global_batch_size=4, train_iters=10,
+                      eval_interval=5, eval_iters=2, dp=4, num_workers=0,
+                      context_parallel_size=2)  # world 4 = CP 2 x DP 2
+    assert cfg.parallel.data_parallel_size == 2
+    topo = build_topology(cp=2)
+    train, _, _ = build_data_iterators(cfg, topo, consumed_train_samples=0)
+    batch = next(train)
+    mine = get_batch_on_this_cp_rank(batch, topo.cp_group)
+    pieces = [torch.empty_like(mine["tokens"]) for _ in range(2)]
+    dist.all_gather(pieces, mine["tokens"].contiguous(), group=topo.cp_group)
+    c = cfg.model.seq_length // 4  # CP rank r holds chunks r and 3 - r of 4
+    whole = torch.cat([pieces[0][:, :c], pieces[1][:, :c], pieces[1][:, c:], pieces[0][:, c:]], dim=1)
+    return topo.dp_rank, batch["tokens"], torch.equal(whole, batch["tokens"]), mine["position_ids"]
+
+
+def test_cp_ranks_of_a_dp_rank_read_the_same_samples_and_keep_their_chunks():
+    results = run_ranks(_cp_ranks_read_the_same_samples, 4, timeout=120)
+    by_dp = {}
+    for dp_rank, tokens, tiles, positions in results:
+        assert tiles  # the CP ranks' chunks reassemble the sample
+        by_dp.setdefault(dp_rank, []).append(tokens)
+        assert positions.shape[1] == tokens.shape[1] // 2
+    assert all(torch.equal(a, b) for a, b in by_dp.values())  # same samples on both CP ranks
+    assert not torch.equal(by_dp[0][0], by_dp[1][0])  # the sampler still splits over DP only
+    assert results[0][3][0].tolist() == [0, 1, 2, 3, 12, 13, 14, 15]  # seq 16: chunks 0 and 3

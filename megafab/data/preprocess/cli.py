@@ -50,7 +50,6 @@ REFUSED = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="preprocess_data.py",
         description=__doc__,
         allow_abbrev=False,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -119,12 +118,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--cleaning-report", default=None, metavar="PATH", help="also write the report as JSON"
     )
     group = parser.add_argument_group("tokenizer")
-    group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
-    group.add_argument("--vocab-file", default=None)
-    group.add_argument("--merge-file", default=None)
-    group.add_argument("--tokenizer-model", default=None)
-    group.add_argument("--vocab-size", type=int, default=None)
-    group.add_argument("--append-eod", action="store_true")
+    group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES,
+                       help="the tokenizer training will use (Megatron's names)")
+    group.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json (GPT2BPETokenizer)")
+    group.add_argument("--merge-file", default=None, help="GPT-2 merges.txt (GPT2BPETokenizer)")
+    group.add_argument("--tokenizer-model", default=None,
+                       help="SentencePiece .model, or a HuggingFace tokenizer.json / directory")
+    group.add_argument("--vocab-size", type=int, default=None,
+                       help="vocabulary size of NullTokenizer (ids are read from the text)")
+    group.add_argument("--append-eod", action="store_true",
+                       help="end every document with the tokenizer's end-of-document token")
     group.add_argument(
         "--tokenizer-engine",
         default="auto",
@@ -141,15 +144,19 @@ def build_parser() -> argparse.ArgumentParser:
         "Megatron turns them into the special tokens",
     )
     group = parser.add_argument_group("output and runtime")
-    group.add_argument("--output-prefix", required=True)
-    group.add_argument("--workers", type=int, default=1)
-    group.add_argument("--partitions", type=int, default=1)
+    group.add_argument("--output-prefix", required=True,
+                       help="writes PREFIX_<json key>_document.bin/.idx (PREFIX_text_document by default)")
+    group.add_argument("--workers", type=int, default=1, help="tokenizing processes (default: 1)")
+    group.add_argument("--partitions", type=int, default=1,
+                       help="split the input into this many parts, each with workers/partitions "
+                            "processes, merged at the end (default: 1)")
     group.add_argument(
         "--keep-sequential-samples",
         action="store_true",
         help="with --partitions: contiguous ranges of lines instead of round-robin (Megatron)",
     )
-    group.add_argument("--log-interval", type=int, default=1000)
+    group.add_argument("--log-interval", type=int, default=1000,
+                       help="print progress every this many documents (default: 1000)")
     group.add_argument(
         "--block-mb",
         type=float,

@@ -33,9 +33,9 @@ from megafab.data.indexed_dataset import (
 )
 from megafab.data.preprocess.blocks import BlockResult, WorkerContext, init_worker, process_block, read_blocks
 from megafab.data.preprocess.dedup import Deduplicator
-from megafab.data.preprocess.progress import Progress
 from megafab.data.preprocess.report import CleaningReport
 from megafab.data.readers import InputSource, jsonl_lines, read_records
+from megafab.progress import Progress
 
 
 def output_prefix_for(prefix: str, key: str) -> str:

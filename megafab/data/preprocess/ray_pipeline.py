@@ -37,8 +37,8 @@ from megafab.data.indexed_dataset import (
 from megafab.data.indexed_dataset import merge_datasets as merge_prefixes
 from megafab.data.preprocess.blocks import Block, init_worker, process_block, read_blocks
 from megafab.data.preprocess.pipeline import Assembler, Plan, Summary, output_prefix_for
-from megafab.data.preprocess.progress import Progress
 from megafab.data.readers import InputSource, require
+from megafab.progress import Progress
 
 
 @dataclass(frozen=True)
