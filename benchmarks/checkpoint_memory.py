@@ -77,9 +77,9 @@ def rank_entry(argv: list[str]) -> int:
         record["save_cpu_s"].append(time.process_time() - cpu)
         return out
 
-    def counted_write(shards, path):
+    def counted_write(shards, path, objects=None):
         record["written"] += sum(v.nbytes for s in shards.values() if s.write for v in s.views)
-        return write(shards, path)
+        return write(shards, path, objects)
 
     def measured_step(state, data_iterator, *timers):
         out = step(state, data_iterator, *timers)

@@ -219,6 +219,10 @@ def _checkpoint_flags(p):
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true")
     g.add_argument("--ckpt-format", default="torch_dist")
+    g.add_argument("--auto-detect-ckpt-format", action="store_true")
+    g.add_argument("--ckpt-step", type=int)
+    g.add_argument("--pretrained-checkpoint")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true")
 
 
 def _logging_flags(p):

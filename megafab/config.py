@@ -394,7 +394,16 @@ class CheckpointConfig:
     finetune: bool = False
     """Load only the weights; restart iteration count and optimizer."""
     ckpt_format: str = "torch_dist"
-    """torch_dist: torch.distributed.checkpoint, loadable into any layout."""
+    """torch_dist: Megatron-LM's distributed checkpoint (any layout loads it, megatron-core too);
+    torch: Megatron's legacy per-rank model_optim_rng.pt files."""
+    auto_detect_ckpt_format: bool = False
+    """Load whatever format the checkpoint has (torch_dist loads every format anyway)."""
+    ckpt_step: int | None = None
+    """Load this iteration instead of the one the tracker file names."""
+    pretrained_checkpoint: str | None = None
+    """When --load holds no checkpoint, fine-tune from the one in this directory."""
+    exit_on_missing_checkpoint: bool = False
+    """Stop with an error when --load holds no checkpoint, instead of training from scratch."""
 
 
 @dataclass
@@ -476,6 +485,7 @@ def field_docs() -> dict[str, str]:
     return docs
 
 
+CKPT_FORMATS = ("torch_dist", "torch")  # Megatron's distributed and legacy checkpoint formats
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 
 
@@ -936,9 +946,13 @@ def checkpoint_problems(cfg: Config) -> list[str]:
     out = []
     if c.save_interval and not c.save:
         out.append("--save-interval needs --save DIR")
-    if c.ckpt_format != "torch_dist":
-        out.append(f"--ckpt-format {c.ckpt_format!r} is not supported by megafab yet "
-                   f"(only torch_dist)")
+    if c.ckpt_format not in CKPT_FORMATS:
+        out.append(f"--ckpt-format {c.ckpt_format!r} is not supported by megafab (it reads and writes "
+                   f"{' and '.join(CKPT_FORMATS)})")
+    elif c.ckpt_format == "torch" and c.save and not c.no_save_optim:
+        out.append("--ckpt-format torch (Megatron's legacy files) is written without optimizer state: its "
+                   "layout follows Megatron's parameter order and buffers, which no other layout reads; add "
+                   "--no-save-optim, or save --ckpt-format torch_dist (the default, fully reshardable)")
     return out
 
 
@@ -1009,6 +1023,11 @@ def sharding_problems(cfg: Config) -> list[str]:
                        f"yet; use --transformer-impl local with FSDP2")
         if m.compile_layers:
             out.append(f"{flag} and --compile cannot be combined in megafab yet; drop --compile")
+        if cfg.checkpoint.ckpt_format == "torch" and cfg.checkpoint.save:
+            out.append(f"{flag} and --ckpt-format torch cannot be combined with --save: Megatron's legacy "
+                       f"files hold each TP rank's whole tensors, which FSDP2 keeps sharded over DP "
+                       f"(writing them would gather them on one rank); save --ckpt-format torch_dist "
+                       f"(the default, which loads at any DP size and without FSDP2)")
     fraction = o.optimizer_offload_fraction
     if fraction is not None and not 0.0 <= fraction <= 1.0:
         out.append(f"--optimizer-offload-fraction {fraction} must be in [0, 1] (the share of the "

@@ -59,6 +59,14 @@ REFUSED: dict[str, Refused] = {
     "--recompute-activations-offload": Refused(f"activation CPU offloading is {NOT_YET}"),
     "--delay-wgrad-compute": Refused(f"delayed weight-gradient computation is {NOT_YET}"),
     "--record-memory-history": Refused(f"CUDA memory-history snapshots are {NOT_YET}"),
+    "--async-save": Refused(f"asynchronous checkpoint saves are {NOT_YET}; saves are synchronous and atomic"),
+    "--non-persistent-save-interval": Refused(f"non-persistent checkpoints are {NOT_YET}"),
+    "--non-persistent-ckpt-type": Refused(f"non-persistent checkpoints are {NOT_YET}"),
+    "--ckpt-convert-format": Refused(
+        "convert with tools/convert_checkpoint.py convert --saver torch|torch_dist"),
+    "--dist-ckpt-strictness": Refused(
+        "megafab loads strictly: a key the model needs and the checkpoint lacks is an error, extra "
+        "checkpoint keys are ignored (Megatron's default)", off=("assume_ok_unexpected",)),
 }
 
 KERNELS = "a kernel-fusion choice of Megatron's; megafab runs these ops in eager PyTorch (--compile fuses)"
@@ -85,6 +93,13 @@ NO_EFFECT: dict[str, str] = {
                                        "the CPU step on CUDA (and has nothing to overlap on CPU)",
     "--init-model-with-meta-device": "megafab initializes each rank's own shard directly; the full "
                                      "model is never materialized on one rank",
+    "--use-dist-ckpt": "deprecated in Megatron-LM (see --ckpt-format); torch_dist is the default",
+    "--ckpt-fully-parallel-save": "every rank writes only its own boxes of a torch_dist checkpoint",
+    "--no-ckpt-fully-parallel-save": "every rank writes only its own boxes of a torch_dist checkpoint",
+    "--ckpt-fully-parallel-load": "every rank reads only its own boxes of a torch_dist checkpoint",
+    "--dist-ckpt-optim-fully-reshardable": "megafab's torch_dist optimizer state is always fully "
+                                           "reshardable (Megatron's fully_reshardable layout)",
+    "--ckpt-assume-constant-structure": "megafab plans every save anew",
 }
 
 

@@ -68,6 +68,8 @@ def test_impossible_combinations_are_refused_naming_both_flags():
         (["--data-parallel-sharding-strategy", "optim_grads", "--use-distributed-optimizer"],
          ["--data-parallel-sharding-strategy", "--use-megatron-fsdp"]),
         (["--torch-fsdp2-no-reshard-after-forward"], ["--torch-fsdp2-no-reshard-after-forward", fsdp]),
+        ([fsdp, "--ckpt-format", "torch", "--save", "/tmp/x", "--no-save-optim"],
+         [fsdp, "--ckpt-format torch"]),
     ]
     for argv, names in cases:
         text = _problems(argv)

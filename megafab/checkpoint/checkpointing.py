@@ -1,14 +1,15 @@
 """Save and load a training state as a checkpoint that loads into any TP/PP/VPP/DP layout.
 
-The directory and its atomic commit: directory.py. What each rank writes and reads: state.py (its
-own boxes only; no rank ever holds the DP-unsharded optimizer state). Loading never unpickles
-code: DCP tensors and safe metadata (dcp_io), JSON, and torch.load(weights_only=True) for the RNG
-files.
+Saved as Megatron-LM's torch_dist (megatron_dist.py; megatron-core loads it) or, with --ckpt-format
+torch, Megatron's legacy per-rank files (megatron_legacy.py). Loaded from either, or from megafab's
+earlier format (formats.py tells them apart by their files). The directory and its atomic commit:
+directory.py. What each rank writes and reads: state.py (its own boxes only; no rank ever holds the
+DP-unsharded optimizer state). Loading never unpickles code: DCP tensors and safe metadata (dcp_io),
+JSON, safe_pickle for Megatron's pickled files, torch.load(weights_only=True) for the RNG files.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -16,18 +17,19 @@ import time
 import torch
 import torch.distributed as dist
 
+from megafab.checkpoint import formats, megatron_dist
 from megafab.checkpoint import state as cs
-from megafab.checkpoint.directory import (
-    COMMON,
+from megafab.checkpoint.directory import (  # noqa: F401
     FORMAT_VERSION,
     TRACKER,
     commit_checkpoint,
-    existing_iteration_dir,
     iteration_dir,
     latest_iteration,
-    write_json,
 )
 from megafab.checkpoint.errors import CheckpointError
+from megafab.checkpoint.layout import STEP, split_key
+from megafab.checkpoint.megatron_args import check_model_args, megatron_namespace
+from megafab.checkpoint.source import RNG_DIR, MegafabSource, rng_file
 from megafab.checkpoint.vocab import adapt_padded_vocab
 from megafab.distributed.fsdp import compute_dtype
 
@@ -59,6 +61,7 @@ def _print0(topo, text: str) -> None:
 
 # ---- save ----------------------------------------------------------------------------------------
 def _common_state(state, with_optim: bool) -> dict:
+    """megafab's counters and config: JSON-able, kept in torch_dist's common.pt under `megafab`."""
     opt = state.optimizer
     scaler = getattr(opt, "grad_scaler", None)
     return {"format_version": FORMAT_VERSION, "iteration": state.iteration,
@@ -77,61 +80,116 @@ def _test_pause(iteration: int) -> None:
         time.sleep(float(spec.split(":")[1]))
 
 
+def _held_layers(state) -> list[int]:
+    names = [n for n, _ in cs.named_parameters(state) if n.startswith("decoder.layers.")]
+    return sorted({int(n.split(".")[2]) for n in names})
+
+
 def save_checkpoint(state) -> str:
-    """Collective: save `state` as SAVE/iter_NNNNNNN (directory.py); returns the path."""
+    """Collective: save `state` as SAVE/iter_NNNNNNN (directory.py) in --ckpt-format; returns the path."""
     cfg, topo = state.cfg, state.topology
-    root, iteration = cfg.checkpoint.save, state.iteration
+    ck = cfg.checkpoint
+    root, iteration = ck.save, state.iteration
     tmp = iteration_dir(root, iteration) + ".tmp"
     start = time.time()
-    with_optim = not cfg.checkpoint.no_save_optim
-    shards = cs.model_shards_for_save(state)
-    if with_optim:
-        shards.update(cs.optimizer_shards_for_save(state))
+    with_optim = not ck.no_save_optim
     if topo.rank == 0:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(os.path.join(tmp, "rng"))
+        os.makedirs(os.path.join(tmp, RNG_DIR))
     dist.barrier()
-    dcp_io().save_shards(shards, tmp)
-    if not cfg.checkpoint.no_save_rng:
-        torch.save(cs.rng_snapshot(state), os.path.join(tmp, "rng", f"rank_{topo.rank:05d}.pt"))
+    if ck.ckpt_format == formats.TORCH:
+        from megafab.checkpoint import megatron_legacy
+
+        megatron_legacy.save_rank_file(state, tmp, _common_state(state, False))
+    else:
+        _save_torch_dist(state, tmp, with_optim)
+    if not ck.no_save_rng:
+        torch.save(cs.rng_snapshot(state), rng_file(tmp, topo.rank))
     if topo.rank == 0:
-        write_json(os.path.join(tmp, COMMON), _common_state(state, with_optim))
         _test_pause(iteration)
     dist.barrier()
     if topo.rank == 0:
         commit_checkpoint(root, iteration)
     dist.barrier()
-    _print0(topo, f"saved checkpoint at iteration {iteration:7d} to {root} "
+    _print0(topo, f"saved checkpoint at iteration {iteration:7d} to {root} in {ck.ckpt_format} format "
                   f"({time.time() - start:.1f} s)")
     return iteration_dir(root, iteration)
 
 
+def _save_torch_dist(state, tmp: str, with_optim: bool) -> None:
+    cfg, topo = state.cfg, state.topology
+    dist_opt = cfg.parallel.use_distributed_optimizer
+    shards = cs.model_shards_for_save(state)
+    if with_optim:
+        shards.update(cs.optimizer_shards_for_save(state))
+    objects = {}
+    if topo.tp_rank == 0 and topo.dp_rank == 0:
+        objects = megatron_dist.extra_state_objects(_held_layers(state), cfg.model.num_layers)
+    dcp_io().save_shards(megatron_dist.megatron_shards(shards, cfg.model, dist_opt), tmp, objects)
+    if topo.rank == 0:
+        args = megatron_namespace(cfg, state.iteration, state.consumed_train_samples, formats.TORCH_DIST,
+                                  not with_optim, cfg.checkpoint.no_save_rng)
+        step = float(cs.common_step(state.optimizer)) if with_optim else None
+        megatron_dist.write_common(tmp, megatron_dist.common_state(
+            args, state.iteration, _common_state(state, with_optim), state.scheduler.state_dict(), step,
+            dist_opt))
+
+
 # ---- load ----------------------------------------------------------------------------------------
+def open_source(found: formats.Found, model_cfg):
+    """The CheckpointSource of a found checkpoint (source.py)."""
+    if found.format == formats.MEGAFAB:
+        return MegafabSource(found.path)
+    if found.format == formats.TORCH_DIST:
+        return megatron_dist.TorchDistSource(found.path, model_cfg, found.release)
+    from megafab.checkpoint import megatron_legacy
+
+    return megatron_legacy.LegacySource(found.path, model_cfg, found.release)
+
+
 def load_checkpoint(state) -> int | None:
     """Collective: restore `state` from --load (see the flags in CheckpointConfig); returns the
     iteration loaded, or None when the directory holds no checkpoint (training starts fresh)."""
     cfg, topo = state.cfg, state.topology
     ck = cfg.checkpoint
-    iteration = latest_iteration(ck.load)
-    if iteration is None:
+    load_dir, finetune = ck.load, ck.finetune
+    found = formats.find_checkpoint(load_dir, ck.ckpt_step) if load_dir else None
+    if found is None and ck.pretrained_checkpoint:  # Megatron: fine-tune from it until --load has one
+        load_dir, finetune = ck.pretrained_checkpoint, True
+        found = formats.find_checkpoint(load_dir)
+        if found is None:
+            raise CheckpointError(f"neither --load {ck.load} nor --pretrained-checkpoint {load_dir} holds a "
+                                  f"checkpoint ({TRACKER} not found); point them at a --save directory")
+    if found is None:
+        if ck.exit_on_missing_checkpoint:
+            raise CheckpointError(f"--load {ck.load} holds no checkpoint ({TRACKER} not found) and "
+                                  f"--exit-on-missing-checkpoint is set; fix the path or drop the flag")
         _print0(topo, f"megafab: no checkpoint in {ck.load} ({TRACKER} not found); training from scratch")
         return None
-    path = existing_iteration_dir(ck.load, iteration)
-    if not os.path.isfile(os.path.join(path, COMMON)):
-        raise CheckpointError(f"{path} has no {COMMON}: it is not a megafab checkpoint (a Megatron-LM "
-                              f"torch or torch_dist checkpoint must be converted first)")
-    with open(os.path.join(path, COMMON)) as f:
-        common = json.load(f)
-    if common.get("scheduler") is None and not ck.finetune:
+    formats.check_requested_format(found, ck.ckpt_format, ck.auto_detect_ckpt_format)
+    source = open_source(found, cfg.model)
+    path, iteration = found.path, found.iteration
+    finetune = finetune or found.release  # Megatron: a release checkpoint is always fine-tuned from
+    if source.saved_args is not None:
+        check_model_args(source.saved_args, cfg.model, path)
+    else:
+        _print0(topo, f"megafab: note: {path} records no args; the model flags are checked against its "
+                      f"tensor shapes only")
+    if source.counters is None and not finetune:
         raise CheckpointError(f"{path} holds weights only (no iteration, scheduler or optimizer state, "
-                              f"e.g. imported from HuggingFace); continue from it with --finetune")
-    load_optim = not ck.finetune and not ck.no_load_optim and common["has_optimizer"]
-    if not ck.finetune and not ck.no_load_optim and not common["has_optimizer"]:
+                              f"e.g. imported from HuggingFace or saved by dist_checkpointing alone); "
+                              f"continue from it with --finetune")
+    load_optim = not finetune and not ck.no_load_optim and source.has_optimizer
+    if load_optim and source.optimizer_problem:
+        raise CheckpointError(f"{path} cannot restore the optimizer: {source.optimizer_problem}; pass "
+                              f"--no-load-optim to load the weights and counters with a fresh optimizer "
+                              f"(or --finetune)")
+    if not finetune and not ck.no_load_optim and not source.has_optimizer:
         _print0(topo, "megafab: note: the checkpoint holds no optimizer state (--no-save-optim); "
                       "the optimizer starts fresh")
 
-    stored = dcp_io().read_metadata(path).state_dict_metadata
+    stored = source.stored
     # A checkpoint saved from an fp32 model has no main copies; bf16 mains then take the weights.
     with_main = load_optim and any(k.endswith(".main_param") for k in stored)
     shards, gather = cs.model_shards_for_load(state, masters_from_main=with_main)
@@ -142,34 +200,37 @@ def load_checkpoint(state) -> int | None:
     notes = []
 
     def prepare():
-        note = adapt_padded_vocab(shards, stored, common["config"].get("vocab_size"), cfg.model,
-                                  cfg.training.seed, _model_dtype(state))
+        vocab = source.saved_vocab_size or cfg.model.vocab_size  # Megatron records only the padded size
+        note = adapt_padded_vocab(shards, stored, vocab, cfg.model, cfg.training.seed, _model_dtype(state))
         notes.extend([note] if note else [])
-        dcp_io().check_shards(shards, stored)
+        # Megatron keeps Adam's step in common.pt, not as tensors
+        dcp_io().check_shards({k: s for k, s in shards.items() if k in stored or split_key(k)[1] != STEP},
+                              stored)
 
     _check_on_every_rank(topo, prepare)
     for note in notes:
         _print0(topo, f"megafab: note: {note}")
-    dcp_io().load_shards(shards, path)
+    source.read(shards)
     cs.gather_params(gather)
     cs.refresh_main_params(state, skip={id(t.entry) for t in targets if t.main_loaded})
+    counters = source.counters
     if load_optim:
         cs.apply_optimizer_state(state, targets)
-        state.optimizer.iteration = common["optimizer_iteration"]
+        state.optimizer.iteration = counters.optimizer_iteration
         scaler = getattr(state.optimizer, "grad_scaler", None)
-        if scaler is not None and common["grad_scaler"] is not None:
-            scaler.load_state_dict(common["grad_scaler"])
+        if scaler is not None and counters.grad_scaler is not None:
+            scaler.load_state_dict(counters.grad_scaler)
 
-    if not ck.finetune:
-        state.iteration = common["iteration"]
-        state.consumed_train_samples = common["consumed_train_samples"]
-        state.skipped_iterations = common["skipped_iterations"]
-        state.nan_iterations = common["nan_iterations"]
-        state.scheduler.load_state_dict(common["scheduler"])
-        _load_rng(state, path, common)
+    if not finetune:
+        state.iteration = counters.iteration
+        state.consumed_train_samples = counters.consumed_train_samples
+        state.skipped_iterations = counters.skipped_iterations
+        state.nan_iterations = counters.nan_iterations
+        state.scheduler.load_state_dict({**state.scheduler.state_dict(), **counters.scheduler})
+        _load_rng(state, source)
     dist.barrier()
-    _print0(topo, f"loaded checkpoint from {ck.load} at iteration {iteration}"
-                  + (" (finetune: weights only, starting at iteration 0)" if ck.finetune else ""))
+    _print0(topo, f"loaded checkpoint from {load_dir} at iteration {iteration} ({source.format} format"
+                  + ("; finetune: weights only, starting at iteration 0)" if finetune else ")"))
     return iteration
 
 
@@ -191,16 +252,16 @@ def _check_on_every_rank(topo, check) -> None:
                                        "see that rank's message")
 
 
-def _load_rng(state, path: str, common: dict) -> None:
+def _load_rng(state, source) -> None:
     cfg, topo = state.cfg, state.topology
-    if cfg.checkpoint.no_load_rng or not common["has_rng"]:
+    if cfg.checkpoint.no_load_rng:
         return
-    saved, here = common["layout"], _layout(topo, cfg)
-    if saved != here:
-        _print0(topo, f"megafab: note: checkpoint layout {saved} differs from this run's {here}; "
-                      f"RNG states are per rank, so they are not restored (dropout masks will differ)")
+    file, note = source.rng_path(topo.rank, _layout(topo, cfg))
+    if note is not None:
+        _print0(topo, f"megafab: note: {note}")
+    if file is None:
         return
-    snap = torch.load(os.path.join(path, "rng", f"rank_{topo.rank:05d}.pt"), weights_only=True)
+    snap = torch.load(file, weights_only=True)
     cs.restore_rng(state, snap)
     state.extra[PENDING_RNG] = snap
 

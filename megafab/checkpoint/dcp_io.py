@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import enum
 import math
+import os
 import pickle
 import warnings
 
@@ -35,7 +36,15 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megafab.checkpoint.errors import CheckpointError
@@ -67,26 +76,30 @@ def _dcp_state_dict(shards: dict[str, Shard]) -> dict:
 
 class _ShardSavePlanner(DefaultSavePlanner):
     """DCP's default planner (dedup of replicas, validation of the global plan) fed with the
-    boxes of explicit Shards."""
+    boxes of explicit Shards, and plain objects DCP torch.saves as bytes."""
 
-    def __init__(self, shards: dict[str, Shard]):
+    def __init__(self, shards: dict[str, Shard], objects: dict | None = None):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.shards = shards
+        self.shards, self.objects = shards, objects or {}
         self.views = {(fqn, box.offsets): view for fqn, s in shards.items() if s.write
                       for box, view in zip(s.boxes, s.views)}
 
     def create_local_plan(self) -> SavePlan:
-        self.plan = SavePlan([_write_item(fqn, s, box, view) for fqn, s in self.shards.items() if s.write
-                              for box, view in zip(s.boxes, s.views)])
+        items = [_write_item(fqn, s, box, view) for fqn, s in self.shards.items() if s.write
+                 for box, view in zip(s.boxes, s.views)]
+        items += [WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO) for fqn in self.objects]
+        self.plan = SavePlan(items)
         return self.plan
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         plan = super().finish_plan(new_plan)
         self.progress = _bar(sum(self.views[(i.index.fqn, tuple(i.index.offset))].nbytes
-                                 for i in plan.items), "checkpoint save")
+                                 for i in plan.items if i.type != WriteItemType.BYTE_IO), "checkpoint save")
         return plan
 
     def lookup_object(self, index: MetadataIndex):
+        if index.fqn in self.objects:
+            return self.objects[index.fqn]
         return _exact_storage(self.views[(index.fqn, tuple(index.offset))])
 
     def resolve_data(self, write_item: WriteItem):
@@ -133,6 +146,22 @@ class _ShardLoadPlanner(DefaultLoadPlanner):
     def commit_tensor(self, read_item, tensor: torch.Tensor) -> None:
         super().commit_tensor(read_item, tensor)
         self.progress.update(math.prod(read_item.lengths) * tensor.element_size())
+
+
+class _BytesLoadPlanner(DefaultLoadPlanner):
+    """Reads byte objects as raw bytes: DCP's default would torch.load (unpickle) them."""
+
+    def __init__(self, keys: list[str]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.keys, self.raw = keys, {}
+
+    def create_local_plan(self) -> LoadPlan:
+        none = torch.Size((0,))
+        return LoadPlan([ReadItem(LoadItemType.BYTE_IO, MetadataIndex(k), none, MetadataIndex(k), none, none)
+                         for k in self.keys])
+
+    def load_bytes(self, read_item: ReadItem, value) -> None:
+        self.raw[read_item.dest_index.fqn] = value.getvalue()
 
 
 def check_stored_shape(fqn: str, md, global_shape) -> None:
@@ -190,7 +219,15 @@ class SafeFileSystemReader(FileSystemReader):
 
 def read_metadata(path: str) -> Metadata:
     """The DCP metadata of the checkpoint directory `path` (keys, global shapes, chunks)."""
-    return SafeFileSystemReader(path).read_metadata()
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise CheckpointError(f"{path} has no .metadata (the index of its DCP tensor files): the save did "
+                              f"not finish or the copy is partial; copy the whole directory, or load an "
+                              f"earlier iteration")
+    try:
+        return SafeFileSystemReader(path).read_metadata()
+    except (EOFError, pickle.UnpicklingError) as e:
+        raise CheckpointError(f"{path}/.metadata is truncated or corrupt ({e}); restore it from the "
+                              f"original run") from None
 
 
 def check_shards(shards: dict[str, Shard], stored: dict) -> None:
@@ -209,10 +246,22 @@ def _maybe_without_process_group():
         yield not dist.is_initialized()
 
 
-def save_shards(shards: dict[str, Shard], path: str) -> None:
-    """Collective: write every rank's boxes into `path` (also works in a process without
-    torch.distributed, e.g. a conversion tool)."""
-    planner = _ShardSavePlanner(shards)
+def check_files(path: str, metadata: Metadata) -> None:
+    """Refuse a partial checkpoint (a rank's file missing) before any rank starts reading."""
+    files = sorted({info.relative_path for info in metadata.storage_data.values()})
+    missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
+    if missing:
+        raise CheckpointError(
+            f"{path} is incomplete: its .metadata lists {len(files)} data files but {', '.join(missing[:4])}"
+            f"{' ...' if len(missing) > 4 else ''} are missing (a save that did not finish, or a partial "
+            f"copy); copy the whole directory, or load an earlier iteration")
+
+
+def save_shards(shards: dict[str, Shard], path: str, objects: dict | None = None) -> None:
+    """Collective: write every rank's boxes into `path`, and `objects` (key -> picklable plain
+    data, torch.saved as DCP bytes; write each from one rank). Also works in a process without
+    torch.distributed, e.g. a conversion tool."""
+    planner = _ShardSavePlanner(shards, objects)
     try:
         with _maybe_without_process_group() as no_dist:
             dcp.save(_dcp_state_dict(shards), storage_writer=FileSystemWriter(path, thread_count=1),
@@ -220,6 +269,15 @@ def save_shards(shards: dict[str, Shard], path: str) -> None:
     finally:
         if hasattr(planner, "progress"):
             planner.progress.close()
+
+
+def read_objects(path: str, keys: list[str]) -> dict[str, bytes]:
+    """The raw (still pickled) bytes of byte objects `keys`; this rank alone, no collective."""
+    planner = _BytesLoadPlanner(keys)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({}, storage_reader=SafeFileSystemReader(path), planner=planner, no_dist=True)
+    return planner.raw
 
 
 def load_shards(shards: dict[str, Shard], path: str) -> None:

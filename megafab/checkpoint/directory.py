@@ -30,22 +30,34 @@ def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def latest_iteration(save_dir: str) -> int | None:
-    """The iteration the tracker file names, or None when there is no checkpoint."""
+RELEASE = "release"  # Megatron's tracker text for a released checkpoint, stored in SAVE/release/
+
+
+def read_tracker(save_dir: str) -> int | str | None:
+    """The iteration the tracker file names, RELEASE, or None when there is no checkpoint."""
     path = os.path.join(save_dir, TRACKER)
     if not os.path.exists(path):
         return None
     text = open(path).read().strip()
+    if text == RELEASE:
+        return RELEASE
     try:
         return int(text)
     except ValueError:
-        raise CheckpointError(f"{path} holds {text!r}, not an iteration number; fix or delete the file "
-                              f"(it must name an existing iter_NNNNNNN directory)") from None
+        raise CheckpointError(f"{path} holds {text!r}, not an iteration number or 'release'; fix or delete "
+                              f"the file (it must name an existing iter_NNNNNNN directory)") from None
 
 
-def existing_iteration_dir(root: str, iteration: int) -> str:
-    """The directory of a committed iteration (its .old twin if a re-save was killed mid-commit)."""
-    path = iteration_dir(root, iteration)
+def latest_iteration(save_dir: str) -> int | None:
+    """The iteration the tracker file names (0 for a release), or None when there is no checkpoint."""
+    tracked = read_tracker(save_dir)
+    return 0 if tracked == RELEASE else tracked
+
+
+def existing_iteration_dir(root: str, iteration: int | str) -> str:
+    """The directory of a committed iteration (its .old twin if a re-save was killed mid-commit);
+    iteration RELEASE: SAVE/release."""
+    path = os.path.join(root, RELEASE) if iteration == RELEASE else iteration_dir(root, iteration)
     if not os.path.isdir(path) and os.path.isdir(path + ".old"):
         return path + ".old"
     if not os.path.isdir(path):

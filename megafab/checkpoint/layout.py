@@ -20,8 +20,11 @@ under its *global* shape, that of the TP=1 parameter, with two rules:
   `embedding.word_embeddings.weight`.
 
 Dim 0 of the word embedding and of an untied output layer is the *padded* vocabulary (Megatron
-pads vocab_size to a multiple of make-vocab-size-divisible-by x TP); common.json records
+pads vocab_size to a multiple of make-vocab-size-divisible-by x TP); the checkpoint's args record
 vocab_size, so a model padded otherwise keeps the real rows (megafab.checkpoint.vocab).
+
+These keys are megafab's own, used in memory; on disk they are Megatron's (megatron_keys.py maps
+each (key, box) to Megatron's, stacked layers and all).
 
 What a rank holds of a parameter is described by its ParamLayout: the stored name, the global
 shape and this rank's TP block (offsets and shape in the stored view). Any flat range [lo, hi) of
@@ -40,6 +43,7 @@ import torch
 
 from megafab.checkpoint.boxes import Box, flat_range_boxes
 from megafab.model.gpt import WORD_EMBEDDING
+from megafab.model.te import te_to_local_name
 
 MODEL_PREFIX = "model."
 OPTIM_PREFIX = "optim."
@@ -86,6 +90,26 @@ def strided_shape(shape: tuple[int, ...], dim: int, stride: int) -> tuple[int, .
 def partition_stride(name: str, model_cfg) -> int:
     """The partition_stride training gives parameter `name` (2: SwiGLU's packed fc1 weight and bias)."""
     return 2 if model_cfg.swiglu and ".mlp.linear_fc1." in name else 1
+
+
+_COLUMN_PARALLEL = ("self_attention.linear_qkv.", "mlp.linear_fc1.")  # weight and bias split on dim 0
+_ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")  # split on dim 1
+
+
+def tp_partition(name: str, model_cfg) -> tuple[int, int] | None:
+    """(partition_dim, partition_stride) of a TP-split parameter, None for a TP-replicated one: the
+    attributes megafab's layers give their parameters, by name, for files that carry none (Megatron's
+    legacy per-rank checkpoints). Vocabulary-parallel embeddings and column-parallel linears split
+    dim 0; row-parallel weights dim 1 (their biases, norms and position embeddings are replicated)."""
+    if name in VOCAB_PADDED:
+        return 0, 1
+    local = te_to_local_name(name) or name  # TE's fused layer norms are replicated like the local ones
+    suffix = local.split(".", 3)[-1] if local.startswith("decoder.layers.") else ""
+    if suffix.startswith(_COLUMN_PARALLEL):
+        return 0, partition_stride(name, model_cfg)
+    if suffix in _ROW_PARALLEL:
+        return 1, 1
+    return None
 
 
 def to_stored(name: str, full: torch.Tensor, model_cfg) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Megatron pads the vocabulary to a multiple of make-vocab-size-divisible-by x TP, so a new TP size
 often changes the padded size: dim 0 of the word embedding and of an untied output layer. Rows
-[0, vocab_size) are the real tokens (common.json records vocab_size) and are read from the
+[0, vocab_size) are the real tokens (the checkpoint's args record vocab_size) and are read from the
 checkpoint, model and optimizer state alike. This model's padding rows start as initialization
 sets them (megafab.model.init: normal(0, init_method_std) from the (seed, name) stream of the full
 padded tensor, built in float32 -- float64 for float64 models -- and cast, as the layers build

@@ -1,15 +1,26 @@
-"""Convert between HuggingFace transformers models and megafab checkpoints (GPT-2 and Llama).
+"""Convert checkpoints between megafab, Megatron-LM (torch_dist and legacy torch) and HuggingFace
+(GPT-2, Llama), from any TP/PP layout to any other.
 
-    # HF directory -> megafab checkpoint; then: pretrain_gpt.py --load megafab_ckpt --finetune ...
-    megafab-convert import-hf --hf-dir llama_hf --save megafab_ckpt \\
-        --tensor-model-parallel-size 2 --make-vocab-size-divisible-by 128
+    # any checkpoint --load reads (Megatron torch_dist or torch, megafab; format told by its files)
+    # -> Megatron legacy torch files for TP 2 x PP 2 (what Megatron-LM loads with --ckpt-format torch)
+    megafab-convert convert --load-dir checkpoints/gpt --save-dir gpt_torch \\
+        --saver torch --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
 
-    # megafab checkpoint saved with any TP/PP/DP layout -> HF directory (config.json,
-    # model.safetensors, tokenizer files when the tokenizer is HF, SentencePiece or GPT-2 BPE)
+    # -> torch_dist (megafab's and Megatron's default; any layout loads it, the vocabulary is padded
+    #    for the target TP as Megatron expects), or a HF directory
+    megafab-convert convert --load-dir gpt_torch --save-dir gpt_dist --saver torch_dist
+    megafab-convert convert --load-dir gpt_dist --save-dir gpt_hf --saver hf
+
+    # a HF directory -> any checkpoint format; then pretrain_gpt.py --load gpt_dist --finetune ...
+    megafab-convert convert --hf-dir llama_hf --save-dir llama_dist --saver torch_dist \\
+        --target-tensor-parallel-size 2 --make-vocab-size-divisible-by 128
+
+    # shorthands kept from earlier releases
+    megafab-convert import-hf --hf-dir llama_hf --save megafab_ckpt
     megafab-convert export-hf --load checkpoints/gpt --hf-dir gpt_hf
 
-The imported vocabulary is padded as training pads it: to a multiple of
---make-vocab-size-divisible-by x --tensor-model-parallel-size; pass the values training will use.
+Converted checkpoints hold weights only: continue from them with --finetune. Flags are named as in
+Megatron-LM's tools/checkpoint/convert.py (--load-dir, --save-dir, --saver, --target-*-parallel-size).
 """
 
 from __future__ import annotations
@@ -19,53 +30,96 @@ import sys
 
 import torch
 
-from megafab.checkpoint import CheckpointError
-from megafab.config import ConfigError
-from megafab.convert import ConversionError, export_hf, import_hf, read_checkpoint, write_checkpoint
-from megafab.data.errors import DataError
+from megafab.checkpoint.formats import CKPT_FORMATS
+from megafab.convert import export_hf, import_hf, read_checkpoint, write_checkpoint
+from megafab.errors import MegafabError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SAVERS = (*CKPT_FORMATS, "hf")
+
+
+def progress(items, desc: str):
+    """A tqdm bar on stderr for each phase (reading layer by layer, writing file by file)."""
+    from tqdm import tqdm
+
+    items = list(items)
+    return tqdm(items, desc=desc, total=len(items), file=sys.stderr, unit="step", dynamic_ncols=True)
 
 
 def parse(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    imp = sub.add_parser("import-hf", help="HF model directory -> megafab checkpoint", allow_abbrev=False)
+    conv = sub.add_parser("convert", help="any checkpoint or HF directory -> any format", allow_abbrev=False)
+    source = conv.add_mutually_exclusive_group(required=True)
+    source.add_argument("--load-dir", help="checkpoint directory (the --save of a run; any format)")
+    source.add_argument("--hf-dir", help="HF model directory written by save_pretrained")
+    conv.add_argument("--iteration", type=int, default=None, help="default: the latest")
+    conv.add_argument("--save-dir", required=True, help="directory to write")
+    conv.add_argument("--saver", choices=SAVERS, default="torch_dist", help="output format")
+    conv.add_argument("--target-tensor-parallel-size", type=int, default=None,
+                      help="TP the output is laid out (legacy files) and vocab-padded for; default: the "
+                           "input's")
+    conv.add_argument("--target-pipeline-parallel-size", type=int, default=None,
+                      help="PP of legacy torch output (recorded in its args otherwise); default: the input's")
+    conv.add_argument("--make-vocab-size-divisible-by", type=int, default=128, help="with --hf-dir")
+    conv.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: as stored")
+
+    imp = sub.add_parser("import-hf", help="HF model directory -> torch_dist checkpoint", allow_abbrev=False)
     imp.add_argument("--hf-dir", required=True, help="directory written by save_pretrained")
-    imp.add_argument("--save", required=True, help="megafab checkpoint directory to write")
+    imp.add_argument("--save", required=True, help="checkpoint directory to write")
     imp.add_argument("--tensor-model-parallel-size", type=int, default=1,
                      help="TP size training will use (sets the vocabulary padding)")
     imp.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     imp.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: as stored")
-    exp = sub.add_parser("export-hf", help="megafab checkpoint -> HF model directory", allow_abbrev=False)
-    exp.add_argument("--load", required=True, help="megafab checkpoint directory (the --save of training)")
+    exp = sub.add_parser("export-hf", help="checkpoint -> HF model directory", allow_abbrev=False)
+    exp.add_argument("--load", required=True, help="checkpoint directory (the --save of training)")
     exp.add_argument("--iteration", type=int, default=None, help="default: the latest")
     exp.add_argument("--hf-dir", required=True, help="directory to write")
     exp.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: as stored")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.command == "import-hf":  # the shorthands are conversions like any other
+        args = argparse.Namespace(command="convert", load_dir=None, hf_dir=args.hf_dir, iteration=None,
+                                  save_dir=args.save, saver="torch_dist",
+                                  target_tensor_parallel_size=args.tensor_model_parallel_size,
+                                  target_pipeline_parallel_size=None, dtype=args.dtype,
+                                  make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+    elif args.command == "export-hf":
+        args = argparse.Namespace(command="convert", load_dir=args.load, hf_dir=None,
+                                  iteration=args.iteration, save_dir=args.hf_dir, saver="hf",
+                                  target_tensor_parallel_size=None, target_pipeline_parallel_size=None,
+                                  dtype=args.dtype,
+                                  make_vocab_size_divisible_by=128)
+    return args
+
+
+def convert(args) -> str:
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
+    if args.hf_dir:
+        sd, cfg = import_hf(args.hf_dir, tp or 1, args.make_vocab_size_divisible_by, dtype)
+        what = f"{args.hf_dir} (HF {cfg.model.num_layers} layers)"
+    else:
+        sd, cfg = read_checkpoint(args.load_dir, args.iteration, progress)
+        if dtype is not None:
+            sd = {k: v.to(dtype) for k, v in sd.items()}
+        what = args.load_dir
+    if args.saver == "hf":
+        arch = export_hf(sd, cfg, args.save_dir, dtype)
+        return f"converted {what} to HF {arch} in {args.save_dir}"
+    path = write_checkpoint(args.save_dir, sd, cfg, ckpt_format=args.saver, tp=tp, pp=pp, progress=progress)
+    p = cfg.parallel
+    return (f"converted {what} ({sum(t.numel() for t in sd.values()):,} parameters, vocabulary "
+            f"{cfg.model.vocab_size} padded to {cfg.model.padded_vocab_size}) to {args.saver} for TP "
+            f"{p.tensor_model_parallel_size} x PP {p.pipeline_model_parallel_size} in {path}; continue with "
+            f"pretrain_gpt.py --load {args.save_dir} --finetune")
 
 
 def main(argv=None) -> int:
     args = parse(argv)
-    dtype = DTYPES[args.dtype] if args.dtype else None
     try:
-        if args.command == "import-hf":
-            sd, cfg = import_hf(args.hf_dir, args.tensor_model_parallel_size,
-                                args.make_vocab_size_divisible_by, dtype)
-            path = write_checkpoint(args.save, sd, cfg)
-            print(f"imported {args.hf_dir} ({sum(t.numel() for t in sd.values()):,} parameters, vocabulary "
-                  f"{cfg.model.vocab_size} padded to {cfg.model.padded_vocab_size}) into {path}; continue "
-                  f"with pretrain_gpt.py --load {args.save} --finetune")
-        else:
-            sd, cfg = read_checkpoint(args.load, args.iteration)
-            arch = export_hf(sd, cfg, args.hf_dir, dtype)
-            print(f"exported {args.load} as {arch} to {args.hf_dir}")
-    except (ConversionError, CheckpointError, ConfigError, DataError) as e:
+        print(convert(args))
+    except MegafabError as e:
         print(f"convert_checkpoint: error: {e}", file=sys.stderr)
         return 2
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

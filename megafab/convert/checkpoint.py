@@ -1,80 +1,170 @@
-"""The seam between a full megafab state dict (+ Config) and a megafab checkpoint directory.
+"""The seam between a full megafab state dict (+ Config) and checkpoint directories of every format.
 
-The format is megafab.checkpoint's (layout.py: `model.<name>` under global shapes, SwiGLU fc1 as
-a [2, f, h] view; directory.py: Megatron's `latest_checkpointed_iteration.txt` + `iter_NNNNNNN/`,
-the flat config in common.json). A checkpoint saved with any TP/PP/DP layout reads back as full
-tensors; a written one loads into any layout with `--finetune`. Runs in one process, without a
-process group.
+    read_checkpoint(DIR)    any checkpoint --load reads (Megatron torch_dist, Megatron legacy torch,
+                            megafab's earlier format; saved with any TP/PP/DP) -> (full state dict,
+                            the Config it records)
+    write_checkpoint(DIR, sd, cfg, ckpt_format, tp, pp)
+                            a weights-only checkpoint: torch_dist (any layout loads it; megatron-core
+                            too), or legacy torch files split for TP x PP; load it with --finetune
+
+Full state dicts are TP=1 tensors under megafab's local-spec names (convert/state_dict.py). Runs in
+one process, without a process group; `progress` wraps each phase's iterable (a tqdm bar in the CLI).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
+from collections.abc import Callable, Iterable
 
 import torch
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from megafab.checkpoint import layout
-from megafab.checkpoint.dcp_io import load_shards, read_metadata, save_shards
-from megafab.checkpoint.directory import (
-    COMMON,
-    FORMAT_VERSION,
-    TRACKER,
-    commit_checkpoint,
-    iteration_dir,
-    latest_iteration,
-    write_json,
-)
-from megafab.config import Config
-from megafab.convert.state_dict import WORD_EMBEDDING, ConversionError, finalize_model_config
+from megafab.checkpoint import formats, layout, megatron_dist, megatron_keys
+from megafab.checkpoint.directory import FORMAT_VERSION, TRACKER, commit_checkpoint, iteration_dir
+from megafab.checkpoint.errors import CheckpointError
+from megafab.checkpoint.megatron_args import megatron_namespace, unknown_model
+from megafab.config import Config, pad_vocab_size
+from megafab.convert.state_dict import ConversionError, finalize_model_config, pad_vocab, unpad_vocab
+
+Progress = Callable[[Iterable, str], Iterable]
 
 
-def checkpoint_path(load_dir: str, iteration: int | None = None) -> str:
-    iteration = latest_iteration(load_dir) if iteration is None else iteration
+def no_progress(items: Iterable, desc: str) -> Iterable:
+    return items
+
+
+def open_checkpoint(load_dir: str, iteration: int | None = None):
+    """(CheckpointSource, Config) of the checkpoint in load_dir (the tracker's, or `iteration`)."""
+    from megafab.checkpoint.checkpointing import open_source
+
     if iteration is None:
-        raise ConversionError(f"{load_dir} holds no megafab checkpoint ({TRACKER} not found); pass the "
-                              f"directory given to --save")
-    path = iteration_dir(load_dir, iteration)
-    if not os.path.isdir(path):
-        raise ConversionError(f"{path} does not exist; pass an iteration that was saved")
-    return path
+        found = formats.find_checkpoint(load_dir)
+        if found is None:
+            raise ConversionError(f"{load_dir} holds no checkpoint ({TRACKER} not found); pass the directory "
+                                  f"given to --save")
+    else:
+        path = iteration_dir(load_dir, iteration)
+        if not os.path.isdir(path):
+            raise ConversionError(f"{path} does not exist; pass an iteration that was saved")
+        found = formats.Found(path, iteration, False, formats.detect_format(path))
+    source = open_source(found, None)
+    if source.saved_args is None:
+        raise unknown_model(found.path)
+    cfg = Config.from_flat(source.saved_args)
+    cfg.model.transformer_impl = "local"  # full state dicts use local-spec names
+    cfg.model = finalize_model_config(vars(cfg.model), cfg.parallel.tensor_model_parallel_size)
+    return open_source(found, cfg.model), cfg
 
 
-def read_checkpoint(load_dir: str, iteration: int | None = None) -> tuple[dict[str, torch.Tensor], Config]:
-    """The full megafab state dict and the training Config of a checkpoint (latest by default)."""
-    path = checkpoint_path(load_dir, iteration)
-    with open(os.path.join(path, COMMON)) as f:
-        cfg = Config.from_flat(json.load(f)["config"])
-    cfg.model = finalize_model_config({k: v for k, v in vars(cfg.model).items()},
-                                      cfg.parallel.tensor_model_parallel_size)
-    shards = {key: layout.Shard.whole(torch.empty(tuple(md.size), dtype=md.properties.dtype))
-              for key, md in read_metadata(path).state_dict_metadata.items()
-              if key.startswith(layout.MODEL_PREFIX) and isinstance(md, TensorStorageMetadata)}
-    load_shards(shards, path)
+def read_checkpoint(load_dir: str, iteration: int | None = None,
+                    progress: Progress = no_progress) -> tuple[dict[str, torch.Tensor], Config]:
+    """The full megafab state dict and the Config of a checkpoint (latest by default)."""
+    source, cfg = open_checkpoint(load_dir, iteration)
+    keys = sorted(megatron_keys.model_names(source.stored), key=_layer_order)
+    if not keys:
+        raise ConversionError(f"{source.path} holds no model tensors; it cannot be converted")
     sd = {}
-    for key, shard in shards.items():
-        name, _ = layout.split_key(key)
-        sd[name] = layout.from_stored(name, shard.views[0], cfg.model)
-    if WORD_EMBEDDING in sd:
-        cfg.model.padded_vocab_size = sd[WORD_EMBEDDING].shape[0]
+    for group in progress(_by_layer(keys), f"reading {source.format}"):
+        shards = {layout.model_key(n): layout.Shard.whole(torch.empty(
+            tuple(source.stored[layout.model_key(n)].size),
+            dtype=source.stored[layout.model_key(n)].properties.dtype)) for n in group}
+        source.read(shards)
+        sd.update({n: layout.from_stored(n, shards[layout.model_key(n)].views[0], cfg.model) for n in group})
+    cfg.model.padded_vocab_size = sd[layout.WORD_EMBEDDING].shape[0]
+    if cfg.model.vocab_size is None:
+        cfg.model.vocab_size = cfg.model.padded_vocab_size  # Megatron records only the padded size
     return sd, cfg
 
 
-def write_checkpoint(save_dir: str, sd: dict[str, torch.Tensor], cfg: Config, iteration: int = 0) -> str:
-    """Write `sd` (full megafab state dict) as a weights-only checkpoint of iteration `iteration`
-    (load it with --finetune: it holds no optimizer, scheduler or RNG state)."""
+def _layer_order(name: str):
+    parts = name.split(".")
+    return (int(parts[2]), name) if name.startswith(megatron_keys.LAYERS) else (-1, name)
+
+
+def _by_layer(names: list[str]) -> list[list[str]]:
+    groups: dict = {}
+    for n in names:
+        groups.setdefault(_layer_order(n)[0], []).append(n)
+    return list(groups.values())
+
+
+def repad_vocab(sd: dict[str, torch.Tensor], cfg: Config, tp: int) -> dict[str, torch.Tensor]:
+    """The vocabulary padded as training at TP `tp` pads it (Megatron reads no other padding)."""
+    m = cfg.model
+    padded = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
+    out = dict(sd)
+    for name in layout.VOCAB_PADDED:
+        if name in out and out[name].shape[0] != padded:
+            out[name] = pad_vocab(unpad_vocab(out[name], m.vocab_size), padded)
+    m.padded_vocab_size = padded
+    return out
+
+
+def _check_layout(m, tp: int, pp: int) -> None:
+    """The TP/PP a written checkpoint records must be one training can run (Megatron's rules)."""
+    problems = [f"{what} {value} is not divisible by the target tensor-parallel size {tp}"
+                for what, value in (("--num-attention-heads", m.num_attention_heads),
+                                    ("--num-query-groups", m.num_query_groups),
+                                    ("--ffn-hidden-size", m.ffn_hidden_size)) if value % tp]
+    if m.num_layers % pp:
+        problems.append(f"--num-layers {m.num_layers} is not divisible by the target pipeline size {pp}")
+    if problems:
+        raise ConversionError("; ".join(problems) + "; choose target sizes that divide them")
+
+
+def write_checkpoint(save_dir: str, sd: dict[str, torch.Tensor], cfg: Config, iteration: int = 0,
+                     ckpt_format: str = formats.TORCH_DIST, tp: int | None = None, pp: int | None = None,
+                     progress: Progress = no_progress) -> str:
+    """Write `sd` (full megafab state dict) as a weights-only checkpoint of iteration `iteration`,
+    recorded as saved at TP `tp` x PP `pp` (default: the config's), the vocabulary padded for `tp`;
+    see the module docstring."""
+    p = cfg.parallel
+    tp = tp or p.tensor_model_parallel_size or 1
+    pp = pp or p.pipeline_model_parallel_size or 1
+    _check_layout(cfg.model, tp, pp)
+    p.tensor_model_parallel_size, p.pipeline_model_parallel_size = tp, pp
+    sd = repad_vocab(sd, cfg, tp)
     final = iteration_dir(save_dir, iteration)
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    save_shards({layout.model_key(name): layout.Shard.whole(layout.to_stored(name, t.contiguous(), cfg.model))
-                 for name, t in sd.items()}, tmp)
-    common = {"format_version": FORMAT_VERSION, "iteration": iteration, "consumed_train_samples": 0,
-              "skipped_iterations": 0, "nan_iterations": 0, "scheduler": None, "optimizer_iteration": 0,
-              "grad_scaler": None, "has_optimizer": False, "has_rng": False,
-              "layout": {"world_size": 1, "tp": 1, "pp": 1, "dp": 1, "vpp": 1}, "config": cfg.to_flat()}
-    write_json(os.path.join(tmp, COMMON), common)
+    ours = {"format_version": FORMAT_VERSION, "iteration": iteration, "consumed_train_samples": 0,
+            "skipped_iterations": 0, "nan_iterations": 0, "scheduler": None, "optimizer_iteration": 0,
+            "grad_scaler": None, "has_optimizer": False, "has_rng": False,
+            "layout": {"world_size": tp * pp, "tp": tp, "pp": pp, "dp": 1, "vpp": 1}, "config": cfg.to_flat()}
+    args = megatron_namespace(cfg, iteration, 0, ckpt_format, True, True)
+    if ckpt_format == formats.TORCH_DIST:
+        _write_torch_dist(tmp, sd, cfg, args, iteration, ours, progress)
+    elif ckpt_format == formats.TORCH:
+        _write_legacy(tmp, sd, cfg, args, iteration, ours, tp, pp, progress)
+    else:
+        raise ConversionError(f"checkpoint format {ckpt_format!r} is not one of {formats.CKPT_FORMATS}")
     commit_checkpoint(save_dir, iteration)  # the training saver's rename + tracker, same guarantees
     return final
+
+
+def _write_torch_dist(tmp, sd, cfg, args, iteration, ours, progress) -> None:
+    from megafab.checkpoint import dcp_io
+
+    shards = {layout.model_key(n): layout.Shard.whole(layout.to_stored(n, t.contiguous(), cfg.model))
+              for n, t in sd.items()}
+    objects = megatron_dist.extra_state_objects(range(cfg.model.num_layers), cfg.model.num_layers)
+    for _ in progress([0], "writing torch_dist"):
+        dcp_io.save_shards(megatron_dist.megatron_shards(shards, cfg.model, False), tmp, objects)
+    megatron_dist.write_common(tmp, megatron_dist.common_state(args, iteration, ours, None, None, False))
+
+
+def _write_legacy(tmp, sd, cfg, args, iteration, ours, tp, pp, progress) -> None:
+    from megafab.checkpoint import megatron_legacy
+
+    for tp_rank, pp_rank in progress([(t, p) for p in range(pp) for t in range(tp)], "writing torch"):
+        model = megatron_legacy.rank_state_dict(sd, cfg.model, tp, tp_rank, pp, pp_rank)
+        state = {"args": args, "checkpoint_version": megatron_dist.CHECKPOINT_VERSION, "iteration": iteration,
+                 "model": model, "num_floating_point_operations_so_far": 0,
+                 megatron_dist.MEGAFAB: ours}
+        directory = os.path.join(tmp, megatron_legacy.rank_dir(tp_rank, pp_rank, pp))
+        os.makedirs(directory)
+        torch.save(state, os.path.join(directory, megatron_legacy.FILE))
+
+
+__all__ = ["CheckpointError", "ConversionError", "open_checkpoint", "read_checkpoint", "write_checkpoint"]

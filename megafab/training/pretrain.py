@@ -57,7 +57,7 @@ def setup(cfg) -> TrainState:
     optimizer = build_optimizer(cfg, topo, model)
     scheduler = build_scheduler(cfg, optimizer)
     state = TrainState(cfg, topo, tracker, model, optimizer, scheduler)
-    if cfg.checkpoint.load:
+    if cfg.checkpoint.load or cfg.checkpoint.pretrained_checkpoint:
         checkpointing.load_checkpoint(state)
     return state
 

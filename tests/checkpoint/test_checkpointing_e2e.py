@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from megafab.checkpoint.checkpointing import PAUSE_ENV, latest_iteration
+from megafab.checkpoint.checkpointing import PAUSE_ENV
+from megafab.checkpoint.directory import latest_iteration
 from tests.training.launch import ROOT, free_port, losses, torchrun
 
 # NullTokenizer adds an eod id: 127 + 1 = 128 pads to 128 at TP 1, 2 and 4 alike.
@@ -135,4 +136,4 @@ def test_sigterm_with_exit_signal_handler_saves_and_exits_zero(tmp_path):
     assert "SIGTERM received" in out and stopped >= 3
     assert latest_iteration(ckpt) == stopped
     assert max(losses(out)) == stopped
-    assert os.path.isfile(os.path.join(ckpt, f"iter_{stopped:07d}", "common.json"))
+    assert os.path.isfile(os.path.join(ckpt, f"iter_{stopped:07d}", "metadata.json"))

@@ -46,7 +46,7 @@ def test_distributed_optimizer_dp2_to_dp4_to_plain_dp1_continues_the_same_losses
     for k in first:
         assert torch.equal(first[k], second[k]), k
     chunks = dcp_io.read_metadata(directory.iteration_dir(b, 2)).state_dict_metadata
-    assert len(chunks["optim.decoder.layers.0.mlp.linear_fc1.weight.exp_avg"].chunks) >= 4
+    assert len(chunks["optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"].chunks) >= 4
 
 
 def _sgd(rank, world, path, dp, dist_opt, load):

@@ -3,8 +3,7 @@ global samples do not depend on the DP size, and every tensor of a saved checkpo
 
 import torch
 
-from megafab.checkpoint import dcp_io
-from megafab.checkpoint.layout import Shard
+from megafab.checkpoint.megatron_dist import TorchDistSource
 from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
 from megafab.distributed.topology import build_topology
 from megafab.training.build import TrainState, build_model, build_optimizer, build_scheduler
@@ -14,13 +13,14 @@ from tests.model.tiny import GPT2_STYLE, batch, tiny_config
 GLOBAL_BATCH = 4
 
 
-def make_state(tp, dp, dist_opt, style=GPT2_STYLE, dtype=torch.float64, save=None, load=None, **overrides):
-    flat = dict(tp=tp, style=style, dp=dp, vocab_size=101, make_vocab_size_divisible_by=8,
+def make_state(tp, dp, dist_opt, style=GPT2_STYLE, dtype=torch.float64, save=None, load=None, pp=1,
+               **overrides):
+    flat = dict(tp=tp, pp=pp, style=style, dp=dp, vocab_size=101, make_vocab_size_divisible_by=8,
                 micro_batch_size=1, global_batch_size=GLOBAL_BATCH, use_distributed_optimizer=dist_opt,
                 ddp_bucket_size=700, lr=1e-2, train_iters=10, bf16=dtype == torch.bfloat16, save=save,
                 load=load)
     cfg = tiny_config(**{**flat, **overrides})
-    topo = build_topology(tp=tp)
+    topo = build_topology(tp=tp, pp=pp)
     tracker = RNGStatesTracker("cpu")
     model_parallel_seed(1234, topo.tp_rank, topo.pp_rank, topo.device, tracker)
     model = build_model(cfg, topo, tracker, dtype=dtype)
@@ -43,8 +43,50 @@ def train(state, steps: int) -> list[float]:
 
 
 def read_everything(path):
-    metadata = dcp_io.read_metadata(path).state_dict_metadata
-    shards = {k: Shard.whole(torch.empty(tuple(md.size), dtype=md.properties.dtype))
-              for k, md in metadata.items()}
-    dcp_io.load_shards(shards, path)
-    return {k: s.views[0] for k, s in shards.items()}
+    """Every tensor of a torch_dist checkpoint, under megafab keys (model.* / optim.*)."""
+    return TorchDistSource(path).read_all()
+
+
+@torch.no_grad()
+def full_logits(state, tokens):
+    """Logits [b, s, V_padded] of the state's model (one chunk per rank, any TP, PP through p2p) on
+    the last stage's ranks; None on the others."""
+    import torch.distributed as dist
+
+    topo = state.topology
+    model = state.model[0].module.eval()
+    b, s = tokens.shape
+    positions = torch.arange(s).expand_as(tokens)
+    if topo.is_first_stage:
+        out = model(tokens, positions)
+    else:
+        hidden = torch.empty(s, b, state.cfg.model.hidden_size, dtype=next(model.parameters()).dtype)
+        dist.recv(hidden, src=topo.prev_pp_rank)
+        model.set_input_tensor(hidden)
+        out = model(None, positions)
+    if not topo.is_last_stage:
+        dist.send(out.contiguous(), dst=topo.next_pp_rank)
+        return None
+    if topo.tp > 1:
+        parts = [torch.empty_like(out) for _ in range(topo.tp)]
+        dist.all_gather(parts, out.contiguous(), group=topo.tp_group)
+        out = torch.cat(parts, dim=-1)
+    return out.transpose(0, 1)  # [b, s, V]
+
+
+@torch.no_grad()
+def perturb(state, scale=0.05):
+    """Give every weight (biases and norms included) values off its initialization, the same for
+    every copy of a tensor (TP replicas, the tied embedding's two stages): noise keyed by the
+    stored name and this rank's TP block."""
+    from megafab.checkpoint.layout import param_layout
+    from megafab.checkpoint.state import named_parameters
+
+    topo = state.topology
+    for name, p in named_parameters(state):
+        layout = param_layout(name, p, topo.tp, topo.tp_rank)
+        seed = sum(map(ord, layout.name)) * 1009 + sum(layout.block_offsets)
+        g = torch.Generator().manual_seed(seed)
+        p.add_(torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype) * scale)
+    for chunk in state.model:
+        chunk.module.train()

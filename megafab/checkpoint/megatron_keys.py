@@ -1,0 +1,168 @@
+"""megafab's checkpoint keys <-> Megatron-LM torch_dist keys, box by box.
+
+megatron-core's torch_dist (GPTModel.sharded_state_dict) holds the same global tensors as megafab
+(layout.py: global shapes, qkv packed per key/value group, padded vocabulary, the tied output layer
+not stored), named and stacked differently:
+
+* transformer layers are stacked on a leading dim: megafab's `decoder.layers.N.<suffix>` is row N
+  of Megatron's `decoder.layers.<suffix>` [L, ...], L = every layer of the model whatever its
+  PP/VPP split (checkpoints saved with `non_homogeneous_layers` keep `decoder.layers.N.<suffix>`;
+  both read);
+* layer norms carry Transformer Engine names whatever the layer spec (megatron-core's local spec
+  maps input_layernorm -> self_attention.linear_qkv.layer_norm_*; the table is megafab.model.te's);
+* SwiGLU's fc1 is one [2f, h] = [gate; up] tensor; megafab stores it as a [2, f, h] view (the same
+  bytes), so a megafab box at stride s, rows [o, o + n) is Megatron's rows [s f + o, s f + o + n).
+
+There is no `model.` prefix. Optimizer state is `optimizer.state.<kind>.<key>`, shaped and boxed
+like the parameter: the torch optimizer's own kinds (Adam's exp_avg, exp_avg_sq; SGD's
+momentum_buffer) and the fp32 main copy -- `fp32_param` for megatron-core's plain optimizer, `param`
+for its distributed optimizer's fully_reshardable format. Adam's step is in common.pt.
+
+Every translated box is a view of the megafab box's view: translating copies nothing.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from megafab.checkpoint.boxes import Box
+from megafab.checkpoint.errors import CheckpointError
+from megafab.checkpoint.layout import (
+    MAIN_PARAM,
+    MODEL_PREFIX,
+    STEP,
+    Shard,
+    model_key,
+    optim_key,
+    partition_stride,
+    split_key,
+    strided_shape,
+)
+from megafab.model.te import local_to_te_name, te_to_local_name
+
+LAYERS = "decoder.layers."
+OPTIM_STATE = "optimizer.state."
+MAIN_PARAM_KINDS = ("fp32_param", "param")  # plain optimizer, distributed optimizer
+# Megatron's linear modules carry an `_extra_state` (None for the local spec, FP8 metadata under
+# Transformer Engine, whose core attention has one too); megatron-core's torch_dist loader asks for
+# each its model has.
+LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
+                  "mlp.linear_fc2")
+EXTRA_STATE_MODULES = LINEAR_MODULES + ("self_attention.core_attention",)
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def megatron_name(name: str) -> tuple[str, int | None]:
+    """(Megatron key, layer number or None) of megafab parameter `name` (stacked layers)."""
+    match = _LAYER.match(local_to_te_name(name))
+    if match is None:
+        return name, None
+    return LAYERS + match.group(2), int(match.group(1))
+
+
+def megafab_name(key: str, layer: int | None, te_names: bool = False) -> str:
+    """Inverse of megatron_name: the local-spec name (a full megafab state dict's), or the
+    Transformer Engine one (te_names: a --transformer-impl transformer_engine model's)."""
+    name = key if layer is None else f"{LAYERS}{layer}.{key[len(LAYERS):]}"
+    return name if te_names else te_to_local_name(name) or name
+
+
+def megatron_optim_key(kind: str, key: str) -> str:
+    return f"{OPTIM_STATE}{kind}.{key}"
+
+
+def _split_megatron_key(key: str) -> tuple[str, str | None]:
+    """(parameter key, optimizer kind or None)."""
+    if key.startswith(OPTIM_STATE):
+        kind, _, param = key[len(OPTIM_STATE):].partition(".")
+        return param, kind
+    return key, None
+
+
+def is_stacked(stored_keys) -> bool:
+    """False for a checkpoint saved with non_homogeneous_layers (per-layer keys)."""
+    return not any(_LAYER.match(_split_megatron_key(k)[0]) for k in stored_keys)
+
+
+# ---- Shards: megafab keys -> Megatron keys ----------------------------------------------------------
+def _megatron_boxes(box: Box, view, layer: int | None, stacked: bool, strided_rows: int | None):
+    """(Megatron box, view) pieces of one megafab box of a layer (or non-layer) parameter."""
+    pieces = [(box, view)]
+    if strided_rows is not None:  # [2, f, ...] -> [2f, ...]: one piece per stride row in the box
+        pieces = [(Box((s * strided_rows + box.offsets[1], *box.offsets[2:]), box.sizes[1:]),
+                   view[s - box.offsets[0]])
+                  for s in range(box.offsets[0], box.offsets[0] + box.sizes[0])]
+    if layer is None or not stacked:
+        return pieces
+    return [(Box((layer, *b.offsets), (1, *b.sizes)), v.unsqueeze(0)) for b, v in pieces]
+
+
+def to_megatron(shards: dict[str, Shard], model_cfg, main_kind: str = "fp32_param",
+                stacked: bool = True) -> dict[str, Shard]:
+    """The Shards of megafab keys (model.* / optim.*) as Shards of Megatron keys, the same views.
+    `step` entries are left out (Megatron keeps Adam's step in common.pt)."""
+    num_layers = model_cfg.num_layers
+    out: dict[str, Shard] = {}
+    for key, shard in shards.items():
+        name, kind = split_key(key)
+        if kind == STEP:
+            continue
+        base, layer = megatron_name(name)
+        strided = partition_stride(name, model_cfg) > 1
+        shape = tuple(shard.global_shape)
+        if strided:
+            shape = (shape[0] * shape[1], *shape[2:])
+        if layer is not None and stacked:
+            shape = (num_layers, *shape)
+        elif layer is not None:
+            base = f"{LAYERS}{layer}.{base[len(LAYERS):]}"
+        if kind is not None:
+            base = megatron_optim_key(main_kind if kind == MAIN_PARAM else kind, base)
+        target = out.setdefault(base, Shard(shape, write=shard.write))
+        assert target.global_shape == shape, (key, target.global_shape, shape)
+        rows = shard.global_shape[1] if strided else None
+        for box, view in zip(shard.boxes, shard.views):
+            for b, v in _megatron_boxes(box, view, layer, stacked, rows):
+                target.add(b, v)
+    return out
+
+
+# ---- what a Megatron checkpoint holds, in megafab keys ----------------------------------------------
+def megafab_view(stored: dict, model_cfg) -> dict:
+    """DCP metadata of a Megatron checkpoint (key -> TensorStorageMetadata) as megafab keys ->
+    TensorStorageMetadata of the global (stored-view) shape megafab's Shards have, so that the
+    shape checks and vocabulary resharding of megafab checkpoints apply unchanged."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    stacked = is_stacked(stored)
+    te_names = model_cfg.transformer_impl == "transformer_engine"
+    out = {}
+    for key, md in stored.items():
+        if not isinstance(md, TensorStorageMetadata) or key.endswith("_extra_state"):
+            continue
+        param, kind = _split_megatron_key(key)
+        size = tuple(md.size)
+        layers = [None]
+        match = _LAYER.match(param)
+        if match:  # non_homogeneous_layers: one key per layer
+            layers, param = [int(match.group(1))], LAYERS + match.group(2)
+        elif param.startswith(LAYERS) and stacked:
+            if size[0] != model_cfg.num_layers:
+                raise CheckpointError(
+                    f"checkpoint tensor {key!r} stacks {size[0]} layers but this model has "
+                    f"--num-layers {model_cfg.num_layers}; pass the checkpoint's --num-layers")
+            layers, size = range(size[0]), size[1:]
+        for layer in layers:
+            name = megafab_name(param, layer, te_names)
+            shape = strided_shape(size, 0, partition_stride(name, model_cfg))
+            fab_key = model_key(name) if kind is None else optim_key(
+                name, MAIN_PARAM if kind in MAIN_PARAM_KINDS else kind)
+            out[fab_key] = TensorStorageMetadata(md.properties, torch.Size(shape), [])
+    return out
+
+
+def model_names(view: dict) -> list[str]:
+    """The megafab parameter names a megafab_view holds weights for."""
+    return [k[len(MODEL_PREFIX):] for k in view if k.startswith(MODEL_PREFIX)]

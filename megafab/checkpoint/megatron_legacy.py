@@ -1,0 +1,271 @@
+"""Megatron-LM's legacy `torch` checkpoint format: one file per tensor- and pipeline-parallel rank.
+
+    iter_0000100/
+        mp_rank_00/model_optim_rng.pt          PP 1: mp_rank_<TP rank:02d>/
+        mp_rank_00_000/model_optim_rng.pt      PP > 1: mp_rank_<TP rank:02d>_<PP rank:03d>/
+        mp_rank_00_000/distrib_optim.pt        the distributed optimizer's flat buffers
+
+Each model_optim_rng.pt is a torch.save'd dict (megatron/training/checkpointing.py,
+generate_state_dict): args (argparse.Namespace), checkpoint_version (3.0), iteration, model (model0,
+model1, ... with virtual pipeline stages: GPTModel.state_dict_for_save_checkpoint(), this rank's
+TP shards, layers numbered from 0 within the stage, `_extra_state` entries), optimizer,
+opt_param_scheduler, rng_state, num_floating_point_operations_so_far, rerun_state_machine.
+
+Read (safe_pickle, memory-mapped, so a rank pages in only the tensors it copies): each parameter is
+joined from the TP files that hold it (layout.tp_partition) one at a time and its boxes copied out,
+so any layout loads any other. The optimizer state follows Megatron's parameter order and buffers
+and is refused (--no-load-optim / --finetune load the rest). Written by megafab with
+--ckpt-format torch (without optimizer state; DP rank 0 of each TP x PP position writes).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+
+from megafab.checkpoint import safe_pickle
+from megafab.checkpoint.errors import CheckpointError
+from megafab.checkpoint.layout import (
+    MODEL_PREFIX,
+    OUTPUT_LAYER,
+    WORD_EMBEDDING,
+    Shard,
+    split_key,
+    strided_shape,
+    to_stored,
+    tp_partition,
+)
+from megafab.checkpoint.megatron_args import flat_from_args, megatron_namespace, unknown_model
+from megafab.checkpoint.megatron_dist import (
+    CHECKPOINT_VERSION,
+    MEGAFAB,
+    MEGATRON_RNG,
+    SCHEDULER_FIELDS,
+    megatron_scheduler_state,
+)
+from megafab.checkpoint.megatron_keys import LINEAR_MODULES
+from megafab.checkpoint.source import CheckpointSource, Counters, counters_from_common
+from megafab.distributed.layers import join_partitions, partition_of
+from megafab.model.te import local_to_te_name, te_to_local_name
+from megafab.pipeline_split import PipelineSplit
+
+FILE = "model_optim_rng.pt"
+DIST_OPTIM_FILE = "distrib_optim.pt"
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(_\d{3})?$")
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+OPTIMIZER_PROBLEM = ("the legacy torch format keeps the optimizer state in Megatron's parameter order and "
+                     "flat buffers of the saving job's layout, which megafab does not reshard")
+
+
+def rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:
+    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def _rank_files(path: str) -> dict[tuple[int, int], str]:
+    files = {}
+    for name in sorted(os.listdir(path)):
+        match = _RANK_DIR.match(name)
+        if match is None:
+            continue
+        if match.group(3):
+            raise CheckpointError(f"{path}/{name} is an expert-parallel rank's file; megafab has no "
+                                  f"mixture of experts: convert a dense model's checkpoint")
+        files[(int(match.group(1)), int(match.group(2) or 0))] = os.path.join(path, name, FILE)
+    return files
+
+
+def _model_keys(state: dict) -> list[str]:
+    if "model" in state:
+        return ["model"]
+    keys = sorted((k for k in state if re.fullmatch(r"model\d+", k)), key=lambda k: int(k[5:]))
+    if not keys:
+        raise CheckpointError("the legacy checkpoint file holds no model state ('model' or 'model0' ...); "
+                              "it was saved without the model: load one that has it")
+    return keys
+
+
+class LegacySource(CheckpointSource):
+    """A legacy checkpoint directory (see the module docstring); model_cfg None: the model its
+    args record."""
+
+    def __init__(self, path: str, model_cfg=None, release: bool = False):
+        files = _rank_files(path)
+        if (0, 0) not in files or not os.path.isfile(files[(0, 0)]):
+            raise CheckpointError(f"{path} has no {rank_dir(0, 0, 1)}[_000]/{FILE}: the legacy checkpoint is "
+                                  f"incomplete; copy the whole iteration directory")
+        first = safe_pickle.load(files[(0, 0)], mmap=True)
+        args = flat_from_args(first.get("args"))
+        self.tp = args.get("tensor_model_parallel_size") or 1 + max(t for t, _ in files)
+        self.pp = args.get("pipeline_model_parallel_size") or 1 + max(p for _, p in files)
+        missing = [rank_dir(t, p, self.pp) for t in range(self.tp) for p in range(self.pp)
+                   if not os.path.isfile(files.get((t, p), ""))]
+        if missing:
+            raise CheckpointError(f"{path} is a legacy checkpoint saved at TP {self.tp} x PP {self.pp} but "
+                                  f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''} (/{FILE}) "
+                                  f"are missing; copy the whole iteration directory")
+        if model_cfg is None:
+            from megafab.config import Config
+
+            if not args.get("num_layers"):
+                raise unknown_model(path)
+            model_cfg = Config.from_flat(args).model
+        self.model_cfg, self.files, self._cache = model_cfg, files, {(0, 0): first}
+        self.vpp = len(_model_keys(first))
+        saved = args.get  # the saving run's layers per stage (uneven first/last stages too)
+        self.split = PipelineSplit(
+            model_cfg.num_layers, self.pp, self.vpp, saved("decoder_first_pipeline_num_layers"),
+            saved("decoder_last_pipeline_num_layers"), bool(saved("account_for_embedding_in_pipeline_split")),
+            bool(saved("account_for_loss_in_pipeline_split")))
+        self.index = self._index()
+        stored = {}
+        for name, pieces in self.index.items():
+            stored[MODEL_PREFIX + name] = _metadata(self._stored_shape(name, pieces), pieces[0][-1].dtype)
+        has_optimizer = "optimizer" in first or os.path.exists(os.path.join(os.path.dirname(files[(0, 0)]),
+                                                                            DIST_OPTIM_FILE))
+        ours = first.get(MEGAFAB)  # megafab-written: its counters and per-rank RNG files
+        rng_layout = ours["layout"] if ours and ours["has_rng"] else None
+        super().__init__("torch", path, stored, args or None, args.get("vocab_size"),
+                         None if release else _counters(first, args), has_optimizer, OPTIMIZER_PROBLEM,
+                         rng_layout, None if ours else MEGATRON_RNG)
+
+    def _file(self, tp_rank: int, pp_rank: int) -> dict:
+        key = (tp_rank, pp_rank)
+        if key not in self._cache:
+            self._cache[key] = safe_pickle.load(self.files[key], mmap=True)
+        return self._cache[key]
+
+    def _index(self) -> dict[str, list]:
+        """megafab (local-spec) name -> [(tp_rank, tensor)] in TP order, every stage's file read."""
+        index: dict[str, list] = {}
+        tied = not self.model_cfg.untie_embeddings_and_output_weights
+        for (t, p) in sorted(self.files, key=lambda tp: (tp[1], tp[0])):
+            state = self._file(t, p)
+            for chunk, key in enumerate(_model_keys(state)):
+                first_layer, _ = self.split.layer_range(p, chunk)
+                for local_name, tensor in state[key].items():
+                    name = te_to_local_name(local_name)
+                    if name is None or not torch.is_tensor(tensor) or (tied and name == OUTPUT_LAYER):
+                        continue  # _extra_state; the last stage's copy of a tied embedding
+                    match = _LAYER.match(name)
+                    if match:
+                        name = f"decoder.layers.{first_layer + int(match.group(1))}.{match.group(2)}"
+                    index.setdefault(name, []).append((t, tensor))
+        return index
+
+    def _stored_shape(self, name: str, pieces) -> tuple[int, ...]:
+        shape = list(pieces[0][1].shape)
+        split = tp_partition(name, self.model_cfg)
+        if split is not None:
+            shape[split[0]] *= self.tp
+        return strided_shape(tuple(shape), 0, split[1] if split else 1)
+
+    def full_tensor(self, name: str) -> torch.Tensor:
+        """The TP=1 tensor of megafab parameter `name` (local-spec name), joined from the TP files."""
+        pieces = self.index[name]
+        split = tp_partition(name, self.model_cfg)
+        if split is None:
+            return pieces[0][1]
+        return join_partitions([tensor for _, tensor in pieces], *split)
+
+    def read(self, shards: dict[str, Shard]) -> None:
+        for key, shard in shards.items():
+            name, kind = split_key(key)
+            assert kind is None, key  # the optimizer state is refused (OPTIMIZER_PROBLEM)
+            local = te_to_local_name(name) or name
+            if not shard.boxes:
+                continue
+            stored = to_stored(local, self.full_tensor(local), self.model_cfg)
+            for box, view in zip(shard.boxes, shard.views):
+                view.copy_(stored[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))])
+
+
+def _metadata(shape, dtype):
+    from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
+
+    return TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(shape), [])
+
+
+def _counters(state: dict, args: dict) -> Counters | None:
+    ours = state.get(MEGAFAB)
+    if ours is not None:
+        return counters_from_common(ours)
+    sched = state.get("opt_param_scheduler")
+    if sched is None or "iteration" not in state:
+        return None
+    scheduler = {SCHEDULER_FIELDS[k]: v for k, v in sched.items() if k in SCHEDULER_FIELDS}
+    return Counters(int(state["iteration"]), int(args.get("consumed_train_samples", 0)), scheduler=scheduler,
+                    optimizer_iteration=int(state["iteration"]))
+
+
+# ---- writing -------------------------------------------------------------------------------------
+def _stage_name(name: str, first_layer: int) -> str:
+    match = _LAYER.match(name)
+    return f"decoder.layers.{int(match.group(1)) - first_layer}.{match.group(2)}" if match else name
+
+
+def _with_extra_states(out: dict) -> dict:
+    """A None `_extra_state` per linear module of each layer, as megatron-core's local layers save."""
+    layers = {int(_LAYER.match(n).group(1)) for n in out if _LAYER.match(n)}
+    for layer in sorted(layers):
+        for module in LINEAR_MODULES:
+            out[f"decoder.layers.{layer}.{module}._extra_state"] = None
+    return out
+
+
+def local_state_dict(chunk, first_layer: int, te_names: bool) -> dict:
+    """A megafab model chunk's parameters as Megatron's legacy state dict (layers numbered from 0
+    within the stage; a tied last stage's output_layer copy included, as Megatron keeps it)."""
+    out = {}
+    for name, p in chunk.named_parameters():
+        name = _stage_name(name, first_layer)
+        out[local_to_te_name(name) if te_names else name] = p.detach().cpu().clone()
+    return _with_extra_states(out)
+
+
+def rank_state_dict(sd: dict, model_cfg, tp: int, tp_rank: int, pp: int, pp_rank: int) -> dict:
+    """The legacy state dict of TP rank tp_rank, stage pp_rank, cut from a full megafab state dict."""
+    first, last = PipelineSplit(model_cfg.num_layers, pp).layer_range(pp_rank, 0)
+    tied = not model_cfg.untie_embeddings_and_output_weights
+    stage = {}
+    for name, full in sd.items():
+        match = _LAYER.match(name)
+        if match and not first <= int(match.group(1)) < last:
+            continue
+        if not match and (name.startswith("embedding.") and pp_rank > 0
+                          or not name.startswith("embedding.") and pp_rank < pp - 1):
+            continue
+        stage[name] = full
+    if tied and pp > 1 and pp_rank == pp - 1:  # the last stage's copy of the tied embedding
+        stage[OUTPUT_LAYER] = sd[WORD_EMBEDDING]
+    out = {}
+    for name, full in stage.items():
+        split = tp_partition(name, model_cfg)
+        local = partition_of(full, split[0], tp_rank, tp, split[1]) if split else full
+        out[_stage_name(name, first)] = local.contiguous().clone()
+    return _with_extra_states(out)
+
+
+def save_rank_file(state, tmp: str, megafab_common: dict) -> None:
+    """This rank's model_optim_rng.pt, without optimizer state (config.py refuses --ckpt-format torch
+    with it); DP rank 0 of each TP x PP position writes."""
+    cfg, topo = state.cfg, state.topology
+    if topo.dp_rank != 0:
+        return
+    vpp = cfg.parallel.virtual_pipeline_model_parallel_size or 1
+    te = cfg.model.transformer_impl == "transformer_engine"
+    split = PipelineSplit.from_config(cfg)
+    models = {}
+    for c, chunk in enumerate(state.model):
+        first, _ = split.layer_range(topo.pp_rank, c)
+        module = getattr(chunk, "module", chunk)
+        models["model" if vpp == 1 else f"model{c}"] = local_state_dict(module, first, te)
+    args = megatron_namespace(cfg, state.iteration, state.consumed_train_samples, "torch", True,
+                              cfg.checkpoint.no_save_rng)
+    out = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": state.iteration, **models,
+           "opt_param_scheduler": megatron_scheduler_state(state.scheduler.state_dict()),
+           "num_floating_point_operations_so_far": 0, MEGAFAB: megafab_common}
+    directory = os.path.join(tmp, rank_dir(topo.tp_rank, topo.pp_rank, topo.pp))
+    os.makedirs(directory, exist_ok=True)
+    torch.save(out, os.path.join(directory, FILE))

@@ -1,0 +1,102 @@
+"""A checkpoint to load, whatever its format: what load_checkpoint asks of it.
+
+Each format (formats.py) opens as a CheckpointSource: the global tensors it stores under megafab's
+keys and shapes (layout.py), the run's args for the model check, the counters a resumed run
+continues from, whether its optimizer state can be read, and where this rank's RNG streams are.
+`read` fills megafab-keyed Shards in place; the format's own keys, stacking and files stay inside.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+from megafab.checkpoint.directory import COMMON
+from megafab.checkpoint.errors import CheckpointError
+from megafab.checkpoint.layout import Shard
+
+RNG_DIR = "rng"
+
+
+def rng_file(path: str, rank: int) -> str:
+    return os.path.join(path, RNG_DIR, f"rank_{rank:05d}.pt")
+
+
+@dataclass
+class Counters:
+    """Where a resumed run continues: the loop's counters, the LR schedule (megafab's field names;
+    a Megatron checkpoint sets those it records), the optimizer's step count and loss scaler."""
+
+    iteration: int
+    consumed_train_samples: int
+    skipped_iterations: int = 0
+    nan_iterations: int = 0
+    scheduler: dict = field(default_factory=dict)
+    optimizer_iteration: int = 0
+    grad_scaler: dict | None = None
+
+
+@dataclass
+class CheckpointSource:
+    """See the module docstring. counters None: the checkpoint holds weights only (--finetune)."""
+
+    format: str
+    path: str
+    stored: dict
+    saved_args: dict | None
+    saved_vocab_size: int | None
+    counters: Counters | None
+    has_optimizer: bool
+    optimizer_problem: str | None = None
+    rng_layout: dict | None = None  # megafab-written: the layout whose per-rank RNG files it holds
+    rng_missing: str | None = None  # why there are none to restore (None: saved with --no-save-rng)
+
+    def read(self, shards: dict[str, Shard]) -> None:
+        """Collective: fill the Shards' views (megafab keys) from the checkpoint."""
+        raise NotImplementedError
+
+    def rng_path(self, rank: int, layout: dict) -> tuple[str | None, str | None]:
+        """(this rank's RNG file, None) or (None, why the RNG states are not restored, or None when
+        the run saved none)."""
+        if self.rng_layout is None:
+            return None, self.rng_missing
+        if self.rng_layout != layout:
+            return None, (f"checkpoint layout {self.rng_layout} differs from this run's {layout}; RNG states "
+                          f"are per rank, so they are not restored (dropout masks will differ)")
+        return rng_file(self.path, rank), None
+
+
+def counters_from_common(common: dict) -> Counters | None:
+    """The counters of megafab's common state (common.json, or the `megafab` entry of a torch_dist
+    common.pt); None for a weights-only checkpoint."""
+    if common.get("scheduler") is None:
+        return None
+    return Counters(common["iteration"], common["consumed_train_samples"], common["skipped_iterations"],
+                    common["nan_iterations"], common["scheduler"], common["optimizer_iteration"],
+                    common["grad_scaler"])
+
+
+class MegafabSource(CheckpointSource):
+    """megafab's earlier format: common.json + DCP files under model.* / optim.* keys."""
+
+    def __init__(self, path: str):
+        from megafab.checkpoint import dcp_io
+
+        with open(os.path.join(path, COMMON)) as f:
+            try:
+                common = json.load(f)
+            except json.JSONDecodeError as e:
+                raise CheckpointError(f"{os.path.join(path, COMMON)} is not valid JSON ({e}); the save did "
+                                      f"not finish: load an earlier iteration") from None
+        metadata = dcp_io.read_metadata(path)
+        dcp_io.check_files(path, metadata)
+        super().__init__("megafab", path, metadata.state_dict_metadata, common["config"],
+                         common["config"].get("vocab_size"), counters_from_common(common),
+                         common["has_optimizer"],
+                         rng_layout=common["layout"] if common["has_rng"] else None)
+
+    def read(self, shards: dict[str, Shard]) -> None:
+        from megafab.checkpoint import dcp_io
+
+        dcp_io.load_shards(shards, self.path)

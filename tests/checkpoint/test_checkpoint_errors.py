@@ -1,0 +1,139 @@
+"""A foreign, empty or partial checkpoint never reads as an empty model: each is refused naming what
+was found and what was expected; Megatron's --ckpt-format rule and the model-args check, one line
+per mismatch."""
+
+import argparse
+import os
+
+import pytest
+import torch
+
+from megafab.checkpoint import CheckpointError, formats
+from megafab.checkpoint.checkpointing import open_source
+from megafab.checkpoint.megatron_args import model_arg_mismatches
+from megafab.config import ConfigError
+from megafab.convert import write_checkpoint
+from megafab.convert.checkpoint import read_checkpoint
+from megafab.model.gpt import GPTModel
+from tests.model.tiny import LLAMA_STYLE, context, tiny_config
+
+
+def _written(tmp_path, ckpt_format, tp=1):
+    cfg = tiny_config(style=LLAMA_STYLE)
+    model = GPTModel(cfg.model, context(dtype=torch.float32))
+    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    root = str(tmp_path / ckpt_format)
+    write_checkpoint(root, sd, cfg, ckpt_format=ckpt_format, tp=tp)
+    return root, os.path.join(root, "iter_0000000"), cfg
+
+
+def _open(root, cfg):
+    return open_source(formats.find_checkpoint(root), cfg.model)
+
+
+def test_a_complete_checkpoint_of_each_format_opens(tmp_path):
+    for fmt in formats.CKPT_FORMATS:
+        root, _, cfg = _written(tmp_path, fmt)
+        source = _open(root, cfg)
+        assert source.format == fmt and "model.decoder.layers.3.mlp.linear_fc1.weight" in source.stored
+
+
+def test_a_torch_dist_checkpoint_missing_a_data_file_is_refused(tmp_path):
+    root, path, cfg = _written(tmp_path, "torch_dist")
+    [data] = [f for f in os.listdir(path) if f.endswith(".distcp")]
+    os.remove(os.path.join(path, data))
+    with pytest.raises(CheckpointError, match=f"incomplete.*{data} are missing"):
+        _open(root, cfg)
+    os.remove(os.path.join(path, ".metadata"))
+    with pytest.raises(CheckpointError, match="has no .metadata"):
+        _open(root, cfg)
+
+
+def test_a_legacy_checkpoint_missing_a_rank_is_refused(tmp_path):
+    root, path, cfg = _written(tmp_path, "torch", tp=2)
+    os.remove(os.path.join(path, "mp_rank_01", "model_optim_rng.pt"))
+    with pytest.raises(CheckpointError, match="saved at TP 2 x PP 1 but mp_rank_01"):
+        _open(root, cfg)
+
+
+def test_a_torch_dist_without_model_tensors_is_refused(tmp_path):
+    from megafab.checkpoint import dcp_io, megatron_dist
+    from megafab.checkpoint.layout import Shard
+
+    path = tmp_path / "iter_0000003"
+    dcp_io.save_shards({"optimizer.state.exp_avg.x": Shard.whole(torch.zeros(2))}, str(path))
+    megatron_dist.write_common(str(path), {"args": argparse.Namespace(num_layers=4), "iteration": 3})
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("3")
+    with pytest.raises(CheckpointError, match="without model weights"):
+        _open(str(tmp_path), tiny_config())
+    with pytest.raises(CheckpointError, match="without model weights"):
+        read_checkpoint(str(tmp_path))
+
+
+@pytest.mark.parametrize("files, found", [
+    ([], "holds nothing"),
+    ([".metadata", "__0_0.distcp"], "torch.distributed.checkpoint without metadata.json or common.json"),
+    (["model.safetensors", "config.json"], "holds config.json, model.safetensors"),
+])
+def test_foreign_or_empty_directories_name_what_was_found(tmp_path, files, found):
+    path = tmp_path / "iter_0000001"
+    path.mkdir()
+    for name in files:
+        (path / name).write_bytes(b"")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("1")
+    with pytest.raises(CheckpointError) as info:
+        formats.find_checkpoint(str(tmp_path))
+    assert found in str(info.value) and "metadata.json + DCP files (Megatron torch_dist)" in str(info.value)
+
+
+def test_ckpt_format_torch_expects_legacy_unless_auto_detect(tmp_path):
+    root, _, _ = _written(tmp_path, "torch_dist")
+    found = formats.find_checkpoint(root)
+    with pytest.raises(CheckpointError, match="torch expects the legacy.*--auto-detect-ckpt-format"):
+        formats.check_requested_format(found, "torch", auto_detect=False)
+    formats.check_requested_format(found, "torch", auto_detect=True)
+    formats.check_requested_format(found, "torch_dist", auto_detect=False)
+    legacy = formats.find_checkpoint(_written(tmp_path, "torch")[0])
+    formats.check_requested_format(legacy, "torch", auto_detect=False)
+
+
+def test_each_model_arg_mismatch_is_one_line():
+    m = tiny_config(style=LLAMA_STYLE).model
+    saved = dict(num_layers=m.num_layers, hidden_size=64, num_attention_heads=m.num_attention_heads,
+                 group_query_attention=False, num_query_groups=None, swiglu=False, normalization="RMSNorm",
+                 qk_layernorm=True, apply_layernorm_1p=False, multi_latent_attention=True,
+                 dropout_is_not_compared=0.3)
+    lines = model_arg_mismatches(saved, m)
+    assert lines == ["--hidden-size: checkpoint 64, this run 32",
+                     f"--num-query-groups: checkpoint {m.num_attention_heads}, this run 2",
+                     "--swiglu: checkpoint False, this run True",
+                     "--qk-layernorm: checkpoint True, this run False",
+                     "--multi-latent-attention: the checkpoint was trained with True, which megafab does not "
+                     "implement"]
+    assert model_arg_mismatches(argparse.Namespace(num_layers=m.num_layers), m) == []
+    # Megatron's validate_args sets add_qkv_bias with add_bias_linear; megafab derives the same bias
+    gpt2 = tiny_config().model
+    saved = dict(add_bias_linear=True, add_qkv_bias=True, apply_query_key_layer_scaling=True,
+                 rotary_interleaved=False)
+    assert model_arg_mismatches(saved, gpt2) == []
+
+
+def test_unsupported_ckpt_formats_and_legacy_optimizer_saves_are_config_errors():
+    with pytest.raises(ConfigError, match="--ckpt-format 'torch_dcp' is not supported"):
+        tiny_config(ckpt_format="torch_dcp")
+    with pytest.raises(ConfigError, match="--ckpt-format torch .* add --no-save-optim"):
+        tiny_config(ckpt_format="torch", save="/tmp/x")
+    cfg = tiny_config(ckpt_format="torch", save="/tmp/x", no_save_optim=True)
+    assert cfg.checkpoint.ckpt_format == "torch"
+
+
+def test_converting_a_checkpoint_without_args_names_the_fix(tmp_path):
+    from megafab.checkpoint import dcp_io, megatron_dist
+    from megafab.checkpoint.layout import Shard
+
+    path = tmp_path / "iter_0000001"
+    dcp_io.save_shards({"embedding.word_embeddings.weight": Shard.whole(torch.zeros(8, 4))}, str(path))
+    megatron_dist.write_common(str(path), {})
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("1")
+    with pytest.raises(CheckpointError, match="records no args"):
+        read_checkpoint(str(tmp_path))

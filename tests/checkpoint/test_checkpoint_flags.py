@@ -1,0 +1,57 @@
+"""Megatron's load-side flags: --ckpt-step picks an iteration, --pretrained-checkpoint fine-tunes
+from another directory while --load holds none, --exit-on-missing-checkpoint stops instead of
+training from scratch; flags megafab has no use for are announced, unimplemented ones refused."""
+
+import pytest
+import torch
+
+from megafab.arguments import config_from_args
+from megafab.checkpoint import CheckpointError, checkpointing
+from megafab.config import ConfigError
+from megafab.convert import write_checkpoint
+from megafab.model.gpt import GPTModel
+from tests.checkpoint.util import make_state
+from tests.harness import run_ranks
+from tests.model.tiny import context, tiny_config
+
+
+def _weights(scale):
+    cfg = tiny_config()
+    model = GPTModel(cfg.model, context(dtype=torch.float64))
+    return {k: v.detach() * scale for k, v in model.state_dict().items()}, cfg
+
+
+def _loads(rank, world, **flags):
+    state = make_state(tp=1, dp=1, dist_opt=False, **flags)
+    try:
+        iteration = checkpointing.load_checkpoint(state)
+    except CheckpointError as e:
+        return str(e)
+    embedding = state.model[0].module.embedding.word_embeddings.weight
+    return iteration, state.iteration, float(embedding.detach().abs().sum())
+
+
+def test_ckpt_step_pretrained_checkpoint_and_exit_on_missing(tmp_path):
+    root, empty = str(tmp_path / "ck"), str(tmp_path / "empty")
+    sums = {}
+    for iteration, scale in ((1, 1.0), (2, 2.0)):
+        sd, cfg = _weights(scale)
+        write_checkpoint(root, sd, cfg, iteration=iteration)
+        sums[iteration] = float(sd["embedding.word_embeddings.weight"].abs().sum())
+    [(it, resumed_at, total)] = run_ranks(_loads, 1, load=root, ckpt_step=1, finetune=True, timeout=120)
+    assert it == 1 and abs(total - sums[1]) < 1e-9
+    [(it, resumed_at, total)] = run_ranks(_loads, 1, load=empty, pretrained_checkpoint=root, timeout=120)
+    assert (it, resumed_at) == (2, 0) and abs(total - sums[2]) < 1e-9  # fine-tuned from the latest
+    [message] = run_ranks(_loads, 1, load=empty, exit_on_missing_checkpoint=True, timeout=120)
+    assert "holds no checkpoint" in message and "--exit-on-missing-checkpoint" in message
+
+
+def test_checkpoint_flags_without_use_are_announced_and_unimplemented_ones_refused():
+    base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--micro-batch-size", "1", "--train-iters", "1", "--mock-data", "--vocab-size", "64",
+            "--lr", "1e-3"]
+    cfg = config_from_args([*base, "--ckpt-fully-parallel-load", "--dist-ckpt-optim-fully-reshardable",
+                            "--dist-ckpt-strictness", "assume_ok_unexpected"], world_size=1)
+    assert any("--dist-ckpt-optim-fully-reshardable" in n for n in cfg.no_effect)
+    with pytest.raises(ConfigError, match="--async-save: refused"):
+        config_from_args([*base, "--async-save"], world_size=1)
