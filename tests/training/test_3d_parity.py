@@ -76,9 +76,10 @@ def driver_state(cfg, dtype: torch.dtype | None = None) -> TrainState:
     e.g. float64 for parity tests; None: the config's precision)."""
     p = cfg.parallel
     topo = build_topology(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
-                          vpp=p.virtual_pipeline_model_parallel_size or 1)
+                          vpp=p.virtual_pipeline_model_parallel_size or 1, cp=p.context_parallel_size)
     tracker = RNGStatesTracker("cpu")
-    model_parallel_seed(cfg.training.seed, topo.tp_rank, topo.pp_rank, topo.device, tracker)
+    model_parallel_seed(cfg.training.seed, topo.tp_rank, topo.pp_rank, topo.device, tracker,
+                        cp_rank=topo.cp_rank)
     model = build_model(cfg, topo, tracker, dtype=dtype)
     optimizer = build_optimizer(cfg, topo, model)
     return TrainState(cfg, topo, tracker, model, optimizer, build_scheduler(cfg, optimizer))

@@ -1,12 +1,13 @@
 """ZeRO-3 (torch FSDP2) and optimizer CPU offload through the driver's train_step equal one process.
 
-float64, 3 AdamW steps with clipping (clip 0.25 binds in every step), two micro-batches per step (gradient
-accumulation under FSDP2's no_sync), against the single-process model and MixedPrecisionOptimizer:
-the grad norm of every step and every parameter after it within 1e-10. FSDP2 at DP 2 and 4, FSDP2 x
-TP 2 + SP, FSDP2 x PP 2, each with and without offload (a fraction that splits the entries between
-host and device where it is not 1), FSDP2 with full recompute (two layers per recompute group,
-i.e. two FSDP2 units) and without resharding after forward, and offload with the distributed
-optimizer and with plain DDP; bf16/fp16 against DDP's losses; SGD with momentum against DDP.
+float64, 3 AdamW steps with clipping (clip 0.25 binds in every step), two micro-batches per step
+(gradient accumulation under FSDP2's no_sync), against the single-process model and
+MixedPrecisionOptimizer: the grad norm of every step and every parameter after it within 1e-10.
+FSDP2 at DP 2 and 4, FSDP2 x TP 2 + SP, FSDP2 x PP 2, FSDP2 DP 2 x CP 2 (sharded over DP x CP),
+each with and without offload (a fraction that splits the entries between host and device where it
+is not 1), FSDP2 with full recompute (two layers per recompute group, i.e. two FSDP2 units) and
+without resharding after forward, and offload with the distributed optimizer and with plain DDP;
+bf16/fp16 against DDP's losses; SGD with momentum against DDP.
 """
 
 import pytest
@@ -31,9 +32,10 @@ CLIP = 0.25
 
 
 def _parity(rank, world, tp, pp, sp, style, layout):
-    dp = world // (tp * pp)
+    cp = layout.get("context_parallel_size", 1)
+    dp = world // (tp * pp * cp)
     gbs = MICRO * dp * 2
-    flat = dict(tp=tp, pp=pp, style=style, dp=dp, vocab_size=112, micro_batch_size=MICRO,
+    flat = dict(tp=tp, pp=pp, style=style, dp=dp * cp, vocab_size=112, micro_batch_size=MICRO,
                 global_batch_size=gbs, sequence_parallel=sp, lr=1e-2, clip_grad=CLIP,
                 lr_decay_style="constant", train_iters=STEPS, **layout)
     cfg = tiny_config(**flat)
@@ -49,15 +51,16 @@ def _parity(rank, world, tp, pp, sp, style, layout):
         assert host and all(e.main.device.type == "cpu" and e.is_copy for e in host)
         assert (len(host) < len(optimizer.entries)) == (cfg.optimizer.optimizer_offload_fraction < 1)
     if cfg.parallel.fully_sharded:
-        # Each rank holds only its rows: the local shards of a big weight are a 1/DP share of it.
+        # Each rank holds only its rows: the local shards of a big weight are a 1/(DP x CP) share of it.
         big = max(optimizer.entries, key=lambda e: e.model_param.numel())
-        assert local_tensor(big.model_param).numel() <= -(-big.model_param.shape[0] // dp) * \
+        assert local_tensor(big.model_param).numel() <= -(-big.model_param.shape[0] // (dp * cp)) * \
             (big.model_param.numel() // big.model_param.shape[0])
     return train_and_compare(state, samples, reference, gbs, min_norm=CLIP)
 
 
 FSDP = dict(use_torch_fsdp2=True)
 OFFLOAD = dict(optimizer_cpu_offload=True)
+CP2 = dict(context_parallel_size=2)  # FSDP2 shards over DP x CP, Megatron's dp-cp group
 RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)
 
 
@@ -76,6 +79,9 @@ CASES = {
     "fsdp-tp2-sp-dp2-offload-llama": (4, 2, 1, True, LLAMA_STYLE, {**FSDP, **OFFLOAD}),
     "fsdp-pp2-dp2": (4, 1, 2, False, GPT2_STYLE, FSDP),
     "fsdp-pp2-dp2-offload-0.5": (4, 1, 2, False, GPT2_STYLE, {**FSDP, **OFFLOAD, **fraction(0.5)}),
+    "fsdp-dp2-cp2-p2p-llama": (4, 1, 1, False, LLAMA_STYLE, {**FSDP, **CP2}),
+    "fsdp-dp2-cp2-a2a-offload": (4, 1, 1, False, GPT2_STYLE, {**FSDP, **OFFLOAD, **CP2,
+                                                               "cp_comm_type": "a2a"}),
     "distopt-dp2-offload": (2, 1, 1, False, LLAMA_STYLE, {"use_distributed_optimizer": True, **OFFLOAD}),
     "ddp-dp2-offload-0.5": (2, 1, 1, False, GPT2_STYLE, {**OFFLOAD, **fraction(0.5)}),
 }
