@@ -70,3 +70,15 @@ def test_fsdp2_is_zero3_bytes_and_the_plan_prints_device_and_host():
     assert stage.fsdp_transient_bytes > 0
     text = format_plan(cfg, [stage])
     assert "FSDP2 (ZeRO-3), optimizer CPU offload 0.5" in text and "host" in text, text
+
+
+def test_sharded_state_divides_over_dp_times_cp():
+    """FSDP2 and the distributed optimizer shard over DP x CP (Megatron's dp-cp group): DP 2 x CP 2
+    plans the state of DP 4."""
+    base = dict(bf16=True, global_batch_size=8, hidden_size=64, num_layers=2)
+    for flags in (dict(use_torch_fsdp2=True), dict(use_distributed_optimizer=True),
+                  dict(use_torch_fsdp2=True, optimizer_cpu_offload=True)):
+        dp4 = plan(tiny_config(dp=4, **base, **flags))[0]
+        cp2 = plan(tiny_config(dp=4, context_parallel_size=2, **base, **flags))[0]
+        assert (cp2.weights_bytes, cp2.grads_bytes, cp2.optimizer_bytes, cp2.host_bytes) == \
+            (dp4.weights_bytes, dp4.grads_bytes, dp4.optimizer_bytes, dp4.host_bytes), flags
