@@ -3,14 +3,10 @@ that really exist after a step: weights, grads, device optimizer state and host 
 
 import pytest
 
-from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
-from megafab.distributed.topology import build_topology
-from megafab.model.gpt import masked_mean_loss
-from megafab.optim.memory import measure_memory
-from megafab.training.build import build_model, build_optimizer
 from megafab.training.planner import format_plan, plan
 from tests.harness import run_ranks
-from tests.model.tiny import batch, tiny_config
+from tests.model.tiny import tiny_config
+from tests.training.test_planner import measured_after_one_step
 
 VARIANTS = {
     "fsdp2": dict(use_torch_fsdp2=True),
@@ -25,19 +21,7 @@ def _measured_and_planned(rank, world, variant):
     flat = dict(dp=world, bf16=True, global_batch_size=2 * world, hidden_size=64, num_layers=2,
                 ffn_hidden_size=256, vocab_size=101)
     flat.update(VARIANTS[variant])
-    cfg = tiny_config(**flat)
-    topo = build_topology()
-    tracker = RNGStatesTracker("cpu")
-    model_parallel_seed(1234, 0, 0, "cpu", tracker)
-    model = build_model(cfg, topo, tracker)
-    optimizer = build_optimizer(cfg, topo, model)
-    optimizer.zero_grad()
-    tokens, labels, mask = batch(cfg.model, seed=topo.dp_rank)
-    masked_mean_loss(model[0](tokens, labels=labels), mask).float().backward()
-    model[0].finish_grad_sync()
-    optimizer.step()
-    report = measure_memory(model, optimizer)
-    stage = plan(cfg)[0]
+    report, stage = measured_after_one_step(tiny_config(**flat))
     return (report.num_params, stage.params,
             (report.weights_bytes, report.grads_bytes, report.optimizer_bytes, report.host_bytes),
             (stage.weights_bytes, stage.grads_bytes, stage.optimizer_bytes, stage.host_bytes))
