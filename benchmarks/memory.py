@@ -16,6 +16,11 @@ The planner columns are its weights+grads+optimizer and its activation peak for 
 --checkpoint adds the checkpoint rows of benchmarks/checkpoint_memory.py for the same model (peak
 resident memory per rank of DP 4 runs that save every iteration or load and continue, against no
 checkpoints; save time per rank at DP 1/2/4); benchmarks/README.md records them at 54M parameters.
+
+--sharding adds the ZeRO-3 and offload rows (bf16 model, one step, rank 0): weights + grads +
+optimizer bytes per parameter per rank with FSDP2 at DP 1/2/4 next to ZeRO-3's 16/d and the
+planner's, and with optimizer CPU offload (FSDP2, distributed optimizer) the device-side and host
+bytes per parameter next to the planner's (megafab.training.state_memory).
 """
 
 from __future__ import annotations
@@ -85,9 +90,13 @@ def main(argv=None):
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--checkpoint", action="store_true", help="also the checkpoint save/load rows")
+    ap.add_argument("--sharding", action="store_true", help="only the ZeRO-3 (FSDP2) and offload rows")
     args = ap.parse_args(argv)
     base = gpt_flags(args.layers, args.hidden, args.heads, args.seq, args.batch, args.vocab)
     base += ["--bf16"] if args.bf16 else []
+    if args.sharding:
+        sharding_rows(base, args.timeout)
+        return
 
     mib = 1024 * 1024
     print(f"Memory per rank (rank 0), {'bf16' if args.bf16 else 'fp32'}: layers {args.layers}, "
@@ -114,6 +123,47 @@ def main(argv=None):
 
         checkpoint_memory.main(["--layers", str(args.layers), "--hidden", str(args.hidden), "--heads",
                                 str(args.heads), "--seq", str(args.seq), "--vocab", str(args.vocab)])
+
+
+SHARDING = {  # name: (DP size, flags, ZeRO-3's bytes per parameter per rank or None)
+    "FSDP2 DP1": (1, ["--use-torch-fsdp2"], 16.0),
+    "FSDP2 DP2": (2, ["--use-torch-fsdp2"], 16.0 / 2),
+    "FSDP2 DP4": (4, ["--use-torch-fsdp2"], 16.0 / 4),
+    "FSDP2 DP2 offload": (2, ["--use-torch-fsdp2", "--optimizer-cpu-offload"], None),
+    "FSDP2 DP2 offload 0.5": (2, ["--use-torch-fsdp2", "--optimizer-cpu-offload",
+                                  "--optimizer-offload-fraction", "0.5"], None),
+    "DP2 dist-opt offload": (2, ["--use-distributed-optimizer", "--optimizer-cpu-offload"], None),
+}
+
+
+def _measure_state(rank, world, flags):
+    state = build_state(flags, world_size=world)
+    cfg = state.cfg
+    data = repeat_batch(synthetic_batch(cfg.training.micro_batch_size, cfg.model.seq_length,
+                                        cfg.model.vocab_size))
+    train_step(state, data)
+    report = measure_memory(state.model, state.optimizer)
+    return report.num_params, report.total_bytes, report.host_bytes
+
+
+def sharding_rows(base: list[str], timeout: float) -> None:
+    """The ZeRO-3 / offload table (see the module docstring); `base`: the model flags."""
+    from megafab.arguments import config_from_args
+
+    base = base + ([] if "--bf16" in base else ["--bf16"])
+    print(f"ZeRO-3 (FSDP2) and optimizer offload, bf16, bytes per parameter on rank 0; {load_average()}")
+    print(f"{'variant':<24}{'device':>9}{'plan':>9}{'ratio':>8}{'16/d':>8}{'host':>9}{'plan':>9}")
+    for name, (dp, extra, zero3) in SHARDING.items():
+        flags = base + extra
+        micro_batch = int(flags[flags.index("--micro-batch-size") + 1])
+        flags[flags.index("--global-batch-size") + 1] = str(dp * micro_batch)
+        params, device, host = run_ranks(_measure_state, dp, flags, timeout=timeout)[0]
+        stage = plan(config_from_args(flags, world_size=dp))[0]
+        planned_device, planned_host = stage.state_bytes / stage.params, stage.host_bytes / stage.params
+        measured = device / params
+        print(f"{name:<24}{measured:>9.3f}{planned_device:>9.3f}{measured / planned_device:>8.3f}"
+              f"{'' if zero3 is None else f'{zero3:.3f}':>8}{host / params:>9.3f}{planned_host:>9.3f}")
+    print(f"after: {load_average()}")
 
 
 if __name__ == "__main__":

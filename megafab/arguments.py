@@ -96,6 +96,21 @@ def _parallel_flags(p):
     g.add_argument("--distributed-timeout-minutes", type=float, default=10)
 
 
+def _sharding_and_offload_flags(p):
+    g = p.add_argument_group("ZeRO-2/3 (FSDP) and optimizer CPU offload")
+    g.add_argument("--use-torch-fsdp2", action="store_true")
+    g.add_argument("--use-megatron-fsdp", "--use-custom-fsdp", action="store_true", dest="use_megatron_fsdp")
+    g.add_argument("--data-parallel-sharding-strategy",
+                   choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
+    g.add_argument("--torch-fsdp2-no-reshard-after-forward", action="store_false",
+                   dest="torch_fsdp2_reshard_after_forward")
+    g.add_argument("--optimizer-cpu-offload", action="store_true")
+    g.add_argument("--optimizer-offload-fraction", type=float)
+    g.add_argument("--no-pin-cpu-grads", action="store_false", dest="pin_cpu_grads")
+    g.add_argument("--no-pin-cpu-params", action="store_false", dest="pin_cpu_params")
+    g.add_argument("--use-precision-aware-optimizer", action="store_true")
+
+
 def _precision_flags(p):
     g = p.add_argument_group("precision")
     g.add_argument("--fp16", action="store_true")
@@ -271,7 +286,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         description="Train a GPT with Megatron-style tensor, sequence, pipeline and data parallelism. "
                     "Flags are Megatron-LM's.")
     for add in (_model_flags, _parallel_flags, _precision_flags, _optimizer_flags, _training_flags,
-                _data_flags, _checkpoint_flags, _logging_flags, _config_file_flags):
+                _data_flags, _checkpoint_flags, _logging_flags, _sharding_and_offload_flags,
+                _config_file_flags):
         add(parser)
     for flag in NO_EFFECT:
         parser.add_argument(flag, action="store_true")

@@ -27,7 +27,8 @@ GROUP_OF_SECTION = {"model": "transformer configuration", "activation recompute"
                     "parallelism": "distributed", "precision": "mixed precision",
                     "optimizer and learning rate": "learning rate and weight decay", "training": "training",
                     "data and tokenizer": "data and dataloader", "checkpointing": "checkpointing",
-                    "logging": "logging", "configuration files": "experimental"}
+                    "logging": "logging", "configuration files": "experimental",
+                    "ZeRO-2/3 (FSDP) and optimizer CPU offload": "distributed"}
 
 # ... unless Megatron puts it elsewhere.
 _MEGATRON_GROUP = {
@@ -40,7 +41,8 @@ _MEGATRON_GROUP = {
                                  "--fp8-format --fp8-recipe --fp8-margin --fp8-amax-history-len "
                                  "--fp8-amax-compute-algo --calculate-per-token-loss",
     "training": "--recompute-activations --gradient-accumulation-fusion --no-gradient-accumulation-fusion "
-                "--optimizer",
+                "--optimizer --optimizer-cpu-offload --optimizer-offload-fraction --no-pin-cpu-grads "
+                "--no-pin-cpu-params",
     "mixed precision": "--accumulate-allreduce-grads-in-fp32 --grad-reduce-in-bf16",
     "regularization": "--weight-decay --clip-grad --adam-beta1 --adam-beta2 --adam-eps --sgd-momentum",
     "validation": "--eval-iters --eval-interval --skip-train",
@@ -49,6 +51,7 @@ _MEGATRON_GROUP = {
     "data and dataloader": "--seq-length",
     "tokenizer": "--vocab-size --tokenizer-type --vocab-file --merge-file --tokenizer-model "
                  "--tiktoken-pattern --tiktoken-num-special-tokens --tokenizer-special-tokens",
+    "experimental": "--use-precision-aware-optimizer",
     MEGAFAB_ONLY: "--compile --dry-run --config --metrics-jsonl",
 }
 FLAG_GROUP = {flag: title for title, flags in _MEGATRON_GROUP.items() for flag in flags.split()}

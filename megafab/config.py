@@ -166,6 +166,29 @@ class ParallelConfig:
     distributed_timeout_minutes: float = 10
     """Timeout of every collective; a frozen rank fails the others after this long (fractions of a
     minute are accepted)."""
+    use_torch_fsdp2: bool = False
+    """ZeRO-3 with torch FSDP2: parameters, gradients and optimizer state sharded over data-parallel
+    ranks, one FSDP unit per transformer layer plus the embedding/output (weight gradients go
+    through autograd: there is no main_grad buffer for gradient accumulation fusion)."""
+    use_megatron_fsdp: bool = False
+    """Megatron-FSDP's flag: megafab runs the --data-parallel-sharding-strategy it asks for with its
+    own engines (DDP, the distributed optimizer, FSDP2), announced at start-up."""
+    data_parallel_sharding_strategy: str | None = None
+    """With --use-megatron-fsdp: no_shard (ZeRO-0, replicated), optim (ZeRO-1, the distributed
+    optimizer), optim_grads (ZeRO-2: FSDP2 keeping gathered weights to the backward),
+    optim_grads_params (ZeRO-3: FSDP2, Megatron's default)."""
+    torch_fsdp2_reshard_after_forward: bool = True
+    """FSDP2 frees each unit's gathered weights after its forward and gathers them again for the
+    backward; --torch-fsdp2-no-reshard-after-forward keeps them (more memory, one all-gather less)."""
+    fully_sharded: bool = False
+    """Derived: FSDP2 runs (--use-torch-fsdp2, or --use-megatron-fsdp with optim_grads(_params))."""
+
+    @property
+    def fsdp_reshard_after_forward(self) -> bool:
+        """Whether FSDP2 frees gathered weights after forward (ZeRO-3; not Megatron-FSDP's optim_grads)."""
+        if self.use_megatron_fsdp and not self.use_torch_fsdp2:
+            return self.data_parallel_sharding_strategy != "optim_grads"
+        return self.torch_fsdp2_reshard_after_forward
 
 
 @dataclass
@@ -244,6 +267,18 @@ class OptimizerConfig:
     """Peak learning rate of the input embedding and the output layer (their own schedule)."""
     decoupled_min_lr: float | None = None
     """Final learning rate of the input embedding and the output layer; default --min-lr."""
+    optimizer_cpu_offload: bool = False
+    """Keep fp32 main params and Adam state in host memory and step them on the CPU (torch's
+    fused/foreach AdamW); the device keeps the model weights and gradients."""
+    optimizer_offload_fraction: float | None = None
+    """Share of the optimizer state offloaded, in [0, 1]; default 1.0 with --optimizer-cpu-offload."""
+    pin_cpu_grads: bool = True
+    """Page-locked host gradient buffers for offload."""
+    pin_cpu_params: bool = True
+    """Page-locked host main params for offload."""
+    use_precision_aware_optimizer: bool = False
+    """Megatron's flag that its CPU offload requires; megafab accepts it with --optimizer-cpu-offload
+    (fp32 main params and Adam moments, its default dtypes, are what megafab keeps)."""
 
 
 @dataclass
@@ -552,7 +587,8 @@ class Config:
                               "GPT2BPETokenizer (as Megatron-LM's GPT-3 example scripts assume)")
         if p.grad_reduce_in_bf16:  # Megatron's rule: the grad buffer takes the (bf16) param dtype
             p.accumulate_allreduce_grads_in_fp32 = False
-        if p.ddp_bucket_size is None and p.data_parallel_size:
+        resolve_sharding(self)
+        if p.ddp_bucket_size is None and p.data_parallel_size and not p.fully_sharded:
             p.ddp_bucket_size = default_bucket_size(p.data_parallel_size)
         if validate:
             self.validate()
@@ -562,7 +598,7 @@ class Config:
         """Every rule this configuration breaks, one line each."""
         return (model_problems(self) + parallel_problems(self) + context_parallel_problems(self)
                 + precision_problems(self) + training_problems(self) + data_problems(self)
-                + checkpoint_problems(self))
+                + checkpoint_problems(self) + sharding_problems(self))
 
     def validate(self) -> None:
         problems = self.problems()
@@ -677,7 +713,7 @@ def parallel_problems(cfg: Config) -> list[str]:
         out.append(f"the interleaved schedule needs the number of micro-batches "
                    f"({t.num_micro_batches} = global batch / (micro batch x dp)) to be a multiple of "
                    f"--pipeline-model-parallel-size {pp}")
-    if p.overlap_param_gather and not p.use_distributed_optimizer:
+    if p.overlap_param_gather and not p.use_distributed_optimizer and not p.fully_sharded:
         out.append("--overlap-param-gather needs --use-distributed-optimizer")
     if not p.distributed_timeout_minutes > 0:
         out.append(f"--distributed-timeout-minutes {p.distributed_timeout_minutes} must be positive")
@@ -949,3 +985,92 @@ def unwritable_directory(path: str) -> str | None:
     if not os.access(probe, os.W_OK | os.X_OK):
         return f"{probe} is not writable by this user"
     return None
+
+
+# ---- ZeRO stages and optimizer offload ------------------------------------------------------------
+MEGATRON_FSDP_STRATEGIES = {"no_shard": "ZeRO-0: replicated data parallelism",
+                            "optim": "ZeRO-1: the distributed optimizer",
+                            "optim_grads": "ZeRO-2's communication: torch FSDP2 keeping the gathered weights "
+                                           "from forward to backward",
+                            "optim_grads_params": "ZeRO-3: torch FSDP2"}
+
+
+def resolve_sharding(cfg: Config) -> None:
+    """Derive `fully_sharded` and the offload fraction; map Megatron-FSDP's strategies onto
+    megafab's engines (with a note saying what runs)."""
+    p, o = cfg.parallel, cfg.optimizer
+    if o.optimizer_cpu_offload and o.optimizer_offload_fraction is None:
+        o.optimizer_offload_fraction = 1.0
+    p.fully_sharded = p.use_torch_fsdp2
+    if not p.use_megatron_fsdp or p.use_torch_fsdp2:
+        return
+    strategy = p.data_parallel_sharding_strategy or "optim_grads_params"
+    if strategy not in MEGATRON_FSDP_STRATEGIES:
+        return  # refused in sharding_problems
+    p.data_parallel_sharding_strategy = strategy
+    asked_dist_opt = p.use_distributed_optimizer
+    p.use_distributed_optimizer = strategy == "optim"
+    p.fully_sharded = strategy in ("optim_grads", "optim_grads_params")
+    note = (f"--use-megatron-fsdp --data-parallel-sharding-strategy {strategy} runs as "
+            f"{MEGATRON_FSDP_STRATEGIES[strategy]}")
+    if asked_dist_opt and strategy != "optim":
+        note += " (--use-distributed-optimizer, which Megatron-FSDP requires, shards nothing more here)"
+    cfg.notes.append(note)
+
+
+def sharding_problems(cfg: Config) -> list[str]:
+    p, o, pr, m = cfg.parallel, cfg.optimizer, cfg.precision, cfg.model
+    out = []
+    if p.use_torch_fsdp2 and p.use_megatron_fsdp:
+        out.append("--use-torch-fsdp2 and --use-megatron-fsdp were both given; choose one (megafab runs "
+                   "both with torch FSDP2)")
+    if p.use_torch_fsdp2 and p.use_distributed_optimizer:
+        out.append("--use-torch-fsdp2 and --use-distributed-optimizer cannot be combined: FSDP2 shards "
+                   "the optimizer state itself (ZeRO-3 includes ZeRO-1); drop --use-distributed-optimizer")
+    strategy = p.data_parallel_sharding_strategy
+    if strategy is not None and strategy not in MEGATRON_FSDP_STRATEGIES:
+        out.append(f"--data-parallel-sharding-strategy {strategy!r} is not one of "
+                   f"{', '.join(MEGATRON_FSDP_STRATEGIES)}")
+    elif strategy not in (None, "no_shard") and not p.use_megatron_fsdp:
+        out.append(f"--data-parallel-sharding-strategy {strategy} needs --use-megatron-fsdp (with "
+                   f"--use-torch-fsdp2, FSDP2 always shards parameters, gradients and optimizer state)")
+    if not p.torch_fsdp2_reshard_after_forward and not p.use_torch_fsdp2:
+        out.append("--torch-fsdp2-no-reshard-after-forward needs --use-torch-fsdp2 (with "
+                   "--use-megatron-fsdp, --data-parallel-sharding-strategy optim_grads asks for it)")
+    if p.fully_sharded:
+        flag = "--use-torch-fsdp2" if p.use_torch_fsdp2 else "--use-megatron-fsdp"
+        if p.overlap_param_gather and p.use_torch_fsdp2:
+            out.append("--use-torch-fsdp2 and --overlap-param-gather cannot be combined: the flag is "
+                       "the distributed optimizer's, and FSDP2 prefetches the next unit's all-gather "
+                       "by itself; drop --overlap-param-gather")
+        if p.ddp_bucket_size is not None:
+            out.append(f"{flag} and --ddp-bucket-size cannot be combined: FSDP2 reduces one layer unit "
+                       f"at a time, there are no DDP buckets; drop --ddp-bucket-size")
+        if pr.fp8_format is not None:
+            out.append(f"{flag} and --fp8-format cannot be combined in megafab yet (FSDP2 would gather "
+                       f"16-bit weights for Transformer Engine's FP8 layers); drop one of them")
+        if m.transformer_impl == "transformer_engine":
+            out.append(f"{flag} and --transformer-impl transformer_engine cannot be combined in megafab "
+                       f"yet; use --transformer-impl local with FSDP2")
+        if m.compile_layers:
+            out.append(f"{flag} and --compile cannot be combined in megafab yet; drop --compile")
+        if cfg.checkpoint.ckpt_format == "torch" and cfg.checkpoint.save:
+            out.append(f"{flag} and --ckpt-format torch cannot be combined with --save: Megatron's legacy "
+                       f"files hold each TP rank's whole tensors, which FSDP2 keeps sharded over DP "
+                       f"(writing them would gather them on one rank); save --ckpt-format torch_dist "
+                       f"(the default, which loads at any DP size and without FSDP2)")
+    fraction = o.optimizer_offload_fraction
+    if fraction is not None and not 0.0 <= fraction <= 1.0:
+        out.append(f"--optimizer-offload-fraction {fraction} must be in [0, 1] (the share of the "
+                   f"optimizer state kept on the CPU)")
+    if not o.optimizer_cpu_offload:
+        needs = [flag for flag, given in (
+            ("--optimizer-offload-fraction", fraction is not None),
+            ("--no-pin-cpu-grads", not o.pin_cpu_grads), ("--no-pin-cpu-params", not o.pin_cpu_params))
+            if given]
+        out += [f"{flag} needs --optimizer-cpu-offload" for flag in needs]
+        if o.use_precision_aware_optimizer:
+            out.append("--use-precision-aware-optimizer is not implemented in megafab on its own (its "
+                       "non-fp32 main-param/moment dtypes are not); it is accepted only with "
+                       "--optimizer-cpu-offload, whose code path Megatron routes through it")
+    return out

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 NOT_YET = "not implemented in megafab yet"
-FSDP = f"ZeRO-3 / FSDP is {NOT_YET}; use --use-distributed-optimizer (ZeRO-1) instead"
+FSDP = ("megafab runs Megatron-FSDP's sharding strategies on torch FSDP2 (--use-megatron-fsdp), "
+        "which has no such buffers to tune")
 MOE = f"mixture-of-experts layers are {NOT_YET}"
 
 
@@ -32,18 +33,11 @@ REFUSED: dict[str, Refused] = {
     "--multi-latent-attention": Refused(f"multi-latent attention is {NOT_YET}"),
     "--mtp-num-layers": Refused(f"multi-token prediction is {NOT_YET}"),
     "--tp-comm-overlap": Refused(f"TP communication overlap (Transformer Engine userbuffers) is {NOT_YET}"),
-    "--use-torch-fsdp2": Refused(FSDP),
-    "--use-megatron-fsdp": Refused(FSDP),
-    "--use-custom-fsdp": Refused(FSDP),
-    "--data-parallel-sharding-strategy": Refused(FSDP, off=("no_shard",)),
     "--fsdp-double-buffer": Refused(f"Megatron-FSDP buffer tuning; {FSDP}"),
-    "--fsdp-manual-registration": Refused(f"Megatron-FSDP buffer tuning; {FSDP}"),
-    "--optimizer-cpu-offload": Refused(f"optimizer CPU offload is {NOT_YET}"),
-    "--optimizer-offload-fraction": Refused(f"optimizer CPU offload is {NOT_YET}"),
+    "--fsdp-manual-registration": Refused(f"Megatron-FSDP buffer registration; {FSDP}"),
     "--use-nccl-ub": Refused(f"NCCL user-buffer registration is {NOT_YET}"),
     "--num-distributed-optimizer-instances": Refused(
         f"the hierarchical distributed optimizer is {NOT_YET}", off=("1",)),
-    "--use-precision-aware-optimizer": Refused(f"the precision-aware optimizer is {NOT_YET}"),
     "--fp8-param-gather": Refused(
         f"FP8 parameter storage and all-gather are {NOT_YET}; --fp8-format keeps bf16 parameters"),
     "--spec": Refused("custom layer specs cannot be loaded; megafab builds megatron-core's GPT layer "
@@ -93,6 +87,10 @@ NO_EFFECT: dict[str, str] = {
     "--no-persist-layer-norm": "persistent LayerNorm is an Apex kernel; megafab uses PyTorch's norms",
     "--no-async-tensor-model-parallel-allreduce": "deprecated in Megatron-LM; nothing to turn off",
     "--use-checkpoint-opt_param-scheduler": "megafab always restores the LR schedule from the checkpoint",
+    "--use-torch-optimizer-for-cpu-offload": "megafab's optimizer CPU offload always steps with torch's "
+                                             "AdamW (fused where torch has it)",
+    "--overlap-cpu-optimizer-d2h-h2d": "megafab's optimizer CPU offload always overlaps its copies with "
+                                       "the CPU step on CUDA (and has nothing to overlap on CPU)",
     "--init-model-with-meta-device": "megafab initializes each rank's own shard directly; the full "
                                      "model is never materialized on one rank",
     "--use-dist-ckpt": "deprecated in Megatron-LM (see --ckpt-format); torch_dist is the default",

@@ -95,8 +95,10 @@ ON_GPU = torch.cuda.is_available()
 FP8_HERE = ([] if ON_GPU else ["--fp8-format needs a CUDA GPU"]) + \
     ([] if te_available() else ["--fp8-format needs transformer_engine, which is not installed"])
 FUSED_HERE = [] if ON_GPU else ["--attention-backend fused needs a CUDA GPU"]
-# Refused until issue 14 (FSDP2) lands; then this set becomes empty.
-FSDP_NOT_YET = ["--use-megatron-fsdp: refused", "--data-parallel-sharding-strategy: refused"]
+# --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params runs as torch FSDP2
+# (ZeRO-3); what megafab's FSDP2 does not combine with yet is refused naming both flags.
+FSDP_LIMITS = ["--use-megatron-fsdp and --fp8-format cannot be combined",
+               "--use-megatron-fsdp and --transformer-impl transformer_engine cannot be combined"]
 
 # (flags, world size the script implies, the problems the one message must list; none: the plan prints)
 CASES = {
@@ -109,7 +111,7 @@ CASES = {
           "--lr-decay-iters": "--lr-decay-samples", "430000": "660480000"}.get(a, a)
          for a in GPT3_175B_CORE_0_16_1], 128, []),
     "llama3-8b-fp8": (LLAMA3_8B_FP8, 8, ["--fp8-param-gather: refused"] + FP8_HERE + FUSED_HERE),
-    "llama3-8b-fsdp-fp8": (LLAMA3_8B_FSDP, 8, FSDP_NOT_YET + [
+    "llama3-8b-fsdp-fp8": (LLAMA3_8B_FSDP, 8, FSDP_LIMITS + [
         "--use-nccl-ub: refused", "--fsdp-double-buffer: refused", "--fsdp-manual-registration: refused",
         "--fp8-param-gather: refused", "--ckpt-format 'fsdp_dtensor' is not supported"]
         + FP8_HERE + FUSED_HERE),

@@ -32,6 +32,7 @@ from megafab.checkpoint.layout import STEP, split_key
 from megafab.checkpoint.megatron_args import check_model_args, megatron_namespace
 from megafab.checkpoint.source import RNG_DIR, MegafabSource, rng_file
 from megafab.checkpoint.vocab import adapt_padded_vocab
+from megafab.distributed.fsdp import compute_dtype
 from megafab.errors import ReportedElsewhere
 
 # Test hook: "ITER:SECONDS" makes rank 0 sleep before committing the save of iteration ITER, so a
@@ -198,11 +199,11 @@ def load_checkpoint(state) -> int | None:
                       "the optimizer starts fresh")
 
     stored = source.stored
-    shards, gather = cs.model_shards_for_load(state)
+    # A checkpoint saved from an fp32 model has no main copies; bf16 mains then take the weights.
+    with_main = load_optim and any(k.endswith(".main_param") for k in stored)
+    shards, gather = cs.model_shards_for_load(state, masters_from_main=with_main)
     targets = []
     if load_optim:
-        # A checkpoint saved from an fp32 model has no main copies; bf16 mains then take the weights.
-        with_main = any(k.endswith(".main_param") for k in stored)
         optim_shards, targets = cs.optimizer_shards_for_load(state, with_main=with_main)
         shards.update(optim_shards)
     notes = []
@@ -244,7 +245,7 @@ def load_checkpoint(state) -> int | None:
 
 
 def _model_dtype(state) -> torch.dtype:
-    return next(p for _, p in cs.named_parameters(state)).dtype
+    return compute_dtype(state.model[0])
 
 
 def _check_on_every_rank(topo, check) -> None:

@@ -2,7 +2,8 @@
 
 Who writes what. Of each parameter it holds, a rank writes the flat range of its TP block that it
 owns under DDP's bucket layout (DP rank r owns the r-th 1/DP of every bucket, whichever optimizer
-runs): the weights, and the main param and Adam moments of that range. DP ranks therefore write
+runs), or under FSDP2 its dim-0 shard (rows [r * c, (r + 1) * c) of the block, a flat range too):
+the weights, and the main param and Adam moments of that range. DP ranks therefore write
 disjoint boxes, never the whole state, and the bytes each writes fall as 1/DP. A TP-replicated
 parameter is written by TP rank 0 only, a tied output layer not at all (layout.py). Adam's `step`
 is the same for every parameter (they all step together), so no collective is needed: whoever
@@ -12,9 +13,14 @@ Who reads what. The distributed optimizer's main params and Adam moments are rea
 the rank's own flat shard tensors (a few boxes each); the plain optimizer's are parameter-shaped
 (one box). Model weights: with the distributed optimizer each rank reads its own range into DDP's
 parameter buffer and the buckets are all-gathered over DP, as after an optimizer step; otherwise
-each rank reads its TP block in place. No rank allocates a parameter-shaped temporary.
+each rank reads its TP block in place. FSDP2 ranks read their own shards and nothing is gathered
+(FSDP2 gathers at the next forward). No rank allocates a parameter-shaped temporary.
 
-The stored tensors are the same whichever optimizer, DP size or TP/PP/VPP layout saved them.
+The stored tensors are the same whichever optimizer, DP size, FSDP2 or TP/PP/VPP layout saved
+them: weights in the model dtype, fp32 main params only for bf16/fp16 models (`has_master`). An
+FSDP2 bf16/fp16 shard *is* the fp32 master: its weights are written as a model-dtype copy of the
+shard (this rank's rows only), and on load it is read from the checkpoint's main params when
+there are any, else from the weights.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from megafab.checkpoint.layout import (
     optim_key,
     param_layout,
 )
-from megafab.distributed.data_parallel import DistributedDataParallel
+from megafab.distributed.fsdp import is_fully_sharded, local_tensor
 from megafab.distributed.random import checkpoint_rng_state, restore_rng_state
 
 
@@ -49,16 +55,35 @@ def named_parameters(state) -> list[tuple[str, torch.nn.Parameter]]:
 
 
 def dp_owned_ranges(chunks) -> dict[torch.nn.Parameter, tuple[int, int]]:
-    """Per parameter, the flat range of it this rank owns: its DDP shard of every bucket; the whole
-    parameter when it is in no bucket (frozen, or a chunk without DDP). Absent: owns none of it."""
+    """Per parameter, the flat range of it this rank owns: its DDP shard of every bucket, or its
+    FSDP2 shard; the whole parameter when it is in no bucket (frozen, or a chunk without DDP).
+    Absent: owns none of it."""
     ranges = {}
     for chunk in chunks:
         module = getattr(chunk, "module", chunk)
-        bucketed = set(chunk.params) if isinstance(chunk, DistributedDataParallel) else set()
-        ranges.update({p: (0, p.numel()) for p in module.parameters() if p not in bucketed})
-        if bucketed:
+        sharded = set(chunk.params) if hasattr(chunk, "owned_param_ranges") else set()
+        ranges.update({p: (0, p.numel()) for p in module.parameters() if p not in sharded})
+        if sharded:
             ranges.update(chunk.owned_param_ranges())
     return ranges
+
+
+def owned_values(param: torch.nn.Parameter, lo: int, hi: int) -> torch.Tensor:
+    """The flat [lo, hi) of `param` this rank holds, as a view (an FSDP2 DTensor's local shard is
+    exactly its owned range)."""
+    if local_tensor(param) is not param:
+        return local_tensor(param).view(-1)
+    return param.detach().view(-1)[lo:hi]
+
+
+def _compute_dtypes(state) -> dict:
+    """FSDP2 parameters whose shards are stored in a higher precision than the model computes in
+    (the fp32 masters of a bf16/fp16 model) -> the model dtype."""
+    out = {}
+    for chunk in state.model:
+        if is_fully_sharded(chunk) and chunk.main_dtype != chunk.compute_dtype:
+            out.update({p: chunk.compute_dtype for p in chunk.params})
+    return out
 
 
 @dataclass(frozen=True)
@@ -92,9 +117,16 @@ def _state_write_plan(state) -> list[Written]:
 
 # ---- save ----------------------------------------------------------------------------------------
 def model_shards_for_save(state) -> dict[str, Shard]:
-    """model.<name> -> this rank's owned boxes, views of the parameter."""
-    return {model_key(w.layout.name): w.layout.shard(w.param.detach().view(-1)[w.lo:w.hi], w.lo, w.hi)
-            for w in _state_write_plan(state)}
+    """model.<name> -> this rank's owned boxes, views of the parameter (a model-dtype copy of an
+    FSDP2 master shard)."""
+    compute = _compute_dtypes(state)
+    shards = {}
+    for w in _state_write_plan(state):
+        values = owned_values(w.param, w.lo, w.hi)
+        if w.param in compute:
+            values = values.to(compute[w.param])
+        shards[model_key(w.layout.name)] = w.layout.shard(values, w.lo, w.hi)
+    return shards
 
 
 def _entries_by_param(optimizer) -> dict:
@@ -108,9 +140,10 @@ def _entry_range(e) -> tuple[int, int]:
 def common_step(optimizer) -> torch.Tensor:
     """Adam's step, the same for every parameter (0 before the first step, and for SGD), as a 0-d
     tensor."""
-    for state in optimizer.optimizer.state.values():
-        if "step" in state:
-            return torch.tensor(float(state["step"]), dtype=torch.float32)
+    for inner in optimizer.torch_optimizers:
+        for state in inner.state.values():
+            if "step" in state:
+                return torch.tensor(float(state["step"]), dtype=torch.float32)
     return torch.tensor(0.0)
 
 
@@ -127,10 +160,10 @@ def optimizer_shards_for_save(state) -> dict[str, Shard]:
             continue
         e_lo, e_hi = _entry_range(e)
         assert e_lo <= w.lo and w.hi <= e_hi, (w.name, (e_lo, e_hi), (w.lo, w.hi))
-        kept = opt.optimizer.state.get(e.main, {})
+        kept = opt.torch_optimizer_of(e).state.get(e.main, {})
         tensors = {k: kept[k] if kept.get(k) is not None else torch.zeros_like(e.main)
                    for k in opt.state_keys}
-        if e.is_copy:
+        if e.has_master:
             tensors[MAIN_PARAM] = e.main
         for kind, t in tensors.items():
             flat = t.view(-1)[w.lo - e_lo:w.hi - e_lo]
@@ -146,19 +179,25 @@ def _add(shards: dict[str, Shard], key: str, layout: ParamLayout, flat: torch.Te
     shards[key] = layout.shard(flat, lo, hi, into=shards.get(key))
 
 
-def model_shards_for_load(state) -> tuple[dict[str, Shard], list]:
-    """Views of the parameters to read into, and the DDP chunks to all-gather afterwards."""
+def model_shards_for_load(state, masters_from_main: bool) -> tuple[dict[str, Shard], list]:
+    """Views of the parameters to read into, and the DDP chunks to all-gather afterwards.
+    masters_from_main: FSDP2 master shards are read with the optimizer state (from the checkpoint's
+    fp32 main params), not from the weights."""
     topo = state.topology
     shards, gather = {}, []
+    compute = _compute_dtypes(state) if masters_from_main else {}
     for chunk in state.model:
-        sharded = getattr(chunk, "param_buffer", None) is not None  # distributed optimizer
+        gathered = getattr(chunk, "param_buffer", None) is not None  # distributed optimizer
+        sharded = gathered or is_fully_sharded(chunk)
         ranges = dp_owned_ranges([chunk]) if sharded else {}
         module = getattr(chunk, "module", chunk)
         for name, p in module.named_parameters():
+            if p in compute:
+                continue
             layout = param_layout(name, p, topo.tp, topo.tp_rank)
             lo, hi = ranges.get(p, (0, 0)) if sharded else (0, p.numel())
-            _add(shards, model_key(layout.name), layout, p.detach().view(-1)[lo:hi], lo, hi)
-        if sharded:
+            _add(shards, model_key(layout.name), layout, owned_values(p, lo, hi), lo, hi)
+        if gathered:
             gather.append(chunk)
     return shards, gather
 
@@ -195,7 +234,7 @@ def optimizer_shards_for_load(state, with_main: bool) -> tuple[dict[str, Shard],
         lo, hi = _entry_range(e)
         moments = {k: torch.empty_like(e.main) for k in opt.state_keys}
         reads = dict(moments)
-        main_loaded = with_main and e.is_copy
+        main_loaded = with_main and e.has_master
         if main_loaded:
             reads[MAIN_PARAM] = e.main
         for kind, t in reads.items():
@@ -216,19 +255,20 @@ def _scalar_dtype(fused: bool) -> torch.dtype:
 def apply_optimizer_state(state, targets: list[OptimizerTargets]) -> None:
     """The loaded tensors become the optimizer's state (no copies)."""
     opt = state.optimizer
-    fused = bool(opt.optimizer.defaults.get("fused"))
     for t in targets:
+        inner = opt.torch_optimizer_of(t.entry)
+        fused = bool(inner.defaults.get("fused"))
         loaded = dict(t.moments)
         if opt.optimizer_name == "adam":  # torch SGD keeps no step count
             step_device = t.entry.main.device if fused else torch.device("cpu")
             loaded["step"] = torch.tensor(float(t.step), dtype=_scalar_dtype(fused), device=step_device)
-        opt.optimizer.state[t.entry.main] = loaded
+        inner.state[t.entry.main] = loaded
 
 
 @torch.no_grad()
 def refresh_main_params(state, skip: set | None = None) -> None:
-    """Main copies (bf16/fp16 models) take the loaded model weights, except the entries in `skip`
-    (whose fp32 mains were read from the checkpoint)."""
+    """Main copies (bf16/fp16 models, offloaded mains) take the loaded model weights, except the
+    entries in `skip` (whose fp32 mains were read from the checkpoint)."""
     skip = skip or set()
     for e in state.optimizer.entries:
         if e.is_copy and id(e) not in skip:

@@ -7,7 +7,8 @@ after the last micro-batch's backward and before the optimizer step. It does, in
   1. Data parallel, over the DP x CP group (the DDP wrapper's group; CP ranks hold the same
      parameters and saw different tokens of the same samples, Megatron's dp-cp group): wait for
      (or run) every bucket's all-reduce / reduce-scatter (`DistributedDataParallel
-     .finish_grad_sync`), averaging over DP x CP.
+     .finish_grad_sync`), averaging over DP x CP. FSDP2 chunks (megafab.distributed.fsdp, sharded
+     over the same group) reduce-scattered during the last backward already.
   2. TP-replicated params with partial grads, over the TP group. Under sequence parallelism each
      TP rank sees only its slice of the sequence, so the gradient of a parameter that is replicated
      across TP (norm weights/biases, RowParallelLinear bias: `param.sequence_parallel = True`) is
@@ -23,7 +24,9 @@ All three are sums (DP also scales by 1/DP), so their order does not change the 
 distributed optimizer step 1 leaves only this rank's shard of each bucket reduced; 2 and 3 then sum
 whole gradients, which is still right on the owned shard because (a) TP peers have identical
 buffer layouts and (b) DistributedDataParallel gives every `shared_embedding` param a bucket of its
-own, so the first and last stage shard it the same way.
+own, so the first and last stage shard it the same way. Under FSDP2, 2 and 3 sum the local
+shards: TP peers and the two embedding stages share a DP rank, so they hold the same rows of
+same-shaped tensors.
 """
 
 from __future__ import annotations
@@ -32,12 +35,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megafab.distributed.data_parallel import DistributedDataParallel
+from megafab.distributed.fsdp import local_tensor
 
 
 def grad_of(param: nn.Parameter) -> torch.Tensor | None:
-    """The gradient the optimizer reads: `main_grad` under DDP, else `.grad`."""
-    return param.main_grad if hasattr(param, "main_grad") else param.grad
+    """The gradient the optimizer reads: `main_grad` under DDP, this rank's shard of `.grad` under
+    FSDP2, else `.grad`."""
+    if hasattr(param, "main_grad"):
+        return param.main_grad
+    return None if param.grad is None else local_tensor(param.grad)
 
 
 def _all_reduce_coalesced(grads: list[torch.Tensor], group):
@@ -85,10 +91,10 @@ def finalize_model_grads(model_chunks: list[nn.Module], *, topology, sequence_pa
     """Run every cross-group gradient reduction of one step (see the module docstring).
 
     model_chunks: this rank's model chunks (one, or several with VPP); chunks wrapped in
-    DistributedDataParallel get their DP buckets synchronised, plain modules skip step 3.
+    DistributedDataParallel get their DP buckets synchronised, plain modules skip step 1.
     """
     for chunk in model_chunks:
-        if isinstance(chunk, DistributedDataParallel):
+        if hasattr(chunk, "finish_grad_sync"):  # DDP, FSDP2
             chunk.finish_grad_sync()
     if topology.tp > 1:
         allreduce_tp_partial_grads(model_chunks, topology.tp_group, sequence_parallel)

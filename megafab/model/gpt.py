@@ -158,7 +158,8 @@ class GPTModel(nn.Module):
             return logits
         loss = vocab_parallel_cross_entropy(logits, labels.t(), self.ctx.tp_group,  # [s, b]
                                             fused=self.cfg.cross_entropy_loss_fusion)
-        return loss.t()  # [b, s]
+        # A new tensor, not a view: FSDP2 hooks its backward on the output of the chunk.
+        return loss.t().clone()  # [b, s]
 
 
 def build_model_chunks(cfg, ctx: LayerContext, pp: int = 1, pp_rank: int = 0, vpp: int = 1,

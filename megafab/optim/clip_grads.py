@@ -34,21 +34,30 @@ def _all_reduce(value: torch.Tensor, groups, op=dist.ReduceOp.SUM) -> torch.Tens
     return value
 
 
-def global_grad_norm(grads: list[torch.Tensor], groups, device) -> float:
-    """sqrt(sum over all ranks in `groups` of sum(g^2)) for this rank's counted grads."""
+def global_grad_norm(grads: list[torch.Tensor], groups, device, scaled: list[torch.Tensor] = (),
+                     scale: float = 1.0) -> float:
+    """sqrt(sum over all ranks in `groups` of sum(g^2)) for this rank's counted grads; `scaled`
+    grads (offloaded entries', possibly 16-bit and loss-scaled) count as `scale` * g, their
+    squares summed in fp32 without a 16-bit intermediate."""
     # The running sum is fp64 on every rank (a rank may count no grads, and gloo needs one dtype).
     total = torch.zeros((), dtype=torch.float64, device=device)
     for g in grads:
         total += g.pow(2).sum(dtype=torch.float64 if g.dtype == torch.float64 else torch.float32)
+    for g in scaled:
+        norm = torch.linalg.vector_norm(g, dtype=torch.float64 if g.dtype == torch.float64 else torch.float32)
+        total += norm.double().pow(2) * (scale * scale)
     return float(_all_reduce(total, groups).sqrt())
 
 
-def clip_grads_by_norm(grads: list[torch.Tensor], max_norm: float, total_norm: float):
-    """Scale every grad by max_norm / total_norm when the norm exceeds max_norm (Megatron's 1e-6)."""
+def clip_grads_by_norm(grads: list[torch.Tensor], max_norm: float, total_norm: float) -> float:
+    """Scale every grad by max_norm / total_norm when the norm exceeds max_norm (Megatron's 1e-6);
+    returns the factor applied (1.0 when not clipped)."""
     coeff = max_norm / (total_norm + 1.0e-6)
-    if coeff < 1.0:
-        for g in grads:
-            g.mul_(coeff)
+    if coeff >= 1.0:
+        return 1.0
+    for g in grads:
+        g.mul_(coeff)
+    return coeff
 
 
 def count_zeros(grads: list[torch.Tensor], groups, device) -> int:

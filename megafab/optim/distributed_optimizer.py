@@ -47,6 +47,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     chunk waits for it at the start of its next forward.
     """
 
+    shards_across_dp = True
+
     def __init__(self, model_chunks, *, overlap_param_gather: bool = False, **kwargs):
         chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
         bad = [i for i, c in enumerate(chunks)
@@ -76,13 +78,6 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         """Per parameter name, the flat param-local range [lo, hi) whose main param and Adam state
         this rank holds (so a checkpoint can place them in the global, unsharded tensor)."""
         return {e.name: e.param_range for e in self.entries}
-
-    def _norm_groups(self) -> list:
-        """Shards are disjoint across the sharding group (DP x CP) too: sum over it, then over
-        model parallel."""
-        if self.topology is None:
-            return [c.dp_group for c in self.model_chunks[:1]]
-        return [self.topology.dp_cp_group, self.topology.mp_group]
 
     def _copy_main_to_model(self):
         super()._copy_main_to_model()

@@ -1,9 +1,11 @@
 """Per-rank memory of training state, measured from the tensors that really exist.
 
-weights: the model parameters (DDP's param buffer when the distributed optimizer holds them there);
-grads: DDP's grad buffer, plus any `.grad` still alive;
+weights: the model parameters (DDP's param buffer when the distributed optimizer holds them there;
+the local shards under FSDP2);
+grads: DDP's grad buffer, plus any `.grad` still alive (FSDP2: the local gradient shards);
 optimizer: main params that are separate copies (fp32 masters / shards) and every tensor in the
-torch optimizer's state (Adam exp_avg, exp_avg_sq, step).
+torch optimizers' state (Adam exp_avg, exp_avg_sq, step), on the device;
+host: what optimizer CPU offload keeps in host memory (mains, Adam state, copy buffers).
 Every storage is counted once, even when several tensors view it.
 """
 
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from megafab.distributed.data_parallel import DistributedDataParallel
+from megafab.distributed.fsdp import local_tensor
 
 
 @dataclass
@@ -22,7 +24,8 @@ class MemoryReport:
     weights_bytes: int
     grads_bytes: int
     optimizer_bytes: int
-    num_params: int  # parameters of this rank's model chunks (unsharded count)
+    num_params: int  # parameters of this rank's model chunks (unsharded over DP)
+    host_bytes: int = 0  # optimizer CPU offload's host memory
 
     @property
     def total_bytes(self) -> int:
@@ -43,6 +46,7 @@ class _StorageCounter:
         for t in tensors:
             if t is None or not torch.is_tensor(t):
                 continue
+            t = local_tensor(t)
             storage = t.untyped_storage()
             if storage.data_ptr() in self.seen:
                 continue
@@ -57,16 +61,20 @@ def measure_memory(model_chunks: list[nn.Module] | nn.Module, optimizer=None) ->
     counter = _StorageCounter()
     params = [p for c in chunks for p in c.parameters()]
     weights = counter.bytes_of(params)
-    grad_tensors = [c.grad_buffer for c in chunks if isinstance(c, DistributedDataParallel)]
+    grad_tensors = [getattr(c, "grad_buffer", None) for c in chunks]
     grad_tensors += [p.grad for p in params] + [getattr(p, "main_grad", None) for p in params]
     grads = counter.bytes_of(grad_tensors)
-    opt = 0
+    opt = host = 0
     if optimizer is not None:
-        inner = getattr(optimizer, "optimizer", optimizer)
+        offload = getattr(optimizer, "host", None)
+        if offload is not None:
+            host_state = [v for o in offload.torch_optimizers for s in o.state.values() for v in s.values()]
+            host = counter.bytes_of(offload.host_tensors() + host_state)
+        inners = getattr(optimizer, "torch_optimizers", [optimizer])
         mains = [e.main for e in getattr(optimizer, "entries", [])]
-        state = [v for s in inner.state.values() for v in s.values()]
+        state = [v for o in inners for s in o.state.values() for v in s.values()]
         opt = counter.bytes_of(mains + state)
-    return MemoryReport(weights, grads, opt, sum(p.numel() for p in params))
+    return MemoryReport(weights, grads, opt, sum(p.numel() for p in params), host)
 
 
 class SavedActivations:

@@ -15,6 +15,12 @@ One step (`step()`), Megatron's order:
 Returns (update_successful, grad_norm, num_zeros_in_grad).
 
 For fp32/fp64 models the main param *is* the model param (no copy).
+
+With optimizer CPU offload (`cpu_offload=OffloadConfig(...)`, megafab.optim.cpu_offload) a share
+of the entries keeps its main params and Adam state on the host: steps 2-4 read those entries'
+gradients where backward left them (the device), and the host applies 1/loss scale x the clip
+coefficient to its own fp32 copies before its own step (5: the same torch optimizer, on the CPU),
+which also writes the new weights back to the device (6).
 """
 
 from __future__ import annotations
@@ -26,9 +32,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from megafab.distributed.data_parallel import DistributedDataParallel
 from megafab.errors import MegafabError
 from megafab.optim import clip_grads
+from megafab.optim.cpu_offload import HostOptimizer, OffloadConfig, split_for_offload
 from megafab.optim.grad_scaler import ConstantGradScaler
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -65,10 +71,26 @@ class MainParam:
     main: torch.Tensor
     weight_decay: bool
     param_range: tuple[int, int] | None = None  # flat [lo, hi) of the model param (shards only)
+    host: bool = False  # main and optimizer state offloaded to host memory
 
     @property
     def is_copy(self) -> bool:
-        return self.main.untyped_storage().data_ptr() != self.model_param.untyped_storage().data_ptr()
+        return self.main.untyped_storage().data_ptr() != self.model_values().untyped_storage().data_ptr()
+
+    @property
+    def model_dtype(self) -> torch.dtype:
+        """The dtype the model computes (and a checkpoint stores its weights) in."""
+        return self.model_param.dtype
+
+    @property
+    def has_master(self) -> bool:
+        """Whether the main is a higher-precision master of the weights (bf16/fp16 models)."""
+        return self.main.dtype != self.model_dtype
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        grad = self.model_grad()
+        return grad.dtype if grad is not None else self.model_param.dtype
 
     def model_grad(self) -> torch.Tensor | None:
         grad = getattr(self.model_param, "main_grad", None)
@@ -91,7 +113,7 @@ def named_model_params(model_chunks: list[nn.Module]) -> list[tuple[str, nn.Para
     """(name, param) of every trainable param; DDP's 'module.' is dropped, chunks prefixed when > 1."""
     out = []
     for i, chunk in enumerate(model_chunks):
-        inner = chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
+        inner = getattr(chunk, "module", chunk)  # DDP / FSDP wrappers hold the chunk
         prefix = f"chunk{i}." if len(model_chunks) > 1 else ""
         out += [(prefix + n, p) for n, p in inner.named_parameters() if p.requires_grad]
     return out
@@ -142,14 +164,18 @@ class MixedPrecisionOptimizer:
     clip_grad: max global L2 norm (Megatron's --clip-grad, default 1.0); 0 disables clipping (the
     norm is still computed and returned).
     grad_scaler: a ConstantGradScaler / DynamicGradScaler for fp16, None otherwise.
+    cpu_offload: an OffloadConfig to keep that share of the main params and optimizer state on the
+    host.
     """
+
+    shards_across_dp = False  # each DP rank steps a disjoint shard (distributed optimizer, FSDP2)
 
     def __init__(self, model_chunks: list[nn.Module] | nn.Module, *, topology=None, lr: float = 1e-3,
                  weight_decay: float = 0.01, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  clip_grad: float = 1.0, grad_scaler: ConstantGradScaler | None = None,
                  log_num_zeros_in_grad: bool = False, raise_on_non_finite: bool = True,
                  optimizer: str = "adam", sgd_momentum: float = 0.9, decoupled_lr: float | None = None,
-                 decoupled_min_lr: float | None = None):
+                 decoupled_min_lr: float | None = None, cpu_offload: OffloadConfig | None = None):
         if isinstance(model_chunks, nn.Module):
             model_chunks = [model_chunks]
         self.model_chunks = list(model_chunks)
@@ -171,8 +197,23 @@ class MixedPrecisionOptimizer:
         self.entries = self._build_entries(named)
         self.optimizer_name = optimizer
         self.sgd_momentum = sgd_momentum
-        groups = param_groups(self.entries, weight_decay, decoupled_lr, decoupled_min_lr)
-        self.optimizer = make_torch_optimizer(optimizer, groups, lr, betas, eps, sgd_momentum)
+        self._hyper = dict(name=optimizer, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
+                           sgd_momentum=sgd_momentum, decoupled_lr=decoupled_lr,
+                           decoupled_min_lr=decoupled_min_lr)
+        on_device, self.host = self.entries, None
+        if cpu_offload is not None:
+            on_host, on_device = split_for_offload(self.entries, cpu_offload.fraction)
+            self.host = HostOptimizer(on_host, self._make_torch_optimizer, cpu_offload, self.device)
+        self.device_entries = on_device
+        self.optimizer = self._make_torch_optimizer(on_device) if on_device else None
+        self._optimizer_of = {id(main): o for o in self.torch_optimizers
+                              for g in o.param_groups for main in g["params"]}
+
+    def _make_torch_optimizer(self, entries: list[MainParam]) -> torch.optim.Optimizer:
+        """The torch optimizer over `entries`' mains, in Megatron's param groups."""
+        h = self._hyper
+        groups = param_groups(entries, h["weight_decay"], h["decoupled_lr"], h["decoupled_min_lr"])
+        return make_torch_optimizer(h["name"], groups, h["lr"], h["betas"], h["eps"], h["sgd_momentum"])
 
     # ---- what this rank steps -----------------------------------------------------------------
     def _build_entries(self, named) -> list[MainParam]:
@@ -183,8 +224,23 @@ class MixedPrecisionOptimizer:
         return entries
 
     def _norm_groups(self) -> list:
-        """Groups over which ranks hold disjoint grads: model parallel (TP x PP)."""
-        return [] if self.topology is None else [self.topology.mp_group]
+        """Groups over which ranks hold disjoint grads: model parallel (TP x PP), and the sharding
+        group (DP x CP, Megatron's dp-cp group) too when every rank of it steps its own shard."""
+        if self.topology is None:
+            return [self.model_chunks[0].dp_group] if self.shards_across_dp else []
+        if self.shards_across_dp:
+            return [self.topology.dp_cp_group, self.topology.mp_group]
+        return [self.topology.mp_group]
+
+    @property
+    def torch_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The device optimizer (if any entry stays there) and the host pieces' optimizers."""
+        return ([self.optimizer] if self.optimizer is not None else []) + \
+            (self.host.torch_optimizers if self.host is not None else [])
+
+    def torch_optimizer_of(self, entry: MainParam) -> torch.optim.Optimizer:
+        """The torch optimizer that steps (and keeps the state of) `entry`."""
+        return self._optimizer_of[id(entry.main)]
 
     @property
     def state_keys(self) -> tuple[str, ...]:
@@ -196,12 +252,12 @@ class MixedPrecisionOptimizer:
     @property
     def param_groups(self) -> list[dict]:
         """The torch param groups (the LR scheduler writes lr / weight_decay here)."""
-        return self.optimizer.param_groups
+        return [g for o in self.torch_optimizers for g in o.param_groups]
 
     # ---- the step -----------------------------------------------------------------------------
     def _load_main_grads(self) -> list[torch.Tensor]:
         grads = []
-        for e in self.entries:
+        for e in self.device_entries:
             g = e.model_grad()
             if g is None:
                 g = torch.zeros_like(e.main)
@@ -215,30 +271,35 @@ class MixedPrecisionOptimizer:
 
     def _copy_main_to_model(self):
         with torch.no_grad():
-            for e in self.entries:
+            for e in self.device_entries:
                 if e.is_copy:
                     e.model_values().copy_(e.main)
 
-    def _counted_grads(self) -> list[torch.Tensor]:
-        return [e.main.grad for e in self.entries if clip_grads.counts_for_norm(e.model_param, self.topology)]
+    def _counted(self, entries: list[MainParam], grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [g for e, g in zip(entries, grads) if clip_grads.counts_for_norm(e.model_param, self.topology)]
 
     @torch.no_grad()
     def step(self) -> tuple[bool, float | None, int | None]:
         """One optimizer step; returns (update_successful, grad_norm, num_zeros_in_grad)."""
         self.iteration += 1
         grads = self._load_main_grads()
+        # Offloaded entries: their gradients where backward left them, still loss-scaled.
+        host_grads = self.host.device_grads() if self.host is not None else []
         groups = self._norm_groups()
+        inv_scale = 1.0
         if self.grad_scaler is not None:
             inv_scale = 1.0 / self.grad_scaler.scale
             for g in grads:
                 g.mul_(inv_scale)
-            found_inf = clip_grads.found_non_finite(grads, groups, self.device)
+            found_inf = clip_grads.found_non_finite(grads + host_grads, groups, self.device)
             self.grad_scaler.update(found_inf)
             if found_inf:
                 self._drop_main_grads()
                 return False, None, None
-        counted = self._counted_grads()
-        grad_norm = clip_grads.global_grad_norm(counted, groups, self.device)
+        counted = self._counted(self.device_entries, grads)
+        counted_host = self._counted(self.host.entries, host_grads) if self.host is not None else []
+        grad_norm = clip_grads.global_grad_norm(counted, groups, self.device, scaled=counted_host,
+                                                scale=inv_scale)
         if not math.isfinite(grad_norm):
             self._drop_main_grads()
             if self.raise_on_non_finite:
@@ -247,12 +308,16 @@ class MixedPrecisionOptimizer:
                     f"can skip the step (bf16/fp32); parameters were left unchanged. Lower --lr, "
                     f"raise --lr-warmup-samples, or resume from an earlier checkpoint")
             return False, grad_norm, None
+        clip = 1.0
         if self.clip_grad > 0:
-            clip_grads.clip_grads_by_norm(grads, self.clip_grad, grad_norm)
+            clip = clip_grads.clip_grads_by_norm(grads, self.clip_grad, grad_norm)
         num_zeros = None
         if self.log_num_zeros_in_grad:
-            num_zeros = clip_grads.count_zeros(counted, groups, self.device)
-        self.optimizer.step()
+            num_zeros = clip_grads.count_zeros(counted + counted_host, groups, self.device)
+        if self.optimizer is not None:
+            self.optimizer.step()
+        if self.host is not None:
+            self.host.step(inv_scale * clip, host_grads)
         self._copy_main_to_model()
         self._drop_main_grads()
         return True, grad_norm, num_zeros
@@ -260,7 +325,7 @@ class MixedPrecisionOptimizer:
     def zero_grad(self):
         """Zero the model grads of every chunk (DDP buffers, or .grad of plain modules)."""
         for chunk in self.model_chunks:
-            if isinstance(chunk, DistributedDataParallel):
+            if hasattr(chunk, "zero_grad_buffer"):  # DDP's buffer, FSDP2's sharded grads
                 chunk.zero_grad_buffer()
             else:
                 chunk.zero_grad(set_to_none=True)
@@ -275,13 +340,13 @@ class MixedPrecisionOptimizer:
         """
         params = {}
         for e in self.entries:
-            state = self.optimizer.state.get(e.main, {})
+            state = self.torch_optimizer_of(e).state.get(e.main, {})
             lo, hi = e.param_range or (0, e.model_param.numel())
             entry = {"main_param": e.main.detach().clone(), "range": (lo, hi),
                      "shape": tuple(e.model_param.shape)}
             entry.update({k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in state.items()})
             params[e.name] = entry
-        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         return {"params": params, "param_groups": hyper, "iteration": self.iteration,
                 "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict()}
 
@@ -300,16 +365,22 @@ class MixedPrecisionOptimizer:
                     f"optimizer checkpoint shard of {e.name} covers {tuple(saved['range'])} but this rank "
                     f"owns {(lo, hi)}; the data-parallel layout changed; resume with the same layout")
             e.main.copy_(saved["main_param"])
-            self.optimizer.state[e.main] = {k: (v.to(e.main.device).clone() if torch.is_tensor(v) else v)
-                                            for k, v in saved.items()
-                                            if k not in ("main_param", "range", "shape")}
-        for group, saved in zip(self.optimizer.param_groups, state["param_groups"]):
+            self.torch_optimizer_of(e).state[e.main] = {
+                k: (v.to(e.main.device).clone() if torch.is_tensor(v) else v) for k, v in saved.items()
+                if k not in ("main_param", "range", "shape")}
+        for group, saved in zip(self.param_groups, state["param_groups"]):
             group.update(saved)
         self.iteration = state["iteration"]
         if self.grad_scaler is not None and state.get("grad_scaler") is not None:
             self.grad_scaler.load_state_dict(state["grad_scaler"])
-        self._copy_main_to_model()
+        self.copy_all_mains_to_model()
         self._after_load()
+
+    def copy_all_mains_to_model(self):
+        """Every main (device and host) into the model weights, e.g. after loading state."""
+        if self.host is not None:
+            self.host.copy_to_device()
+        self._copy_main_to_model()
 
     def _after_load(self):
         pass

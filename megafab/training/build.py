@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from megafab.distributed.data_parallel import DistributedDataParallel
+from megafab.distributed.fsdp import FullyShardedDataParallel, data_parallel_mesh
 from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
 from megafab.distributed.topology import Topology, initialize
 from megafab.errors import JobFault
@@ -15,7 +16,9 @@ from megafab.launch import read_launch_env
 from megafab.model.gpt import build_model_chunks
 from megafab.model.te import check_transformer_engine
 from megafab.model.transformer import LayerContext
+from megafab.optim.cpu_offload import OffloadConfig
 from megafab.optim.distributed_optimizer import DistributedOptimizer
+from megafab.optim.fully_sharded_optimizer import FullyShardedOptimizer
 from megafab.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megafab.optim.lr_scheduler import OptimizerParamScheduler
 from megafab.optim.mixed_precision import MixedPrecisionOptimizer
@@ -30,7 +33,7 @@ class TrainState:
     cfg: object
     topology: Topology
     tracker: RNGStatesTracker
-    model: list  # DistributedDataParallel chunks
+    model: list  # DistributedDataParallel (or FullyShardedDataParallel) chunks
     optimizer: MixedPrecisionOptimizer
     scheduler: OptimizerParamScheduler
     iteration: int = 0
@@ -72,7 +75,7 @@ def params_dtype(cfg) -> torch.dtype:
 
 
 def build_model(cfg, topo: Topology, tracker, dtype: torch.dtype | None = None) -> list:
-    """This rank's model chunks, each wrapped for data parallelism."""
+    """This rank's model chunks, each wrapped for data parallelism (DDP, or FSDP2)."""
     dtype = dtype or params_dtype(cfg)
     ctx = LayerContext(topo.tp_group if topo.tp > 1 else None, cfg.parallel.sequence_parallel, dtype,
                        topo.device, cfg.training.seed, tracker, precision=cfg.precision,
@@ -83,6 +86,8 @@ def build_model(cfg, topo: Topology, tracker, dtype: torch.dtype | None = None) 
                                 cfg.parallel.virtual_pipeline_model_parallel_size or 1,
                                 PipelineSplit.from_config(cfg))
     p = cfg.parallel
+    if p.fully_sharded:
+        return [fully_shard_chunk(cfg, topo, c) for c in chunks]
     bucket = p.ddp_bucket_size if p.overlap_grad_reduce or p.use_distributed_optimizer else None
     # fp32 main grads (fp64 for fp64 models), or the bf16 params' own dtype (--grad-reduce-in-bf16)
     grad_dtype = None if p.accumulate_allreduce_grads_in_fp32 else dtype
@@ -91,6 +96,20 @@ def build_model(cfg, topo: Topology, tracker, dtype: torch.dtype | None = None) 
                                     grad_dtype=grad_dtype, overlap_grad_reduce=p.overlap_grad_reduce,
                                     use_distributed_optimizer=p.use_distributed_optimizer)
             for c in chunks]
+
+
+def fully_shard_chunk(cfg, topo: Topology, chunk) -> FullyShardedDataParallel:
+    """ZeRO-3 of one GPT chunk: one FSDP2 unit per transformer layer, the chunk the root unit
+    (embedding, final norm, output layer). The shards are the fp32 masters of a bf16/fp16 model,
+    unless the optimizer is offloaded (then the host keeps the masters)."""
+    dtype = next(chunk.parameters()).dtype
+    low_precision = dtype in (torch.bfloat16, torch.float16)
+    main = torch.float32 if low_precision and not cfg.optimizer.optimizer_cpu_offload else dtype
+    reduce = None if cfg.parallel.accumulate_allreduce_grads_in_fp32 else dtype  # --grad-reduce-in-bf16
+    return FullyShardedDataParallel(chunk, mesh=data_parallel_mesh(topo),
+                                    units=list(chunk.decoder.layers.values()), main_dtype=main,
+                                    reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward,
+                                    reduce_dtype=reduce)
 
 
 def build_optimizer(cfg, topo: Topology, model: list):
@@ -105,6 +124,10 @@ def build_optimizer(cfg, topo: Topology, model: list):
                   log_num_zeros_in_grad=cfg.logging.log_num_zeros_in_grad, raise_on_non_finite=False,
                   optimizer=o.optimizer, sgd_momentum=o.sgd_momentum, decoupled_lr=o.decoupled_lr,
                   decoupled_min_lr=o.decoupled_min_lr)
+    if o.optimizer_cpu_offload:
+        kwargs["cpu_offload"] = OffloadConfig(o.optimizer_offload_fraction, o.pin_cpu_grads, o.pin_cpu_params)
+    if cfg.parallel.fully_sharded:
+        return FullyShardedOptimizer(model, **kwargs)
     if cfg.parallel.use_distributed_optimizer:
         return DistributedOptimizer(model, overlap_param_gather=cfg.parallel.overlap_param_gather, **kwargs)
     return MixedPrecisionOptimizer(model, **kwargs)

@@ -5,7 +5,8 @@ Notation: s sequence, b micro-batch, h hidden, a heads, g query groups, d head w
 V padded vocab, t TP size, e bytes per activation element (2 for bf16/fp16, 4 for fp32);
 r = t with sequence parallel, else 1 (the norm/dropout region is split over TP only under SP).
 
-Training state per rank (Megatron's distributed-optimizer table):
+Training state per rank: megafab.training.state_memory (Megatron's distributed-optimizer table,
+FSDP2's ZeRO-3 shards, optimizer CPU offload's device and host bytes). Without FSDP2 or offload:
     weights     e_param * P
     grads       4 * P                       fp32 main grads (DDP's grad buffer)
     optimizer   12 * P (bf16/fp16: fp32 master + Adam m + v), 8 * P (fp32 model: m + v);
@@ -62,6 +63,7 @@ from dataclasses import dataclass
 
 from megafab.pipeline_split import PipelineSplit
 from megafab.training.flops import flops_per_iteration
+from megafab.training.state_memory import state_bytes
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
@@ -79,15 +81,19 @@ class StagePlan:
     in_flight: float  # micro-batches of this stage's activations alive at the peak
     activation_peak_bytes: int
     forward_saved_bytes: int = 0  # what one micro-batch's forward leaves saved for its backward
+    host_bytes: int = 0  # optimizer CPU offload: main params, Adam state and copy buffers on the host
+    fsdp_transient_bytes: int = 0  # FSDP2: gathered weights and unsharded grads while in use
     kv_exchange_bytes: int = 0  # context parallel: transient K/V exchange buffers (in the peak)
 
     @property
     def state_bytes(self) -> int:
+        """Weights, grads and optimizer state on the device, at rest."""
         return self.weights_bytes + self.grads_bytes + self.optimizer_bytes
 
     @property
     def total_bytes(self) -> int:
-        return self.state_bytes + self.activation_peak_bytes
+        """Device bytes at the peak."""
+        return self.state_bytes + self.fsdp_transient_bytes + self.activation_peak_bytes
 
 
 def _norm_params(m) -> int:
@@ -128,6 +134,17 @@ def stage_params(cfg, pp_rank: int) -> int:
     layers = PipelineSplit.from_config(cfg).counts()[pp_rank]
     return sum(chunk_params(cfg.model, tp, n, pp_rank == 0 and c == 0,
                             pp_rank == pp - 1 and c == len(layers) - 1) for c, n in enumerate(layers))
+
+
+def largest_fsdp_unit(cfg, pp_rank: int) -> int:
+    """FSDP2's largest group on the stage: a transformer layer, or a chunk's root (its embedding,
+    final norm and output layer)."""
+    p = cfg.parallel
+    pp, tp = p.pipeline_model_parallel_size, p.tensor_model_parallel_size
+    chunks = len(PipelineSplit.from_config(cfg).counts()[pp_rank])
+    roots = [chunk_params(cfg.model, tp, 0, pp_rank == 0 and c == 0, pp_rank == pp - 1 and c == chunks - 1)
+             for c in range(chunks)]
+    return max([layer_params(cfg.model, tp)] + roots)
 
 
 def _mask_bytes(kernels: str, e: int) -> int:
@@ -230,13 +247,11 @@ def plan(cfg, kernels: str = "flash") -> list[StagePlan]:
     m, p, t, pr = cfg.model, cfg.parallel, cfg.training, cfg.precision
     pp, vpp, tp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1, \
         p.tensor_model_parallel_size
-    dp = p.data_parallel_size or 1
     s, b, h = m.seq_length, t.micro_batch_size, m.hidden_size
     s //= p.context_parallel_size  # CP: each rank holds s/cp tokens
     kv_exchange = kv_exchange_bytes(cfg)
     r = tp if p.sequence_parallel else 1
     e = BYTES[pr.params_dtype_name]
-    mixed = pr.bf16 or pr.fp16
     granularity = m.recompute_granularity
     layer = layer_activation_bytes(cfg, kernels, recompute_core_attention=granularity == "selective")
     layer_input = e * s * b * h // r
@@ -271,15 +286,26 @@ def plan(cfg, kernels: str = "flash") -> list[StagePlan]:
         peak = chunks * chunk_kept + (embed + rotary) * min(chunks, pp if pp > 1 else 1) \
             + max(logits + loss_backward, transient)
         peak += kv_exchange
-        optimizer = (12 if mixed else 8) * params
+        state = state_bytes(cfg, params, largest_fsdp_unit(cfg, rank))
         out.append(StagePlan(
-            pp_rank=rank, params=params, weights_bytes=e * params, grads_bytes=4 * params,
-            optimizer_bytes=optimizer // dp if p.use_distributed_optimizer else optimizer,
+            pp_rank=rank, params=params, weights_bytes=state.weights, grads_bytes=state.grads,
+            optimizer_bytes=state.optimizer, host_bytes=state.host, fsdp_transient_bytes=state.fsdp_transient,
             activation_bytes_per_micro_batch=vpp * (chunk_kept + transient) + embed + rotary + logits,
             layer_activation_bytes=layer, logits_bytes=logits, in_flight=chunks / vpp,
             activation_peak_bytes=int(peak), kv_exchange_bytes=kv_exchange,
             forward_saved_bytes=int(vpp * chunk_kept + embed + rotary + logits)))
     return out
+
+
+def _sharding_summary(cfg) -> str:
+    p, o = cfg.parallel, cfg.optimizer
+    if p.fully_sharded:
+        zero = "FSDP2 (ZeRO-3)" if p.fsdp_reshard_after_forward else "FSDP2 without resharding after forward"
+    else:
+        zero = f"distributed optimizer {'on' if p.use_distributed_optimizer else 'off'}"
+    if o.optimizer_cpu_offload:
+        zero += f", optimizer CPU offload {o.optimizer_offload_fraction:g}"
+    return zero
 
 
 def iteration_flops(cfg) -> tuple[float, float]:
@@ -300,7 +326,7 @@ def format_plan(cfg, stages: list[StagePlan], mfu: float = 0.4, peak_tflops: flo
              f"{p.pipeline_model_parallel_size} x DP {p.data_parallel_size}{vpp}"
              + (f" x CP {p.context_parallel_size} ({p.cp_comm_type})" if p.context_parallel_size > 1 else "")
              + f", {cfg.precision.params_dtype_name}, recompute {cfg.model.recompute_granularity or 'none'}, "
-             f"distributed optimizer {'on' if p.use_distributed_optimizer else 'off'}"]
+             f"{_sharding_summary(cfg)}"]
     for st in stages:
         fits = ""
         if gpu_memory_gb:
@@ -309,6 +335,9 @@ def format_plan(cfg, stages: list[StagePlan], mfu: float = 0.4, peak_tflops: flo
         lines.append(
             f"  stage {st.pp_rank}: params {st.params / 1e6:.1f}M | weights {st.weights_bytes / gib:.2f} GiB"
             f" | grads {st.grads_bytes / gib:.2f} GiB | optimizer {st.optimizer_bytes / gib:.2f} GiB"
+            + (f" (+ host {st.host_bytes / gib:.2f} GiB)" if st.host_bytes else "")
+            + (f" | FSDP2 gathered/unsharded {st.fsdp_transient_bytes / gib:.2f} GiB"
+               if st.fsdp_transient_bytes else "") +
             f" | activations {st.activation_bytes_per_micro_batch / gib:.2f} GiB/micro-batch"
             f" (layer {st.layer_activation_bytes / 2**20:.1f} MiB, logits {st.logits_bytes / gib:.2f} GiB)"
             f" x {st.in_flight:g} in flight"

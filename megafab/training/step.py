@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from megafab.distributed.context_parallel import context_parallel_masked_mean, split_for_context_parallel
 from megafab.distributed.finalize_grads import finalize_model_grads
+from megafab.distributed.fsdp import compute_dtype
 from megafab.distributed.pipeline import get_forward_backward_func
 from megafab.distributed.pipeline_steps import timed
 from megafab.model.gpt import masked_mean_loss
@@ -111,7 +112,7 @@ def run_schedule(state, data_iterator, forward_only: bool, num_micro_batches: in
         forward_step_func=forward_step, data_iterator=iterators,
         model=state.model if vpp > 1 else state.model[0], num_microbatches=num_micro_batches,
         seq_length=m.seq_length // topo.cp, micro_batch_size=t.micro_batch_size, hidden_size=m.hidden_size,
-        topology=topo, dtype=next(state.model[0].parameters()).dtype, forward_only=forward_only,
+        topology=topo, dtype=compute_dtype(state.model[0]), forward_only=forward_only,
         sequence_parallel=p.sequence_parallel,
         finalize_model_grads_func=None if forward_only else finalize,
         no_sync_func=None if forward_only else [c.no_sync for c in state.model],

@@ -7,6 +7,7 @@ TP2 x PP2 x DP2 with sequence parallel and the distributed optimizer (and DP-onl
 import pytest
 import torch
 
+from megafab.distributed.fsdp import is_dtensor
 from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
 from megafab.distributed.topology import build_topology
 from megafab.model.gpt import masked_mean_loss
@@ -67,24 +68,39 @@ def _driver_parity(rank, world, tp, pp, vpp, sp, dist_opt, overlap, style):
     samples = _samples(cfg.model, gbs * STEPS)
     reference = _reference_run(ref_cfg, samples, gbs)
 
-    topo = build_topology(tp=tp, pp=pp, vpp=vpp)
+    return train_and_compare(driver_state(cfg, torch.float64), samples, reference, gbs)
+
+
+def driver_state(cfg, dtype: torch.dtype | None = None) -> TrainState:
+    """The driver's TrainState for `cfg` on this rank, as pretrain builds it (dtype: the model's,
+    e.g. float64 for parity tests; None: the config's precision)."""
+    p = cfg.parallel
+    topo = build_topology(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
+                          vpp=p.virtual_pipeline_model_parallel_size or 1, cp=p.context_parallel_size)
     tracker = RNGStatesTracker("cpu")
-    model_parallel_seed(1234, topo.tp_rank, topo.pp_rank, topo.device, tracker)
-    model = build_model(cfg, topo, tracker, dtype=torch.float64)
+    model_parallel_seed(cfg.training.seed, topo.tp_rank, topo.pp_rank, topo.device, tracker,
+                        cp_rank=topo.cp_rank)
+    model = build_model(cfg, topo, tracker, dtype=dtype)
     optimizer = build_optimizer(cfg, topo, model)
-    state = TrainState(cfg, topo, tracker, model, optimizer, build_scheduler(cfg, optimizer))
-    tp_group = topo.tp_group if tp > 1 else None
+    return TrainState(cfg, topo, tracker, model, optimizer, build_scheduler(cfg, optimizer))
+
+
+def train_and_compare(state, samples, reference, gbs, min_norm: float = 0.0) -> float:
+    """STEPS driver steps; after each, the grad norm and every parameter equal the reference's
+    (1e-10), and the reference norm exceeds `min_norm` (clipping binds). Returns the last loss."""
+    cfg, topo = state.cfg, state.topology
+    tp_group = topo.tp_group if topo.tp > 1 else None
     for step in range(STEPS):
-        data = _micro_batches(samples, step * gbs, topo.dp_rank, dp, cfg.training.num_micro_batches)
+        data = _micro_batches(samples, step * gbs, topo.dp_rank, topo.dp, cfg.training.num_micro_batches)
         metrics = train_step(state, data)
         ref_norm, ref_params = reference[step]
         assert abs(metrics["grad_norm"] - ref_norm) < 1e-10 * max(1.0, ref_norm), (metrics, ref_norm)
-        for chunk in model:
+        assert ref_norm > min_norm, (step, ref_norm)
+        for chunk in state.model:
             for name, p in chunk.module.named_parameters():
                 ref_name = "embedding.word_embeddings.weight" if name == "output_layer.weight" and \
                     not cfg.model.untie_embeddings_and_output_weights else name
-                full = full_grad(_as_grad(p), tp_group)
-                err = (full - ref_params[ref_name]).abs().max().item()
+                err = (full_values(p, tp_group) - ref_params[ref_name]).abs().max().item()
                 assert err < 1e-10, (step, name, err)
     return metrics["lm loss"]
 
@@ -93,14 +109,16 @@ def cfg_layers_per_chunk(pp, vpp):
     return 4 // (pp * vpp)
 
 
-def _as_grad(p):
-    """full_grad gathers .grad; point it at the parameter values to gather those instead."""
-    holder = torch.nn.Parameter(p.detach().clone(), requires_grad=False)
-    holder.grad = p.detach()
+def full_values(p, tp_group) -> torch.Tensor:
+    """The single-process tensor of parameter `p`: FSDP2 shards gathered over DP, TP joined
+    (full_grad gathers .grad, so it is pointed at the values)."""
+    values = p.full_tensor() if is_dtensor(p) else p
+    holder = torch.nn.Parameter(values.detach().clone(), requires_grad=False)
+    holder.grad = values.detach()
     for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
         if hasattr(p, attr):
             setattr(holder, attr, getattr(p, attr))
-    return holder
+    return full_grad(holder, tp_group)
 
 
 @pytest.mark.parametrize("world,tp,pp,vpp,sp,dist_opt,overlap,style", [

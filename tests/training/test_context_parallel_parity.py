@@ -11,15 +11,13 @@ schedule (run_schedule: CP batch split, CP loss, finalize_model_grads over DP x 
 import pytest
 import torch
 
-from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
-from megafab.distributed.topology import build_topology
 from megafab.model.gpt import masked_mean_loss
 from megafab.optim.distributed_optimizer import owned_param_ranges
 from megafab.optim.mixed_precision import MixedPrecisionOptimizer
-from megafab.training.build import TrainState, build_model, build_optimizer, build_scheduler
 from megafab.training.step import average_loss_across_dp, run_schedule
 from tests.harness import run_ranks
 from tests.model.tiny import GPT2_STYLE, LLAMA_STYLE, batch, full_grad, reference_model, tiny_config
+from tests.training.test_3d_parity import driver_state
 
 MICRO = 2
 TOL = 1e-10
@@ -80,7 +78,7 @@ def _cp_parity(rank, world, tp, cp, pp, sp, dist_opt, comm, style, extra=None):
     ref_loss, ref_grads, ref_norm, ref_params = _reference(
         cfg, tiny_config(**common), list(_micro_batches(cfg, 0, 1, gbs // MICRO)))
 
-    state = _state(cfg)
+    state = driver_state(cfg, torch.float64)
     topo, model, optimizer = state.topology, state.model, state.optimizer
     assert (topo.cp, topo.dp) == (cp, dp)
     tp_group = topo.tp_group if tp > 1 else None
@@ -113,18 +111,6 @@ def _cp_parity(rank, world, tp, cp, pp, sp, dist_opt, comm, style, extra=None):
                              not cfg.model.untie_embeddings_and_output_weights else name]
             assert (_gathered(p, p.detach(), tp_group) - ref).abs().max().item() < TOL, name
     return checked
-
-
-def _state(cfg):
-    """What pretrain_gpt.py builds for `cfg`, in float64, on the harness's process group."""
-    p = cfg.parallel
-    topo = build_topology(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
-                          cp=p.context_parallel_size)
-    tracker = RNGStatesTracker("cpu")
-    model_parallel_seed(1234, topo.tp_rank, topo.pp_rank, topo.device, tracker, cp_rank=topo.cp_rank)
-    model = build_model(cfg, topo, tracker, dtype=torch.float64)
-    optimizer = build_optimizer(cfg, topo, model)
-    return TrainState(cfg, topo, tracker, model, optimizer, build_scheduler(cfg, optimizer))
 
 
 LAYOUTS = [  # world, tp, cp, pp, sp, dist_opt, comm, style
@@ -165,7 +151,8 @@ def _cp2_llama(comm, **overrides):
 
 
 def _grads_with_dropout(rank, world, comm, recompute):
-    state = _state(_cp2_llama(comm, hidden_dropout=0.2, attention_dropout=0.2, **(recompute or {})))
+    cfg = _cp2_llama(comm, hidden_dropout=0.2, attention_dropout=0.2, **(recompute or {}))
+    state = driver_state(cfg, torch.float64)
     state.optimizer.zero_grad()
     logs = run_schedule(state, _micro_batches(state.cfg, 0, 1, 1), forward_only=False)
     grads = {n: p.main_grad.clone() for n, p in state.model[0].module.named_parameters()}
@@ -187,5 +174,5 @@ def test_dropout_masks_replay_under_recompute(comm):
 
 
 def _loss_without_dropout(rank, world, comm):
-    state = _state(_cp2_llama(comm))
+    state = driver_state(_cp2_llama(comm), torch.float64)
     return run_schedule(state, _micro_batches(state.cfg, 0, 1, 1), forward_only=True)[0]["lm loss"].item()

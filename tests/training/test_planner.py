@@ -7,10 +7,10 @@ from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
 from megafab.distributed.topology import build_topology
 from megafab.model.gpt import GPTModel, build_model_chunks, masked_mean_loss
 from megafab.optim.memory import SavedActivations, measure_memory
-from megafab.training.build import build_model, build_optimizer
 from megafab.training.planner import format_plan, in_flight_chunks, plan
 from tests.harness import run_ranks
 from tests.model.tiny import GPT2_STYLE, LLAMA_STYLE, batch, context, tiny_config
+from tests.training.test_3d_parity import driver_state
 
 LAYOUTS = [dict(pp=1), dict(pp=2), dict(pp=2, num_layers_per_virtual_pipeline_stage=1),
            dict(pp=4, untie_embeddings_and_output_weights=True)]
@@ -47,23 +47,25 @@ def test_parameter_counts_equal_the_real_model_under_tp2():
         assert planned == real
 
 
+def measured_after_one_step(cfg):
+    """measure_memory of the driver's state for `cfg` after one optimizer step on this rank's
+    micro-batch, and the planner's first stage."""
+    state = driver_state(cfg)
+    model, optimizer = state.model, state.optimizer
+    optimizer.zero_grad()
+    tokens, labels, mask = batch(cfg.model, seed=state.topology.dp_rank)
+    masked_mean_loss(model[0](tokens, labels=labels), mask).float().backward()
+    model[0].finish_grad_sync()
+    optimizer.step()
+    return measure_memory(model, optimizer), plan(cfg)[0]
+
+
 def _state_bytes(rank, world):
     results = []
     for tp, dist_opt in ((1, False), (1, True), (2, False)):
         cfg = tiny_config(tp=tp, dp=world // tp, bf16=True, use_distributed_optimizer=dist_opt,
                           global_batch_size=2 * (world // tp), hidden_size=64, num_layers=2)
-        topo = build_topology(tp=tp)
-        tracker = RNGStatesTracker("cpu")
-        model_parallel_seed(1234, topo.tp_rank, 0, "cpu", tracker)
-        model = build_model(cfg, topo, tracker)
-        optimizer = build_optimizer(cfg, topo, model)
-        optimizer.zero_grad()
-        tokens, labels, mask = batch(cfg.model, seed=topo.dp_rank)
-        masked_mean_loss(model[0](tokens, labels=labels), mask).float().backward()
-        model[0].finish_grad_sync()
-        optimizer.step()
-        report = measure_memory(model, optimizer)
-        stage = plan(cfg)[0]
+        report, stage = measured_after_one_step(cfg)
         results.append((tp, dist_opt, report.num_params, stage.params,
                         (report.weights_bytes, report.grads_bytes, report.optimizer_bytes),
                         (stage.weights_bytes, stage.grads_bytes, stage.optimizer_bytes)))

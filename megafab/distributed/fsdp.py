@@ -1,0 +1,180 @@
+"""ZeRO-3 of one model chunk through torch FSDP2 (`fully_shard` over the data-parallel DeviceMesh).
+
+    FullyShardedDataParallel(chunk, dp_group=..., units=[layer, layer, ...], ...)
+
+Each of `units` (the transformer layers) is one FSDP2 group and the chunk itself is the root
+group holding the rest (embedding, final norm, output layer, so a tied embedding and its output
+use live in one group). Every parameter becomes a DTensor sharded on dim 0 over the DP group:
+rank r keeps rows [r * c, (r + 1) * c) of its TP block, c = ceil(rows / dp), the last ranks fewer
+(FSDP2 pads them internally). Before a group's forward FSDP2 all-gathers its parameters, after it
+(and after its backward) it frees them; gradients are reduce-scattered, averaged over DP.
+
+Mixed precision as Megatron computes: the sharded parameters are kept in `main_dtype` (fp32 for a
+bf16/fp16 model: they are the fp32 master weights the optimizer steps), all-gathered in the model
+dtype (`MixedPrecisionPolicy.param_dtype`), gradients reduced and accumulated in fp32
+(`reduce_dtype`). With optimizer CPU offload the device keeps the shards in the model dtype and the
+fp32 masters live on the host (megafab.optim.cpu_offload).
+
+Gradient accumulation without extra communication: inside `no_sync()` FSDP2 does not reduce
+(`set_requires_gradient_sync(False)`) and accumulates each unsharded gradient in fp32; the last
+micro-batch's backward reduce-scatters the sum. The pipeline schedules enter `no_sync()` for every
+micro-batch but the last, exactly as for DistributedDataParallel.
+
+There is no contiguous grad buffer and no `param.main_grad`: the tensor-parallel linear core sees a
+weight without `main_grad` and returns its gradient through autograd (gradient accumulation fusion
+does not apply). The Megatron attributes of every parameter (tensor_model_parallel, partition_dim,
+sequence_parallel, shared_embedding, ...) are carried over to its sharded DTensor, so
+finalize_model_grads, the norm and the checkpoint layout treat it as the parameter it shards.
+
+On CUDA, FSDP2 overlaps its all-gathers and reduce-scatters with compute on separate streams, which
+needs CUDA_DEVICE_MAX_CONNECTIONS > 1 (Megatron requires it unset or > 1 for FSDP; the
+tensor-parallel core's warning asks for 1, which serializes those streams).
+
+The mesh is the DP x CP group (`data_parallel_mesh`, Megatron's dp-cp group: context-parallel
+ranks hold the same parameters and see other tokens of the same samples), as DistributedDataParallel
+reduces over; at CP 1 it is the DP group.
+
+torch.distributed.tensor costs seconds to import, so only runs that shard import it (a DTensor
+exists only once it is imported, which is how `local_tensor` tells without importing it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+from torch import nn
+
+# Megatron's per-parameter attributes that the rest of megafab reads off the parameters.
+PARAM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel",
+                    "grad_sum_over_tp", "shared_embedding", "is_embedding_or_output_parameter")
+
+
+def data_parallel_mesh(topology):
+    """The 1-D DeviceMesh FSDP2 shards over (DP x CP), made from the group megafab already built
+    (no new groups: gloo cannot split groups on CPU)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(topology.dp_cp_group, device_type=topology.device.type,
+                                 mesh_dim_names=("dp",))
+
+
+def is_dtensor(t) -> bool:
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a view of FSDP2's storage), or `t` itself."""
+    if is_dtensor(t):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
+def shard_range(param: torch.Tensor) -> tuple[int, int]:
+    """The flat range [lo, hi) of the (TP-local) parameter that this rank's dim-0 shard covers."""
+    if not is_dtensor(param):
+        return 0, param.numel()
+    local = local_tensor(param)
+    rows = local.shape[0] if local.dim() else 1
+    row = local.numel() // rows if rows else 0
+    first = param.__create_chunk_list__()[0].offsets[0] if param.dim() else 0
+    return first * row, first * row + local.numel()
+
+
+def _mixed_precision(compute_dtype: torch.dtype, main_dtype: torch.dtype, reduce: torch.dtype | None):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if reduce is None:
+        reduce = torch.float64 if main_dtype == torch.float64 else torch.float32
+    return MixedPrecisionPolicy(param_dtype=compute_dtype if compute_dtype != main_dtype else None,
+                                reduce_dtype=reduce if reduce != compute_dtype else None)
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Wraps a model chunk the way DistributedDataParallel does (same methods for the schedules,
+    finalize_model_grads and the optimizers) but shards it with FSDP2; see the module docstring.
+
+    Arguments:
+        module: the model chunk (built in the model dtype, every rank the same full TP block).
+        mesh: the DP DeviceMesh (data_parallel_mesh(topology)).
+        units: submodules that each become one FSDP2 group (the transformer layers).
+        main_dtype: dtype the shards are stored in: fp32 masters for a bf16/fp16 model, the model
+            dtype with optimizer offload (the host keeps the masters).
+        reshard_after_forward: free each group's gathered parameters after its forward and gather
+            them again in backward (ZeRO-3); False keeps them until backward (Megatron-FSDP's
+            optim_grads, ZeRO-2's communication).
+        reduce_dtype: dtype gradients are reduced and accumulated in; None = fp32 (fp64 for an
+            fp64 model); the model dtype with --grad-reduce-in-bf16.
+    """
+
+    is_fully_sharded = True
+
+    def __init__(self, module: nn.Module, *, mesh, units: list[nn.Module],
+                 main_dtype: torch.dtype | None = None, reshard_after_forward: bool = True,
+                 reduce_dtype: torch.dtype | None = None):
+        from torch.distributed.fsdp import fully_shard
+
+        super().__init__()
+        params = [p for p in module.parameters() if p.requires_grad]
+        dtypes = {p.dtype for p in params}
+        assert len(dtypes) == 1, f"FSDP2 wraps a chunk of one parameter dtype, got {dtypes}"
+        self.compute_dtype = dtypes.pop()
+        self.main_dtype = main_dtype or self.compute_dtype
+        self.mesh = mesh
+        self.dp_group = mesh.get_group()
+        self.dp = mesh.size()
+        attributes = {name: {a: getattr(p, a) for a in PARAM_ATTRIBUTES if hasattr(p, a)}
+                      for name, p in module.named_parameters()}
+        with torch.no_grad():
+            for p in params:
+                p.data = p.data.to(self.main_dtype)
+        policy = _mixed_precision(self.compute_dtype, self.main_dtype, reduce_dtype)
+        for unit in units:
+            fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        for name, p in module.named_parameters():
+            for attr, value in attributes[name].items():
+                setattr(p, attr, value)
+        self.module = module
+        self.params = [p for p in module.parameters() if p.requires_grad]
+
+    # ---- what each rank holds ---------------------------------------------------------------------
+    def owned_param_ranges(self) -> dict[nn.Parameter, tuple[int, int]]:
+        """Per parameter, the flat range [lo, hi) of its TP block this rank's shard holds (absent
+        when this rank holds none of it: more DP ranks than rows)."""
+        ranges = {p: shard_range(p) for p in self.params}
+        return {p: r for p, r in ranges.items() if r[1] > r[0]}
+
+    # ---- the DistributedDataParallel surface --------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Micro-batches run inside only accumulate (unsharded, fp32); the last one reduces."""
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+
+    def finish_grad_sync(self):
+        """FSDP2 waits for its reduce-scatters at the end of backward; nothing is left to do."""
+
+    def zero_grad_buffer(self):
+        self.module.zero_grad(set_to_none=True)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def set_input_tensor(self, tensor) -> None:
+        self.module.set_input_tensor(tensor)
+
+
+def is_fully_sharded(chunk) -> bool:
+    return getattr(chunk, "is_fully_sharded", False)
+
+
+def compute_dtype(chunk: nn.Module) -> torch.dtype:
+    """The dtype a model chunk computes in (an FSDP2 chunk may store fp32 masters of a bf16 model)."""
+    return chunk.compute_dtype if is_fully_sharded(chunk) else next(chunk.parameters()).dtype

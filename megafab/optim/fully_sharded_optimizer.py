@@ -1,0 +1,86 @@
+"""The optimizer of FSDP2 chunks (ZeRO-3): AdamW over each DP rank's local parameter shards.
+
+FSDP2 keeps every parameter as a DTensor sharded on dim 0 over DP (megafab.distributed.fsdp).
+This rank's shard of a parameter is a row range of its TP block, i.e. a flat range [lo, hi) of
+it, like a distributed-optimizer shard; the optimizer steps the local tensor of that shard with
+its local gradient shard (already reduce-scattered and averaged over DP):
+
+    bf16/fp16 model   the shards are fp32 (FSDP2 casts them to the model dtype when it gathers):
+                      they are the master weights, Adam steps them in place, no copy
+    fp32/fp64 model   the same, in the model dtype
+    CPU offload       the shards stay in the model dtype on the device; the host keeps fp32
+                      masters and Adam state (megafab.optim.cpu_offload) and writes the weights back
+
+Norm, clipping, inf checks and the fp16 loss scaler are MixedPrecisionOptimizer's; shards are
+disjoint across DP, so the norm sums over DP and model parallel.
+
+Memory per parameter per rank (bf16 model, Adam): fp32 shard 4 + fp32 grad shard 4 + exp_avg 4 +
+exp_avg_sq 4 = 16/d bytes at rest; the gathered 16-bit weights and the unsharded fp32 gradients of
+the groups in use exist only during forward/backward (all of them, with gradient accumulation over
+several micro-batches: they accumulate unreduced).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megafab.distributed.fsdp import is_fully_sharded, local_tensor
+from megafab.optim.mixed_precision import (
+    LOW_PRECISION,
+    MainParam,
+    MixedPrecisionOptimizer,
+    OptimizerConfigError,
+    no_weight_decay,
+)
+
+
+@dataclass
+class ShardMainParam(MainParam):
+    """A MainParam over the local shard of an FSDP2 DTensor parameter (flat, [lo, hi) of it)."""
+
+    compute_dtype: torch.dtype | None = None
+
+    def model_grad(self) -> torch.Tensor | None:
+        grad = self.model_param.grad
+        return None if grad is None else local_tensor(grad).view(-1)
+
+    def model_values(self) -> torch.Tensor:
+        return local_tensor(self.model_param).view(-1)
+
+    @property
+    def model_dtype(self) -> torch.dtype:
+        return self.compute_dtype
+
+
+class FullyShardedOptimizer(MixedPrecisionOptimizer):
+    """MixedPrecisionOptimizer over FSDP2-sharded model chunks (see the module docstring)."""
+
+    shards_across_dp = True
+
+    def __init__(self, model_chunks, **kwargs):
+        bad = [i for i, c in enumerate(model_chunks) if not is_fully_sharded(c)]
+        if bad:
+            raise OptimizerConfigError(f"the FSDP2 optimizer needs every model chunk wrapped in "
+                                       f"FullyShardedDataParallel; chunk(s) {bad} are not")
+        super().__init__(list(model_chunks), **kwargs)
+
+    def _build_entries(self, named) -> list[MainParam]:
+        owned, compute = {}, {}
+        for chunk in self.model_chunks:
+            owned.update(chunk.owned_param_ranges())
+            compute.update({p: chunk.compute_dtype for p in chunk.params})
+        entries = []
+        for name, p in named:
+            if p not in owned:
+                continue
+            shard = local_tensor(p).view(-1)
+            main = shard.float().clone() if shard.dtype in LOW_PRECISION else shard
+            entries.append(ShardMainParam(name, p, main, not no_weight_decay(name, p), owned[p],
+                                          compute_dtype=compute[p]))
+        if not entries:
+            raise OptimizerConfigError(
+                "this data-parallel rank holds no rows of any parameter under FSDP2 (more DP ranks "
+                "than rows); use fewer data-parallel ranks or a larger model")
+        return entries
