@@ -7,16 +7,10 @@ from pathlib import Path
 import pytest
 
 from megafab.data.preprocess import cli
+from tests.data.test_preprocess_fidelity import TOKENIZERS
 
 FIXTURES = Path(__file__).parent / "fixtures"
-GPT2 = [
-    "--tokenizer-type",
-    "GPT2BPETokenizer",
-    "--vocab-file",
-    str(FIXTURES / "gpt2_tiny" / "vocab.json"),
-    "--merge-file",
-    str(FIXTURES / "gpt2_tiny" / "merges.txt"),
-]
+GPT2 = TOKENIZERS["gpt2"]
 CLEANING = [
     "--strip-html",
     "--min-chars",
