@@ -245,6 +245,12 @@ class OptimizerConfig:
     """Warmup samples."""
     lr_warmup_init: float = 0.0
     """Learning rate at the start of warmup."""
+    override_opt_param_scheduler: bool = False
+    """On resume, run the learning-rate and weight-decay schedule the command line gives, not the
+    checkpoint's (by default a difference between them stops the run, as in Megatron)."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """On resume, keep the checkpoint's learning-rate and weight-decay schedule where the command line
+    gives a different one."""
     lr_wsd_decay_style: str = "exponential"
     """Decay shape of the WSD schedule's final phase."""
     lr_wsd_decay_samples: int | None = None
@@ -820,6 +826,9 @@ def training_problems(cfg: Config) -> list[str]:
                    f"at least 0 (0: never stop for skipped iterations)")
     if t.eval_interval is not None and t.eval_interval <= 0:
         out.append(f"--eval-interval {t.eval_interval} must be positive")
+    if o.override_opt_param_scheduler and o.use_checkpoint_opt_param_scheduler:
+        out.append("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict "
+                   "each other (the command line's schedule or the checkpoint's); give one")
     if o.decoupled_min_lr is not None and o.decoupled_lr is None:
         out.append("--decoupled-min-lr needs --decoupled-lr (the embedding/output-layer schedule it ends)")
     if o.decoupled_lr is not None and o.decoupled_min_lr is not None and o.decoupled_min_lr > o.decoupled_lr:

@@ -86,7 +86,6 @@ NO_EFFECT: dict[str, str] = {
     "--no-rope-fusion": KERNELS,
     "--no-persist-layer-norm": "persistent LayerNorm is an Apex kernel; megafab uses PyTorch's norms",
     "--no-async-tensor-model-parallel-allreduce": "deprecated in Megatron-LM; nothing to turn off",
-    "--use-checkpoint-opt_param-scheduler": "megafab always restores the LR schedule from the checkpoint",
     "--use-torch-optimizer-for-cpu-offload": "megafab's optimizer CPU offload always steps with torch's "
                                              "AdamW (fused where torch has it)",
     "--overlap-cpu-optimizer-d2h-h2d": "megafab's optimizer CPU offload always overlaps its copies with "

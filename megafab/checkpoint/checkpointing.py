@@ -151,6 +151,22 @@ def open_source(found: formats.Found, model_cfg):
     return megatron_legacy.LegacySource(found.path, model_cfg, found.release)
 
 
+def _load_scheduler(state, saved: dict, load_dir: str) -> None:
+    """Megatron's rule: a schedule setting that differs between the checkpoint and the command line
+    stops the run unless one of the two flags says which wins."""
+    o = state.cfg.optimizer
+    if not (o.override_opt_param_scheduler or o.use_checkpoint_opt_param_scheduler):
+        differ = state.scheduler.differences(saved)
+        if differ:
+            lines = "; ".join(f"{name} {now} now ({state.scheduler.SETTINGS[name]}), {then} in the checkpoint"
+                              for name, now, then in differ)
+            raise CheckpointError(
+                f"--load {load_dir}: the learning-rate schedule differs from the checkpoint's: {lines}. "
+                f"Pass --override-opt_param-scheduler to run this command line's schedule from the "
+                f"checkpoint's position, or --use-checkpoint-opt_param-scheduler to keep the checkpoint's")
+    state.scheduler.load_state_dict(saved, keep_settings=o.override_opt_param_scheduler)
+
+
 def load_checkpoint(state) -> int | None:
     """Collective: restore `state` from --load (see the flags in CheckpointConfig); returns the
     iteration loaded, or None when the directory holds no checkpoint (training starts fresh)."""
@@ -236,7 +252,7 @@ def load_checkpoint(state) -> int | None:
         state.consumed_valid_samples = counters.consumed_valid_samples
         state.skipped_iterations = counters.skipped_iterations
         state.nan_iterations = counters.nan_iterations
-        state.scheduler.load_state_dict({**state.scheduler.state_dict(), **counters.scheduler})
+        _load_scheduler(state, {**state.scheduler.state_dict(), **counters.scheduler}, load_dir)
         _load_rng(state, source)
     dist.barrier()
     _print0(topo, f"loaded checkpoint from {load_dir} at iteration {iteration} ({source.format} format"

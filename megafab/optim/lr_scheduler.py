@@ -139,8 +139,30 @@ class OptimizerParamScheduler:
     def state_dict(self) -> dict:
         return {k: getattr(self, k) for k in self._FIELDS}
 
-    def load_state_dict(self, state: dict):
-        """Restore the schedule; checkpoint values win (Megatron's --use-checkpoint-opt_param-scheduler)."""
+    # What the command line sets (the rest is the position in the schedule), with the flags that set it.
+    SETTINGS = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_init": "--lr-warmup-init",
+                "lr_warmup_samples": "--lr-warmup-iters/-samples/-fraction",
+                "lr_decay_samples": "--lr-decay-iters/-samples, else --train-iters x global batch",
+                "lr_decay_style": "--lr-decay-style", "lr_wsd_decay_style": "--lr-wsd-decay-style",
+                "wsd_decay_samples": "--lr-wsd-decay-iters/-samples", "start_wd": "--weight-decay",
+                "end_wd": "--weight-decay", "wd_incr_samples": "the weight-decay ramp (Megatron's "
+                "--start/--end-weight-decay)", "wd_incr_style": "the weight-decay ramp's style"}
+
+    def differences(self, state: dict) -> list[tuple[str, object, object]]:
+        """(setting, this schedule's value, `state`'s value) for every setting that differs."""
+        def same(a, b):
+            if isinstance(a, float) or isinstance(b, float):
+                return a is not None and b is not None and math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
+            return a == b
+        # A constant weight decay has no ramp: its length (Megatron stores one anyway) means nothing.
+        ramp = not (self.wd_incr_style == "constant" and state["wd_incr_style"] == "constant")
+        return [(k, getattr(self, k), state[k]) for k in self.SETTINGS
+                if (ramp or k != "wd_incr_samples") and not same(getattr(self, k), state[k])]
+
+    def load_state_dict(self, state: dict, keep_settings: bool = False):
+        """Restore the position in the schedule, and the checkpoint's settings unless `keep_settings`
+        (Megatron's --override-opt_param-scheduler)."""
         for k in self._FIELDS:
-            setattr(self, k, state[k])
+            if not (keep_settings and k in self.SETTINGS):
+                setattr(self, k, state[k])
         self.step(0)

@@ -10,7 +10,7 @@ from megafab.checkpoint import CheckpointError, checkpointing
 from megafab.config import ConfigError
 from megafab.convert import write_checkpoint
 from megafab.model.gpt import GPTModel
-from tests.checkpoint.util import make_state
+from tests.checkpoint.util import GLOBAL_BATCH, make_state, train
 from tests.harness import run_ranks
 from tests.model.tiny import context, tiny_config
 
@@ -55,3 +55,44 @@ def test_checkpoint_flags_without_use_are_announced_and_unimplemented_ones_refus
     assert any("--dist-ckpt-optim-fully-reshardable" in n for n in cfg.no_effect)
     with pytest.raises(ConfigError, match="--async-save: refused"):
         config_from_args([*base, "--async-save"], world_size=1)
+
+
+def _resume_schedule(rank, world, root, **flags):
+    saved = make_state(tp=1, dp=1, dist_opt=False, save=root, train_iters=4)
+    train(saved, 2)
+    checkpointing.save_checkpoint(saved)
+    state = make_state(tp=1, dp=1, dist_opt=False, load=root, **flags)
+    try:
+        checkpointing.load_checkpoint(state)
+    except CheckpointError as e:
+        return str(e)
+    s = state.scheduler
+    return s.lr_decay_samples, s.num_samples, state.optimizer.param_groups[0]["lr"]
+
+
+def test_a_schedule_that_differs_from_the_checkpoints_needs_a_flag_saying_which_wins(tmp_path):
+    """Megatron's rule: --train-iters 6 against a checkpoint decaying over 4 iterations stops the run,
+    unless --override-opt_param-scheduler (this command line) or --use-checkpoint-opt_param-scheduler
+    (the checkpoint) says which schedule runs; the position in it is restored either way."""
+    gbs = GLOBAL_BATCH
+    [message] = run_ranks(_resume_schedule, 1, str(tmp_path / "a"), train_iters=6, timeout=120)
+    assert "--override-opt_param-scheduler" in message and "--use-checkpoint-opt_param-scheduler" in message
+    assert f"lr_decay_samples {6 * gbs} now" in message and f"{4 * gbs} in the checkpoint" in message
+    assert "max_lr" not in message  # only what differs
+    [(decay, seen, lr)] = run_ranks(_resume_schedule, 1, str(tmp_path / "b"), train_iters=6,
+                                    override_opt_param_scheduler=True, timeout=120)
+    assert (decay, seen) == (6 * gbs, 2 * gbs) and lr == pytest.approx(1e-2 * 4 / 6)
+    [(decay, seen, lr)] = run_ranks(_resume_schedule, 1, str(tmp_path / "c"), train_iters=6,
+                                    use_checkpoint_opt_param_scheduler=True, timeout=120)
+    assert (decay, seen) == (4 * gbs, 2 * gbs) and lr == pytest.approx(1e-2 * 2 / 4)
+    [(decay, seen, lr)] = run_ranks(_resume_schedule, 1, str(tmp_path / "d"), train_iters=4, timeout=120)
+    assert (decay, seen) == (4 * gbs, 2 * gbs)  # the same schedule needs no flag
+
+
+def test_both_schedule_flags_contradict():
+    base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--micro-batch-size", "1", "--train-iters", "1", "--mock-data", "--vocab-size", "64",
+            "--lr", "1e-3"]
+    with pytest.raises(ConfigError, match="contradict"):
+        config_from_args([*base, "--override-opt-param-scheduler", "--use-checkpoint-opt_param-scheduler"],
+                         world_size=1)

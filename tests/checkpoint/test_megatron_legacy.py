@@ -60,8 +60,10 @@ def _mcore_legacy_save(rank, world, style, root, payload):
 
 def _megafab_load(rank, world, style, root, tp, pp, finetune):
     state = make_state(tp=tp, pp=pp, dp=1, dist_opt=False, style=STYLES[style], dtype=torch.float32,
-                       load=root, finetune=finetune, no_load_optim=True)
+                       load=root, finetune=finetune, no_load_optim=True,
+                       use_checkpoint_opt_param_scheduler=True)  # megatron-core's run had its own schedule
     assert checkpointing.load_checkpoint(state) == 10
+    assert finetune or state.scheduler.max_lr == pytest.approx(1e-3)  # the checkpoint's --lr
     return full_logits(state, TOKENS), state.iteration, state.consumed_train_samples
 
 

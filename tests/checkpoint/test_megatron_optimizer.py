@@ -60,7 +60,8 @@ def _real_vocab_rows(state, entry):
 
 def _resume(rank, world, root, tp, dist_opt, no_load_optim=False):
     state = make_state(tp=tp, dp=world // tp, dist_opt=dist_opt, style=LLAMA_STYLE, dtype=torch.float32,
-                       load=root, no_load_optim=no_load_optim, global_batch_size=4)
+                       load=root, no_load_optim=no_load_optim, global_batch_size=4,
+                       use_checkpoint_opt_param_scheduler=True)  # megatron-core's run had its own schedule
     assert checkpointing.load_checkpoint(state) == 10
     worst = 0.0
     for e in state.optimizer.entries:

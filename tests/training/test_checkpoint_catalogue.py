@@ -31,8 +31,9 @@ def saved(tmp_path_factory):
 
 
 def _train(corpus, iters):
-    return TINY + ["--train-iters", str(iters), "--data-path", corpus, "--split", "90,5,5",
-                   "--global-batch-size", "2"]
+    # The schedule spans 4 iterations whatever --train-iters, so runs of 4 resume the saved run of 2.
+    return TINY + ["--train-iters", str(iters), "--lr-decay-iters", "4", "--data-path", corpus,
+                   "--split", "90,5,5", "--global-batch-size", "2"]
 
 
 def _copy(saved, tmp_path) -> str:
