@@ -37,6 +37,14 @@ def init_single_process() -> None:
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
 
 
+def model_size_args(ap, *, layers: int, hidden: int, heads: int, seq: int, vocab: int,
+                    vocab_help: str | None = None) -> None:
+    """The model-size flags the benchmarks share (--layers --hidden --heads --seq --vocab)."""
+    for flag, default in (("--layers", layers), ("--hidden", hidden), ("--heads", heads), ("--seq", seq)):
+        ap.add_argument(flag, type=int, default=default)
+    ap.add_argument("--vocab", type=int, default=vocab, help=vocab_help)
+
+
 def gpt_flags(layers: int, hidden: int, heads: int, seq: int, batch: int, vocab: int) -> list[str]:
     """Megatron flags of a dropout-free GPT-2-style model (tied embeddings, LayerNorm, GELU)."""
     return ["--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", str(heads),

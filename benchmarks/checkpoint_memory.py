@@ -180,12 +180,11 @@ def save_time_rows(args, flags, work: str, ckpt: str, dp4_records: list[dict] | 
 
 
 def main(argv=None):
+    from benchmarks.bench_util import load_average, model_size_args
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--vocab", type=int, default=32000, help="padded vocabulary (tokens + eod)")
+    model_size_args(ap, layers=12, hidden=512, heads=8, seq=128, vocab=32000,
+                    vocab_help="padded vocabulary (tokens + eod)")
     ap.add_argument("--iters", type=int, default=4, help="even; the load run resumes at iters / 2")
     ap.add_argument("--bucket", type=int, default=500_000, help="--ddp-bucket-size (elements)")
     ap.add_argument("--dp-sizes", default="1,2,4", help="DP sizes of the save-time rows")
@@ -196,7 +195,6 @@ def main(argv=None):
     ap.add_argument("--timeout", type=float, default=1800.0)
     args = ap.parse_args(argv)
 
-    from benchmarks.bench_util import load_average
     from megafab.arguments import config_from_args
     from megafab.training.planner import plan
 

@@ -27,6 +27,7 @@ from benchmarks.bench_util import (  # noqa: E402
     fmt_spread,
     gpt_flags,
     load_average,
+    model_size_args,
     repeat_batch,
     synthetic_batch,
 )
@@ -90,11 +91,7 @@ def speed(args) -> None:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=8192)
-    ap.add_argument("--vocab", type=int, default=1024)
+    model_size_args(ap, layers=2, hidden=64, heads=4, seq=8192, vocab=1024)
     ap.add_argument("--speed-layers", type=int, default=2)
     ap.add_argument("--speed-hidden", type=int, default=256)
     ap.add_argument("--speed-heads", type=int, default=8)

@@ -22,7 +22,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_util import load_average  # noqa: E402
+from benchmarks.bench_util import load_average, model_size_args  # noqa: E402
 from benchmarks.scaling import run  # noqa: E402
 
 VARIANTS = {"dist-opt": ["--use-distributed-optimizer"], "FSDP2": ["--use-torch-fsdp2"],
@@ -36,12 +36,8 @@ def _tokens_per_second(args, extra) -> float:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=256)
+    model_size_args(ap, layers=4, hidden=512, heads=8, seq=256, vocab=8192)
     ap.add_argument("--batch", type=int, default=8, help="global batch (divisible by 2 x --micro)")
-    ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--micro", type=int, default=2, help="micro-batches per DP rank per step")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (Adam state, FSDP2 init)")

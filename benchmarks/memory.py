@@ -35,6 +35,7 @@ from benchmarks.bench_util import (  # noqa: E402
     build_state,
     gpt_flags,
     load_average,
+    model_size_args,
     peak_cpu_bytes,
     repeat_batch,
     synthetic_batch,
@@ -81,12 +82,8 @@ def _measure_rank(rank, world, flags):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=256)
+    model_size_args(ap, layers=4, hidden=256, heads=8, seq=256, vocab=8192)
     ap.add_argument("--batch", type=int, default=4, help="micro-batch size per DP rank")
-    ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--checkpoint", action="store_true", help="also the checkpoint save/load rows")

@@ -35,6 +35,7 @@ from benchmarks.bench_util import (  # noqa: E402
     fmt_spread,
     gpt_flags,
     load_average,
+    model_size_args,
     repeat_batch,
     synthetic_batch,
 )
@@ -74,12 +75,8 @@ def run(args, tp, pp, dp, micro, world, threads, extra=()) -> float:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=256)
+    model_size_args(ap, layers=4, hidden=512, heads=8, seq=256, vocab=8192)
     ap.add_argument("--batch", type=int, default=8, help="global batch (divisible by 4)")
-    ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)

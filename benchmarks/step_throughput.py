@@ -40,6 +40,7 @@ from benchmarks.bench_util import (  # noqa: E402
     gpt_flags,
     init_single_process,
     load_average,
+    model_size_args,
     repeat_batch,
     synthetic_batch,
 )
@@ -205,12 +206,8 @@ PRECISION_NOTE = {
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=256)
+    model_size_args(ap, layers=4, hidden=256, heads=8, seq=256, vocab=8192)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=3, help="steps per timed run")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per implementation first")
     ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds (median over them)")
