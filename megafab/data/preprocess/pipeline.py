@@ -38,6 +38,7 @@ from megafab.data.indexed_dataset import (
     merge_datasets,
 )
 from megafab.data.preprocess.blocks import (
+    DEFAULT_BLOCK_BYTES,
     Block,
     BlockResult,
     PackedKey,
@@ -65,7 +66,7 @@ class Plan:
     context: WorkerContext
     output_prefix: str
     workers: int = 1
-    block_bytes: int = 4 << 20
+    block_bytes: int = DEFAULT_BLOCK_BYTES
     skip_bad_lines: bool = False
     log_interval: int = 1000
     progress: bool | None = None  # None: a bar when stderr is a terminal
@@ -167,7 +168,7 @@ def load_tokens(part: PackedKey, dtype) -> np.ndarray:
     return tokens
 
 
-def _remove_outputs(prefix: str, keys: Iterable[str]) -> None:
+def remove_outputs(prefix: str, keys: Iterable[str]) -> None:
     for key in keys:
         for path in (
             data_file_path(output_prefix_for(prefix, key)),
@@ -233,7 +234,7 @@ def run_local(
     except BaseException:
         for writer in writers.values():
             writer._file.close()
-        _remove_outputs(prefix, plan.keys)
+        remove_outputs(prefix, plan.keys)
         raise
     finally:
         progress.close()
@@ -307,7 +308,7 @@ def run_partitions(plan: Plan, partitions: int, keep_sequential_samples: bool) -
     errors = [e for _, e in results.values() if e is not None]
     if errors:
         for part in parts:
-            _remove_outputs(part, plan.keys)
+            remove_outputs(part, plan.keys)
         raise errors[0]
     summary = Summary()
     for p in range(partitions):
@@ -316,6 +317,6 @@ def run_partitions(plan: Plan, partitions: int, keep_sequential_samples: bool) -
         names = [output_prefix_for(part, key) for part in parts]
         merge_datasets(names, output_prefix_for(plan.output_prefix, key))
         for part in parts:
-            _remove_outputs(part, [key])
+            remove_outputs(part, [key])
     summary.seconds = time.time() - start
     return summary

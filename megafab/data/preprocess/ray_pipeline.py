@@ -27,7 +27,6 @@ import shutil
 import time
 from dataclasses import dataclass
 
-from megafab.data.errors import DataError
 from megafab.data.indexed_dataset import (
     IndexedDatasetWriter,
     data_file_path,
@@ -178,6 +177,4 @@ def run_ray(plan: Plan, address: str, parts_dir: str | None = None) -> Summary:
         merge_prefixes(names, output_prefix_for(plan.output_prefix, key))
     shutil.rmtree(parts_dir, ignore_errors=True)
     summary.seconds = time.time() - start
-    if not units:
-        raise DataError("--ray: the input has no records")
     return summary
