@@ -32,15 +32,6 @@ class Box:
         """The same box in a tensor where this one's tensor starts at `origin`."""
         return Box(tuple(o + d for o, d in zip(self.offsets, origin)), self.sizes)
 
-    def intersect(self, other: Box) -> Box | None:
-        lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets))
-        hi = tuple(min(a + n, b + m) for a, n, b, m in
-                   zip(self.offsets, self.sizes, other.offsets, other.sizes))
-        if any(h <= low for low, h in zip(lo, hi)):
-            return None
-        return Box(lo, tuple(h - low for low, h in zip(lo, hi)))
-
-
 def flat_range_boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[int, Box]]:
     """(flat start, box) of every box covering [lo, hi) of a row-major `shape`, in flat order."""
     shape = tuple(shape)

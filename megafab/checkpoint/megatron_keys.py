@@ -51,12 +51,12 @@ MAIN_PARAM_KINDS = ("fp32_param", "param")  # plain optimizer, distributed optim
 LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
                   "mlp.linear_fc2")
 EXTRA_STATE_MODULES = LINEAR_MODULES + ("self_attention.core_attention",)
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+MEGATRON_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
 def megatron_name(name: str) -> tuple[str, int | None]:
     """(Megatron key, layer number or None) of megafab parameter `name` (stacked layers)."""
-    match = _LAYER.match(local_to_te_name(name))
+    match = MEGATRON_LAYER.match(local_to_te_name(name))
     if match is None:
         return name, None
     return LAYERS + match.group(2), int(match.group(1))
@@ -83,7 +83,7 @@ def _split_megatron_key(key: str) -> tuple[str, str | None]:
 
 def is_stacked(stored_keys) -> bool:
     """False for a checkpoint saved with non_homogeneous_layers (per-layer keys)."""
-    return not any(_LAYER.match(_split_megatron_key(k)[0]) for k in stored_keys)
+    return not any(MEGATRON_LAYER.match(_split_megatron_key(k)[0]) for k in stored_keys)
 
 
 # ---- Shards: megafab keys -> Megatron keys ----------------------------------------------------------
@@ -145,7 +145,7 @@ def megafab_view(stored: dict, model_cfg) -> dict:
         param, kind = _split_megatron_key(key)
         size = tuple(md.size)
         layers = [None]
-        match = _LAYER.match(param)
+        match = MEGATRON_LAYER.match(param)
         if match:  # non_homogeneous_layers: one key per layer
             layers, param = [int(match.group(1))], LAYERS + match.group(2)
         elif param.startswith(LAYERS) and stacked:

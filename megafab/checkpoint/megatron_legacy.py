@@ -45,7 +45,7 @@ from megafab.checkpoint.megatron_dist import (
     SCHEDULER_FIELDS,
     megatron_scheduler_state,
 )
-from megafab.checkpoint.megatron_keys import LINEAR_MODULES
+from megafab.checkpoint.megatron_keys import LINEAR_MODULES, MEGATRON_LAYER
 from megafab.checkpoint.source import CheckpointSource, Counters, counters_from_common
 from megafab.distributed.layers import join_partitions, partition_of
 from megafab.model.te import local_to_te_name, te_to_local_name
@@ -54,7 +54,6 @@ from megafab.pipeline_split import PipelineSplit
 FILE = "model_optim_rng.pt"
 DIST_OPTIM_FILE = "distrib_optim.pt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(_\d{3})?$")
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 OPTIMIZER_PROBLEM = ("the legacy torch format keeps the optimizer state in Megatron's parameter order and "
                      "flat buffers of the saving job's layout, which megafab does not reshard")
 
@@ -148,7 +147,7 @@ class LegacySource(CheckpointSource):
                     name = te_to_local_name(local_name)
                     if name is None or not torch.is_tensor(tensor) or (tied and name == OUTPUT_LAYER):
                         continue  # _extra_state; the last stage's copy of a tied embedding
-                    match = _LAYER.match(name)
+                    match = MEGATRON_LAYER.match(name)
                     if match:
                         name = f"decoder.layers.{first_layer + int(match.group(1))}.{match.group(2)}"
                     index.setdefault(name, []).append((t, tensor))
@@ -202,13 +201,13 @@ def _counters(state: dict, args: dict) -> Counters | None:
 
 # ---- writing -------------------------------------------------------------------------------------
 def _stage_name(name: str, first_layer: int) -> str:
-    match = _LAYER.match(name)
+    match = MEGATRON_LAYER.match(name)
     return f"decoder.layers.{int(match.group(1)) - first_layer}.{match.group(2)}" if match else name
 
 
 def _with_extra_states(out: dict) -> dict:
     """A None `_extra_state` per linear module of each layer, as megatron-core's local layers save."""
-    layers = {int(_LAYER.match(n).group(1)) for n in out if _LAYER.match(n)}
+    layers = {int(MEGATRON_LAYER.match(n).group(1)) for n in out if MEGATRON_LAYER.match(n)}
     for layer in sorted(layers):
         for module in LINEAR_MODULES:
             out[f"decoder.layers.{layer}.{module}._extra_state"] = None
@@ -231,7 +230,7 @@ def rank_state_dict(sd: dict, model_cfg, tp: int, tp_rank: int, pp: int, pp_rank
     tied = not model_cfg.untie_embeddings_and_output_weights
     stage = {}
     for name, full in sd.items():
-        match = _LAYER.match(name)
+        match = MEGATRON_LAYER.match(name)
         if match and not first <= int(match.group(1)) < last:
             continue
         if not match and (name.startswith("embedding.") and pp_rank > 0

@@ -26,24 +26,21 @@ Megatron-LM's tools/checkpoint/convert.py (--load-dir, --save-dir, --saver, --ta
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 
 from megafab.checkpoint.formats import CKPT_FORMATS
 from megafab.convert import export_hf, import_hf, read_checkpoint, write_checkpoint
 from megafab.errors import exit_status
+from megafab.progress import progress as show_progress
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SAVERS = (*CKPT_FORMATS, "hf")
 
 
 def progress(items, desc: str):
-    """A tqdm bar on stderr for each phase (reading layer by layer, writing file by file)."""
-    from tqdm import tqdm
-
-    items = list(items)
-    return tqdm(items, desc=desc, total=len(items), file=sys.stderr, unit="step", dynamic_ncols=True)
+    """A bar on stderr for each phase (reading layer by layer, writing file by file), terminal or not."""
+    return show_progress(list(items), desc=desc, unit="step", enabled=True)
 
 
 def parse(argv=None) -> argparse.Namespace:
