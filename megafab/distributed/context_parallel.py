@@ -46,9 +46,8 @@ from megafab.distributed.blockwise_attention import (
     block_forward,
     compute_dtype,
 )
+from megafab.distributed.mappings import gather_first_dim, reduce_scatter_first_dim
 
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 KV_TAG, DKV_TAG = 11, 12
 COMM_TYPES = ("p2p", "allgather", "a2a")
 
@@ -154,9 +153,8 @@ class _Ring:
 def _all_gather_kv(kv: torch.Tensor, group) -> torch.Tensor:
     """kv [2, b, g, s/cp, d] of every CP rank -> [2, b, g, s, d] in sequence order."""
     cp = dist.get_world_size(group)
-    gathered = torch.empty((cp * kv.shape[0], *kv.shape[1:]), dtype=kv.dtype, device=kv.device)
-    _all_gather(gathered, kv.contiguous(), group=group)
-    gathered = gathered.view(cp, *kv.shape).permute(1, 2, 3, 0, 4, 5)  # [2, b, g, cp, s/cp, d]
+    gathered = gather_first_dim(kv, group).view(cp, *kv.shape)
+    gathered = gathered.permute(1, 2, 3, 0, 4, 5)  # [2, b, g, cp, s/cp, d]
     return _to_natural_order(gathered.reshape(*kv.shape[:3], -1, kv.shape[-1]), 3, cp)
 
 
@@ -166,9 +164,7 @@ def _reduce_scatter_kv(dkv: torch.Tensor, group) -> torch.Tensor:
     ranked = _to_rank_order(dkv, 3, cp)
     two, b, g, s, d = ranked.shape
     pieces = ranked.view(two, b, g, cp, s // cp, d).permute(3, 0, 1, 2, 4, 5).contiguous()
-    out = torch.empty((two, b, g, s // cp, d), dtype=dkv.dtype, device=dkv.device)
-    _reduce_scatter(out, pieces.view(cp * two, b, g, s // cp, d), group=group)
-    return out
+    return reduce_scatter_first_dim(pieces.view(cp * two, b, g, s // cp, d), group)  # [2, b, g, s/cp, d]
 
 
 class _AllToAll(torch.autograd.Function):

@@ -38,10 +38,8 @@ import torch.distributed as dist
 from torch import nn
 
 from megafab.config import default_bucket_size
+from megafab.distributed.mappings import all_gather_single, reduce_scatter_single
 from megafab.errors import MegafabError
-
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class DataParallelConfigError(MegafabError):
@@ -185,7 +183,6 @@ class DistributedDataParallel(nn.Module):
                     f"{sorted(str(d) for d in dtypes)}; cast the model to one dtype first")
             self.param_buffer = torch.zeros(self.numel, dtype=params[0].dtype, device=device)
         self.param_to_bucket: dict[nn.Parameter, Bucket] = {}
-        self.param_range: dict[nn.Parameter, tuple[int, int]] = {}
         for bucket in self.buckets:
             bucket.grad_data = self.grad_buffer[bucket.start:bucket.end]
             if self.param_buffer is not None:
@@ -201,7 +198,6 @@ class DistributedDataParallel(nn.Module):
                 lo = self._offsets[p]
                 hi = lo + p.numel()
                 self.param_to_bucket[p] = bucket
-                self.param_range[p] = (lo, hi)
                 p.main_grad = self.grad_buffer[lo:hi].view(p.shape)
                 if self.param_buffer is not None:
                     self.param_buffer[lo:hi].copy_(p.data.view(-1))
@@ -247,7 +243,7 @@ class DistributedDataParallel(nn.Module):
         if self.use_distributed_optimizer:
             lo, hi = bucket.shard_range(self.dp_rank)
             shard = self.grad_buffer[lo:hi]
-            bucket.handle = _reduce_scatter(shard, data, op=op, group=self.dp_group, async_op=async_op)
+            bucket.handle = reduce_scatter_single(shard, data, op=op, group=self.dp_group, async_op=async_op)
         else:
             bucket.handle = dist.all_reduce(data, op=op, group=self.dp_group, async_op=async_op)
         if bucket.handle is None:
@@ -277,7 +273,7 @@ class DistributedDataParallel(nn.Module):
             lo, hi = bucket.shard_range(self.dp_rank)
             # The input is a view of the output; copy it so the collective never reads what it writes.
             bucket.param_gather_input = self.param_buffer[lo:hi].clone()  # alive until the wait
-            bucket.param_gather_handle = _all_gather(bucket.param_data, bucket.param_gather_input,
+            bucket.param_gather_handle = all_gather_single(bucket.param_data, bucket.param_gather_input,
                                                      group=self.dp_group, async_op=async_op) or _Done()
 
     def finish_param_sync(self):

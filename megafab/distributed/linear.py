@@ -38,17 +38,20 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from megafab.distributed.mappings import group_size
+from megafab.distributed.mappings import (
+    all_gather_single,
+    gather_first_dim,
+    group_size,
+    reduce_scatter_single,
+)
 
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _warned_connections = False
 
 
 def _gather_first_dim_async(x: torch.Tensor, group):
     """Start an all-gather along dim 0; returns (output buffer, handle)."""
     out = torch.empty((group_size(group) * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    return out, _all_gather_single(out, x.contiguous(), group=group, async_op=True)
+    return out, all_gather_single(out, x.contiguous(), group=group, async_op=True)
 
 
 def _warn_device_connections(device: torch.device) -> None:
@@ -93,8 +96,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         ctx.save_for_backward(input, weight)
         total = input
         if ctx.sequence_parallel:
-            total, handle = _gather_first_dim_async(input, group)
-            handle.wait()
+            total = gather_first_dim(input, group)
         if ctx.sequence_parallel or ctx.allreduce_dgrad:
             _warn_device_connections(input.device)
         return torch.nn.functional.linear(total, weight, bias)
@@ -115,7 +117,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         if ctx.sequence_parallel:
             sub = torch.empty((grad_input.shape[0] // group_size(group), *grad_input.shape[1:]),
                               dtype=grad_input.dtype, device=grad_input.device)
-            reduction = _reduce_scatter_single(sub, grad_input.contiguous(), group=group, async_op=True)
+            reduction = reduce_scatter_single(sub, grad_input.contiguous(), group=group, async_op=True)
             grad_input = sub  # [s/tp, b, in] once the reduction lands
         elif ctx.allreduce_dgrad:
             reduction = dist.all_reduce(grad_input, group=group, async_op=True)

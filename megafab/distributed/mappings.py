@@ -29,8 +29,8 @@ import torch.distributed as dist
 from megafab.errors import MegafabError
 
 # torch renamed the single-tensor collectives; the old names still work but warn.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class ShardingError(MegafabError):
@@ -70,7 +70,7 @@ def _split_last_dim(x: torch.Tensor, group) -> torch.Tensor:
 
 def _gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
     # gloo accepts only the concatenated output layout, so gather along dim 0 and reorder.
-    stacked = _gather_first_dim(x.reshape(1, *x.shape), group)  # [tp, ..., h/tp]
+    stacked = gather_first_dim(x.reshape(1, *x.shape), group)  # [tp, ..., h/tp]
     return torch.cat(stacked.unbind(0), dim=-1)
 
 
@@ -81,18 +81,18 @@ def _split_first_dim(x: torch.Tensor, group) -> torch.Tensor:
     return x.chunk(world, dim=0)[group_rank(group)].clone()
 
 
-def _gather_first_dim(x: torch.Tensor, group) -> torch.Tensor:
+def gather_first_dim(x: torch.Tensor, group) -> torch.Tensor:
     world = group_size(group)
     out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _all_gather_single(out, x.contiguous(), group=group)
+    all_gather_single(out, x.contiguous(), group=group)
     return out
 
 
-def _reduce_scatter_first_dim(x: torch.Tensor, group) -> torch.Tensor:
+def reduce_scatter_first_dim(x: torch.Tensor, group) -> torch.Tensor:
     world = group_size(group)
     _check_divisible(x.shape[0], world, "the sequence length (dim 0)")
     out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _reduce_scatter_single(out, x.contiguous(), group=group)
+    reduce_scatter_single(out, x.contiguous(), group=group)
     return out
 
 
@@ -149,7 +149,7 @@ class _ScatterToSequenceRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_first_dim(grad, ctx.group), None
+        return gather_first_dim(grad, ctx.group), None
 
 
 class _GatherFromSequenceRegion(torch.autograd.Function):
@@ -157,12 +157,12 @@ class _GatherFromSequenceRegion(torch.autograd.Function):
     def forward(ctx, x, group, tensor_parallel_output_grad):
         ctx.group = group
         ctx.tensor_parallel_output_grad = tensor_parallel_output_grad
-        return _gather_first_dim(x, group)
+        return gather_first_dim(x, group)
 
     @staticmethod
     def backward(ctx, grad):
         if ctx.tensor_parallel_output_grad:
-            return _reduce_scatter_first_dim(grad, ctx.group), None, None
+            return reduce_scatter_first_dim(grad, ctx.group), None, None
         return _split_first_dim(grad, ctx.group), None, None
 
 
@@ -170,11 +170,11 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _reduce_scatter_first_dim(x, group)
+        return reduce_scatter_first_dim(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_first_dim(grad, ctx.group), None
+        return gather_first_dim(grad, ctx.group), None
 
 
 # --- public API ------------------------------------------------------------------------------

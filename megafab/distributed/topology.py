@@ -25,6 +25,7 @@ per process, made once at initialize and passed to whatever needs groups.
 from __future__ import annotations
 
 import datetime
+import functools
 import itertools
 from dataclasses import dataclass, field
 
@@ -130,11 +131,6 @@ def grid_rank(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int,
     return tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
 
 
-def grid_coords(rank: int, tp: int, dp: int, cp: int = 1) -> tuple[int, int, int]:
-    """(tp_rank, dp_rank, pp_rank) of a global rank."""
-    return rank % tp, (rank // (tp * cp)) % dp, rank // (tp * cp * dp)
-
-
 def all_group_ranks(world_size: int, tp: int, pp: int, cp: int = 1) -> dict[str, list[list[int]]]:
     """Every group of every kind (GROUP_KINDS, plus "embedding") as lists of global ranks.
 
@@ -178,12 +174,16 @@ class Topology:
     tp_dp_cp_group: object = None
     groups_by_axes: dict[tuple[str, ...], object] = field(default_factory=dict)
 
-    @property
+    @functools.cached_property
     def layout(self) -> Layout:
         return Layout(self.world_size, tp=self.tp, cp=self.cp, pp=self.pp)
 
+    @functools.cached_property
+    def _coords(self) -> dict[str, int]:
+        return self.layout.coords(self.rank)
+
     def coord(self, axis: str) -> int:
-        return self.layout.coords(self.rank)[axis]
+        return self._coords[axis]
 
     @property
     def tp_rank(self) -> int:
