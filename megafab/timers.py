@@ -23,7 +23,6 @@ LEVEL_2 = ("batch-generator", "forward-compute", "backward-compute", "forward-re
            "backward-recv", "backward-send", "forward-send-forward-recv", "forward-send-backward-recv",
            "backward-send-forward-recv", "backward-send-backward-recv",
            "forward-backward-send-forward-backward-recv")
-NAMES = LEVEL_1 + LEVEL_2
 
 
 def _synchronize(device: torch.device | None) -> None:

@@ -63,9 +63,7 @@ from dataclasses import dataclass
 
 from megafab.pipeline_split import PipelineSplit
 from megafab.training.flops import flops_per_iteration
-from megafab.training.state_memory import state_bytes
-
-BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+from megafab.training.state_memory import BYTES, state_bytes
 
 
 @dataclass

@@ -98,11 +98,16 @@ def run_schedule(state, data_iterator, forward_only: bool, num_micro_batches: in
     batches = [next(data_iterator) for _ in range(num_micro_batches)]
     iterators = [iter(batches) for _ in range(vpp)] if vpp > 1 else iter(batches)
     cp_group = topo.cp_group if topo.cp > 1 else None
-    forward_step = functools.partial(gpt_forward_step, cp_group=cp_group, timers=timers)
+    token_scale = None
     if t.calculate_per_token_loss:
-        tokens = global_batch_tokens(batches, topo)  # full samples: every CP rank counts alike
-        forward_step = functools.partial(gpt_forward_step, cp_group=cp_group, timers=timers,
-                                         token_scale=num_micro_batches * topo.dp * topo.cp / max(tokens, 1.0))
+        # Only the last stage's training loss is scaled (the logs carry the unscaled sums), and a DP
+        # group lies within one stage, so the other stages skip the all-reduce.
+        token_scale = 1.0
+        if topo.is_last_stage and not forward_only:
+            tokens = global_batch_tokens(batches, topo)  # full samples: every CP rank counts alike
+            token_scale = num_micro_batches * topo.dp * topo.cp / max(tokens, 1.0)
+    forward_step = functools.partial(gpt_forward_step, cp_group=cp_group, timers=timers,
+                                     token_scale=token_scale)
 
     def finalize(models):
         with timed(timers, "all-grads-sync", 1):
