@@ -1,0 +1,66 @@
+"""MoELayer: the MLP of an MoE transformer layer (megatron-core 0.16.1's MoELayer).
+
+    [s, b, h] -> router (probs, routing_map over s*b tokens) -> dispatcher (rows per local expert)
+              -> experts -> dispatcher.combine -> [s, b, h] (+ shared experts) ; returns (out, None)
+
+Parameter names are megatron-core's: router.weight (router.expert_bias buffer),
+experts.local_experts.{i}.linear_fc1.weight (sequential) or experts.linear_fc1.weight
+[E_local, ...] (grouped), shared_experts.linear_fc1.weight, shared_experts.gate_weight.
+
+Groups (None: one rank; EP 1 needs no process group): ep_group splits the experts; tp_cp_group
+and tp_dp_cp_group are the router's token-count groups (see router.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megafab.model.moe.balancing import LossScale
+from megafab.model.moe.dispatcher import DISPATCHERS
+from megafab.model.moe.experts import ExpertShape, GroupedExperts, SequentialExperts
+from megafab.model.moe.router import TopKRouter
+from megafab.model.moe.settings import MoESettings
+from megafab.model.moe.shared_experts import SharedExpertMLP
+
+
+class MoELayer(nn.Module):
+    def __init__(self, settings: MoESettings, cfg, ctx, prefix: str, *, activation, ep_group=None,
+                 tp_cp_group=None, tp_dp_cp_group=None, loss_scale: LossScale | None = None,
+                 calculate_per_token_loss: bool = False):
+        """cfg: the model config (hidden_size, ffn_hidden_size, swiglu, add_bias_linear,
+        init_method_std, num_layers); ctx: the LayerContext; prefix: this MLP's global parameter
+        name prefix ("decoder.layers.L.mlp."), which keys the initialization."""
+        super().__init__()
+        self.settings = settings
+        self.router = TopKRouter(
+            settings, cfg.hidden_size, init_method_std=cfg.init_method_std, seed=ctx.seed,
+            prefix=prefix + "router.", params_dtype=ctx.params_dtype, device=ctx.device,
+            bias=cfg.add_bias_linear, sequence_parallel=ctx.sequence_parallel, loss_scale=loss_scale,
+            calculate_per_token_loss=calculate_per_token_loss, tp_cp_group=tp_cp_group,
+            tp_dp_cp_group=tp_dp_cp_group)
+        self.dispatcher = DISPATCHERS[settings.moe_token_dispatcher_type](settings.num_experts, ep_group)
+        common = dict(swiglu=cfg.swiglu, activation=activation, init_method_std=cfg.init_method_std,
+                      num_layers=cfg.num_layers)
+        shape = ExpertShape(cfg.hidden_size, settings.ffn_hidden_size(cfg.ffn_hidden_size),
+                            bias=cfg.add_bias_linear, **common)
+        experts = GroupedExperts if settings.moe_grouped_gemm else SequentialExperts
+        self.experts = experts(shape, self.dispatcher.num_local_experts, self.dispatcher.first_expert,
+                               seed=ctx.seed, prefix=prefix, params_dtype=ctx.params_dtype, device=ctx.device)
+        self.shared_experts = None
+        if settings.moe_shared_expert_intermediate_size is not None:
+            shared = ExpertShape(cfg.hidden_size, settings.moe_shared_expert_intermediate_size, bias=False,
+                                 **common)
+            self.shared_experts = SharedExpertMLP(shared, gate=settings.moe_shared_expert_gate, seed=ctx.seed,
+                                                  prefix=prefix + "shared_experts.", ctx=ctx)
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """hidden [s, b, h] -> ([s, b, h], None): the routed (and shared) experts' output; the
+        second value is megatron-core's mlp_bias, always None for MoE."""
+        shared = self.shared_experts(hidden) if self.shared_experts is not None else None
+        probs, routing_map = self.router(hidden)  # [s*b, E]
+        rows, tokens_per_expert, row_probs, state = self.dispatcher.dispatch(
+            hidden.reshape(-1, hidden.shape[-1]), probs, routing_map)
+        out = self.dispatcher.combine(self.experts(rows, tokens_per_expert, row_probs), state)
+        out = out.view(hidden.shape)
+        return (out if shared is None else out + shared), None

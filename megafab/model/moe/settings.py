@@ -1,0 +1,201 @@
+"""The MoE layer's settings under megatron-core 0.16.1's names, and the rules they must keep.
+
+Field names are the `dest` of Megatron-LM's flags (``--num-experts`` -> ``num_experts``), so the
+config schema can later take them over as they are; `problems()` states every rule once, as one
+line each, in the wording the schema's one error message uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+ROUTER_DTYPES = (None, "fp32", "fp64")
+BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+DROP_POLICIES = ("probs", "position")
+DISPATCHERS = ("allgather", "alltoall")
+
+
+@dataclass(frozen=True)
+class MoESettings:
+    num_experts: int | None = None
+    """Routed experts per MoE layer; None: a dense model."""
+    moe_layer_freq: int | tuple[int, ...] = 1
+    """Which layers are MoE: every N-th layer (1: all), or a per-layer 0/1 pattern such as
+    ``([0]*1+[1]*3)``."""
+    moe_ffn_hidden_size: int | None = None
+    """Each expert's inner width; default ffn_hidden_size."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to."""
+    moe_router_score_function: str = "softmax"
+    """softmax or sigmoid scores."""
+    moe_router_pre_softmax: bool = False
+    """Softmax (sigmoid) before the top-k selection instead of over the k chosen logits."""
+    moe_router_topk_scaling_factor: float | None = None
+    """Multiplies the chosen routing probabilities."""
+    moe_router_num_groups: int | None = None
+    """Group-limited routing: the experts form this many equal groups."""
+    moe_router_group_topk: int | None = None
+    """Group-limited routing: each token chooses its experts from this many groups."""
+    moe_router_dtype: str | None = None
+    """fp32 or fp64: the router's logits, scores and the probabilities the experts apply."""
+    moe_input_jitter_eps: float | None = None
+    """Router input multiplied by uniform noise in [1 - eps, 1 + eps]."""
+    moe_router_enable_expert_bias: bool = False
+    """Aux-loss-free balancing: a per-expert bias (sigmoid scores only) added for the selection."""
+    moe_router_bias_update_rate: float = 1e-3
+    """Step of the expert bias after each optimizer step, toward the mean tokens per expert."""
+    moe_router_load_balancing_type: str | tuple[str, ...] = "aux_loss"
+    """aux_loss (per micro-batch), seq_aux_loss (per sequence), global_aux_loss (over the global
+    batch), none; or several, each with its coefficient."""
+    moe_aux_loss_coeff: float | tuple[float, ...] = 0.0
+    """Weight of the balancing loss (one per type when several are given)."""
+    moe_z_loss_coeff: float | None = None
+    """Weight of the router z-loss (mean squared log-sum-exp of the logits)."""
+    moe_expert_capacity_factor: float | None = None
+    """Tokens an expert takes at most: ceil(tokens * topk / experts * factor); None: no dropping."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """Pad every expert's input to its capacity (needs the capacity factor)."""
+    moe_token_drop_policy: str = "probs"
+    """Over capacity, drop the lowest-probability tokens (probs) or the last ones (position)."""
+    moe_grouped_gemm: bool = False
+    """The local experts' GEMMs as one grouped matmul (torch's, where it runs; else one GEMM per
+    expert, the same numbers)."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Width of the shared experts every token also passes through; None: no shared experts."""
+    moe_shared_expert_gate: bool = False
+    """Scale the shared experts' output by a learned sigmoid gate per token."""
+    moe_shared_expert_overlap: bool = False
+    """Overlap the shared experts with the dispatcher's communication (alltoall only)."""
+    moe_token_dispatcher_type: str = "allgather"
+    """allgather or alltoall over the expert-parallel group."""
+    moe_permute_fusion: bool = False
+    """Transformer Engine's fused permutation (GPU only; refused)."""
+    moe_router_fusion: bool = False
+    """Transformer Engine's fused router (GPU only; refused)."""
+
+    @property
+    def balancing_types(self) -> tuple[str, ...]:
+        kind = self.moe_router_load_balancing_type
+        return (kind,) if isinstance(kind, str) else tuple(kind)
+
+    @property
+    def aux_loss_coeffs(self) -> tuple[float, ...]:
+        coeff = self.moe_aux_loss_coeff
+        return (coeff,) if isinstance(coeff, (int, float)) else tuple(coeff)
+
+    def aux_loss_coeff(self, kind: str) -> float:
+        """The coefficient of one balancing type; 0 when that type is not asked for."""
+        for name, coeff in zip(self.balancing_types, self.aux_loss_coeffs):
+            if name == kind:
+                return float(coeff)
+        return 0.0
+
+    def ffn_hidden_size(self, dense_ffn_hidden_size: int) -> int:
+        return self.moe_ffn_hidden_size or dense_ffn_hidden_size
+
+    def problems(self, num_layers: int | None = None, expert_parallel_size: int = 1) -> list[str]:
+        """Every rule these settings break, one line each (value, rule, fix)."""
+        if self.num_experts is None:
+            set_flags = [f"--{name.replace('_', '-')}" for name, value in
+                         (("moe_ffn_hidden_size", self.moe_ffn_hidden_size),
+                          ("moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size))
+                         if value is not None]
+            return [f"{flag} needs --num-experts" for flag in set_flags]
+        out: list[str] = []
+        experts, topk = self.num_experts, self.moe_router_topk
+        if experts < 1:
+            return [f"--num-experts {experts} must be at least 1"]
+        if not 1 <= topk <= experts:
+            out.append(f"--moe-router-topk {topk} must be between 1 and --num-experts {experts}")
+        if experts % expert_parallel_size:
+            out.append(f"--num-experts {experts} is not divisible by --expert-model-parallel-size "
+                       f"{expert_parallel_size}; every EP rank holds the same number of experts")
+        out += self._choice_problems()
+        out += self._group_routing_problems()
+        if topk == 1 and self.moe_router_score_function == "softmax" and not self.moe_router_pre_softmax:
+            out.append("--moe-router-topk 1 with softmax scores needs --moe-router-pre-softmax (a softmax "
+                       "over one chosen logit is 1 and has no gradient)")
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+            out.append("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid")
+        if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
+            out.append("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+        shared = self.moe_shared_expert_intermediate_size
+        if shared is not None and shared <= 0:
+            out.append(f"--moe-shared-expert-intermediate-size {shared} "
+                       f"must be positive (num shared experts x each one's width)")
+        if self.moe_shared_expert_overlap and self.moe_token_dispatcher_type != "alltoall":
+            out.append("--moe-shared-expert-overlap works only with --moe-token-dispatcher-type alltoall")
+        for flag, value in (("--moe-permute-fusion", self.moe_permute_fusion),
+                            ("--moe-router-fusion", self.moe_router_fusion)):
+            if value:
+                out.append(f"{flag} is a Transformer Engine GPU fusion megafab does not have; drop it "
+                           f"(the unfused path computes the same values)")
+        if num_layers is not None:
+            out += self._layer_freq_problems(num_layers)
+        return out
+
+    def _choice_problems(self) -> list[str]:
+        out = []
+        if self.moe_token_dispatcher_type == "flex":
+            out.append("--moe-token-dispatcher-type flex (DeepEP / HybridEP, GPU-only kernels) is not "
+                       "supported by megafab; use alltoall or allgather")
+        elif self.moe_token_dispatcher_type not in DISPATCHERS:
+            out.append(f"--moe-token-dispatcher-type {self.moe_token_dispatcher_type} must be one of "
+                       f"{', '.join(DISPATCHERS)}")
+        choices = (("--moe-router-score-function", self.moe_router_score_function, SCORE_FUNCTIONS),
+                   ("--moe-router-dtype", self.moe_router_dtype, ROUTER_DTYPES),
+                   ("--moe-token-drop-policy", self.moe_token_drop_policy, DROP_POLICIES))
+        for flag, value, allowed in choices:
+            if value not in allowed:
+                out.append(f"{flag} {value} must be one of {', '.join(str(a) for a in allowed if a)}")
+        for kind in self.balancing_types:
+            if kind == "sinkhorn":
+                out.append("--moe-router-load-balancing-type sinkhorn is not supported by megafab; use "
+                           "aux_loss, seq_aux_loss, global_aux_loss or none")
+            elif kind not in BALANCING_TYPES:
+                out.append(f"--moe-router-load-balancing-type {kind} must be one of "
+                           f"{', '.join(BALANCING_TYPES)}")
+        if len(self.balancing_types) != len(self.aux_loss_coeffs):
+            out.append(f"--moe-aux-loss-coeff has {len(self.aux_loss_coeffs)} value(s) for "
+                       f"{len(self.balancing_types)} --moe-router-load-balancing-type(s); give one each")
+        return out
+
+    def _group_routing_problems(self) -> list[str]:
+        groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
+        if not group_topk:
+            return []
+        if not groups:
+            return ["--moe-router-group-topk needs --moe-router-num-groups"]
+        experts, topk = self.num_experts, self.moe_router_topk
+        if experts % groups:
+            return [f"--num-experts {experts} is not divisible by --moe-router-num-groups {groups}"]
+        out = []
+        if group_topk > groups:
+            out.append(f"--moe-router-group-topk {group_topk} is larger than --moe-router-num-groups "
+                       f"{groups}")
+        if topk % group_topk:
+            out.append(f"--moe-router-topk {topk} is not divisible by --moe-router-group-topk {group_topk} "
+                       f"(each chosen group is scored by its top topk/group_topk experts)")
+        elif topk // group_topk > experts // groups:
+            out.append(f"--moe-router-topk {topk} needs {topk // group_topk} experts per group, but a group "
+                       f"has {experts // groups} (--num-experts / --moe-router-num-groups)")
+        return out
+
+    def _layer_freq_problems(self, num_layers: int) -> list[str]:
+        freq = self.moe_layer_freq
+        if isinstance(freq, int):
+            return [] if freq >= 1 else [f"--moe-layer-freq {freq} must be at least 1"]
+        if len(freq) != num_layers:
+            return [f"--moe-layer-freq pattern has {len(freq)} entries for --num-layers {num_layers}; "
+                    f"give one 0/1 per layer"]
+        if any(v not in (0, 1) for v in freq):
+            return ["--moe-layer-freq pattern entries must be 0 (dense) or 1 (MoE)"]
+        return []
+
+    def is_moe_layer(self, layer_index: int) -> bool:
+        """Whether layer `layer_index` (0-based, over the whole model) has an MoE MLP."""
+        if self.num_experts is None:
+            return False
+        freq = self.moe_layer_freq
+        return layer_index % freq == 0 if isinstance(freq, int) else bool(freq[layer_index])
