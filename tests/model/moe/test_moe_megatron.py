@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from megafab.model.moe.balancing import update_expert_biases
+from megafab.model.moe.experts import grouped_mm_runs
+from megafab.model.moe.routing import expert_capacity
 from megafab.model.moe.settings import MoESettings
 from tests.model.moe.mcore_moe import (
     HIDDEN,
@@ -216,3 +218,36 @@ def test_eval_attaches_no_losses(megatron_cpu):
     with torch.no_grad():
         assert _max_error(ref_layer(x)[0], layer(x)[0]) <= 1e-12
     assert not layer.router.logged_losses and not megatron_losses()
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.startswith("capacity")])
+def test_capacity_cases_drop_or_pad(case):
+    """The capacity cases above are not vacuous: tokens are dropped, or every expert is padded to
+    exactly its capacity; the position policy keeps each expert's first tokens."""
+    settings = MoESettings(**{**BASE, **CASES[case]})
+    layer = megafab_layer(settings, True, torch.float64)
+    x, _ = _inputs(torch.float64)
+    probs, routing_map = layer.router(x)
+    tokens = x.shape[0] * x.shape[1]
+    capacity = expert_capacity(tokens * settings.moe_router_topk, settings.num_experts,
+                               settings.moe_expert_capacity_factor)
+    per_expert = routing_map.sum(dim=0)
+    if settings.moe_pad_expert_input_to_capacity:
+        assert (per_expert == capacity).all()
+    else:
+        assert per_expert.max() <= capacity and per_expert.sum() < tokens * settings.moe_router_topk
+    if settings.moe_token_drop_policy == "position":
+        first = torch.cumsum(routing_map.int(), dim=0)
+        assert (first[routing_map] <= capacity).all()
+    assert ((probs != 0) <= routing_map).all()
+
+
+def test_grouped_experts_use_torch_grouped_mm_where_it_runs():
+    """float32 on CPU takes torch's grouped matmul (the float32 grouped test above exercises it);
+    float64 has no such kernel and takes the per-expert loop."""
+    settings = MoESettings(**{**BASE, "moe_grouped_gemm": True})
+    for dtype, expected in ((torch.float32, True), (torch.float64, False)):
+        experts = megafab_layer(settings, True, dtype).experts
+        rows = torch.zeros(5, HIDDEN, dtype=dtype)
+        assert grouped_mm_runs(rows, experts.linear_fc1.weight) is expected
+        assert grouped_mm_runs(rows, experts.linear_fc2.weight) is expected
