@@ -74,8 +74,8 @@ def model_cfg(swiglu: bool, bias: bool = False):
 
 
 def megafab_layer(settings: MoESettings, swiglu: bool, dtype, bias: bool = False, per_token: bool = False,
-                  seed: int = 5, **groups) -> MoELayer:
-    ctx = LayerContext(None, False, dtype, torch.device("cpu"), seed)
+                  seed: int = 5, tp_group=None, sequence_parallel: bool = False, **groups) -> MoELayer:
+    ctx = LayerContext(tp_group, sequence_parallel, dtype, torch.device("cpu"), seed)
     return MoELayer(settings, model_cfg(swiglu, bias), ctx, "decoder.layers.0.mlp.",
                     activation=F.silu if swiglu else F.gelu, calculate_per_token_loss=per_token, **groups)
 
