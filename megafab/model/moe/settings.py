@@ -7,6 +7,7 @@ line each, in the wording the schema's one error message uses.
 
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -199,3 +200,40 @@ class MoESettings:
             return False
         freq = self.moe_layer_freq
         return layer_index % freq == 0 if isinstance(freq, int) else bool(freq[layer_index])
+
+
+def parse_moe_layer_freq(text: str) -> int | tuple[int, ...]:
+    """--moe-layer-freq as Megatron reads it: "N" (every N-th layer), or a pattern expression of
+    int lists, + and * such as "([0]*1+[1]*3)*2" (evaluated without eval). ValueError if neither."""
+    text = text.strip()
+    if "[" not in text:
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"--moe-layer-freq {text!r} is neither an int nor a pattern like "
+                             f"'([0]*1+[1]*3)'") from None
+    try:
+        value = _pattern_value(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError, TypeError):
+        value = None
+    if not isinstance(value, list):
+        raise ValueError(f"--moe-layer-freq {text!r} is not a pattern of int lists joined by + and "
+                         f"repeated by *, like '([0]*1+[1]*3)'")
+    return tuple(value)
+
+
+def _pattern_value(node):
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.List):
+        values = [_pattern_value(e) for e in node.elts]
+        if not all(type(v) is int for v in values):
+            raise ValueError("a pattern list holds ints")
+        return values
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        left, right = _pattern_value(node.left), _pattern_value(node.right)
+        if isinstance(node.op, ast.Add) and isinstance(left, list) and isinstance(right, list):
+            return left + right
+        if isinstance(node.op, ast.Mult) and {type(left), type(right)} == {list, int}:
+            return left * right if isinstance(left, list) else right * left
+    raise ValueError("not a layer pattern")

@@ -6,7 +6,7 @@ and shared experts create CUDA streams/events and ask for torch.cuda.current_dev
 gate calls Transformer Engine's GEMM by a module-level name that only exists with TE installed
 (set to None, its own torch fallback runs); its RNG tracker fork is a no-op (no dropout here).
 Its loss tracker keeps float32 values, so the router's calls to it are also recorded here at full
-precision (LOGGED), which is what the float64 comparisons read.
+precision (LOGGED), which is what the float64 comparisons read; the tracker still gets them.
 """
 
 from __future__ import annotations
@@ -47,8 +47,11 @@ def megatron_moe_on_cpu():
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.transformer.moe import moe_utils, router
 
+    track = router.save_to_aux_losses_tracker
+
     def record(name, loss, *args, **kwargs):
         LOGGED[name] = LOGGED.get(name, 0) + loss.detach().double()
+        track(name, loss, *args, **kwargs)
 
     patch = pytest.MonkeyPatch()
     patch.setattr(router, "save_to_aux_losses_tracker", record)
@@ -80,9 +83,11 @@ def megafab_layer(settings: MoESettings, swiglu: bool, dtype, bias: bool = False
                     activation=F.silu if swiglu else F.gelu, calculate_per_token_loss=per_token, **groups)
 
 
-def megatron_layer(settings: MoESettings, swiglu: bool, dtype, bias: bool = False, per_token: bool = False):
+def megatron_layer(settings: MoESettings, swiglu: bool, dtype, bias: bool = False, per_token: bool = False,
+                   layer_number: int = 1, fresh_logs: bool = True):
     """megatron-core's MoELayer (local spec: SequentialMLP experts) with the same settings."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -98,12 +103,14 @@ def megatron_layer(settings: MoESettings, swiglu: bool, dtype, bias: bool = Fals
             gated_linear_unit=swiglu, activation_func=F.silu if swiglu else F.gelu,
             calculate_per_token_loss=per_token, **moe)
         spec = get_moe_module_spec(use_te=False, num_experts=settings.num_experts, moe_grouped_gemm=False)
-        layer = build_module(spec, config=config, layer_number=1)
-    layer.set_layer_number(1)
+        layer = build_module(spec, config=config, layer_number=layer_number)
+    layer.set_layer_number(layer_number)
     if bias:  # at TP 1 / EP 1 its expert fc2 adds the bias in place into the identity "reduce"'s
         for expert in layer.experts.local_experts:  # output, which autograd forbids; skip that no-op
             expert.linear_fc2.explicit_expert_comm = True
-    LOGGED.clear()
+    if fresh_logs:
+        LOGGED.clear()
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()
     torch.manual_seed(0)
     with torch.no_grad():  # biases start at 0: give every tensor values
         for p in layer.parameters():

@@ -11,6 +11,7 @@ import torch
 
 from megafab.model.moe.balancing import update_expert_biases
 from megafab.model.moe.experts import grouped_mm_runs
+from megafab.model.moe.loss_logging import moe_loss_values
 from megafab.model.moe.routing import expert_capacity
 from megafab.model.moe.settings import MoESettings
 from tests.model.moe.mcore_moe import (
@@ -251,3 +252,33 @@ def test_grouped_experts_use_torch_grouped_mm_where_it_runs():
         rows = torch.zeros(5, HIDDEN, dtype=dtype)
         assert grouped_mm_runs(rows, experts.linear_fc1.weight) is expected
         assert grouped_mm_runs(rows, experts.linear_fc2.weight) is expected
+
+
+@pytest.mark.parametrize("balancing", ["aux_loss", "seq_aux_loss", "global_aux_loss"])
+def test_logged_losses_equal_megatron_track_moe_metrics(megatron_cpu, balancing):
+    """The iteration log's values over 2 MoE layers and 2 micro-batches equal megatron-core's
+    track_moe_metrics (its tracker holds float32, hence the tolerance)."""
+    from megatron.core.transformer.moe.moe_utils import track_moe_metrics
+
+    settings = MoESettings(**{**BASE, "moe_router_load_balancing_type": balancing})
+    pairs = []
+    for number in (1, 2):
+        ref_layer = megatron_layer(settings, True, torch.float64, layer_number=number, fresh_logs=number == 1)
+        layer = megafab_layer(settings, True, torch.float64, seed=number)
+        copy_weights(ref_layer, layer, grouped=False)
+        pairs.append((ref_layer, layer))
+    for micro_batch in range(2):
+        for ref_layer, layer in pairs:
+            x, grad = _inputs(torch.float64, seed=micro_batch)
+            _step(ref_layer, x, grad, 0.5, megatron=True)
+            _step(layer, x, grad, 0.5, megatron=False)
+    reference = {}
+    track_moe_metrics(loss_scale=1 / 2, iteration=1, total_loss_dict=reference, num_layers=2,
+                      moe_layer_freq=1)
+    routers = [layer.router for _, layer in pairs]
+    ours = moe_loss_values(settings, routers, num_moe_layers=2, num_micro_batches=2)
+    assert set(ours) <= set(reference) and len(ours) == 2
+    for name, value in ours.items():
+        assert abs(value - reference[name].item()) <= 1e-6 * abs(value), name
+    assert not pairs[0][1].router.logged_losses
+    megatron_losses()

@@ -1,10 +1,11 @@
 """The MoE layer under TP 2 + sequence parallel (expert TP 1, EP 1) equals the 1-rank layer
 (float64, within 1e-10): each TP rank routes its own s/tp tokens through full experts, the
-balancing losses count tokens over the TP group (Megatron's tp_cp group), the shared experts are
-TP-sharded. Gradients compared as finalize_model_grads leaves them: sequence-parallel replicated
-parameters (router, gate) and the experts (replicated over TP, which is part of expert-DP here)
-summed over TP, TP-sharded shared-expert weights gathered. The logged balancing losses are sums of
-float32 scores (megatron-core computes them so), hence compared to float32 precision."""
+balancing losses count tokens over the TP group (Megatron's tp_cp group) and their logged values
+are reduced over it, the shared experts are TP-sharded. Gradients compared as finalize_model_grads
+leaves them: sequence-parallel replicated parameters (router, gate) and the experts (replicated
+over TP, which is part of expert-DP here) summed over TP, TP-sharded shared-expert weights
+gathered. The logged balancing losses are sums of float32 scores (megatron-core computes them so),
+hence compared to float32 precision."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megafab.model.moe.loss_logging import moe_loss_values
 from megafab.model.moe.settings import MoESettings
 from tests.harness import run_ranks
 from tests.model.moe.mcore_moe import HIDDEN, megafab_layer
@@ -55,13 +57,13 @@ def _sp_rank(rank, world, settings):
             g_full = p.grad.clone()
             dist.all_reduce(g_full, group=group)  # partial over this rank's tokens
         errors.append((g_full - ref_params[name].grad).abs().max().item())
-    logged = {}
-    for name, (value, _group) in layer.router.logged_losses.items():
-        total = value.clone()  # balancing losses: each rank logs its share; z-loss: each its mean
-        dist.all_reduce(total, group=group)
-        ref = reference.router.logged_losses[name][0]
-        logged[name] = ((total / world if name == "z_loss" else total) - ref).abs().item() / ref.item()
-    return max(errors), logged
+    z_losses = [torch.zeros((), dtype=torch.float64) for _ in range(world)]  # each rank: its tokens' mean
+    dist.all_gather(z_losses, layer.router.logged_losses["z_loss"][0])
+    one_rank = dict(num_moe_layers=1, num_micro_batches=1)
+    ref = moe_loss_values(settings, [reference.router], **one_rank)
+    ours = moe_loss_values(settings, [layer.router], tp_cp_group=group, tp_dp_cp_group=group, **one_rank)
+    ours["z_loss"] = sum(z_losses).item() / world
+    return max(errors), {name: abs(ours[name] - ref[name]) / ref[name] for name in ref}
 
 
 @pytest.mark.parametrize("case", list(CASES))

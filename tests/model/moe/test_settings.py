@@ -3,7 +3,7 @@ and which layers are MoE for an int or a pattern --moe-layer-freq (Megatron's de
 
 import pytest
 
-from megafab.model.moe.settings import MoESettings
+from megafab.model.moe.settings import MoESettings, parse_moe_layer_freq
 
 VALID = dict(num_experts=8, moe_router_topk=2)
 
@@ -90,3 +90,17 @@ def test_aux_loss_coefficients_by_type():
                     moe_aux_loss_coeff=(0.1, 0.2))
     coeffs = [s.aux_loss_coeff(kind) for kind in ("aux_loss", "global_aux_loss", "seq_aux_loss")]
     assert coeffs == [0.1, 0.2, 0.0]
+
+
+@pytest.mark.parametrize("text, value", [
+    ("1", 1), ("2", 2), ("([0]*1+[1]*3)", (0, 1, 1, 1)), ("([1]*3+[0]*1)*2", (1, 1, 1, 0) * 2),
+    ("[1,0,1,0]", (1, 0, 1, 0)), ("2*[0]", (0, 0)),
+])
+def test_parse_moe_layer_freq(text, value):
+    assert parse_moe_layer_freq(text) == value
+
+
+@pytest.mark.parametrize("text", ["two", "[1, 'a']", "__import__('os')", "[1]+2", "[1.5]*2", "[[1]]"])
+def test_parse_moe_layer_freq_refuses_other_expressions(text):
+    with pytest.raises(ValueError, match="--moe-layer-freq"):
+        parse_moe_layer_freq(text)
