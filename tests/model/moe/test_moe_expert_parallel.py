@@ -56,11 +56,16 @@ def _local_expert_names(name: str, first: int, grouped: bool):
     return ".".join([*parts[:2], str(first + int(parts[2])), *parts[3:]]), None
 
 
-def _ep_rank(rank, world, settings, steps):
+def _ep_rank(rank, world, settings, steps, idle_last_rank=False):
     group = dist.new_group(list(range(world)))
-    reference = megafab_layer(settings, True, torch.float64)
-    layer = megafab_layer(settings, True, torch.float64, ep_group=group)
+    reference = megafab_layer(settings, True, torch.float64, bias=idle_last_rank)
+    layer = megafab_layer(settings, True, torch.float64, bias=idle_last_rank, ep_group=group)
     first = layer.dispatcher.first_expert
+    if idle_last_rank:  # the last rank's experts get no token: empty expert inputs everywhere
+        with torch.no_grad():
+            for router in (reference.router, layer.router):
+                router.bias[settings.num_experts - layer.dispatcher.num_local_experts:] = -100.0
+    received = 0
     errors = []
     for step in range(steps):
         for shard in range(world):  # the 1-rank layer sees every rank's micro-batch
@@ -68,6 +73,7 @@ def _ep_rank(rank, world, settings, steps):
             if shard == rank:
                 ref_out, ref_x_grad = out, x_grad
         out, x_grad = _forward_backward(layer, *_shard(rank, seed=step))
+        received += sum(_count_rows(layer, *_shard(rank, seed=step)))
         errors += [(out - ref_out).abs().max().item(), (x_grad - ref_x_grad).abs().max().item()]
         ref_params = dict(reference.named_parameters())
         for name, p in layer.named_parameters():
@@ -86,8 +92,14 @@ def _ep_rank(rank, world, settings, steps):
             errors.append((layer.router.expert_bias - reference.router.expert_bias).abs().max().item())
         for p in (*reference.parameters(), *layer.parameters()):
             p.grad = None
-    n_params = sum(1 for _ in layer.parameters())
-    return max(errors), n_params, layer.dispatcher.num_local_experts
+    return max(errors), received, layer.dispatcher.num_local_experts
+
+
+def _count_rows(layer, x, _grad):
+    """Rows this rank's experts receive for input x."""
+    with torch.no_grad():
+        probs, routing_map = layer.router(x)
+        return layer.dispatcher.dispatch(x.reshape(-1, x.shape[-1]), probs, routing_map)[1]
 
 
 @pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
@@ -96,6 +108,17 @@ def test_expert_parallel_equals_one_rank(case, dispatcher):
     settings = MoESettings(**{**BASE, **CASES[case], "moe_token_dispatcher_type": dispatcher})
     steps = 3 if settings.moe_router_enable_expert_bias else 1
     results = run_ranks(_ep_rank, EP, settings, steps, timeout=60)
-    for error, _, local_experts in results:
+    for error, received, local_experts in results:
         assert error <= 1e-10
-        assert local_experts == settings.num_experts // EP
+        assert received > 0 and local_experts == settings.num_experts // EP
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+def test_expert_parallel_with_an_idle_rank(dispatcher, grouped):
+    """One EP rank's experts receive no token: their (zero) gradients and everything else still
+    equal the 1-rank layer."""
+    settings = MoESettings(**{**BASE, "moe_grouped_gemm": grouped, "moe_token_dispatcher_type": dispatcher})
+    results = run_ranks(_ep_rank, EP, settings, 1, idle_last_rank=True, timeout=60)
+    assert [received > 0 for _, received, _ in results] == [True, False]
+    assert max(error for error, _, _ in results) <= 1e-10

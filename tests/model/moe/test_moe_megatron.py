@@ -139,7 +139,8 @@ def test_alltoall_only_equals_megatron(megatron_cpu, case):
 
 
 @pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
-@pytest.mark.parametrize("case", ["softmax", "sigmoid", "capacity_pad", "shared_expert_gate", "router_fp32"])
+@pytest.mark.parametrize("case", ["softmax", "sigmoid", "capacity_pad", "shared_expert_gate", "router_fp32",
+                                  "router_fp64", "expert_bias"])
 def test_layer_equals_megatron_float32(megatron_cpu, case, dispatcher):
     settings = MoESettings(**{**BASE, **CASES[case], "moe_token_dispatcher_type": dispatcher})
     _run_case(settings, swiglu=True, dtype=torch.float32)
@@ -282,3 +283,13 @@ def test_logged_losses_equal_megatron_track_moe_metrics(megatron_cpu, balancing)
         assert abs(value - reference[name].item()) <= 1e-6 * abs(value), name
     assert not pairs[0][1].router.logged_losses
     megatron_losses()
+
+
+def test_expert_bias_stays_float32_when_the_model_is_cast():
+    """As megatron-core keeps it: a bf16 (or float64) model still routes with a float32 bias."""
+    layer = megafab_layer(MoESettings(**{**BASE, **CASES["expert_bias"]}), True, torch.float32)
+    layer.to(torch.bfloat16)
+    assert layer.router.weight.dtype == torch.bfloat16
+    assert layer.router.expert_bias.dtype == torch.float32 == layer.router.local_tokens_per_expert.dtype
+    state = layer.state_dict()
+    assert "router.expert_bias" in state and "router.local_tokens_per_expert" not in state
