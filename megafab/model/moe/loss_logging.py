@@ -35,7 +35,7 @@ def moe_loss_values(settings: MoESettings, routers, *, num_moe_layers: int, num_
     for router in routers:
         for i, name in enumerate(names):
             if name in router.logged_losses:
-                totals[i] += router.logged_losses[name][0].to(totals)
+                totals[i] += router.logged_losses[name].to(totals)
         router.logged_losses.clear()
     values = {}
     for i, name in enumerate(names):

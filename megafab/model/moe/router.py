@@ -22,7 +22,7 @@ from megafab.model.moe.settings import MoESettings
 
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
-# Megatron's logging names of the losses, and the group each one's logged value is summed over
+# Megatron's logging names of the balancing losses
 LOGGED_LOSSES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
                  "global_aux_loss": "global_load_balancing_loss"}
 
@@ -62,9 +62,9 @@ class TopKRouter(nn.Module):
                 self.num_experts, dtype=torch.float32, device=device), persistent=False)
             self.register_buffer("global_steps", torch.zeros((), dtype=torch.float32, device=device),
                                  persistent=False)
-        # Megatron's logging names -> (sum of loss / coeff over this step's micro-batches, the group
-        # the logged value is summed over before the DP average)
-        self.logged_losses: dict[str, list] = {}
+        # Megatron's logging name -> loss / coeff summed over the forwards since the log last read
+        # it (loss_logging.moe_loss_values)
+        self.logged_losses: dict[str, torch.Tensor] = {}
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
@@ -105,7 +105,7 @@ class TopKRouter(nn.Module):
     def _attach_z_loss(self, logits):
         coeff = self.settings.moe_z_loss_coeff / group_size(self.tp_cp_group)
         loss = balancing.z_loss(logits, coeff)
-        self._log("z_loss", loss / coeff, None)
+        self._log("z_loss", loss / coeff)
         return balancing.attach_loss(logits, self._per_token(loss, logits.shape[0]), self.loss_scale)
 
     def _attach_balancing_losses(self, probs, logits, seq_length, batch):
@@ -134,7 +134,7 @@ class TopKRouter(nn.Module):
                 self.global_steps += 1
                 loss = balancing.switch_loss(scores, self.global_tokens_per_expert / self.global_steps,
                                              tokens * group_size(group), self.topk, self.num_experts, coeff)
-            self._log(name, loss / coeff, group)
+            self._log(name, loss / coeff)
             probs = balancing.attach_loss(probs, self._per_token(loss, tokens), self.loss_scale)
         return probs
 
@@ -143,9 +143,8 @@ class TopKRouter(nn.Module):
         in finalize; the attached loss is scaled up by this rank's tokens to cancel that."""
         return loss * tokens if self.calculate_per_token_loss else loss
 
-    def _log(self, name, value, group):
-        total = self.logged_losses.get(name)
-        self.logged_losses[name] = [value.detach() + (total[0] if total else 0), group]
+    def _log(self, name, value):
+        self.logged_losses[name] = value.detach() + self.logged_losses.get(name, 0)
 
     def reset_step_state(self) -> None:
         """What Megatron clears after each optimizer step: global_aux_loss's token counts."""

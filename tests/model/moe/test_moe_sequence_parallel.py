@@ -58,7 +58,7 @@ def _sp_rank(rank, world, settings):
             dist.all_reduce(g_full, group=group)  # partial over this rank's tokens
         errors.append((g_full - ref_params[name].grad).abs().max().item())
     z_losses = [torch.zeros((), dtype=torch.float64) for _ in range(world)]  # each rank: its tokens' mean
-    dist.all_gather(z_losses, layer.router.logged_losses["z_loss"][0])
+    dist.all_gather(z_losses, layer.router.logged_losses["z_loss"])
     one_rank = dict(num_moe_layers=1, num_micro_batches=1)
     ref = moe_loss_values(settings, [reference.router], **one_rank)
     ours = moe_loss_values(settings, [layer.router], tp_cp_group=group, tp_dp_cp_group=group, **one_rank)
