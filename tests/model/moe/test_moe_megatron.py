@@ -1,8 +1,9 @@
 """megafab's MoELayer equals megatron-core 0.16.1's MoELayer (local spec, SequentialMLP experts) for
 the same weights: output, input gradient, every parameter gradient and the logged balancing / z
-losses, within 1e-12 in float64 and 1e-5 in float32, for each routing feature and both dispatchers
-at EP 1. megafab's grouped experts are checked against the same SequentialMLP (megatron-core's
-grouped experts need grouped_gemm or Transformer Engine, neither of which runs on CPU)."""
+losses, within 1e-12 in float64 and 1e-5 in float32 (bf16, with and without the fp32 router: bit
+for bit), for each routing feature and both dispatchers at EP 1. megafab's grouped experts are
+checked against the same SequentialMLP (megatron-core's grouped experts need grouped_gemm or
+Transformer Engine, neither of which runs on CPU)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from tests.model.moe.mcore_moe import (
     set_megatron_loss_scale,
 )
 
-TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
+TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 0.0}  # bf16: the same ops, bit-equal
 BASE = dict(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3)
 
 CASES = {
@@ -144,6 +145,13 @@ def test_alltoall_only_equals_megatron(megatron_cpu, case):
 def test_layer_equals_megatron_float32(megatron_cpu, case, dispatcher):
     settings = MoESettings(**{**BASE, **CASES[case], "moe_token_dispatcher_type": dispatcher})
     _run_case(settings, swiglu=True, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+@pytest.mark.parametrize("case", ["softmax", "router_fp32", "shared_expert_gate"])
+def test_layer_equals_megatron_bf16(megatron_cpu, case, dispatcher):
+    settings = MoESettings(**{**BASE, **CASES[case], "moe_token_dispatcher_type": dispatcher})
+    _run_case(settings, swiglu=True, dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
