@@ -9,6 +9,9 @@ experts.local_experts.{i}.linear_fc1.weight (sequential) or experts.linear_fc1.w
 
 Groups (None: one rank; EP 1 needs no process group): ep_group splits the experts; tp_cp_group
 and tp_dp_cp_group are the router's token-count groups (see router.py).
+
+moe_shared_expert_overlap computes the same sum (megatron-core adds the shared output inside the
+dispatcher's combine); here the shared experts simply run first, no side stream yet.
 """
 
 from __future__ import annotations
