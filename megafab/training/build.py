@@ -139,5 +139,6 @@ def build_scheduler(cfg, optimizer) -> OptimizerParamScheduler:
     o = cfg.optimizer
     return OptimizerParamScheduler(
         optimizer, max_lr=o.lr, min_lr=o.min_lr, lr_decay_style=o.lr_decay_style,
-        lr_warmup_init=o.lr_warmup_init, lr_wsd_decay_style=o.lr_wsd_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
+        lr_warmup_init=o.lr_warmup_init, lr_wsd_decay_style=o.lr_wsd_decay_style, start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
         **scheduler_samples(o, cfg.training))
