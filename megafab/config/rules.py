@@ -68,7 +68,7 @@ def _required(cfg_section, names: list[str]) -> list[str]:
 
 def model_problems(cfg) -> list[str]:
     m, p = cfg.model, cfg.parallel
-    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    tp = p.tensor_model_parallel_size
     out = _required(m, ["num_layers", "hidden_size", "num_attention_heads", "seq_length"])
     heads, groups = m.num_attention_heads, m.num_query_groups
     if heads and tp >= 1 and heads % tp:
@@ -96,7 +96,6 @@ def model_problems(cfg) -> list[str]:
                                    ("--openai-gelu", m.openai_gelu)) if on]
     if len(activations) > 1:
         out.append(f"{' and '.join(activations)} each choose the MLP activation; give one of them")
-    del pp
     return out
 
 
