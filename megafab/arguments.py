@@ -19,8 +19,9 @@ from collections.abc import Callable
 from megafab.arguments_help import document
 from megafab.config import Config, ConfigError
 from megafab.config.derive import derive_model
+from megafab.config.fields import field_default, field_types
 from megafab.config.probes import start_up_problems, tokenizer_vocab_size
-from megafab.config.schema import SECTIONS, field_default, field_types, flag_fields
+from megafab.config.schema import SECTIONS, flag_fields
 from megafab.config_file import CONFIG_FLAGS, parser_defaults, split_config_files
 from megafab.errors import exit_on_user_error
 from megafab.launch import planned_world_size

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from megafab.config.fields import Section, derived, option
 
 CKPT_FORMATS = ("torch_dist", "torch")  # Megatron's distributed and legacy checkpoint formats
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
@@ -31,40 +32,6 @@ TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePie
                    "Llama2Tokenizer", "HuggingFaceTokenizer", "TikTokenizer", "NullTokenizer")
 MEGATRON_FSDP_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
-
-def option(default, *, help: str, flags: tuple[str, ...] | None = None, choices: tuple | None = None,
-           nargs: str | None = None, action: str | None = None, negation: str | None = None,
-           group: str | None = None, flag_help: str | None = None):
-    """A field that is a command-line flag (see the module docstring). `help` describes the field
-    (--help shows it, with the default); `flag_help` replaces that text in --help for this flag."""
-    meta = {"help": " ".join(help.split()), "flags": flags, "choices": choices, "nargs": nargs,
-            "action": action, "negation": negation, "group": group, "flag_help": flag_help}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-def derived(default, *, help: str):
-    """A field finalize computes (config/derive.py); no flag sets it."""
-    return field(default=default, metadata={"help": " ".join(help.split()), "derived": True})
-
-
-class Section:
-    """Base of every section: writable while a config is built and derived, frozen by finalize."""
-
-    def __setattr__(self, name, value):
-        if self.__dict__.get("_frozen"):
-            raise dataclasses.FrozenInstanceError(
-                f"cannot assign {type(self).__name__}.{name}: the configuration is frozen after finalize "
-                f"(build a new one with dataclasses.replace before finalizing it)")
-        object.__setattr__(self, name, value)
-
-    def freeze(self) -> None:
-        object.__setattr__(self, "_frozen", True)
-
-    @property
-    def frozen(self) -> bool:
-        return self.__dict__.get("_frozen", False)
 
 @dataclass
 class ModelConfig(Section):
@@ -519,25 +486,10 @@ SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "precision": Preci
             "checkpoint": CheckpointConfig, "logging": LoggingConfig}
 
 
-@functools.cache
-def field_types(section: type) -> dict[str, type]:
-    """{field name: its value type} with Optional removed (list[int] stays list[int])."""
-    out = {}
-    for name, hint in typing.get_type_hints(section).items():
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        optional = type(None) in typing.get_args(hint) and len(args) == 1
-        out[name] = args[0] if optional else hint
-    return out
-
-
 def flag_fields() -> list[tuple[str, dataclasses.Field]]:
     """(section name, field) of every field a flag sets, in declaration order."""
     return [(name, f) for name, section in SECTIONS.items() for f in dataclasses.fields(section)
             if not f.metadata.get("derived")]
-
-
-def field_default(f: dataclasses.Field):
-    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 @functools.cache

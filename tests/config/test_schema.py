@@ -13,7 +13,8 @@ import pytest
 
 from megafab.arguments import build_parser, config_from_args
 from megafab.config import Config
-from megafab.config.schema import SECTIONS, field_default, flag_fields
+from megafab.config.fields import field_default
+from megafab.config.schema import SECTIONS, flag_fields
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -123,3 +124,15 @@ def test_the_vocabulary_is_sized_from_the_tokenizer_before_finalize():
     cfg = config_from_args(BASE + ["--make-vocab-size-divisible-by", "8"], world_size=1, start_up=True)
     assert (cfg.model.vocab_size, cfg.model.padded_vocab_size) == (101, 104)
     assert cfg.model.frozen
+
+
+def test_no_file_in_megafab_over_600_lines():
+    long = []
+    for folder, _, files in os.walk(os.path.join(ROOT, "megafab")):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                lines = sum(1 for _ in open(path, encoding="utf-8"))
+                if lines > 600:
+                    long.append((os.path.relpath(path, ROOT), lines))
+    assert long == []
