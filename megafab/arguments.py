@@ -1,263 +1,77 @@
 """Megatron-LM's command line, parsed into megafab's Config.
 
-Thin on purpose: flag names, types and defaults as Megatron's `megatron/training/arguments.py`;
-every derivation and check lives in config.py. A Megatron flag megafab does not implement is
-refused by name, never ignored.
+Thin on purpose: every flag of a config field is built from its declaration in
+megafab/config/schema.py (names, types, defaults and choices as Megatron's
+`megatron/training/arguments.py`); every derivation and check lives in megafab/config/. A Megatron
+flag megafab does not implement is refused by name, never ignored.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import os
 import sys
+import typing
 from collections.abc import Callable
 
 from megafab.arguments_help import document
-from megafab.config import ATTENTION_BACKENDS, Config, ConfigError
+from megafab.config import Config, ConfigError
+from megafab.config.derive import derive_model
+from megafab.config.fields import field_default, field_types
+from megafab.config.probes import start_up_problems, tokenizer_vocab_size
+from megafab.config.schema import SECTIONS, flag_fields
 from megafab.config_file import CONFIG_FLAGS, parser_defaults, split_config_files
 from megafab.errors import exit_on_user_error
 from megafab.launch import planned_world_size
 from megafab.megatron_flags import NO_EFFECT, REFUSED, refused_problem
 
+# The argparse group each section's flags are added to (arguments_help regroups them for display).
+SECTION_GROUPS = {"model": "model", "parallel": "parallelism", "precision": "precision",
+                  "optimizer": "optimizer and learning rate", "data": "data and tokenizer",
+                  "training": "training", "checkpoint": "checkpointing", "logging": "logging"}
 
-def _model_flags(p):
-    g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int)
-    g.add_argument("--hidden-size", type=int)
-    g.add_argument("--ffn-hidden-size", type=int)
-    g.add_argument("--num-attention-heads", type=int)
-    g.add_argument("--kv-channels", type=int)
-    g.add_argument("--group-query-attention", action="store_true")
-    g.add_argument("--num-query-groups", type=int)
-    g.add_argument("--seq-length", type=int)
-    g.add_argument("--max-position-embeddings", type=int)
-    g.add_argument("--position-embedding-type", default="learned_absolute",
-                   choices=["learned_absolute", "rope", "none"])
-    g.add_argument("--use-rotary-position-embeddings", action="store_true",
-                   help="deprecated Megatron spelling of --position-embedding-type rope")
-    g.add_argument("--rotary-base", type=int, default=10000)
-    g.add_argument("--rotary-percent", type=float, default=1.0)
-    g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
-    g.add_argument("--norm-epsilon", type=float, default=1e-5)
-    g.add_argument("--swiglu", action="store_true")
-    g.add_argument("--openai-gelu", action="store_true")
-    g.add_argument("--squared-relu", action="store_true")
-    g.add_argument("--apply-layernorm-1p", action="store_true")
-    g.add_argument("--qk-layernorm", action="store_true")
-    g.add_argument("--apply-residual-connection-post-layernorm", action="store_true")
-    g.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS))
-    g.add_argument("--cross-entropy-loss-fusion", action="store_true")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
-    g.add_argument("--add-qkv-bias", action="store_true")
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g.add_argument("--vocab-size", type=int)
-    g.add_argument("--transformer-impl", default=None, choices=["local", "transformer_engine"],
-                   help="default: local, or transformer_engine with --fp8-format (TE needs a GPU)")
-    g.add_argument("--compile", action="store_true", dest="compile_layers",
-                   help="megafab only, not a Megatron flag: torch.compile each transformer layer")
-    r = p.add_argument_group("activation recompute")
-    r.add_argument("--recompute-activations", action="store_true",
-                   help="shortcut for --recompute-granularity selective")
-    r.add_argument("--recompute-granularity", choices=["full", "selective"])
-    r.add_argument("--recompute-method", choices=["uniform", "block"])
-    r.add_argument("--recompute-num-layers", type=int)
-    r.add_argument("--recompute-modules", nargs="*")
+# Megatron's deprecated spellings and shortcuts: flags with no field of their own, mapped onto the
+# fields they mean by _resolve_spellings, listed in the group after the field they stand for.
+SPELLINGS = {"position_embedding_type": ("--use-rotary-position-embeddings",
+                                         "deprecated Megatron spelling of --position-embedding-type rope"),
+             "recompute_granularity": ("--recompute-activations",
+                                       "shortcut for --recompute-granularity selective")}
 
 
-def _parallel_flags(p):
-    g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
-    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int)
-    g.add_argument("--decoder-first-pipeline-num-layers", type=int)
-    g.add_argument("--decoder-last-pipeline-num-layers", type=int)
-    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true")
-    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true")
-    g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--context-parallel-size", type=int, default=1)
-    g.add_argument("--cp-comm-type", nargs="+", default=["p2p"],
-                   help="p2p, allgather (or all_gather) or a2a; one value for every layer")
-    g.add_argument("--use-distributed-optimizer", action="store_true")
-    g.add_argument("--overlap-grad-reduce", action="store_true")
-    g.add_argument("--overlap-param-gather", action="store_true")
-    g.add_argument("--ddp-bucket-size", type=int)
-    g.add_argument("--gradient-accumulation-fusion", action="store_true", default=True)
-    g.add_argument("--no-gradient-accumulation-fusion", action="store_false",
-                   dest="gradient_accumulation_fusion")
-    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true", default=True)
-    g.add_argument("--grad-reduce-in-bf16", action="store_true")
-    g.add_argument("--distributed-backend", choices=["nccl", "gloo"])
-    g.add_argument("--distributed-timeout-minutes", type=float, default=10)
+def flag_kwargs(f: dataclasses.Field, kind: type) -> dict:
+    """argparse's add_argument keywords for a schema field (see megafab/config/schema.py)."""
+    meta = f.metadata
+    kwargs = {"dest": f.name, "default": field_default(f), "help": meta["flag_help"]}
+    action = meta["action"] or ("store_true" if kind is bool else None)
+    if action:
+        return {**kwargs, "action": action}
+    element = typing.get_args(kind)[0] if typing.get_origin(kind) is list else kind
+    if element in (int, float):
+        kwargs["type"] = element
+    if meta["choices"] is not None:
+        kwargs["choices"] = list(meta["choices"])
+    if meta["nargs"] is not None:
+        kwargs["nargs"] = meta["nargs"]
+    return kwargs
 
 
-def _sharding_and_offload_flags(p):
-    g = p.add_argument_group("ZeRO-2/3 (FSDP) and optimizer CPU offload")
-    g.add_argument("--use-torch-fsdp2", action="store_true")
-    g.add_argument("--use-megatron-fsdp", "--use-custom-fsdp", action="store_true", dest="use_megatron_fsdp")
-    g.add_argument("--data-parallel-sharding-strategy",
-                   choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
-    g.add_argument("--torch-fsdp2-no-reshard-after-forward", action="store_false",
-                   dest="torch_fsdp2_reshard_after_forward")
-    g.add_argument("--optimizer-cpu-offload", action="store_true")
-    g.add_argument("--optimizer-offload-fraction", type=float)
-    g.add_argument("--no-pin-cpu-grads", action="store_false", dest="pin_cpu_grads")
-    g.add_argument("--no-pin-cpu-params", action="store_false", dest="pin_cpu_params")
-    g.add_argument("--use-precision-aware-optimizer", action="store_true")
+def field_flags(f: dataclasses.Field) -> tuple[str, ...]:
+    return f.metadata["flags"] or (f"--{f.name.replace('_', '-')}",)
 
 
-def _precision_flags(p):
-    g = p.add_argument_group("precision")
-    g.add_argument("--fp16", action="store_true")
-    g.add_argument("--bf16", action="store_true")
-    g.add_argument("--loss-scale", type=float)
-    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
-    g.add_argument("--min-loss-scale", type=float, default=1.0)
-    g.add_argument("--loss-scale-window", type=int, default=1000)
-    g.add_argument("--hysteresis", type=int, default=2)
-    g.add_argument("--fp8-format", choices=["e4m3", "hybrid"])
-    g.add_argument("--fp8-recipe", default="delayed", choices=["delayed", "tensorwise", "mxfp8", "blockwise"])
-    g.add_argument("--fp8-margin", type=int, default=0)
-    g.add_argument("--fp8-amax-history-len", type=int, default=1)
-    g.add_argument("--fp8-amax-compute-algo", default="most_recent", choices=["most_recent", "max"])
-
-
-def _optimizer_flags(p):
-    g = p.add_argument_group("optimizer and learning rate")
-    g.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
-    g.add_argument("--lr", type=float)
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", default="linear",
-                   choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
-    g.add_argument("--lr-decay-iters", type=int)
-    g.add_argument("--lr-decay-samples", type=int)
-    g.add_argument("--lr-warmup-fraction", type=float)
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-warmup-samples", type=int, default=0)
-    g.add_argument("--lr-warmup-init", type=float, default=0.0)
-    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
-                   dest="override_opt_param_scheduler")
-    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
-                   action="store_true", dest="use_checkpoint_opt_param_scheduler")
-    g.add_argument("--lr-wsd-decay-style", default="exponential",
-                   choices=["exponential", "linear", "cosine", "minus_sqrt"])
-    g.add_argument("--lr-wsd-decay-samples", type=int)
-    g.add_argument("--lr-wsd-decay-iters", type=int)
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--sgd-momentum", type=float, default=0.9)
-    g.add_argument("--decoupled-lr", type=float)
-    g.add_argument("--decoupled-min-lr", type=float)
-
-
-def _training_flags(p):
-    g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int)
-    g.add_argument("--global-batch-size", type=int)
-    g.add_argument("--train-iters", type=int)
-    g.add_argument("--train-samples", type=int)
-    g.add_argument("--eval-iters", type=int, default=100)
-    g.add_argument("--eval-interval", type=int, default=1000)
-    g.add_argument("--skip-train", action="store_true")
-    g.add_argument("--exit-interval", type=int)
-    g.add_argument("--exit-duration-in-mins", type=float)
-    g.add_argument("--exit-signal-handler", action="store_true")
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--rampup-batch-size", nargs="*", type=int, help="START INCREMENT SAMPLES")
-    g.add_argument("--calculate-per-token-loss", action="store_true")
-    g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true", default=True)
-    g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
-                   dest="check_for_nan_in_loss_and_grad")
-    g.add_argument("--max-consecutive-skipped-iterations", type=int, default=100,
-                   help="megafab only: stop after this many skipped iterations in a row (0: never)")
-    g.add_argument("--manual-gc", action="store_true")
-    g.add_argument("--manual-gc-interval", type=int, default=0)
-    g.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval")
-    g.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2])
-    g.add_argument("--dry-run", action="store_true",
-                   help="megafab: check the flags and print the memory/FLOPs plan, start nothing")
-
-
-def _data_flags(p):
-    g = p.add_argument_group("data and tokenizer")
-    g.add_argument("--data-path", nargs="*")
-    g.add_argument("--split", default=None)
-    g.add_argument("--train-data-path", nargs="*")
-    g.add_argument("--valid-data-path", nargs="*")
-    g.add_argument("--test-data-path", nargs="*")
-    g.add_argument("--data-cache-path")
-    g.add_argument("--mock-data", action="store_true")
-    g.add_argument("--tokenizer-type", choices=[
-        "GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
-        "HuggingFaceTokenizer", "TikTokenizer", "NullTokenizer"])
-    g.add_argument("--vocab-file")
-    g.add_argument("--merge-file")
-    g.add_argument("--tokenizer-model")
-    g.add_argument("--tiktoken-pattern", choices=["v1", "v2"])
-    g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000)
-    g.add_argument("--tokenizer-special-tokens", "--tiktoken-special-tokens", nargs="+",
-                   dest="tokenizer_special_tokens")
-    g.add_argument("--eod-mask-loss", action="store_true")
-    g.add_argument("--reset-position-ids", action="store_true")
-    g.add_argument("--reset-attention-mask", action="store_true")
-    g.add_argument("--num-workers", type=int, default=2)
-    g.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
-                   dest="create_attention_mask_in_dataloader")
-    g.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files")
-
-
-def _checkpoint_flags(p):
-    g = p.add_argument_group("checkpointing")
-    g.add_argument("--save")
-    g.add_argument("--load")
-    g.add_argument("--save-interval", type=int)
-    g.add_argument("--no-save-optim", action="store_true")
-    g.add_argument("--no-save-rng", action="store_true")
-    g.add_argument("--no-load-optim", action="store_true")
-    g.add_argument("--no-load-rng", action="store_true")
-    g.add_argument("--finetune", action="store_true")
-    g.add_argument("--ckpt-format", default="torch_dist")
-    g.add_argument("--auto-detect-ckpt-format", action="store_true")
-    g.add_argument("--ckpt-step", type=int)
-    g.add_argument("--pretrained-checkpoint")
-    g.add_argument("--exit-on-missing-checkpoint", action="store_true")
-
-
-def _logging_flags(p):
-    g = p.add_argument_group("logging")
-    g.add_argument("--log-interval", type=int, default=100)
-    g.add_argument("--log-throughput", action="store_true")
-    g.add_argument("--log-num-zeros-in-grad", action="store_true")
-    g.add_argument("--tensorboard-dir")
-    g.add_argument("--tensorboard-log-interval", type=int, default=1)
-    g.add_argument("--wandb-project", default="")
-    g.add_argument("--wandb-exp-name", default="")
-    g.add_argument("--wandb-save-dir", default="")
-    g.add_argument("--logging-level", type=int)
-    g.add_argument("--profile", action="store_true")
-    g.add_argument("--use-pytorch-profiler", action="store_true")
-    g.add_argument("--profile-step-start", type=int, default=10)
-    g.add_argument("--profile-step-end", type=int, default=12)
-    g.add_argument("--profile-ranks", nargs="+", type=int, default=[0])
-    g.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2])
-    g.add_argument("--timing-log-option", default="minmax", choices=["max", "minmax", "all"])
-    g.add_argument("--log-timers-to-tensorboard", action="store_true")
-    g.add_argument("--log-memory-to-tensorboard", action="store_true")
-    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
-    g.add_argument("--log-world-size-to-tensorboard", action="store_true")
-    g.add_argument("--no-log-loss-scale-to-tensorboard", action="store_false",
-                   dest="log_loss_scale_to_tensorboard")
-    g.add_argument("--tensorboard-queue-size", type=int, default=1000)
-    g.add_argument("--wandb-entity", default="")
-    g.add_argument("--metrics-jsonl")
+def _schema_flags(p) -> None:
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for section, f in flag_fields():
+        title = f.metadata["group"] or SECTION_GROUPS[section]
+        group = groups.get(title) or groups.setdefault(title, p.add_argument_group(title))
+        group.add_argument(*field_flags(f), **flag_kwargs(f, field_types(SECTIONS[section])[f.name]))
+        if f.metadata["negation"]:
+            group.add_argument(f.metadata["negation"], action="store_false", dest=f.name)
+        if f.name in SPELLINGS:
+            flag, help_text = SPELLINGS[f.name]
+            group.add_argument(flag, action="store_true", help=help_text)
 
 
 def _config_file_flags(p):
@@ -289,10 +103,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         usage="%(prog)s [--config FILE] [Megatron-LM flags ...]",
         description="Train a GPT with Megatron-style tensor, sequence, pipeline and data parallelism. "
                     "Flags are Megatron-LM's.")
-    for add in (_model_flags, _parallel_flags, _precision_flags, _optimizer_flags, _training_flags,
-                _data_flags, _checkpoint_flags, _logging_flags, _sharding_and_offload_flags,
-                _config_file_flags):
-        add(parser)
+    _schema_flags(parser)
+    _config_file_flags(parser)
     for flag in NO_EFFECT:
         parser.add_argument(flag, action="store_true")
     document(parser)
@@ -381,16 +193,17 @@ def _given_dests(parser, argv: list[str]) -> set[str]:
     return {actions[_flag_name(t)].dest for t in argv if _flag_name(t) in actions}
 
 
-def _resolve_spellings(args: argparse.Namespace) -> None:
-    """Megatron's deprecated spellings and shortcuts, mapped onto the fields they mean."""
+def _resolve_spellings(args: argparse.Namespace, named: set[str]) -> None:
+    """Megatron's deprecated spellings and shortcuts, mapped onto the fields they mean (`named`: the
+    dests the command line or a config file set)."""
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
     if args.recompute_activations and args.recompute_granularity is None:
         args.recompute_granularity = "selective"
-    if args.transformer_impl is None:  # FP8 exists only in Transformer Engine's layers
-        args.transformer_impl = "transformer_engine" if args.fp8_format else "local"
-    # Megatron's per-layer list; one distinct type is what megafab runs (config refuses several)
-    args.cp_comm_type = " ".join(dict.fromkeys(args.cp_comm_type))
+    if args.fp8_format and "transformer_impl" not in named:  # FP8 exists only in Transformer Engine's layers
+        args.transformer_impl = "transformer_engine"
+    if isinstance(args.cp_comm_type, list):  # Megatron's per-layer list; the rules refuse several types
+        args.cp_comm_type = " ".join(dict.fromkeys(args.cp_comm_type))
 
 
 def no_effect_flags(cfg: Config, given: set[str], argv: list[str]) -> list[str]:
@@ -436,13 +249,16 @@ def _without_consequences(problems: list[str], broken: set[str]) -> list[str]:
 
 
 def config_from_args(argv: list[str] | None = None, world_size: int | None = None,
-                     checks: tuple[Callable[[Config], list[str]], ...] = ()) -> Config:
-    """Parse, derive and validate one command line; every problem in it -> one ConfigError.
+                     checks: tuple[Callable[[Config], list[str]], ...] = (),
+                     start_up: bool = False) -> Config:
+    """Parse, derive, validate and freeze one command line; every problem in it -> one ConfigError.
 
     Problems collected together: refused Megatron flags, unrecognized flags (with a did-you-mean),
     bad values, config rule violations, and what each of `checks` (the entry point's machine
     checks, e.g. Transformer Engine present) finds in the resolved config. A check must cope with a
-    config that breaks other rules (they are all reported together).
+    config that breaks other rules (they are all reported together). `start_up` (a run's entry
+    point): also the files the flags name (config/probes.py), and the vocabulary sized from the
+    tokenizer before the config is frozen.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -460,22 +276,32 @@ def config_from_args(argv: list[str] | None = None, world_size: int | None = Non
     problems += unrecognized
     if args is None:
         raise ConfigError(problems)
-    _resolve_spellings(args)
+    given = _given_dests(parser, kept) | {d for d, v in file_values.items() if v != flag_defaults[d]}
+    _resolve_spellings(args, given | set(file_values))
     if world_size is None:
         world_size = planned_world_size(dry_run=args.dry_run)
-    cfg = Config.from_flat(vars(args)).finalize(world_size, validate=False)
-    given = _given_dests(parser, kept) | {d for d, v in file_values.items() if v != flag_defaults[d]}
+    cfg = Config.from_flat(vars(args)).resolve(world_size)
     cfg.no_effect += no_effect_flags(cfg, given, kept) + file_no_effect
     problems += _without_consequences(cfg.problems(), broken | suggested)
-    for check in checks:
+    for check in checks + ((start_up_problems,) if start_up else ()):
         problems += check(cfg)
     if problems:
         raise ConfigError(problems)
-    return cfg
+    if start_up:
+        _size_vocabulary(cfg)
+    return cfg.freeze()
+
+
+def _size_vocabulary(cfg: Config) -> None:
+    """The tokenizer's vocabulary size into the (not yet frozen) config, and the padded size derived
+    from it, as Megatron does at start-up."""
+    m = cfg.model
+    m.vocab_size, m.padded_vocab_size = tokenizer_vocab_size(cfg), None
+    derive_model(m, cfg.parallel.tensor_model_parallel_size)
 
 
 def config_or_exit(argv: list[str] | None = None, world_size: int | None = None,
-                   checks: tuple[Callable[[Config], list[str]], ...] = ()) -> Config:
+                   checks: tuple[Callable[[Config], list[str]], ...] = (), start_up: bool = False) -> Config:
     """config_from_args for entry points: the one message from rank 0, exit status 2."""
     with exit_on_user_error():
-        return config_from_args(argv, world_size, checks)
+        return config_from_args(argv, world_size, checks, start_up)

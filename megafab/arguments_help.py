@@ -1,4 +1,4 @@
-"""--help for Megatron's command line: every flag's text from its config field's docstring, and the
+"""--help for Megatron's command line: every flag's text from its schema field's help, and the
 flags listed under the argument groups Megatron-LM 0.16.1 puts them in.
 
 arguments.py adds each flag where its config section lives; `document(parser)` fills in the help
@@ -58,7 +58,7 @@ FLAG_GROUP = {flag: title for title, flags in _MEGATRON_GROUP.items() for flag i
 
 
 def help_text(action: argparse.Action, docs: dict[str, str]) -> str | None:
-    """The help of one flag: its own, else its field's docstring (+ the default for valued flags)."""
+    """The help of one flag: its own, else its schema field's help (+ the default for valued flags)."""
     flag = action.option_strings[0]
     if flag in NO_EFFECT:
         return f"accepted, no effect in megafab: {NO_EFFECT[flag]}"
@@ -68,7 +68,7 @@ def help_text(action: argparse.Action, docs: dict[str, str]) -> str | None:
     if doc is None:
         return None
     text = doc.replace("%", "%%")
-    if action.const is False:  # --no-X / --disable-X: the docstring describes X
+    if action.const is False:  # --no-X / --disable-X: the field's help describes X
         return f"turns off: {text}"
     valued = action.nargs != 0 and action.default is not None and action.default not in ("", [])
     return f"{text} (default: %(default)s)" if valued and "default" not in text else text

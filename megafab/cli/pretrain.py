@@ -31,7 +31,7 @@ def machine_checks():
 
 def main(argv=None):
     with exit_on_user_error():
-        cfg = config_or_exit(argv, checks=machine_checks())
+        cfg = config_or_exit(argv, checks=machine_checks(), start_up=True)
         if cfg.training.dry_run:  # the plan only: no process group, no tensors
             from megafab.training.data_setup import attach_tokenizer
             from megafab.training.planner import format_plan, plan

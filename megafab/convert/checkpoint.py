@@ -13,6 +13,7 @@ one process, without a process group; `progress` wraps each phase's iterable (a 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from collections.abc import Callable, Iterable
@@ -23,7 +24,7 @@ from megafab.checkpoint import formats, layout, megatron_dist, megatron_keys
 from megafab.checkpoint.directory import FORMAT_VERSION, TRACKER, commit_checkpoint, iteration_dir
 from megafab.checkpoint.errors import CheckpointError
 from megafab.checkpoint.megatron_args import megatron_namespace, unknown_model
-from megafab.config import Config, pad_vocab_size
+from megafab.config import Config, ModelConfig, pad_vocab_size
 from megafab.convert.state_dict import ConversionError, finalize_model_config, pad_vocab, unpad_vocab
 
 Progress = Callable[[Iterable, str], Iterable]
@@ -50,9 +51,9 @@ def open_checkpoint(load_dir: str, iteration: int | None = None):
     source = open_source(found, None)
     if source.saved_args is None:
         raise unknown_model(found.path)
-    cfg = Config.from_flat(source.saved_args)
-    cfg.model.transformer_impl = "local"  # full state dicts use local-spec names
-    cfg.model = finalize_model_config(vars(cfg.model), cfg.parallel.tensor_model_parallel_size)
+    flat = {**source.saved_args, "transformer_impl": "local"}  # full state dicts use local-spec names
+    cfg = Config.from_flat(flat)
+    cfg = dataclasses.replace(cfg, model=finalize_model_config(flat, cfg.parallel.tensor_model_parallel_size))
     return open_source(found, cfg.model), cfg
 
 
@@ -70,10 +71,10 @@ def read_checkpoint(load_dir: str, iteration: int | None = None,
             dtype=source.stored[layout.model_key(n)].properties.dtype)) for n in group}
         source.read(shards)
         sd.update({n: layout.from_stored(n, shards[layout.model_key(n)].views[0], cfg.model) for n in group})
-    cfg.model.padded_vocab_size = sd[layout.WORD_EMBEDDING].shape[0]
-    if cfg.model.vocab_size is None:
-        cfg.model.vocab_size = cfg.model.padded_vocab_size  # Megatron records only the padded size
-    return sd, cfg
+    padded = sd[layout.WORD_EMBEDDING].shape[0]
+    vocab = cfg.model.vocab_size or padded  # Megatron records only the padded size
+    return sd, dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, padded_vocab_size=padded,
+                                                                   vocab_size=vocab))
 
 
 def _layer_order(name: str):
@@ -88,15 +89,12 @@ def _by_layer(names: list[str]) -> list[list[str]]:
     return list(groups.values())
 
 
-def repad_vocab(sd: dict[str, torch.Tensor], cfg: Config, tp: int) -> dict[str, torch.Tensor]:
-    """The vocabulary padded as training at TP `tp` pads it (Megatron reads no other padding)."""
-    m = cfg.model
-    padded = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
+def repad_vocab(sd: dict[str, torch.Tensor], m: ModelConfig, padded: int) -> dict[str, torch.Tensor]:
+    """The vocabulary padded to `padded` rows (as training pads it; Megatron reads no other padding)."""
     out = dict(sd)
     for name in layout.VOCAB_PADDED:
         if name in out and out[name].shape[0] != padded:
             out[name] = pad_vocab(unpad_vocab(out[name], m.vocab_size), padded)
-    m.padded_vocab_size = padded
     return out
 
 
@@ -118,12 +116,15 @@ def write_checkpoint(save_dir: str, sd: dict[str, torch.Tensor], cfg: Config, it
     """Write `sd` (full megafab state dict) as a weights-only checkpoint of iteration `iteration`,
     recorded as saved at TP `tp` x PP `pp` (default: the config's), the vocabulary padded for `tp`;
     see the module docstring."""
-    p = cfg.parallel
+    p, m = cfg.parallel, cfg.model
     tp = tp or p.tensor_model_parallel_size or 1
     pp = pp or p.pipeline_model_parallel_size or 1
-    _check_layout(cfg.model, tp, pp)
-    p.tensor_model_parallel_size, p.pipeline_model_parallel_size = tp, pp
-    sd = repad_vocab(sd, cfg, tp)
+    _check_layout(m, tp, pp)
+    padded = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
+    cfg = dataclasses.replace(  # the caller's config stays as it is; this one records the target layout
+        cfg, parallel=dataclasses.replace(p, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
+        model=dataclasses.replace(m, padded_vocab_size=padded))
+    sd = repad_vocab(sd, m, padded)
     final = iteration_dir(save_dir, iteration)
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)

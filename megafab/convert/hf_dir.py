@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -100,10 +101,9 @@ def import_hf(hf_dir: str, tp: int = 1, make_vocab_size_divisible_by: int = 128,
     flat = module.from_hf_config(c)
     flat["make_vocab_size_divisible_by"] = make_vocab_size_divisible_by
     flat["tensor_model_parallel_size"] = tp
-    cfg = Config.from_flat(flat)
-    cfg.model = finalize_model_config(flat, tp)
     if any(os.path.exists(os.path.join(hf_dir, n)) for n in ("tokenizer.json", "tokenizer.model")):
-        cfg.data.tokenizer_type, cfg.data.tokenizer_model = "HuggingFaceTokenizer", os.path.abspath(hf_dir)
+        flat.update(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=os.path.abspath(hf_dir))
+    cfg = dataclasses.replace(Config.from_flat(flat), model=finalize_model_config(flat, tp))
     sd = module.from_hf_state_dict(read_hf_weights(hf_dir), cfg.model)
     if dtype is not None:
         sd = {k: v.to(dtype) for k, v in sd.items()}

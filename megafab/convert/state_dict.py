@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from megafab.checkpoint.layout import OUTPUT_LAYER, WORD_EMBEDDING
-from megafab.config import Config, ModelConfig, pad_vocab_size, swiglu_ffn_size
+from megafab.config import Config, ModelConfig
+from megafab.config.derive import derive_model
 from megafab.errors import MegafabError
 
 POSITION_EMBEDDING = "embedding.position_embeddings.weight"
@@ -65,18 +66,11 @@ def finalize_model_config(flat: dict, tp: int = 1) -> ModelConfig:
     """A ModelConfig from flat model fields with the derived sizes filled as Config.finalize does
     (without requiring the training fields a full validation needs)."""
     m = Config.from_flat(flat).model
-    if m.ffn_hidden_size is None:
-        m.ffn_hidden_size = swiglu_ffn_size(m.hidden_size) if m.swiglu else 4 * m.hidden_size
-    if m.kv_channels is None:
-        m.kv_channels = m.hidden_size // m.num_attention_heads
-    if not m.group_query_attention or m.num_query_groups is None:
+    if m.num_query_groups is None:  # a checkpoint may record GQA without the group count
         m.num_query_groups = m.num_attention_heads
-    if m.max_position_embeddings is None:
-        m.max_position_embeddings = m.seq_length
     if m.seq_length is None:
         m.seq_length = m.max_position_embeddings
-    if m.padded_vocab_size is None:
-        m.padded_vocab_size = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
+    derive_model(m, tp)
     return m
 
 

@@ -46,6 +46,14 @@ class DataParallelConfigError(MegafabError):
     """A data-parallel setting that cannot work; the message names the value and the fix."""
 
 
+def bucket_size_problems(bucket_size: int | None) -> list[str]:
+    """Why --ddp-bucket-size cannot be used (the config check asks this before start)."""
+    if bucket_size is not None and bucket_size < 1:
+        return [f"--ddp-bucket-size is {bucket_size}; it must be a positive number of elements "
+                f"(or unset for Megatron's default)"]
+    return []
+
+
 def main_grad_dtype(params: list[nn.Parameter], grad_dtype: torch.dtype | None) -> torch.dtype:
     """fp32 main grads unless asked otherwise; a float64 model keeps float64 (parity tests)."""
     if grad_dtype is not None:
@@ -157,10 +165,9 @@ class DistributedDataParallel(nn.Module):
         self.is_last_microbatch = True
         if bucket_size is None and overlap_grad_reduce:
             bucket_size = default_bucket_size(self.dp)
-        if bucket_size is not None and bucket_size < 1:
-            raise DataParallelConfigError(
-                f"--ddp-bucket-size is {bucket_size}; it must be a positive number of elements "
-                f"(or unset for Megatron's default)")
+        problems = bucket_size_problems(bucket_size)
+        if problems:
+            raise DataParallelConfigError(problems[0])
         self.bucket_size = bucket_size
 
         params = [p for p in module.parameters() if p.requires_grad]

@@ -40,20 +40,25 @@ class RecomputeSettings:
     modules: tuple[str, ...] = ()
 
     @classmethod
-    def from_model_config(cls, cfg) -> RecomputeSettings:
+    def from_model_config(cls, cfg, check: bool = True) -> RecomputeSettings:
+        """The settings of a ModelConfig's --recompute-* fields; check=True raises on a problem
+        (the model builder's guard; the config check reports problems() before start)."""
         granularity = getattr(cfg, "recompute_granularity", None)
         modules = tuple(getattr(cfg, "recompute_modules", None) or ())
         if granularity == "selective" and not modules:
             modules = ("core_attn",)
         settings = cls(granularity, getattr(cfg, "recompute_method", None),
                        getattr(cfg, "recompute_num_layers", None), modules)
-        problems = settings.problems()
+        problems = settings.problems() if check else []
         if problems:
             raise RecomputeConfigError("; ".join(problems))
         return settings
 
     def problems(self) -> list[str]:
+        """Every reason these settings cannot run (pure: no model needed)."""
         out = []
+        if self.method is not None and self.granularity != "full":
+            out.append("--recompute-method needs --recompute-granularity full")
         unsupported = [m for m in self.modules if m not in SUPPORTED_MODULES]
         if unsupported:
             out.append(f"--recompute-modules {' '.join(unsupported)} not supported by megafab (supported: "
@@ -64,7 +69,9 @@ class RecomputeSettings:
         if self.granularity == "full":
             if self.method not in ("uniform", "block"):
                 out.append("--recompute-granularity full needs --recompute-method uniform or block")
-            if not self.num_layers or self.num_layers < 1:
+            if self.num_layers is None:
+                out.append("--recompute-granularity full needs --recompute-num-layers")
+            elif self.num_layers < 1:
                 out.append(f"--recompute-num-layers {self.num_layers} must be at least 1 with "
                            f"--recompute-granularity full")
         return out

@@ -93,7 +93,8 @@ def check_transformer_engine(model_cfg, precision_cfg, device) -> None:
 
 
 def transformer_engine_problems(model_cfg, precision_cfg, device) -> list[str]:
-    """Why TE/FP8 cannot run on `device` with these settings (empty when they can, or are off)."""
+    """Why this machine cannot run TE/FP8 on `device` (empty when it can, or they are off); what TE's
+    layer does not implement is te_layer_problems, a config rule."""
     device = torch.device(device)
     wants_te = model_cfg.transformer_impl == "transformer_engine"
     fp8 = precision_cfg.fp8_format is not None
@@ -112,13 +113,21 @@ def transformer_engine_problems(model_cfg, precision_cfg, device) -> list[str]:
             problems.append(f"--fp8-format needs a GPU of compute capability >= 8.9 (Ada/Hopper); this "
                             f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}; "
                             f"train in --bf16 without --fp8-format")
-    if wants_te and RecomputeSettings.from_model_config(model_cfg).core_attention:
+    return problems
+
+
+def te_layer_problems(model_cfg) -> list[str]:
+    """What TE's layer does not implement among these model settings (pure; the config check)."""
+    if model_cfg.transformer_impl != "transformer_engine":
+        return []
+    problems = []
+    if RecomputeSettings.from_model_config(model_cfg, check=False).core_attention:
         problems.append("--recompute-granularity selective is implemented for --transformer-impl local "
                         "only; use --recompute-granularity full with transformer_engine")
     local_only = [f for f, on in (("--qk-layernorm", model_cfg.qk_layernorm),
                                   ("--apply-residual-connection-post-layernorm",
                                    model_cfg.apply_residual_connection_post_layernorm)) if on]
-    if wants_te and local_only:
+    if local_only:
         problems.append(f"{', '.join(local_only)} implemented for --transformer-impl local only")
     return problems
 

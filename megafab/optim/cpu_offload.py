@@ -42,6 +42,14 @@ class OffloadConfigError(MegafabError):
     """An offload setting that cannot work; the message names the value and the fix."""
 
 
+def offload_problems(fraction: float) -> list[str]:
+    """Why --optimizer-offload-fraction cannot be used (the config check asks this before start)."""
+    if not 0.0 <= fraction <= 1.0:
+        return [f"--optimizer-offload-fraction {fraction} must be in [0, 1] (the share of the optimizer "
+                f"state kept on the CPU)"]
+    return []
+
+
 @dataclass(frozen=True)
 class OffloadConfig:
     fraction: float = 1.0
@@ -52,9 +60,9 @@ class OffloadConfig:
     """Page-locked host main params (CUDA only): asynchronous H2D copies."""
 
     def __post_init__(self):
-        if not 0.0 <= self.fraction <= 1.0:
-            raise OffloadConfigError(f"--optimizer-offload-fraction {self.fraction} must be in [0, 1] "
-                                     f"(the share of the optimizer state kept on the CPU)")
+        problems = offload_problems(self.fraction)
+        if problems:
+            raise OffloadConfigError(problems[0])
 
 
 def split_for_offload(entries: list, fraction: float) -> tuple[list, list]:

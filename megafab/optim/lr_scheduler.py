@@ -19,15 +19,52 @@ from __future__ import annotations
 
 import math
 
+from megafab.config.schema import DECAY_STYLES, WSD_DECAY_STYLES
 from megafab.errors import MegafabError
 
-DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
-WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 WD_STYLES = ("constant", "linear", "cosine")
 
 
 class SchedulerConfigError(MegafabError):
     """A schedule setting that cannot work; the message names every problem."""
+
+
+def schedule_problems(*, max_lr: float, min_lr: float = 0.0, lr_warmup_samples: int = 0,
+                      lr_decay_samples: int | None, lr_decay_style: str = "linear",
+                      wsd_decay_samples: int | None = None, lr_wsd_decay_style: str = "exponential",
+                      start_wd: float = 0.01, end_wd: float = 0.01,
+                      wd_incr_style: str = "constant") -> list[str]:
+    """Every reason this schedule (lengths in samples) cannot run; the config check asks it before
+    start with the command line's values (config/derive.py's scheduler_samples). lr_decay_samples
+    None: the lengths are not known yet (no global batch size); only the other rules are checked."""
+    problems = []
+    if lr_decay_style not in DECAY_STYLES:
+        problems.append(f"--lr-decay-style {lr_decay_style!r} is not one of {', '.join(DECAY_STYLES)}")
+    if not 0.0 <= min_lr <= max_lr:
+        problems.append(f"--min-lr {min_lr} must be in [0, --lr {max_lr}]")
+    known = lr_decay_samples is not None
+    if known and lr_decay_samples <= 0:
+        problems.append(f"--lr-decay-samples {lr_decay_samples} must be positive")
+    if lr_warmup_samples < 0:
+        problems.append(f"--lr-warmup-samples {lr_warmup_samples} must not be negative")
+    elif known and lr_warmup_samples >= max(lr_decay_samples, 1):
+        problems.append(f"the learning-rate warmup ({lr_warmup_samples} samples) is not shorter than the "
+                        f"decay ({lr_decay_samples} samples = --lr-decay-samples, or --lr-decay-iters / "
+                        f"--train-iters x global batch); shorten the warmup (--lr-warmup-samples "
+                        f"{lr_warmup_samples}, or -iters / -fraction) or lengthen the decay")
+    if lr_decay_style == "WSD":
+        if lr_wsd_decay_style not in WSD_DECAY_STYLES:
+            problems.append(f"--lr-wsd-decay-style {lr_wsd_decay_style!r} is not one of "
+                            f"{', '.join(WSD_DECAY_STYLES)}")
+        if wsd_decay_samples is None or known and not 0 < wsd_decay_samples <= lr_decay_samples:
+            problems.append(f"--lr-decay-style WSD needs --lr-wsd-decay-samples (or --lr-wsd-decay-iters) in "
+                            f"(0, --lr-decay-samples {lr_decay_samples}], got {wsd_decay_samples}")
+    if wd_incr_style not in WD_STYLES:
+        problems.append(f"--weight-decay-incr-style {wd_incr_style!r} is not one of {WD_STYLES}")
+    elif wd_incr_style == "constant" and start_wd != end_wd:
+        problems.append(f"constant weight decay needs --start-weight-decay {start_wd} == "
+                        f"--end-weight-decay {end_wd}; set both or choose linear/cosine")
+    return problems
 
 
 class OptimizerParamScheduler:
@@ -45,28 +82,11 @@ class OptimizerParamScheduler:
                  wd_incr_samples: int = 0, wd_incr_style: str = "constant"):
         if lr_decay_style == "WSD" and wsd_decay_samples is None and wsd_decay_fraction is not None:
             wsd_decay_samples = round(wsd_decay_fraction * lr_decay_samples)
-        problems = []
-        if lr_decay_style not in DECAY_STYLES:
-            problems.append(f"--lr-decay-style {lr_decay_style!r} is not one of {DECAY_STYLES}")
-        if not 0.0 <= min_lr <= max_lr:
-            problems.append(f"--min-lr {min_lr} must be in [0, --lr {max_lr}]")
-        if lr_decay_samples <= 0:
-            problems.append(f"--lr-decay-samples {lr_decay_samples} must be positive")
-        if lr_warmup_samples < 0 or lr_warmup_samples >= max(lr_decay_samples, 1):
-            problems.append(f"--lr-warmup-samples {lr_warmup_samples} must be in [0, --lr-decay-samples "
-                            f"{lr_decay_samples})")
-        if lr_decay_style == "WSD":
-            if lr_wsd_decay_style not in WSD_DECAY_STYLES:
-                problems.append(f"--lr-wsd-decay-style {lr_wsd_decay_style!r} is not one of "
-                                f"{WSD_DECAY_STYLES}")
-            if wsd_decay_samples is None or not 0 < wsd_decay_samples <= lr_decay_samples:
-                problems.append(f"WSD needs --lr-wsd-decay-samples in (0, --lr-decay-samples "
-                                f"{lr_decay_samples}], got {wsd_decay_samples}")
-        if wd_incr_style not in WD_STYLES:
-            problems.append(f"--weight-decay-incr-style {wd_incr_style!r} is not one of {WD_STYLES}")
-        elif wd_incr_style == "constant" and start_wd != end_wd:
-            problems.append(f"constant weight decay needs --start-weight-decay {start_wd} == "
-                            f"--end-weight-decay {end_wd}; set both or choose linear/cosine")
+        problems = schedule_problems(
+            max_lr=max_lr, min_lr=min_lr, lr_warmup_samples=lr_warmup_samples,
+            lr_decay_samples=lr_decay_samples, lr_decay_style=lr_decay_style,
+            wsd_decay_samples=wsd_decay_samples, lr_wsd_decay_style=lr_wsd_decay_style,
+            start_wd=start_wd, end_wd=end_wd, wd_incr_style=wd_incr_style)
         if problems:
             raise SchedulerConfigError("; ".join(problems))
         self.optimizer = optimizer

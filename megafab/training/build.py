@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megafab.config.derive import scheduler_samples
 from megafab.distributed.data_parallel import DistributedDataParallel
 from megafab.distributed.fsdp import FullyShardedDataParallel, data_parallel_mesh
 from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
@@ -135,15 +136,9 @@ def build_optimizer(cfg, topo: Topology, model: list):
 
 def build_scheduler(cfg, optimizer) -> OptimizerParamScheduler:
     """Megatron counts the schedule in samples; iteration flags are converted with the batch size."""
-    o, t = cfg.optimizer, cfg.training
-    gbs = t.global_batch_size
-    decay = o.lr_decay_samples or (o.lr_decay_iters or t.train_iters or 1) * gbs
-    if o.lr_warmup_fraction is not None:
-        warmup = int(o.lr_warmup_fraction * decay)
-    else:
-        warmup = o.lr_warmup_samples or o.lr_warmup_iters * gbs
-    wsd = o.lr_wsd_decay_samples or (o.lr_wsd_decay_iters * gbs if o.lr_wsd_decay_iters else None)
+    o = cfg.optimizer
     return OptimizerParamScheduler(
-        optimizer, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_samples=warmup, lr_decay_samples=decay,
-        lr_decay_style=o.lr_decay_style, lr_warmup_init=o.lr_warmup_init, wsd_decay_samples=wsd,
-        lr_wsd_decay_style=o.lr_wsd_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay)
+        optimizer, max_lr=o.lr, min_lr=o.min_lr, lr_decay_style=o.lr_decay_style,
+        lr_warmup_init=o.lr_warmup_init, lr_wsd_decay_style=o.lr_wsd_decay_style, start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        **scheduler_samples(o, cfg.training))

@@ -4,24 +4,17 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from megafab.config import pad_vocab_size
+from megafab.config.probes import tokenizer_of
 from megafab.data.builder import build_gpt_datasets
 from megafab.data.samplers import build_data_iterator
-from megafab.data.tokenizers import build_tokenizer
 from megafab.training.batch_size import train_iterations
 from megafab.training.run_record import dataset_lines
 
 
 def attach_tokenizer(cfg):
-    """Build the tokenizer (no process group needed) and size the vocabulary from it."""
-    d, m = cfg.data, cfg.model
-    kind = d.tokenizer_type or "NullTokenizer"
-    tokenizer = build_tokenizer(kind, d.vocab_file, d.merge_file, d.tokenizer_model, m.vocab_size,
-                                d.tiktoken_pattern, d.tiktoken_num_special_tokens, d.tokenizer_special_tokens)
-    m.vocab_size = tokenizer.vocab_size
-    m.padded_vocab_size = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by,
-                                         cfg.parallel.tensor_model_parallel_size)
-    return tokenizer
+    """The run's tokenizer (no process group needed); the config was sized from it before it was
+    finalized (megafab.arguments, start_up=True), so the two agree."""
+    return tokenizer_of(cfg.data, cfg.model.vocab_size)
 
 
 def sample_counts(cfg, train_iters: int) -> tuple[int, int, int]:

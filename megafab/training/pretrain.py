@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import time
 
@@ -53,17 +54,19 @@ def print_rank_0(topo, text: str) -> None:
         print(text, flush=True)
 
 
-def resume_after_restart(cfg, topo) -> None:
-    """Under torchrun --max-restarts a restarted job continues from the newest checkpoint in --save
-    (whatever --load or --finetune asked for the first attempt), so no step is trained twice."""
+def resume_after_restart(cfg):
+    """(config, note): under torchrun --max-restarts a restarted job continues from the newest
+    checkpoint in --save (whatever --load or --finetune asked for the first attempt), so no step is
+    trained twice; the config is a new one saying so (a finalized config is never changed)."""
     ck = cfg.checkpoint
     attempt = restart_count()
     if attempt == 0 or not ck.save or checkpointing.latest_iteration(ck.save) is None:
-        return
+        return cfg, None
     asked = f" instead of --load {ck.load}{' --finetune' if ck.finetune else ''}" if ck.load else ""
-    print_rank_0(topo, f"megafab: note: torchrun restart {attempt}: resuming from the latest checkpoint "
-                       f"in --save {ck.save}{asked}")
-    ck.load, ck.finetune = ck.save, False
+    note = (f"megafab: note: torchrun restart {attempt}: resuming from the latest checkpoint in --save "
+            f"{ck.save}{asked}")
+    resumed = dataclasses.replace(cfg, checkpoint=dataclasses.replace(ck, load=ck.save, finetune=False))
+    return resumed.freeze(), note
 
 
 def setup(cfg, topo, tracker) -> TrainState:
@@ -71,7 +74,6 @@ def setup(cfg, topo, tracker) -> TrainState:
     optimizer = build_optimizer(cfg, topo, model)
     scheduler = build_scheduler(cfg, optimizer)
     state = TrainState(cfg, topo, tracker, model, optimizer, scheduler)
-    resume_after_restart(cfg, topo)
     if cfg.checkpoint.load or cfg.checkpoint.pretrained_checkpoint:
         checkpointing.load_checkpoint(state)
     return state
@@ -154,6 +156,7 @@ def record_start(state) -> None:
 
 def pretrain(cfg) -> int:
     setup_logging(cfg.logging.logging_level)
+    cfg, restart_note = resume_after_restart(cfg)
     tokenizer = attach_tokenizer(cfg)
     topo, tracker = init_distributed(cfg)
     with FaultWatch.start(timeout_s=cfg.parallel.distributed_timeout_minutes * 60) as watch:
@@ -166,6 +169,8 @@ def pretrain(cfg) -> int:
                          f"(only CUDA's caching allocator holds unused memory)")
         for note in notes:
             print_rank_0(topo, f"megafab: note: {note}")
+        if restart_note:
+            print_rank_0(topo, restart_note)
         watch.where = "building the datasets"
         datasets = build_datasets(cfg, topo, tokenizer)  # a bad data file stops the run before the model
         watch.where = "building the model and loading the checkpoint"

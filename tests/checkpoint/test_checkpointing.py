@@ -75,11 +75,11 @@ def test_blocks_saved_in_one_split_load_in_another(tmp_path):
 
 
 # ---- whole training state across layouts ----------------------------------------------------------
-def _state(tp, pp, dp, dist_opt, save=None, load=None):
+def _state(tp, pp, dp, dist_opt, save=None, load=None, **overrides):
     cfg = tiny_config(tp=tp, pp=pp, style=LLAMA_STYLE, dp=dp, vocab_size=112, micro_batch_size=1,
                       global_batch_size=2 * dp, use_distributed_optimizer=dist_opt, ddp_bucket_size=1000,
                       lr=1e-2, train_iters=10, bf16=True, save=save, load=load,
-                      untie_embeddings_and_output_weights=False)
+                      untie_embeddings_and_output_weights=False, **overrides)
     topo = build_topology(tp=tp, pp=pp)
     tracker = RNGStatesTracker("cpu")
     model_parallel_seed(1234, topo.tp_rank, topo.pp_rank, topo.device, tracker)
@@ -140,8 +140,7 @@ def test_tp2_dp2_state_loads_into_pp2_dp2_and_saves_back_bit_identical(tmp_path)
 
 
 def _flags_round_trip(rank, world, path):
-    saver = _state(tp=1, pp=1, dp=2, dist_opt=False, save=path)
-    saver.cfg.checkpoint.no_save_optim = saver.cfg.checkpoint.no_save_rng = True
+    saver = _state(tp=1, pp=1, dp=2, dist_opt=False, save=path, no_save_optim=True, no_save_rng=True)
     saver.iteration, saver.consumed_train_samples = 7, 28
     with torch.no_grad():
         for p in saver.model[0].parameters():
@@ -156,8 +155,7 @@ def _flags_round_trip(rank, world, path):
     # bf16 model: the fp32 main copies must follow the loaded weights even without optimizer state
     mains = all(torch.equal(e.main, e.model_param.float()) for e in loader.optimizer.entries)
 
-    tuner = _state(tp=1, pp=1, dp=2, dist_opt=False, load=path)
-    tuner.cfg.checkpoint.finetune = True
+    tuner = _state(tp=1, pp=1, dp=2, dist_opt=False, load=path, finetune=True)
     checkpointing.load_checkpoint(tuner)
     tuned = all(torch.equal(a, b) for a, b in zip(weights, tuner.model[0].parameters()))
     return resumed, same, mains, tuner.iteration, tuned
@@ -174,10 +172,8 @@ def test_no_save_optim_and_rng_then_resume_and_finetune(tmp_path):
 def _mismatch(rank, world, path):
     saver = _state(tp=1, pp=2, dp=1, dist_opt=False, save=path)
     checkpointing.save_checkpoint(saver)
-    wider = _state(tp=1, pp=2, dp=1, dist_opt=False, load=path)
-    wider.cfg.model.ffn_hidden_size = 2 * saver.cfg.model.ffn_hidden_size
-    wider.model = build_model(wider.cfg, wider.topology, wider.tracker)
-    wider.optimizer = build_optimizer(wider.cfg, wider.topology, wider.model)
+    wider = _state(tp=1, pp=2, dp=1, dist_opt=False, load=path,
+                   ffn_hidden_size=2 * saver.cfg.model.ffn_hidden_size)
     try:
         checkpointing.load_checkpoint(wider)
     except CheckpointError as e:
@@ -202,7 +198,7 @@ def _weights_only_needs_finetune(rank, world, path):
         refused = None
     except CheckpointError as e:
         refused = str(e)
-    resume.cfg.checkpoint.finetune = True
+    resume = _state(tp=1, pp=1, dp=1, dist_opt=False, load=path, finetune=True)
     assert checkpointing.load_checkpoint(resume) == 0
     return refused
 

@@ -1,6 +1,7 @@
 """Activation recompute gives the loss and grads of no recompute (float64), bit-for-bit with dropout,
 under TP2 x SP and PP2, and keeps fewer activations alive."""
 
+import dataclasses
 import functools
 
 import pytest
@@ -49,8 +50,8 @@ def test_layer_groups_follow_megatron():
 def test_unsupported_recompute_module_is_refused_by_name():
     with pytest.raises(ConfigError, match="--recompute-modules mlp not supported"):
         tiny_config(recompute_granularity="selective", recompute_modules=["mlp"])
-    cfg = tiny_config().model
-    cfg.recompute_granularity, cfg.recompute_modules = "selective", ["core_attn", "mlp"]
+    cfg = dataclasses.replace(tiny_config().model, recompute_granularity="selective",
+                              recompute_modules=["core_attn", "mlp"])  # a config the rules never saw
     with pytest.raises(RecomputeConfigError, match="--recompute-modules mlp not supported"):
         GPTModel(cfg, context())
 

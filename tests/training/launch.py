@@ -38,7 +38,7 @@ def _pretrain_captured(rank, world, flags):
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        pretrain(config_from_args(flags, world_size=world))
+        pretrain(config_from_args(flags, world_size=world, start_up=True))
     return out.getvalue()
 
 

@@ -8,7 +8,6 @@ import re
 import pytest
 
 from megafab.arguments import config_from_args
-from megafab.training.data_setup import attach_tokenizer
 from tests.training.launch import pretrain_in_ranks
 
 FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -110,7 +109,6 @@ def test_resolved_config_reads_back_to_the_same_configuration(run):
     path = save / "resolved_config.toml"
     assert f"resolved configuration written to {path}" in first
     again = config_from_args(["--config", str(path)], world_size=2)
-    expected = config_from_args(flags, world_size=2)
-    attach_tokenizer(expected)  # the run sized the vocabulary from its tokenizer
+    expected = config_from_args(flags, world_size=2, start_up=True)  # sized from its tokenizer, as the run
     assert again.to_flat() == expected.to_flat()
     assert "# padded_vocab_size = 128  (derived)" in path.read_text()

@@ -1,0 +1,135 @@
+"""Megatron's derivations: the values a run computes from the flags (megatron/training/arguments.py).
+
+Pure arithmetic on config values, shared by training (Config.finalize), conversion
+(megafab/convert) and the LR scheduler's rules: data-parallel size, micro-batches, padded
+vocabulary, FFN width, virtual pipeline size, Megatron-FSDP's strategy, gradient buckets, the
+schedule in samples.
+"""
+
+from __future__ import annotations
+
+# --cp-comm-type spellings -> the name megafab uses (Megatron says allgather).
+CP_COMM_TYPES = {"p2p": "p2p", "allgather": "allgather", "all_gather": "allgather", "a2a": "a2a"}
+
+MEGATRON_FSDP_ENGINES = {"no_shard": "ZeRO-0: replicated data parallelism",
+                         "optim": "ZeRO-1: the distributed optimizer",
+                         "optim_grads": "ZeRO-2's communication: torch FSDP2 keeping the gathered weights "
+                                        "from forward to backward",
+                         "optim_grads_params": "ZeRO-3: torch FSDP2"}
+
+
+def swiglu_ffn_size(hidden_size: int) -> int:
+    return int((4 * hidden_size * 2 / 3) / 64) * 64
+
+
+def pad_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def default_bucket_size(dp: int) -> int:
+    return max(40_000_000, 1_000_000 * dp)
+
+
+def data_parallel_size(world_size: int, tp: int, cp: int, pp: int) -> int | None:
+    """world / (tp * cp * pp), or None when the sizes do not divide the world (a rule reports it)."""
+    if tp >= 1 and pp >= 1 and cp >= 1 and world_size % (tp * cp * pp) == 0:
+        return world_size // (tp * cp * pp)
+    return None
+
+
+def derive_model(m, tp: int) -> None:
+    """Fill the model's derived sizes that are unset, in place (`m` is not yet frozen)."""
+    if m.hidden_size and m.ffn_hidden_size is None:
+        m.ffn_hidden_size = swiglu_ffn_size(m.hidden_size) if m.swiglu else 4 * m.hidden_size
+    if m.hidden_size and m.num_attention_heads and m.kv_channels is None \
+            and m.hidden_size % m.num_attention_heads == 0:
+        m.kv_channels = m.hidden_size // m.num_attention_heads
+    if not m.group_query_attention:
+        m.num_query_groups = m.num_attention_heads
+    if m.max_position_embeddings is None:
+        m.max_position_embeddings = m.seq_length
+    if m.vocab_size and tp >= 1 and m.padded_vocab_size is None:
+        m.padded_vocab_size = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
+
+
+def virtual_pipeline_size(m, p) -> int | None:
+    """Model chunks per pipeline rank (vpp), None without interleaving or when the layers do not split."""
+    pp = p.pipeline_model_parallel_size
+    if p.num_virtual_stages_per_pipeline_rank is not None:
+        return p.num_virtual_stages_per_pipeline_rank
+    if p.num_layers_per_virtual_pipeline_stage and m.num_layers and pp >= 1:
+        # Megatron counts the embedding/loss "layers" here too
+        split_layers = m.num_layers + p.account_for_embedding_in_pipeline_split \
+            + p.account_for_loss_in_pipeline_split
+        if split_layers % (pp * p.num_layers_per_virtual_pipeline_stage) == 0:
+            return split_layers // pp // p.num_layers_per_virtual_pipeline_stage
+    return None
+
+
+def resolve_sharding(cfg) -> None:
+    """Derive `fully_sharded` and the offload fraction; map Megatron-FSDP's strategies onto
+    megafab's engines (with a note saying what runs)."""
+    p, o = cfg.parallel, cfg.optimizer
+    if o.optimizer_cpu_offload and o.optimizer_offload_fraction is None:
+        o.optimizer_offload_fraction = 1.0
+    p.fully_sharded = p.use_torch_fsdp2
+    if not p.use_megatron_fsdp or p.use_torch_fsdp2:
+        return
+    strategy = p.data_parallel_sharding_strategy or "optim_grads_params"
+    if strategy not in MEGATRON_FSDP_ENGINES:
+        return  # refused by the rules
+    p.data_parallel_sharding_strategy = strategy
+    asked_dist_opt = p.use_distributed_optimizer
+    p.use_distributed_optimizer = strategy == "optim"
+    p.fully_sharded = strategy in ("optim_grads", "optim_grads_params")
+    note = (f"--use-megatron-fsdp --data-parallel-sharding-strategy {strategy} runs as "
+            f"{MEGATRON_FSDP_ENGINES[strategy]}")
+    if asked_dist_opt and strategy != "optim":
+        note += " (--use-distributed-optimizer, which Megatron-FSDP requires, shards nothing more here)"
+    cfg.notes.append(note)
+
+
+def derive(cfg, world_size: int) -> None:
+    """Fill every derived value of `cfg` (not yet frozen) as Megatron does."""
+    m, p, t, o, d = cfg.model, cfg.parallel, cfg.training, cfg.optimizer, cfg.data
+    p.world_size = world_size
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    p.data_parallel_size = data_parallel_size(world_size, tp, cp, pp)
+    p.cp_comm_type = CP_COMM_TYPES.get(p.cp_comm_type, p.cp_comm_type)
+    derive_model(m, tp)
+    p.virtual_pipeline_model_parallel_size = virtual_pipeline_size(m, p)
+    if p.sequence_parallel and tp == 1:
+        p.sequence_parallel = False
+        cfg.notes.append("--sequence-parallel has no effect with --tensor-model-parallel-size 1; "
+                         "turned it off (as Megatron does)")
+    dp = p.data_parallel_size
+    if t.global_batch_size is None and t.micro_batch_size and dp:
+        t.global_batch_size = t.micro_batch_size * dp
+    per_step = (t.micro_batch_size or 0) * (dp or 0)
+    if t.global_batch_size and per_step and t.global_batch_size % per_step == 0:
+        t.num_micro_batches = t.global_batch_size // per_step
+    if o.lr_decay_iters is None and o.lr_decay_samples is None:
+        o.lr_decay_iters, o.lr_decay_samples = t.train_iters, t.train_samples
+    if d.tokenizer_type is None and d.vocab_file and d.merge_file:
+        d.tokenizer_type = "GPT2BPETokenizer"
+        cfg.notes.append("--vocab-file and --merge-file without --tokenizer-type: using "
+                         "GPT2BPETokenizer (as Megatron-LM's GPT-3 example scripts assume)")
+    if p.grad_reduce_in_bf16:  # Megatron's rule: the grad buffer takes the (bf16) param dtype
+        p.accumulate_allreduce_grads_in_fp32 = False
+    resolve_sharding(cfg)
+    if p.ddp_bucket_size is None and dp and not p.fully_sharded:
+        p.ddp_bucket_size = default_bucket_size(dp)
+
+
+def scheduler_samples(o, t) -> dict:
+    """The LR schedule's lengths in samples (Megatron counts it in samples; iteration flags are
+    converted with the global batch size): decay, warmup and WSD's final decay."""
+    gbs = t.global_batch_size or 0
+    decay = o.lr_decay_samples or (o.lr_decay_iters or t.train_iters or 1) * gbs
+    if o.lr_warmup_fraction is not None:
+        warmup = int(o.lr_warmup_fraction * decay)
+    else:
+        warmup = o.lr_warmup_samples or o.lr_warmup_iters * gbs
+    wsd = o.lr_wsd_decay_samples or (o.lr_wsd_decay_iters * gbs if o.lr_wsd_decay_iters else None)
+    return {"lr_decay_samples": decay, "lr_warmup_samples": warmup, "wsd_decay_samples": wsd}
