@@ -12,7 +12,6 @@ from megafab.distributed.fsdp import FullyShardedDataParallel, data_parallel_mes
 from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
 from megafab.distributed.topology import Topology, initialize
 from megafab.errors import JobFault
-from megafab.launch import read_launch_env
 from megafab.model.gpt import build_model_chunks
 from megafab.model.te import check_transformer_engine
 from megafab.model.transformer import LayerContext
@@ -23,6 +22,7 @@ from megafab.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megafab.optim.lr_scheduler import OptimizerParamScheduler
 from megafab.optim.mixed_precision import MixedPrecisionOptimizer
 from megafab.pipeline_split import PipelineSplit
+from megafab.run.launch import read_launch_env
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
