@@ -273,10 +273,10 @@ class FaultWatch:
         # must not cut its report short, and torchrun's summary should show its own exit status.
         ignore_sigterm()
         self._main_leaving = True
+        replacement = None
         if isinstance(exc, SystemExit):  # this rank's own exit (its words, if any, are printed)
-            replacement = self._settle_exit(exc)
+            self._share_exit(exc)
         elif getattr(exc, "silent", False):  # another rank's report is on its way
-            replacement = None
             try:
                 self._ack(self._store)
             except Exception:  # noqa: BLE001
@@ -326,21 +326,19 @@ class FaultWatch:
         self._silent_ranks()
         return None
 
-    def _settle_exit(self, stop: SystemExit) -> BaseException | None:
+    def _share_exit(self, stop: SystemExit) -> None:
         """A SystemExit ends the job with this rank's status, unless another rank reported first;
         without this the others would wait for this rank in their next collective."""
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
         try:
             if not self._store_reachable():
-                return None
+                return
             self._ack(self._store)
-            published = self._published()
-            if published is None and self._claim():
+            if self._published() is None and self._claim():
                 self._publish(f"rank {self.rank} exited with status {code} at {self.where}", code)
                 self._silent_ranks()
         except Exception:  # noqa: BLE001 - no store: the others find out in their next collective
             pass
-        return None
 
     def _fault(self, exc: BaseException, silent: list[int] | None) -> JobFault:
         collective, group = describe_collective(exc)

@@ -96,11 +96,18 @@ def planned_world_size(dry_run: bool = False, env: dict[str, str] | None = None)
     return launch.world_size
 
 
+def device_type(backend: str | None = None) -> str:
+    """"cuda" when CUDA is present and --distributed-backend is not gloo, else "cpu"."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() and backend != "gloo" else "cpu"
+
+
 def pick_device_and_backend(local_rank: int, backend: str | None = None) -> tuple[torch.device, str]:
     """cuda:LOCAL_RANK + nccl when CUDA is present, cpu + gloo otherwise; backend overrides."""
     import torch
 
-    if torch.cuda.is_available() and backend != "gloo":
+    if device_type(backend) == "cuda":
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         return device, backend or "nccl"
     if backend == "nccl":
