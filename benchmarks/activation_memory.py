@@ -29,8 +29,8 @@ from megafab.distributed.random import RNGStatesTracker, model_parallel_seed  # 
 from megafab.model.gpt import GPTModel, masked_mean_loss  # noqa: E402
 from megafab.model.transformer import LayerContext  # noqa: E402
 from megafab.optim.memory import SavedActivations  # noqa: E402
+from megafab.run.fork_ranks import run_ranks  # noqa: E402
 from megafab.training.planner import BYTES, layer_activation_bytes, plan  # noqa: E402
-from tests.harness import run_ranks  # noqa: E402
 
 STYLES = {
     "gpt2": dict(position_embedding_type="learned_absolute", normalization="LayerNorm", swiglu=False,

@@ -113,7 +113,8 @@ def model_flags(args) -> list[str]:
 
 
 def launch(nproc: int, flags: list[str], cwd: str, timeout: float) -> tuple[dict[int, float], list[dict]]:
-    from tests.training.launch import free_port, losses
+    from megafab.cli.plot import parse_log_lines
+    from megafab.run.launch import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
            "127.0.0.1", "--master-port", str(free_port()), os.path.abspath(__file__), "--rank-entry", *flags]
@@ -126,7 +127,7 @@ def launch(nproc: int, flags: list[str], cwd: str, timeout: float) -> tuple[dict
     for rank in range(nproc):
         with open(os.path.join(records_dir, f"rank_{rank}.json")) as f:
             records.append(json.load(f))
-    return losses(out.stdout), records
+    return parse_log_lines(out.stdout.splitlines()).series["train_loss"], records
 
 
 def memory_rows(args, flags, stage, work: str, ckpt: str) -> list[dict]:

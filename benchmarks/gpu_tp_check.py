@@ -30,8 +30,8 @@ import torch.nn.functional as F  # noqa: E402
 from megafab.distributed.data_parallel import DistributedDataParallel  # noqa: E402
 from megafab.distributed.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from megafab.distributed.topology import initialize  # noqa: E402
-from megafab.launch import read_launch_env  # noqa: E402
 from megafab.optim.memory import SavedActivations  # noqa: E402
+from megafab.run.launch import read_launch_env  # noqa: E402
 
 
 def seeded(seed):

@@ -41,9 +41,9 @@ from benchmarks.bench_util import (  # noqa: E402
     synthetic_batch,
 )
 from megafab.optim.memory import SavedActivations, measure_memory  # noqa: E402
+from megafab.run.fork_ranks import run_ranks  # noqa: E402
 from megafab.training.planner import plan  # noqa: E402
 from megafab.training.step import gpt_forward_step, train_step  # noqa: E402
-from tests.harness import run_ranks  # noqa: E402
 
 FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
                   "--recompute-num-layers", "1"]

@@ -30,16 +30,16 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_util import peak_cpu_bytes  # noqa: E402
-from megafab.distributed import p2p  # noqa: E402
-from megafab.distributed.pipeline import get_forward_backward_func  # noqa: E402
-from megafab.distributed.topology import build_topology  # noqa: E402
-from tests.distributed.pipeline_toy import (  # noqa: E402
+from benchmarks.pipeline_toy import (  # noqa: E402
     build_chunks,
     forward_step,
     full_weights,
     make_batches,
 )
-from tests.harness import run_ranks  # noqa: E402
+from megafab.distributed import p2p  # noqa: E402
+from megafab.distributed.pipeline import get_forward_backward_func  # noqa: E402
+from megafab.distributed.topology import build_topology  # noqa: E402
+from megafab.run.fork_ranks import run_ranks  # noqa: E402
 
 VOCAB = 32
 

@@ -39,8 +39,8 @@ from benchmarks.bench_util import (  # noqa: E402
     repeat_batch,
     synthetic_batch,
 )
+from megafab.run.fork_ranks import run_ranks  # noqa: E402
 from megafab.training.step import train_step  # noqa: E402
-from tests.harness import run_ranks  # noqa: E402
 
 LAYOUTS = {  # name: (tp, pp, dp, micro-batches per global batch per DP rank)
     "TP2": (2, 1, 1, 1),

@@ -23,9 +23,9 @@ from megafab.config.fields import field_default, field_types
 from megafab.config.probes import start_up_problems, tokenizer_vocab_size
 from megafab.config.schema import SECTIONS, flag_fields
 from megafab.config_file import CONFIG_FLAGS, parser_defaults, split_config_files
-from megafab.errors import exit_on_user_error
-from megafab.launch import planned_world_size
 from megafab.megatron_flags import NO_EFFECT, REFUSED, refused_problem
+from megafab.run.launch import planned_world_size
+from megafab.run.report import exit_on_user_error
 
 # The argparse group each section's flags are added to (arguments_help regroups them for display).
 SECTION_GROUPS = {"model": "model", "parallel": "parallelism", "precision": "precision",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from megafab.errors import process_rank
+from megafab.run.launch import process_rank
 
 
 class Progress:

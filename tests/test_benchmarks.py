@@ -1,23 +1,13 @@
 """Each benchmark script runs with its smallest flags, exits 0 and prints its table (no timings
 are asserted: benchmarks measure, tests do not)."""
 
-import os
 import subprocess
 import sys
 
 import pytest
 
+from tests.helpers.benchmarks import ROOT, TINY_GPT, run_script
 from tests.training.launch import free_port
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY_GPT = ["--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--vocab", "128"]
-
-
-def run_script(name: str, *flags: str, timeout: float = 240) -> str:
-    result = subprocess.run([sys.executable, f"benchmarks/{name}", *flags], cwd=ROOT, capture_output=True,
-                            text=True, timeout=timeout)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    return result.stdout
 
 
 @pytest.mark.timeout(300)

@@ -1,20 +1,15 @@
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
 from megafab.checkpoint import CheckpointError
 from megafab.config import ConfigError
 from megafab.data.errors import DataError
-from megafab.errors import (
-    JobFault,
-    MegafabError,
-    ReportedElsewhere,
-    exit_on_user_error,
-    exit_status,
-    should_print,
-)
+from megafab.errors import JobFault, MegafabError, ReportedElsewhere
+from megafab.run.report import exit_on_user_error, exit_status, should_print
 
 
 def test_user_errors_share_one_base():
@@ -43,7 +38,7 @@ def test_internal_bug_keeps_its_traceback():
 
 
 def test_non_zero_rank_stays_silent_under_torchrun_env():
-    code = ("from megafab.errors import MegafabError, exit_on_user_error\n"
+    code = ("from megafab.errors import MegafabError\nfrom megafab.run.report import exit_on_user_error\n"
             "with exit_on_user_error():\n    raise MegafabError('every rank sees this')\n")
     out = [subprocess.run([sys.executable, "-c", code], env={"RANK": str(r), "PATH": ""},
                           capture_output=True, text=True) for r in (0, 1)]
@@ -51,18 +46,20 @@ def test_non_zero_rank_stays_silent_under_torchrun_env():
     assert "every rank sees this" in out[0].stderr and out[1].stderr == ""
 
 
-def test_the_speaker_writes_torchruns_error_file_and_silent_ranks_write_theirs_later(tmp_path, monkeypatch,
-                                                                                     capsys):
+def test_only_the_speaker_writes_torchruns_error_file(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "speaker.json"))
-    monkeypatch.setattr("megafab.errors.SILENT_EXIT_DELAY_S", 0.0)
+    monkeypatch.setattr("megafab.run.report.SILENT_EXIT_DELAY_S", 0.0)
     assert exit_status(lambda: (_ for _ in ()).throw(JobFault("rank 3 is gone")), rank=1) == 3
     speaker = json.loads((tmp_path / "speaker.json").read_text())["message"]
     assert speaker["message"] == speaker["extraInfo"]["py_callstack"] == "megafab: error: rank 3 is gone"
+    # stamped before any rank torchrun stamps itself when it finds no file (its root cause: the earliest)
+    assert int(speaker["extraInfo"]["timestamp"]) < time.time() - 0.5
     assert capsys.readouterr().err == "megafab: error: rank 3 is gone\n"
 
-    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "silent.json"))
-    quiet = ReportedElsewhere(1, "rank 3 is gone", exit_code=3, reported_at=1000.0)
-    assert exit_status(lambda: (_ for _ in ()).throw(quiet), rank=0) == 3
-    silent = json.loads((tmp_path / "silent.json").read_text())["message"]
-    assert silent["extraInfo"]["timestamp"] == "1001" and "rank 1 reported" in silent["message"]
-    assert capsys.readouterr().err == ""  # silent, even on rank 0
+    for rank, error in ((0, ReportedElsewhere(1, "rank 3 is gone", exit_code=3, reported_at=1000.0)),
+                        (2, MegafabError("every rank sees this"))):  # silent; not the speaking rank
+        path = tmp_path / f"rank{rank}.json"
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+        assert exit_status(lambda error=error: (_ for _ in ()).throw(error), rank=rank) == error.exit_code
+        assert not path.exists()
+        assert capsys.readouterr().err == ""

@@ -5,7 +5,7 @@ throughput script prints a ratio per round."""
 
 import pytest
 
-from tests.test_benchmarks import TINY_GPT, run_script
+from tests.helpers.benchmarks import TINY_GPT, run_script
 
 
 @pytest.mark.timeout(600)

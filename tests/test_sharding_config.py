@@ -9,7 +9,7 @@ import pytest
 
 from megafab.arguments import config_from_args
 from megafab.config import ConfigError
-from tests.test_config import BASE
+from tests.helpers.flags import BASE
 
 
 def _problems(argv, world_size=2) -> str:

@@ -35,9 +35,6 @@ from megafab.checkpoint.vocab import adapt_padded_vocab
 from megafab.distributed.fsdp import compute_dtype
 from megafab.errors import ReportedElsewhere
 
-# Test hook: "ITER:SECONDS" makes rank 0 sleep before committing the save of iteration ITER, so a
-# test can kill the job while only the temporary directory exists.
-PAUSE_ENV = "MEGAFAB_TEST_PAUSE_BEFORE_COMMIT"
 PENDING_RNG = "checkpoint_rng"
 
 
@@ -76,13 +73,6 @@ def _common_state(state, with_optim: bool) -> dict:
             "layout": _layout(state.topology, state.cfg), "config": state.cfg.to_flat()}
 
 
-def _test_pause(iteration: int) -> None:
-    spec = os.environ.get(PAUSE_ENV)
-    if spec and int(spec.split(":")[0]) == iteration:
-        print(f"checkpoint: test pause before committing iteration {iteration}", flush=True)
-        time.sleep(float(spec.split(":")[1]))
-
-
 def _held_layers(state) -> list[int]:
     names = [n for n, _ in cs.named_parameters(state) if n.startswith("decoder.layers.")]
     return sorted({int(n.split(".")[2]) for n in names})
@@ -109,8 +99,6 @@ def save_checkpoint(state) -> str:
         _save_torch_dist(state, tmp, with_optim)
     if not ck.no_save_rng:
         torch.save(cs.rng_snapshot(state), rng_file(tmp, topo.rank))
-    if topo.rank == 0:
-        _test_pause(iteration)
     dist.barrier()
     if topo.rank == 0:
         commit_checkpoint(root, iteration)

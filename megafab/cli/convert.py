@@ -31,8 +31,8 @@ import torch
 
 from megafab.checkpoint.formats import CKPT_FORMATS
 from megafab.convert import export_hf, import_hf, read_checkpoint, write_checkpoint
-from megafab.errors import exit_status
 from megafab.progress import progress as show_progress
+from megafab.run.report import exit_status
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SAVERS = (*CKPT_FORMATS, "hf")

@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from megafab.errors import exit_status
 from megafab.inference import GenerationError, SamplingParams, generate, load_model
+from megafab.run.report import exit_status
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 

@@ -13,7 +13,7 @@ import sys
 
 from megafab.data.errors import DataError
 from megafab.data.indexed_dataset import merge_datasets
-from megafab.errors import exit_status
+from megafab.run.report import exit_status
 
 
 def prefixes_in(directory: str) -> list[str]:

@@ -18,7 +18,8 @@ import re
 import sys
 from dataclasses import dataclass, field
 
-from megafab.errors import MegafabError, exit_status
+from megafab.errors import MegafabError
+from megafab.run.report import exit_status
 
 SERIES = ("train_loss", "valid_loss", "lr", "tokens_per_sec", "tflops")
 

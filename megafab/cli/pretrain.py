@@ -8,7 +8,7 @@
 import sys
 
 from megafab.arguments import config_or_exit
-from megafab.errors import exit_on_user_error
+from megafab.run.report import exit_on_user_error
 
 
 def machine_checks():
@@ -16,6 +16,7 @@ def machine_checks():
     with the flags so that one message lists every problem."""
     from megafab.model.attention_backend import attention_backend_problems
     from megafab.model.te import transformer_engine_problems
+    from megafab.run.packages import missing_package_problems
     from megafab.training.build import planned_device
 
     def dry_run_vocabulary(cfg):
@@ -26,7 +27,7 @@ def machine_checks():
 
     return (lambda cfg: transformer_engine_problems(cfg.model, cfg.precision, planned_device(cfg)),
             lambda cfg: attention_backend_problems(cfg, planned_device(cfg)),
-            dry_run_vocabulary)
+            dry_run_vocabulary, missing_package_problems)
 
 
 def main(argv=None):

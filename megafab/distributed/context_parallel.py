@@ -47,6 +47,7 @@ from megafab.distributed.blockwise_attention import (
     compute_dtype,
 )
 from megafab.distributed.mappings import gather_first_dim, reduce_scatter_first_dim
+from megafab.run import faults
 
 KV_TAG, DKV_TAG = 11, 12
 COMM_TYPES = ("p2p", "allgather", "a2a")
@@ -146,7 +147,7 @@ class _Ring:
     def finish(pending) -> torch.Tensor:
         received, requests = pending
         for request in requests:
-            request.wait()
+            faults.wait(request, "ring send/recv (context parallel)")
         return received
 
 

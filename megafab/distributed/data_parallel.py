@@ -40,6 +40,7 @@ from torch import nn
 from megafab.config import default_bucket_size
 from megafab.distributed.mappings import all_gather_single, reduce_scatter_single
 from megafab.errors import MegafabError
+from megafab.run import faults
 
 
 class DataParallelConfigError(MegafabError):
@@ -267,7 +268,7 @@ class DistributedDataParallel(nn.Module):
         (only the local shard of each bucket with the distributed optimizer)."""
         self.start_grad_sync()
         for bucket in self.buckets:
-            bucket.handle.wait()
+            faults.wait(bucket.handle, "gradient reduction (data parallel)", self.dp_group)
         self.reset_bucket_state()
 
     def start_param_sync(self, async_op: bool = False):
@@ -286,7 +287,7 @@ class DistributedDataParallel(nn.Module):
     def finish_param_sync(self):
         for bucket in self.buckets:
             if bucket.param_gather_handle is not None:
-                bucket.param_gather_handle.wait()
+                faults.wait(bucket.param_gather_handle, "parameter all-gather (data parallel)", self.dp_group)
                 bucket.param_gather_handle = bucket.param_gather_input = None
 
     def zero_grad_buffer(self):

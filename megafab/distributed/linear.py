@@ -44,6 +44,7 @@ from megafab.distributed.mappings import (
     group_size,
     reduce_scatter_single,
 )
+from megafab.run import faults
 
 _warned_connections = False
 
@@ -112,7 +113,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             total = input
         grad_input = grad_output.matmul(weight)  # [s, b, in]
         if gather is not None:
-            gather.wait()
+            faults.wait(gather, "sequence-parallel all-gather", group)
         reduction = None
         if ctx.sequence_parallel:
             sub = torch.empty((grad_input.shape[0] // group_size(group), *grad_input.shape[1:]),
@@ -131,7 +132,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             grad_weight = go.t().matmul(ti)
         grad_bias = go.sum(dim=0) if ctx.use_bias else None
         if reduction is not None:
-            reduction.wait()
+            faults.wait(reduction, "tensor-parallel gradient reduction", group)
         return grad_input, grad_weight, grad_bias, None, None, None, None
 
 

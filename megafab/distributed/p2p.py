@@ -26,6 +26,7 @@ import torch.distributed as dist
 from megafab.distributed.pipeline_steps import timed
 from megafab.distributed.topology import Topology
 from megafab.errors import MegafabError
+from megafab.run import faults
 
 FORWARD_TAG = 1  # activations, stage r -> r+1
 BACKWARD_TAG = 2  # activation gradients, stage r+1 -> r
@@ -124,7 +125,7 @@ class P2PCommunicator:
         else:
             requests = [op(t, peer, group=self.group, tag=tag) for op, t, peer, tag in ops]
         for request in requests:
-            request.wait()
+            faults.wait(request, "pipeline send/recv", self.group)
 
     # Physical-stage helpers (no-op at the ends of the pipeline), Megatron's names.
     def recv_forward(self) -> torch.Tensor | None:

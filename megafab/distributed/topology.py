@@ -1,5 +1,5 @@
 """The parallel grid as ordered named axes, and the process groups of one rank (the launch
-environment, device and backend come from megafab.launch).
+environment, device and backend come from megafab.run.launch).
 
 The axes, in Megatron's default order string 'tp-cp-ep-dp-pp', TP fastest:
 
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megafab.errors import MegafabError
-from megafab.launch import pick_device_and_backend, read_launch_env, rendezvous_store
+from megafab.run.launch import pick_device_and_backend, read_launch_env, rendezvous_store
 
 ORDER = ("tp", "cp", "ep", "dp", "pp")  # Megatron's 'tp-cp-ep-dp-pp'
 FLAGS = {"tp": "tensor-model-parallel-size", "cp": "context-parallel-size",

@@ -13,7 +13,6 @@ from megafab.distributed.fsdp import FullyShardedDataParallel, data_parallel_mes
 from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
 from megafab.distributed.topology import Topology, initialize
 from megafab.errors import JobFault
-from megafab.launch import read_launch_env
 from megafab.model.gpt import build_model_chunks
 from megafab.model.te import check_transformer_engine
 from megafab.model.transformer import LayerContext
@@ -24,6 +23,7 @@ from megafab.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megafab.optim.lr_scheduler import OptimizerParamScheduler
 from megafab.optim.mixed_precision import MixedPrecisionOptimizer
 from megafab.pipeline_split import PipelineSplit
+from megafab.run.launch import device_type, read_launch_env
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
@@ -68,7 +68,7 @@ def init_distributed(cfg) -> tuple[Topology, RNGStatesTracker]:
 
 def planned_device(cfg) -> str:
     """The device initialize() will pick: CUDA when present, unless gloo was asked for."""
-    return "cuda" if torch.cuda.is_available() and cfg.parallel.distributed_backend != "gloo" else "cpu"
+    return device_type(cfg.parallel.distributed_backend)
 
 
 def params_dtype(cfg) -> torch.dtype:

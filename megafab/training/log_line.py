@@ -9,6 +9,8 @@ import math
 import os
 import time
 
+from megafab.run.packages import import_optional
+
 
 def timestamp() -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S")
@@ -73,7 +75,8 @@ class MetricsJSONL:
 
 
 class ScalarWriters:
-    """TensorBoard and/or wandb, created only when their flags ask (clear error if not installed).
+    """TensorBoard and/or wandb, created only when their flags ask (their packages are the entry
+    point's start-up checks: megafab.run.packages).
 
     cfg None makes a writer that writes nothing (ranks other than the logging rank). wandb runs as
     the environment's WANDB_MODE says (online by default, as wandb's own default).
@@ -86,18 +89,12 @@ class ScalarWriters:
             return
         lg = cfg.logging
         if lg.tensorboard_dir:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as err:
-                raise SystemExit("megafab: error: --tensorboard-dir needs the tensorboard package: "
-                                 "pip install tensorboard") from err
+            import_optional("tensorboard", "--tensorboard-dir")
+            from torch.utils.tensorboard import SummaryWriter
+
             self.tb = SummaryWriter(log_dir=lg.tensorboard_dir, max_queue=lg.tensorboard_queue_size)
         if lg.wandb_project:
-            try:
-                import wandb
-            except ImportError as err:
-                raise SystemExit("megafab: error: --wandb-project needs the wandb package: "
-                                 "pip install megafab[wandb]") from err
+            wandb = import_optional("wandb", "--wandb-project")
             save_dir = lg.wandb_save_dir or os.path.join(cfg.checkpoint.save or ".", "wandb")
             os.makedirs(save_dir, exist_ok=True)
             self.wandb = wandb.init(project=lg.wandb_project, name=lg.wandb_exp_name or None,

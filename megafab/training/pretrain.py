@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-import signal
 import time
 
 import torch
 import torch.distributed as dist
 
 from megafab.checkpoint import checkpointing
-from megafab.distributed.faults import FaultWatch
-from megafab.launch import restart_count
+from megafab.run.faults import FaultWatch
+from megafab.run.launch import restart_count
+from megafab.run.signals import SigtermFlag
 from megafab.training.batch_size import train_iterations
 from megafab.training.build import (
     TrainState,
@@ -32,21 +32,6 @@ from megafab.training.run_record import (
 )
 from megafab.training.step import evaluate, train_step
 from megafab.training.train_log import TrainingLog
-
-
-class _SigtermFlag:
-    def __init__(self, enabled: bool):
-        self.received = False
-        if enabled:
-            signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum, frame):
-        self.received = True
-
-    def any_rank(self, device) -> bool:
-        flag = torch.tensor([1.0 if self.received else 0.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return flag.item() > 0
 
 
 def print_rank_0(topo, text: str) -> None:
@@ -79,7 +64,7 @@ def setup(cfg, topo, tracker) -> TrainState:
     return state
 
 
-def _should_exit(state, start_time: float, sigterm: _SigtermFlag) -> str | None:
+def _should_exit(state, start_time: float, sigterm: SigtermFlag) -> str | None:
     t = state.cfg.training
     if t.exit_signal_handler and sigterm.any_rank(state.topology.device):
         return "SIGTERM received"
@@ -100,7 +85,7 @@ def train(state: TrainState, iterators, log: TrainingLog, gc_control: ManualGC,
     t = cfg.training
     total = train_iterations(cfg)
     train_iter, valid_iter, _ = iterators
-    sigterm = _SigtermFlag(t.exit_signal_handler)
+    sigterm = SigtermFlag(t.exit_signal_handler)
     profiler = StepProfiler(cfg, topo.rank, topo.device)
     start = time.time()
     try:

@@ -9,7 +9,6 @@ import time
 
 import pytest
 
-from megafab.checkpoint.checkpointing import PAUSE_ENV
 from megafab.checkpoint.directory import latest_iteration
 from tests.training.launch import ROOT, free_port, losses, torchrun
 
@@ -18,6 +17,26 @@ TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
         "--micro-batch-size", "1", "--num-workers", "0", "--mock-data", "--vocab-size", "127",
         "--make-vocab-size-divisible-by", "32", "--lr", "1e-2", "--lr-warmup-iters", "1",
         "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1"]
+
+
+# Rank 0 of a torchrun job pauses before committing the save of iteration 20 (the test kills the job
+# there, while only the temporary directory exists); installed in the workers by the test.
+PAUSE_BEFORE_COMMIT = """
+import os
+if os.environ.get("RANK") == "0":
+    import time
+    from megafab.checkpoint import checkpointing
+
+    commit = checkpointing.commit_checkpoint
+
+    def paused_commit(root, iteration):
+        if iteration == 20:
+            print(f"test hook: pause before committing iteration {iteration}", flush=True)
+            time.sleep(600)
+        return commit(root, iteration)
+
+    checkpointing.commit_checkpoint = paused_commit
+"""
 
 
 def start(nproc: int, args: list[str], log_path, env: dict | None = None) -> subprocess.Popen:
@@ -50,7 +69,7 @@ def workers_of(proc: subprocess.Popen) -> list[int]:
 
 
 @pytest.mark.slow
-def test_resume_after_sigkill_and_a_kill_during_save_matches_the_straight_run(tmp_path):
+def test_resume_after_sigkill_and_a_kill_during_save_matches_the_straight_run(tmp_path, startup_hook):
     """DP2 with the distributed optimizer and dropout on (so RNG restore matters).
 
     One job trains 20 iterations straight, saving at 10 and 20; a test hook pauses it inside the
@@ -62,8 +81,8 @@ def test_resume_after_sigkill_and_a_kill_during_save_matches_the_straight_run(tm
     args = TINY + ["--global-batch-size", "4", "--train-iters", "20", "--use-distributed-optimizer"]
     ckpt = str(tmp_path / "ckpt")
     save = ["--save", ckpt, "--save-interval", "10"]
-    job = start(2, args + save, tmp_path / "killed.log", env={PAUSE_ENV: "20:600"})
-    out = wait_for(job, tmp_path / "killed.log", "test pause before committing iteration 20")
+    job = start(2, args + save, tmp_path / "killed.log", env=startup_hook(PAUSE_BEFORE_COMMIT))
+    out = wait_for(job, tmp_path / "killed.log", "test hook: pause before committing iteration 20")
     os.killpg(job.pid, signal.SIGKILL)
     job.wait(timeout=30)
     expected = losses(out)

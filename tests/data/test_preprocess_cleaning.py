@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from megafab.data.preprocess import cli
-from tests.data.test_preprocess_fidelity import TOKENIZERS
+from tests.helpers.preprocess import TOKENIZERS
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GPT2 = TOKENIZERS["gpt2"]

@@ -37,31 +37,8 @@ import pytest
 
 from megafab.data.indexed_dataset import IndexedDataset
 from megafab.data.preprocess import cli
+from tests.helpers.preprocess import TOKENIZERS
 
-FIXTURES = Path(__file__).parent / "fixtures"
-TOKENIZERS = {
-    "gpt2": [
-        "--tokenizer-type",
-        "GPT2BPETokenizer",
-        "--vocab-file",
-        str(FIXTURES / "gpt2_tiny" / "vocab.json"),
-        "--merge-file",
-        str(FIXTURES / "gpt2_tiny" / "merges.txt"),
-    ],
-    "hf": ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(FIXTURES / "hf_tiny")],
-    "hf_file": [
-        "--tokenizer-type",
-        "HuggingFaceTokenizer",
-        "--tokenizer-model",
-        str(FIXTURES / "hf_tiny" / "tokenizer.json"),
-    ],
-    "sp": [
-        "--tokenizer-type",
-        "GPTSentencePieceTokenizer",
-        "--tokenizer-model",
-        str(FIXTURES / "sp_tiny.model"),
-    ],
-}
 EXPECTED = {  # sha256 of Megatron's outputs, see the module docstring
     "gpt2": {
         "text.bin": "56cb4e43a6bc45db0e8e013cd1333a88fcbaf8f431dabf2ba0d0ae65a83ee080",

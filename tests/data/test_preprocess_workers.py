@@ -14,7 +14,7 @@ from megafab.data.errors import DataError
 from megafab.data.preprocess import cli
 from megafab.data.preprocess.blocks import cut_spans
 from megafab.data.preprocess.ordered_pool import ordered_map
-from tests.data.test_preprocess_fidelity import TOKENIZERS
+from tests.helpers.preprocess import TOKENIZERS
 
 GPT2 = TOKENIZERS["gpt2"]
 

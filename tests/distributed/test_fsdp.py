@@ -11,8 +11,8 @@ from megafab.distributed.fsdp import FullyShardedDataParallel, data_parallel_mes
 from megafab.distributed.topology import build_topology
 from megafab.training.step import train_step
 from tests.harness import run_ranks
+from tests.helpers.driver import driver_state
 from tests.model.tiny import batch, tiny_config
-from tests.training.test_3d_parity import driver_state
 
 
 class _Toy(nn.Module):

@@ -5,6 +5,13 @@ import time
 import pytest
 import torch
 
+from benchmarks.pipeline_toy import (
+    build_chunks,
+    forward_step,
+    full_weights,
+    make_batches,
+    reference,
+)
 from megafab.distributed.p2p import PipelineShapeError, pipeline_tensor_shape
 from megafab.distributed.pipeline import (
     PipelineScheduleError,
@@ -16,13 +23,6 @@ from megafab.distributed.pipeline import (
     get_forward_backward_func,
 )
 from megafab.distributed.topology import Topology, build_topology
-from tests.distributed.pipeline_toy import (
-    build_chunks,
-    forward_step,
-    full_weights,
-    make_batches,
-    reference,
-)
 from tests.harness import RankFailure, RankTimeout, run_ranks
 
 VOCAB, HIDDEN, SEQ, MBS = 16, 16, 8, 2

@@ -9,7 +9,7 @@ from megafab.distributed.topology import (
     build_topology,
     grid_rank,
 )
-from megafab.launch import first_slurm_host, read_launch_env
+from megafab.run.launch import first_slurm_host, read_launch_env
 from tests.harness import RankFailure, RankTimeout, run_ranks
 
 

@@ -2,18 +2,13 @@
 
 import os
 import re
-import socket
 import subprocess
 import sys
 
+from megafab.run.launch import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LOSS_LINE = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([0-9.E+-]+) \|")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(nproc: int, args: list[str], timeout: float = 300, cwd: str | None = None,
@@ -43,7 +38,8 @@ def _pretrain_captured(rank, world, flags):
 
 
 def pretrain_in_ranks(flags: list[str], world_size: int, timeout: float = 240) -> list[str]:
-    """pretrain() on forked gloo ranks (tests/harness.py, far cheaper than torchrun); each rank's stdout."""
-    from tests.harness import run_ranks
+    """pretrain() on forked gloo ranks (megafab/run/fork_ranks.py, far cheaper than torchrun); each
+    rank's stdout."""
+    from megafab.run.fork_ranks import run_ranks
 
     return run_ranks(_pretrain_captured, world_size, flags, timeout=timeout)

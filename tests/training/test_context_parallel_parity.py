@@ -16,8 +16,8 @@ from megafab.optim.distributed_optimizer import owned_param_ranges
 from megafab.optim.mixed_precision import MixedPrecisionOptimizer
 from megafab.training.step import average_loss_across_dp, run_schedule
 from tests.harness import run_ranks
+from tests.helpers.driver import driver_state
 from tests.model.tiny import GPT2_STYLE, LLAMA_STYLE, batch, full_grad, reference_model, tiny_config
-from tests.training.test_3d_parity import driver_state
 
 MICRO = 2
 TOL = 1e-10

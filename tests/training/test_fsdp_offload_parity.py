@@ -17,16 +17,16 @@ from megafab.distributed.fsdp import local_tensor
 from megafab.optim.fully_sharded_optimizer import FullyShardedOptimizer
 from megafab.training.step import train_step
 from tests.harness import run_ranks
-from tests.model.tiny import GPT2_STYLE, LLAMA_STYLE, batch, tiny_config
-from tests.training.test_3d_parity import (
+from tests.helpers.driver import (
     MICRO,
     STEPS,
-    _reference_run,
-    _samples,
     driver_state,
     full_values,
+    make_samples,
+    reference_run,
     train_and_compare,
 )
+from tests.model.tiny import GPT2_STYLE, LLAMA_STYLE, batch, tiny_config
 
 CLIP = 0.25
 
@@ -40,8 +40,8 @@ def _parity(rank, world, tp, pp, sp, style, layout):
                 lr_decay_style="constant", train_iters=STEPS, **layout)
     cfg = tiny_config(**flat)
     ref_cfg = tiny_config(style=style, vocab_size=112, lr=1e-2, clip_grad=CLIP)
-    samples = _samples(cfg.model, gbs * STEPS)
-    reference = _reference_run(ref_cfg, samples, gbs)
+    samples = make_samples(cfg.model, gbs * STEPS)
+    reference = reference_run(ref_cfg, samples, gbs)
 
     state = driver_state(cfg, torch.float64)
     optimizer = state.optimizer

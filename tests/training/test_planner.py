@@ -6,11 +6,11 @@ import torch
 from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
 from megafab.distributed.topology import build_topology
 from megafab.model.gpt import GPTModel, build_model_chunks, masked_mean_loss
-from megafab.optim.memory import SavedActivations, measure_memory
+from megafab.optim.memory import SavedActivations
 from megafab.training.planner import format_plan, in_flight_chunks, plan
 from tests.harness import run_ranks
+from tests.helpers.driver import measured_after_one_step
 from tests.model.tiny import GPT2_STYLE, LLAMA_STYLE, batch, context, tiny_config
-from tests.training.test_3d_parity import driver_state
 
 LAYOUTS = [dict(pp=1), dict(pp=2), dict(pp=2, num_layers_per_virtual_pipeline_stage=1),
            dict(pp=4, untie_embeddings_and_output_weights=True)]
@@ -45,19 +45,6 @@ def _tp_counts(rank, world):
 def test_parameter_counts_equal_the_real_model_under_tp2():
     for planned, real in run_ranks(_tp_counts, 2, timeout=120)[0]:
         assert planned == real
-
-
-def measured_after_one_step(cfg):
-    """measure_memory of the driver's state for `cfg` after one optimizer step on this rank's
-    micro-batch, and the planner's first stage."""
-    state = driver_state(cfg)
-    model, optimizer = state.model, state.optimizer
-    optimizer.zero_grad()
-    tokens, labels, mask = batch(cfg.model, seed=state.topology.dp_rank)
-    masked_mean_loss(model[0](tokens, labels=labels), mask).float().backward()
-    model[0].finish_grad_sync()
-    optimizer.step()
-    return measure_memory(model, optimizer), plan(cfg)[0]
 
 
 def _state_bytes(rank, world):

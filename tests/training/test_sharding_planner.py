@@ -5,8 +5,8 @@ import pytest
 
 from megafab.training.planner import format_plan, plan
 from tests.harness import run_ranks
+from tests.helpers.driver import measured_after_one_step
 from tests.model.tiny import tiny_config
-from tests.training.test_planner import measured_after_one_step
 
 VARIANTS = {
     "fsdp2": dict(use_torch_fsdp2=True),

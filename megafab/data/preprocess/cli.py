@@ -37,7 +37,7 @@ from megafab.data.preprocess.pipeline import (
 )
 from megafab.data.readers import find_inputs
 from megafab.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
-from megafab.errors import exit_status
+from megafab.run.report import exit_status
 
 # Megatron flags this tool does not implement: refused by name, never ignored.
 REFUSED = {

@@ -1,6 +1,6 @@
-"""Where this process runs: the launcher's environment (torchrun, or srun's SLURM_* variables) and
-the device + backend choice. The bottom layer: config, arguments and the planner may import it
-without pulling in torch.distributed's process groups.
+"""Where this process runs: the launcher's environment (torchrun, or srun's SLURM_* variables), this
+process's rank, the device + backend choice and the rendezvous store. The bottom layer: config,
+arguments, the planner and the error reporter import it without importing torch.
 """
 
 from __future__ import annotations
@@ -8,12 +8,15 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import socket
 from dataclasses import dataclass
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from megafab.errors import MegafabError
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
 
 
 class LaunchError(MegafabError):
@@ -30,6 +33,24 @@ class LaunchEnv:
     master_addr: str
     master_port: int
     launcher: str  # "torchrun", "slurm" or "single"
+
+
+def process_rank(env: dict[str, str] | None = None) -> int:
+    """This process's global rank from the launcher's environment (0 when launched alone); readable
+    before any process group exists."""
+    env = os.environ if env is None else env
+    for name in ("RANK", "SLURM_PROCID"):
+        value = env.get(name)
+        if value is not None and value.isdigit():
+            return int(value)
+    return 0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` right now, for a rendezvous (torchrun --master-port, a test job)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def first_slurm_host(nodelist: str) -> str:
@@ -75,9 +96,18 @@ def planned_world_size(dry_run: bool = False, env: dict[str, str] | None = None)
     return launch.world_size
 
 
+def device_type(backend: str | None = None) -> str:
+    """"cuda" when CUDA is present and --distributed-backend is not gloo, else "cpu"."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() and backend != "gloo" else "cpu"
+
+
 def pick_device_and_backend(local_rank: int, backend: str | None = None) -> tuple[torch.device, str]:
     """cuda:LOCAL_RANK + nccl when CUDA is present, cpu + gloo otherwise; backend overrides."""
-    if torch.cuda.is_available() and backend != "gloo":
+    import torch
+
+    if device_type(backend) == "cuda":
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         return device, backend or "nccl"
     if backend == "nccl":
@@ -105,6 +135,8 @@ def rendezvous_store(launch: LaunchEnv, timeout: datetime.timedelta,
     gloo addresses of workers that are gone) made a restarted job wait for them until its timeout.
     Under torchrun the agent hosts the store; otherwise rank 0 does.
     """
+    import torch.distributed as dist
+
     env = dict(os.environ if env is None else env)
     store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size,
                           is_master=launch.rank == 0 and not agent_hosts_store(env), timeout=timeout,

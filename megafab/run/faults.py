@@ -14,9 +14,16 @@ stuck after GRACE_S seconds (an NCCL collective never notices a departed peer, a
 nobody yet) is ended by its watcher with the reporter's exit status. The ranks that never
 acknowledge are the unreachable ones a fault report names.
 
-A collective failure is recognised by its traceback passing through torch.distributed, or by the
-backend's words (gloo raises plain RuntimeErrors); its report names the collective, the ranks of
-its group, what the job was doing and the ranks that did not answer.
+What stopped a rank is told by the exception's type and where it was raised, never by its text:
+- a MegafabError: a user error; its message from one rank, its status (2);
+- a job fault: torch.distributed's own errors (DistError: DistBackendError, DistStoreError,
+  DistNetworkError), a CollectiveFailure (an asynchronous collective megafab waited on through
+  `wait`), or a RuntimeError raised inside a torch.distributed call (gloo raises plain ones); the
+  report names the collective, its group, what the job was doing and the ranks that did not
+  answer; status 3;
+- a SystemExit: this rank's own status, which the other ranks then exit with;
+- anything else (a DataLoader worker that timed out or died, a bug): this rank's error; its
+  traceback in this rank's log, status 1.
 
 The store is the job's rendezvous store: torchrun's agent hosts it, so it outlives any worker;
 without torchrun rank 0 hosts it, and a report then cannot be shared once rank 0 is gone: each
@@ -28,7 +35,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import signal
 import socket
 import sys
 import threading
@@ -36,8 +42,10 @@ import time
 
 import torch.distributed as dist
 
-from megafab.errors import EXIT_JOB_FAULT, JobFault, MegafabError, ReportedElsewhere, report
-from megafab.launch import agent_hosts_store, read_launch_env
+from megafab.errors import EXIT_JOB_FAULT, JobFault, MegafabError, ReportedElsewhere
+from megafab.run.launch import agent_hosts_store, read_launch_env
+from megafab.run.report import report
+from megafab.run.signals import ignore_sigterm
 
 ABORT = "megafab/abort"
 CLAIMS = "megafab/claims"
@@ -49,8 +57,6 @@ GRACE_S = 5.0
 ACK_WINDOW_S = 3.0
 FOREVER = datetime.timedelta(days=3650)
 FINISH_WAIT_S = 60.0
-BACKEND_WORDS = ("gloo", "NCCL", "Connection reset", "Connection closed", "Timed out", "timed out",
-                 "ProcessGroup", "c10d")
 DISTRIBUTED_DIR = os.sep + os.path.join("torch", "distributed") + os.sep
 
 
@@ -62,14 +68,31 @@ def _frames(exc: BaseException):
         tb = tb.tb_next
 
 
+class CollectiveFailure(RuntimeError):
+    """An asynchronous collective failed while megafab waited on it (the backend's error is the
+    cause). Its traceback starts in megafab, not in torch.distributed, hence its own type."""
+
+    def __init__(self, collective: str, group, cause: BaseException):
+        super().__init__(str(cause))
+        self.collective, self.group = collective, group
+
+
+def wait(work, collective: str, group=None) -> None:
+    """work.wait() for an asynchronous collective (`collective`: its name, for the report)."""
+    try:
+        work.wait()
+    except dist.DistError:
+        raise
+    except RuntimeError as error:
+        raise CollectiveFailure(collective, group, error) from error
+
+
 def is_collective_failure(exc: BaseException) -> bool:
-    if isinstance(exc, dist.DistError):
+    """By type (torch.distributed's errors, a failed wait) or origin (raised inside torch.distributed)."""
+    if isinstance(exc, (dist.DistError, CollectiveFailure)):
         return True
-    if not isinstance(exc, RuntimeError):
-        return False
-    if any(DISTRIBUTED_DIR in f.f_code.co_filename for f in _frames(exc)):
-        return True
-    return any(word in str(exc) for word in BACKEND_WORDS)
+    return isinstance(exc, RuntimeError) and any(DISTRIBUTED_DIR in f.f_code.co_filename
+                                                 for f in _frames(exc))
 
 
 def _group_ranks(group) -> list[int] | None:
@@ -82,6 +105,8 @@ def _group_ranks(group) -> list[int] | None:
 
 def describe_collective(exc: BaseException) -> tuple[str, list[int] | None]:
     """('all_reduce', [1, 3]): the torch.distributed call that failed and its group's ranks."""
+    if isinstance(exc, CollectiveFailure):
+        return f"an asynchronous {exc.collective}", None if exc.group is None else _group_ranks(exc.group)
     caller = None
     for frame in _frames(exc):
         path = frame.f_code.co_filename
@@ -99,6 +124,7 @@ def describe_collective(exc: BaseException) -> tuple[str, list[int] | None]:
 
 
 def describe_reason(exc: BaseException, timeout_s: float | None) -> str:
+    """The backend's reason in a few words (the backends say it only in their message's text)."""
     text = str(exc)
     if "imed out" in text or "timeout" in text.lower():
         limit = f" after {timeout_s:g} s (--distributed-timeout-minutes {timeout_s / 60:g})" \
@@ -241,14 +267,16 @@ class FaultWatch:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc is None or isinstance(exc, (SystemExit, KeyboardInterrupt)):
+        if exc is None or isinstance(exc, KeyboardInterrupt):  # Ctrl-C reaches every rank itself
             return False
         # This process is leaving: torchrun's stop (SIGTERM to every worker once one has exited)
         # must not cut its report short, and torchrun's summary should show its own exit status.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        ignore_sigterm()
         self._main_leaving = True
-        if getattr(exc, "silent", False):  # another rank's report is on its way
-            replacement = None
+        replacement = None
+        if isinstance(exc, SystemExit):  # this rank's own exit (its words, if any, are printed)
+            self._share_exit(exc)
+        elif getattr(exc, "silent", False):  # another rank's report is on its way
             try:
                 self._ack(self._store)
             except Exception:  # noqa: BLE001
@@ -292,9 +320,25 @@ class FaultWatch:
             summary = f"{describe_collective(exc)[0]} failed at {self.where}"
             self._publish(summary, EXIT_JOB_FAULT)
             return self._fault(exc, self._silent_ranks())
-        self._publish(f"an internal error at {self.where} (its traceback is in rank {self.rank}'s log)", 1)
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        self._publish(f"rank {self.rank}: {type(exc).__name__} at {self.where}: {first} (its traceback is "
+                      f"in rank {self.rank}'s log)", 1)
         self._silent_ranks()
         return None
+
+    def _share_exit(self, stop: SystemExit) -> None:
+        """A SystemExit ends the job with this rank's status, unless another rank reported first;
+        without this the others would wait for this rank in their next collective."""
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        try:
+            if not self._store_reachable():
+                return
+            self._ack(self._store)
+            if self._published() is None and self._claim():
+                self._publish(f"rank {self.rank} exited with status {code} at {self.where}", code)
+                self._silent_ranks()
+        except Exception:  # noqa: BLE001 - no store: the others find out in their next collective
+            pass
 
     def _fault(self, exc: BaseException, silent: list[int] | None) -> JobFault:
         collective, group = describe_collective(exc)
