@@ -8,14 +8,14 @@
                             too), or legacy torch files split for TP x PP; load it with --finetune
 
 Full state dicts are TP=1 tensors under megafab's local-spec names (convert/state_dict.py). Runs in
-one process, without a process group; `progress` wraps each phase's iterable (a tqdm bar in the CLI).
+one process, without a process group; each phase shows a bar on a terminal and is one log line
+otherwise (megafab.progress).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable, Iterable
 
 import torch
 
@@ -25,12 +25,12 @@ from megafab.checkpoint.errors import CheckpointError
 from megafab.checkpoint.megatron_args import megatron_namespace, unknown_model
 from megafab.config import Config, pad_vocab_size
 from megafab.convert.state_dict import ConversionError, finalize_model_config, pad_vocab, unpad_vocab
+from megafab.progress import progress
 
-Progress = Callable[[Iterable, str], Iterable]
 
-
-def no_progress(items: Iterable, desc: str) -> Iterable:
-    return items
+def _phase(items, desc: str):
+    """A conversion phase: a bar on a terminal, one line in a log (megafab.progress)."""
+    return progress(list(items), desc=desc, unit="step", announce=True)
 
 
 def open_checkpoint(load_dir: str, iteration: int | None = None):
@@ -56,15 +56,14 @@ def open_checkpoint(load_dir: str, iteration: int | None = None):
     return open_source(found, cfg.model), cfg
 
 
-def read_checkpoint(load_dir: str, iteration: int | None = None,
-                    progress: Progress = no_progress) -> tuple[dict[str, torch.Tensor], Config]:
+def read_checkpoint(load_dir: str, iteration: int | None = None) -> tuple[dict[str, torch.Tensor], Config]:
     """The full megafab state dict and the Config of a checkpoint (latest by default)."""
     source, cfg = open_checkpoint(load_dir, iteration)
     keys = sorted(megatron_keys.model_names(source.stored), key=_layer_order)
     if not keys:
         raise ConversionError(f"{source.path} holds no model tensors; it cannot be converted")
     sd = {}
-    for group in progress(_by_layer(keys), f"reading {source.format}"):
+    for group in _phase(_by_layer(keys), f"reading {source.format}"):
         shards = {layout.model_key(n): layout.Shard.whole(torch.empty(
             tuple(source.stored[layout.model_key(n)].size),
             dtype=source.stored[layout.model_key(n)].properties.dtype)) for n in group}
@@ -113,8 +112,8 @@ def _check_layout(m, tp: int, pp: int) -> None:
 
 
 def write_checkpoint(save_dir: str, sd: dict[str, torch.Tensor], cfg: Config, iteration: int = 0,
-                     ckpt_format: str = formats.TORCH_DIST, tp: int | None = None, pp: int | None = None,
-                     progress: Progress = no_progress) -> str:
+                     ckpt_format: str = formats.TORCH_DIST, tp: int | None = None,
+                     pp: int | None = None) -> str:
     """Write `sd` (full megafab state dict) as a weights-only checkpoint of iteration `iteration`,
     recorded as saved at TP `tp` x PP `pp` (default: the config's), the vocabulary padded for `tp`;
     see the module docstring."""
@@ -134,30 +133,30 @@ def write_checkpoint(save_dir: str, sd: dict[str, torch.Tensor], cfg: Config, it
             "layout": {"world_size": tp * pp, "tp": tp, "pp": pp, "dp": 1, "vpp": 1}, "config": cfg.to_flat()}
     args = megatron_namespace(cfg, iteration, 0, ckpt_format, True, True)
     if ckpt_format == formats.TORCH_DIST:
-        _write_torch_dist(tmp, sd, cfg, args, iteration, ours, progress)
+        _write_torch_dist(tmp, sd, cfg, args, iteration, ours)
     elif ckpt_format == formats.TORCH:
-        _write_legacy(tmp, sd, cfg, args, iteration, ours, tp, pp, progress)
+        _write_legacy(tmp, sd, cfg, args, iteration, ours, tp, pp)
     else:
         raise ConversionError(f"checkpoint format {ckpt_format!r} is not one of {formats.CKPT_FORMATS}")
     commit_checkpoint(save_dir, iteration)  # the training saver's rename + tracker, same guarantees
     return final
 
 
-def _write_torch_dist(tmp, sd, cfg, args, iteration, ours, progress) -> None:
+def _write_torch_dist(tmp, sd, cfg, args, iteration, ours) -> None:
     from megafab.checkpoint import dcp_io
 
     shards = {layout.model_key(n): layout.Shard.whole(layout.to_stored(n, t.contiguous(), cfg.model))
               for n, t in sd.items()}
     objects = megatron_dist.extra_state_objects(range(cfg.model.num_layers), cfg.model.num_layers)
-    for _ in progress([0], "writing torch_dist"):
+    for _ in _phase([0], "writing torch_dist"):
         dcp_io.save_shards(megatron_dist.megatron_shards(shards, cfg.model, False), tmp, objects)
     megatron_dist.write_common(tmp, megatron_dist.common_state(args, iteration, ours, None, None, False))
 
 
-def _write_legacy(tmp, sd, cfg, args, iteration, ours, tp, pp, progress) -> None:
+def _write_legacy(tmp, sd, cfg, args, iteration, ours, tp, pp) -> None:
     from megafab.checkpoint import megatron_legacy
 
-    for tp_rank, pp_rank in progress([(t, p) for p in range(pp) for t in range(tp)], "writing torch"):
+    for tp_rank, pp_rank in _phase([(t, p) for p in range(pp) for t in range(tp)], "writing torch"):
         model = megatron_legacy.rank_state_dict(sd, cfg.model, tp, tp_rank, pp, pp_rank)
         state = {"args": args, "checkpoint_version": megatron_dist.CHECKPOINT_VERSION, "iteration": iteration,
                  "model": model, "num_floating_point_operations_so_far": 0,
