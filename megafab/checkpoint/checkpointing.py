@@ -32,7 +32,6 @@ from megafab.checkpoint.layout import STEP, split_key
 from megafab.checkpoint.megatron_args import check_model_args, megatron_namespace
 from megafab.checkpoint.source import RNG_DIR, MegafabSource, rng_file
 from megafab.checkpoint.vocab import adapt_padded_vocab
-from megafab.distributed.fsdp import compute_dtype
 from megafab.errors import ReportedElsewhere
 
 # Test hook: "ITER:SECONDS" makes rank 0 sleep before committing the save of iteration ITER, so a
@@ -222,12 +221,13 @@ def load_checkpoint(state) -> int | None:
     if load_optim:
         optim_shards, targets = cs.optimizer_shards_for_load(state, with_main=with_main)
         shards.update(optim_shards)
-    notes = []
+    notes, padding = [], []
 
     def prepare():
         vocab = source.saved_vocab_size or cfg.model.vocab_size  # Megatron records only the padded size
-        note = adapt_padded_vocab(shards, stored, vocab, cfg.model, cfg.training.seed, _model_dtype(state))
+        note, fill = adapt_padded_vocab(shards, stored, vocab, cfg.model)
         notes.extend([note] if note else [])
+        padding.extend([fill] if fill else [])
         # Megatron keeps Adam's step in common.pt, not as tensors
         dcp_io().check_shards({k: s for k, s in shards.items() if k in stored or split_key(k)[1] != STEP},
                               stored)
@@ -236,6 +236,8 @@ def load_checkpoint(state) -> int | None:
     for note in notes:
         _print0(topo, f"megafab: note: {note}")
     source.read(shards)
+    for fill in padding:  # the same on every rank: the padded sizes are the checkpoint's and the model's
+        fill.fill(source)
     cs.gather_params(gather)
     cs.refresh_main_params(state, skip={id(t.entry) for t in targets if t.main_loaded})
     counters = source.counters
@@ -258,10 +260,6 @@ def load_checkpoint(state) -> int | None:
     _print0(topo, f"loaded checkpoint from {load_dir} at iteration {iteration} ({source.format} format"
                   + ("; finetune: weights only, starting at iteration 0)" if finetune else ")"))
     return iteration
-
-
-def _model_dtype(state) -> torch.dtype:
-    return compute_dtype(state.model[0])
 
 
 def _check_on_every_rank(topo, check) -> None:

@@ -23,8 +23,9 @@ from megafab.checkpoint import formats, layout, megatron_dist, megatron_keys
 from megafab.checkpoint.directory import FORMAT_VERSION, TRACKER, commit_checkpoint, iteration_dir
 from megafab.checkpoint.errors import CheckpointError
 from megafab.checkpoint.megatron_args import megatron_namespace, unknown_model
+from megafab.checkpoint.vocab import padded_rows
 from megafab.config import Config, pad_vocab_size
-from megafab.convert.state_dict import ConversionError, finalize_model_config, pad_vocab, unpad_vocab
+from megafab.convert.state_dict import ConversionError, finalize_model_config
 from megafab.progress import progress
 
 
@@ -88,13 +89,14 @@ def _by_layer(names: list[str]) -> list[list[str]]:
 
 
 def repad_vocab(sd: dict[str, torch.Tensor], cfg: Config, tp: int) -> dict[str, torch.Tensor]:
-    """The vocabulary padded as training at TP `tp` pads it (Megatron reads no other padding)."""
+    """The vocabulary padded as training at TP `tp` pads it (Megatron reads no other padding), by
+    the rule loading a checkpoint padded otherwise follows (megafab.checkpoint.vocab)."""
     m = cfg.model
     padded = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
     out = dict(sd)
     for name in layout.VOCAB_PADDED:
-        if name in out and out[name].shape[0] != padded:
-            out[name] = pad_vocab(unpad_vocab(out[name], m.vocab_size), padded)
+        if name in out:
+            out[name] = padded_rows(out[name], padded)
     m.padded_vocab_size = padded
     return out
 
