@@ -28,6 +28,7 @@ from megafab.checkpoint.directory import (  # noqa: F401
     latest_iteration,
 )
 from megafab.checkpoint.errors import CheckpointError
+from megafab.checkpoint.keys import layer_of
 from megafab.checkpoint.layout import STEP, split_key
 from megafab.checkpoint.megatron_args import check_model_args, megatron_namespace
 from megafab.checkpoint.source import RNG_DIR, MegafabSource, rng_file
@@ -83,8 +84,7 @@ def _test_pause(iteration: int) -> None:
 
 
 def _held_layers(state) -> list[int]:
-    names = [n for n, _ in cs.named_parameters(state) if n.startswith("decoder.layers.")]
-    return sorted({int(n.split(".")[2]) for n in names})
+    return sorted({layer_of(n) for n, _ in cs.named_parameters(state)} - {None})
 
 
 def save_checkpoint(state) -> str:

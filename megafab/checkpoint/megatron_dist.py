@@ -34,6 +34,7 @@ import torch
 from megafab.checkpoint import megatron_keys as mk
 from megafab.checkpoint.errors import CheckpointError
 from megafab.checkpoint.formats import METADATA_JSON
+from megafab.checkpoint.keys import stacked_extra_state_key
 from megafab.checkpoint.layout import MODEL_PREFIX, STEP, Shard, split_key
 from megafab.checkpoint.megatron_args import flat_from_args, unknown_model
 from megafab.checkpoint.source import CheckpointSource, Counters, counters_from_common, read_json_object
@@ -211,7 +212,7 @@ class TorchDistSource(CheckpointSource):
 def extra_state_objects(layers, num_layers: int) -> dict[str, list]:
     """The `_extra_state` byte objects of `layers` (global numbers) megatron-core's loader asks for:
     [None] each, as its local-spec linear layers save (Transformer Engine layers accept None too)."""
-    return {f"{mk.LAYERS}{module}._extra_state/shard_{layer}_{num_layers}": [None]
+    return {stacked_extra_state_key(module, layer, num_layers): [None]
             for layer in layers for module in mk.EXTRA_STATE_MODULES}
 
 

@@ -19,7 +19,7 @@ import shutil
 
 import torch
 
-from megafab.checkpoint import formats, layout, megatron_dist, megatron_keys
+from megafab.checkpoint import formats, keys, layout, megatron_dist, megatron_keys
 from megafab.checkpoint.directory import FORMAT_VERSION, TRACKER, commit_checkpoint, iteration_dir
 from megafab.checkpoint.errors import CheckpointError
 from megafab.checkpoint.megatron_args import megatron_namespace, unknown_model
@@ -60,31 +60,26 @@ def open_checkpoint(load_dir: str, iteration: int | None = None):
 def read_checkpoint(load_dir: str, iteration: int | None = None) -> tuple[dict[str, torch.Tensor], Config]:
     """The full megafab state dict and the Config of a checkpoint (latest by default)."""
     source, cfg = open_checkpoint(load_dir, iteration)
-    keys = sorted(megatron_keys.model_names(source.stored), key=_layer_order)
-    if not keys:
+    names = sorted(megatron_keys.model_names(source.stored), key=keys.layer_order)
+    if not names:
         raise ConversionError(f"{source.path} holds no model tensors; it cannot be converted")
     sd = {}
-    for group in _phase(_by_layer(keys), f"reading {source.format}"):
+    for group in _phase(_by_layer(names), f"reading {source.format}"):
         shards = {layout.model_key(n): layout.Shard.whole(torch.empty(
             tuple(source.stored[layout.model_key(n)].size),
             dtype=source.stored[layout.model_key(n)].properties.dtype)) for n in group}
         source.read(shards)
         sd.update({n: layout.from_stored(n, shards[layout.model_key(n)].views[0], cfg.model) for n in group})
-    cfg.model.padded_vocab_size = sd[layout.WORD_EMBEDDING].shape[0]
+    cfg.model.padded_vocab_size = sd[keys.WORD_EMBEDDING].shape[0]
     if cfg.model.vocab_size is None:
         cfg.model.vocab_size = cfg.model.padded_vocab_size  # Megatron records only the padded size
     return sd, cfg
 
 
-def _layer_order(name: str):
-    parts = name.split(".")
-    return (int(parts[2]), name) if name.startswith(megatron_keys.LAYERS) else (-1, name)
-
-
 def _by_layer(names: list[str]) -> list[list[str]]:
     groups: dict = {}
     for n in names:
-        groups.setdefault(_layer_order(n)[0], []).append(n)
+        groups.setdefault(keys.layer_of(n), []).append(n)
     return list(groups.values())
 
 
@@ -94,7 +89,7 @@ def repad_vocab(sd: dict[str, torch.Tensor], cfg: Config, tp: int) -> dict[str, 
     m = cfg.model
     padded = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
     out = dict(sd)
-    for name in layout.VOCAB_PADDED:
+    for name in keys.VOCAB_PADDED:
         if name in out:
             out[name] = padded_rows(out[name], padded)
     m.padded_vocab_size = padded

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from megafab.checkpoint.layout import OUTPUT_LAYER, WORD_EMBEDDING
+from megafab.checkpoint.keys import OUTPUT_LAYER, WORD_EMBEDDING, layer_prefix
 from megafab.checkpoint.vocab import padded_rows
 from megafab.config import Config, ModelConfig, pad_vocab_size, swiglu_ffn_size
 from megafab.errors import MegafabError
@@ -21,10 +21,6 @@ FINAL_NORM = "decoder.final_layernorm"
 
 class ConversionError(MegafabError):
     """A model or file that cannot be converted; the message names the value, the rule and the fix."""
-
-
-def layer_prefix(i: int) -> str:
-    return f"decoder.layers.{i}."
 
 
 def pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
