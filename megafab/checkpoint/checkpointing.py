@@ -30,8 +30,8 @@ from megafab.checkpoint.directory import (  # noqa: F401
 from megafab.checkpoint.errors import CheckpointError
 from megafab.checkpoint.keys import layer_of
 from megafab.checkpoint.layout import STEP, split_key
-from megafab.checkpoint.megatron_args import check_model_args, megatron_namespace
-from megafab.checkpoint.source import RNG_DIR, MegafabSource, rng_file
+from megafab.checkpoint.megatron_args import check_model_args
+from megafab.checkpoint.source import RNG_DIR, CommonRecord, Counters, MegafabSource, rng_file, run_layout
 from megafab.checkpoint.vocab import adapt_padded_vocab
 from megafab.errors import ReportedElsewhere
 
@@ -49,11 +49,8 @@ def dcp_io():
 
 
 def _layout(topo, cfg) -> dict:
-    layout = {"world_size": topo.world_size, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
-              "vpp": cfg.parallel.virtual_pipeline_model_parallel_size or 1}
-    if topo.cp > 1:  # CP changes only activations; named so RNG states are not mixed up
-        layout["cp"] = topo.cp
-    return layout
+    vpp = cfg.parallel.virtual_pipeline_model_parallel_size or 1
+    return run_layout(topo.tp, topo.pp, topo.dp, vpp, topo.cp)
 
 
 def _print0(topo, text: str) -> None:
@@ -62,18 +59,15 @@ def _print0(topo, text: str) -> None:
 
 
 # ---- save ----------------------------------------------------------------------------------------
-def _common_state(state, with_optim: bool) -> dict:
-    """megafab's counters and config: JSON-able, kept in torch_dist's common.pt under `megafab`."""
+def common_record(state, with_optim: bool) -> CommonRecord:
+    """The run's counters, layout and config as the checkpoint records them (source.CommonRecord)."""
     opt = state.optimizer
     scaler = getattr(opt, "grad_scaler", None)
-    return {"format_version": FORMAT_VERSION, "iteration": state.iteration,
-            "consumed_train_samples": state.consumed_train_samples,
-            "consumed_valid_samples": state.consumed_valid_samples,
-            "skipped_iterations": state.skipped_iterations, "nan_iterations": state.nan_iterations,
-            "scheduler": state.scheduler.state_dict(), "optimizer_iteration": opt.iteration,
-            "grad_scaler": scaler.state_dict() if scaler is not None else None,
-            "has_optimizer": with_optim, "has_rng": not state.cfg.checkpoint.no_save_rng,
-            "layout": _layout(state.topology, state.cfg), "config": state.cfg.to_flat()}
+    counters = Counters(state.iteration, state.consumed_train_samples, state.consumed_valid_samples,
+                        state.skipped_iterations, state.nan_iterations, state.scheduler.state_dict(),
+                        opt.iteration, scaler.state_dict() if scaler is not None else None)
+    return CommonRecord(state.iteration, _layout(state.topology, state.cfg), state.cfg.to_flat(), counters,
+                        has_optimizer=with_optim, has_rng=not state.cfg.checkpoint.no_save_rng)
 
 
 def _test_pause(iteration: int) -> None:
@@ -103,7 +97,9 @@ def save_checkpoint(state) -> str:
     if ck.ckpt_format == formats.TORCH:
         from megafab.checkpoint import megatron_legacy
 
-        megatron_legacy.save_rank_file(state, tmp, _common_state(state, False))
+        common = megatron_dist.megatron_common(cfg, common_record(state, False), formats.TORCH,
+                                               state.scheduler.state_dict())
+        megatron_legacy.save_rank_file(state, tmp, common)
     else:
         _save_torch_dist(state, tmp, with_optim)
     if not ck.no_save_rng:
@@ -130,12 +126,9 @@ def _save_torch_dist(state, tmp: str, with_optim: bool) -> None:
         objects = megatron_dist.extra_state_objects(_held_layers(state), cfg.model.num_layers)
     dcp_io().save_shards(megatron_dist.megatron_shards(shards, cfg.model, dist_opt), tmp, objects)
     if topo.rank == 0:
-        args = megatron_namespace(cfg, state.iteration, state.consumed_train_samples, formats.TORCH_DIST,
-                                  not with_optim, cfg.checkpoint.no_save_rng, state.consumed_valid_samples)
         step = float(cs.common_step(state.optimizer)) if with_optim else None
         megatron_dist.write_common(tmp, megatron_dist.common_state(
-            args, state.iteration, _common_state(state, with_optim), state.scheduler.state_dict(), step,
-            dist_opt))
+            cfg, common_record(state, with_optim), state.scheduler.state_dict(), step, dist_opt))
 
 
 # ---- load ----------------------------------------------------------------------------------------

@@ -36,8 +36,14 @@ from megafab.checkpoint.errors import CheckpointError
 from megafab.checkpoint.formats import METADATA_JSON
 from megafab.checkpoint.keys import stacked_extra_state_key
 from megafab.checkpoint.layout import MODEL_PREFIX, STEP, Shard, split_key
-from megafab.checkpoint.megatron_args import flat_from_args, unknown_model
-from megafab.checkpoint.source import CheckpointSource, Counters, counters_from_common, read_json_object
+from megafab.checkpoint.megatron_args import flat_from_args, megatron_namespace, unknown_model
+from megafab.checkpoint.source import (
+    CheckpointSource,
+    CommonRecord,
+    Counters,
+    counters_from_common,
+    read_json_object,
+)
 
 COMMON_PT = "common.pt"
 COMMON_STATE = "common_state/shard_0_1"
@@ -220,14 +226,22 @@ def megatron_scheduler_state(scheduler_state: dict) -> dict:
     return {k: scheduler_state[v] for k, v in SCHEDULER_FIELDS.items()}
 
 
-def common_state(args, iteration: int, megafab_common: dict, scheduler_state: dict | None,
-                 step: float | None, distributed_optimizer: bool) -> dict:
-    """common.pt of a megafab-written torch_dist checkpoint (plain data and the args Namespace)."""
-    common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-              "num_floating_point_operations_so_far": 0, MEGAFAB: megafab_common,
-              "content_metadata": {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}}
+def megatron_common(cfg, record: CommonRecord, ckpt_format: str, scheduler_state: dict | None) -> dict:
+    """What every Megatron file megafab writes records (torch_dist's common.pt, each legacy rank
+    file): the args, Megatron's counters and version, megafab's CommonRecord, the LR schedule."""
+    common = {"args": megatron_namespace(cfg, record, ckpt_format), "checkpoint_version": CHECKPOINT_VERSION,
+              "iteration": record.iteration, "num_floating_point_operations_so_far": 0,
+              MEGAFAB: record.to_dict()}
     if scheduler_state is not None:
         common["opt_param_scheduler"] = megatron_scheduler_state(scheduler_state)
+    return common
+
+
+def common_state(cfg, record: CommonRecord, scheduler_state: dict | None, step: float | None,
+                 distributed_optimizer: bool) -> dict:
+    """common.pt of a megafab-written torch_dist checkpoint (plain data and the args Namespace)."""
+    common = {**megatron_common(cfg, record, "torch_dist", scheduler_state),
+              "content_metadata": {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}}
     if step is not None:
         optimizer = {"optimizer": {"state": {"common_step": step}, "param_groups": [{"step": step}]}}
         if distributed_optimizer:

@@ -43,14 +43,8 @@ from megafab.checkpoint.keys import (
     tp_partition,
 )
 from megafab.checkpoint.layout import MODEL_PREFIX, Shard, split_key, strided_shape, to_stored
-from megafab.checkpoint.megatron_args import flat_from_args, megatron_namespace, unknown_model
-from megafab.checkpoint.megatron_dist import (
-    CHECKPOINT_VERSION,
-    MEGAFAB,
-    MEGATRON_RNG,
-    SCHEDULER_FIELDS,
-    megatron_scheduler_state,
-)
+from megafab.checkpoint.megatron_args import flat_from_args, unknown_model
+from megafab.checkpoint.megatron_dist import MEGAFAB, MEGATRON_RNG, SCHEDULER_FIELDS
 from megafab.checkpoint.megatron_keys import LINEAR_MODULES
 from megafab.checkpoint.source import CheckpointSource, Counters, counters_from_common
 from megafab.distributed.layers import join_partitions, partition_of
@@ -238,9 +232,17 @@ def rank_state_dict(sd: dict, model_cfg, tp: int, tp_rank: int, pp: int, pp_rank
     return _with_extra_states(out)
 
 
-def save_rank_file(state, tmp: str, megafab_common: dict) -> None:
-    """This rank's model_optim_rng.pt, without optimizer state (config.py refuses --ckpt-format torch
-    with it); DP rank 0 of each TP x PP position writes."""
+def write_rank_file(tmp: str, tp_rank: int, pp_rank: int, pp: int, common: dict, models: dict) -> None:
+    """The one writer of a legacy model_optim_rng.pt: `common` (megatron_dist.megatron_common) and
+    this rank's model chunks (chunk_key -> local state dict), without optimizer state."""
+    directory = os.path.join(tmp, rank_dir(tp_rank, pp_rank, pp))
+    os.makedirs(directory, exist_ok=True)
+    torch.save({**common, **models}, os.path.join(directory, FILE))
+
+
+def save_rank_file(state, tmp: str, common: dict) -> None:
+    """This rank's model_optim_rng.pt of a training run, without optimizer state (config.py refuses
+    --ckpt-format torch with it); DP rank 0 of each TP x PP position writes."""
     cfg, topo = state.cfg, state.topology
     if topo.dp_rank != 0:
         return
@@ -252,11 +254,4 @@ def save_rank_file(state, tmp: str, megafab_common: dict) -> None:
         first, _ = split.layer_range(topo.pp_rank, c)
         module = getattr(chunk, "module", chunk)
         models[chunk_key(c, vpp)] = local_state_dict(module, first, te)
-    args = megatron_namespace(cfg, state.iteration, state.consumed_train_samples, "torch", True,
-                              cfg.checkpoint.no_save_rng, state.consumed_valid_samples)
-    out = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": state.iteration, **models,
-           "opt_param_scheduler": megatron_scheduler_state(state.scheduler.state_dict()),
-           "num_floating_point_operations_so_far": 0, MEGAFAB: megafab_common}
-    directory = os.path.join(tmp, rank_dir(topo.tp_rank, topo.pp_rank, topo.pp))
-    os.makedirs(directory, exist_ok=True)
-    torch.save(out, os.path.join(directory, FILE))
+    write_rank_file(tmp, topo.tp_rank, topo.pp_rank, topo.pp, common, models)

@@ -20,9 +20,10 @@ import shutil
 import torch
 
 from megafab.checkpoint import formats, keys, layout, megatron_dist, megatron_keys
-from megafab.checkpoint.directory import FORMAT_VERSION, TRACKER, commit_checkpoint, iteration_dir
+from megafab.checkpoint.directory import TRACKER, commit_checkpoint, iteration_dir
 from megafab.checkpoint.errors import CheckpointError
-from megafab.checkpoint.megatron_args import megatron_namespace, unknown_model
+from megafab.checkpoint.megatron_args import unknown_model
+from megafab.checkpoint.source import CommonRecord, run_layout
 from megafab.checkpoint.vocab import padded_rows
 from megafab.config import Config, pad_vocab_size
 from megafab.convert.state_dict import ConversionError, finalize_model_config
@@ -124,22 +125,18 @@ def write_checkpoint(save_dir: str, sd: dict[str, torch.Tensor], cfg: Config, it
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    ours = {"format_version": FORMAT_VERSION, "iteration": iteration, "consumed_train_samples": 0,
-            "skipped_iterations": 0, "nan_iterations": 0, "scheduler": None, "optimizer_iteration": 0,
-            "grad_scaler": None, "has_optimizer": False, "has_rng": False,
-            "layout": {"world_size": tp * pp, "tp": tp, "pp": pp, "dp": 1, "vpp": 1}, "config": cfg.to_flat()}
-    args = megatron_namespace(cfg, iteration, 0, ckpt_format, True, True)
+    record = CommonRecord(iteration, run_layout(tp, pp, 1), cfg.to_flat())  # weights only
     if ckpt_format == formats.TORCH_DIST:
-        _write_torch_dist(tmp, sd, cfg, args, iteration, ours)
+        _write_torch_dist(tmp, sd, cfg, record)
     elif ckpt_format == formats.TORCH:
-        _write_legacy(tmp, sd, cfg, args, iteration, ours, tp, pp)
+        _write_legacy(tmp, sd, cfg, record, tp, pp)
     else:
         raise ConversionError(f"checkpoint format {ckpt_format!r} is not one of {formats.CKPT_FORMATS}")
     commit_checkpoint(save_dir, iteration)  # the training saver's rename + tracker, same guarantees
     return final
 
 
-def _write_torch_dist(tmp, sd, cfg, args, iteration, ours) -> None:
+def _write_torch_dist(tmp, sd, cfg, record) -> None:
     from megafab.checkpoint import dcp_io
 
     shards = {layout.model_key(n): layout.Shard.whole(layout.to_stored(n, t.contiguous(), cfg.model))
@@ -147,20 +144,16 @@ def _write_torch_dist(tmp, sd, cfg, args, iteration, ours) -> None:
     objects = megatron_dist.extra_state_objects(range(cfg.model.num_layers), cfg.model.num_layers)
     for _ in _phase([0], "writing torch_dist"):
         dcp_io.save_shards(megatron_dist.megatron_shards(shards, cfg.model, False), tmp, objects)
-    megatron_dist.write_common(tmp, megatron_dist.common_state(args, iteration, ours, None, None, False))
+    megatron_dist.write_common(tmp, megatron_dist.common_state(cfg, record, None, None, False))
 
 
-def _write_legacy(tmp, sd, cfg, args, iteration, ours, tp, pp) -> None:
+def _write_legacy(tmp, sd, cfg, record, tp, pp) -> None:
     from megafab.checkpoint import megatron_legacy
 
+    common = megatron_dist.megatron_common(cfg, record, formats.TORCH, None)
     for tp_rank, pp_rank in _phase([(t, p) for p in range(pp) for t in range(tp)], "writing torch"):
         model = megatron_legacy.rank_state_dict(sd, cfg.model, tp, tp_rank, pp, pp_rank)
-        state = {"args": args, "checkpoint_version": megatron_dist.CHECKPOINT_VERSION, "iteration": iteration,
-                 "model": model, "num_floating_point_operations_so_far": 0,
-                 megatron_dist.MEGAFAB: ours}
-        directory = os.path.join(tmp, megatron_legacy.rank_dir(tp_rank, pp_rank, pp))
-        os.makedirs(directory)
-        torch.save(state, os.path.join(directory, megatron_legacy.FILE))
+        megatron_legacy.write_rank_file(tmp, tp_rank, pp_rank, pp, common, {keys.chunk_key(0, 1): model})
 
 
 __all__ = ["CheckpointError", "ConversionError", "open_checkpoint", "read_checkpoint", "write_checkpoint"]
