@@ -218,12 +218,12 @@ def load_checkpoint(state) -> int | None:
 
     def prepare():
         vocab = source.saved_vocab_size or cfg.model.vocab_size  # Megatron records only the padded size
-        note, fill = adapt_padded_vocab(shards, stored, vocab, cfg.model)
+        note, fill = adapt_padded_vocab(shards, stored, vocab, cfg.model, source.path)
         notes.extend([note] if note else [])
         padding.extend([fill] if fill else [])
         # Megatron keeps Adam's step in common.pt, not as tensors
         dcp_io().check_shards({k: s for k, s in shards.items() if k in stored or split_key(k)[1] != STEP},
-                              stored)
+                              stored, source.path)
 
     _check_on_every_rank(topo, prepare)
     for note in notes:

@@ -175,7 +175,7 @@ class TorchDistSource(CheckpointSource):
         metadata = dcp_io().read_metadata(path)
         dcp_io().check_files(path, metadata)
         self.model_cfg, self.stacked = model_cfg, mk.is_stacked(metadata.state_dict_metadata)
-        view = mk.megafab_view(metadata.state_dict_metadata, model_cfg)
+        view = mk.megafab_view(metadata.state_dict_metadata, model_cfg, path)
         if not mk.model_names(view):
             raise CheckpointError(f"{path} is a torch_dist checkpoint without model weights (its DCP "
                                   f"metadata holds no model tensor); load a checkpoint saved with the model")

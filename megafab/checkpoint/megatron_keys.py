@@ -130,7 +130,7 @@ def to_megatron(shards: dict[str, Shard], model_cfg, main_kind: str = "fp32_para
 
 
 # ---- what a Megatron checkpoint holds, in megafab keys ----------------------------------------------
-def megafab_view(stored: dict, model_cfg) -> dict:
+def megafab_view(stored: dict, model_cfg, path: str) -> dict:
     """DCP metadata of a Megatron checkpoint (key -> TensorStorageMetadata) as megafab keys ->
     TensorStorageMetadata of the global (stored-view) shape megafab's Shards have, so that the
     shape checks and vocabulary resharding of megafab checkpoints apply unchanged."""
@@ -151,7 +151,7 @@ def megafab_view(stored: dict, model_cfg) -> dict:
         elif param.startswith(LAYERS) and stacked:
             if size[0] != model_cfg.num_layers:
                 raise CheckpointError(
-                    f"checkpoint tensor {key!r} stacks {size[0]} layers but this model has "
+                    f"{path}: checkpoint tensor {key!r} stacks {size[0]} layers but this model has "
                     f"--num-layers {model_cfg.num_layers}; pass the checkpoint's --num-layers")
             layers, size = range(size[0]), size[1:]
         for layer in layers:

@@ -73,7 +73,7 @@ def _vocab_keys(stored: dict):
 
 
 def adapt_padded_vocab(shards: dict[str, Shard], stored: dict, saved_vocab_size: int | None,
-                       model_cfg) -> tuple[str | None, PaddingFill | None]:
+                       model_cfg, path: str) -> tuple[str | None, PaddingFill | None]:
     """Where the checkpoint's padded vocabulary differs from this model's: request only the stored
     rows this model keeps, zero the new rows' optimizer moments now, and return the PaddingFill that
     copies the last stored row into the new weight rows after the read (None, on every rank, when
@@ -91,7 +91,7 @@ def adapt_padded_vocab(shards: dict[str, Shard], stored: dict, saved_vocab_size:
             continue  # another stage's tensor, or a different model: check_shards explains
         if saved_vocab_size != vocab or vocab > saved_shape[0]:
             raise CheckpointError(
-                f"checkpoint tensor {key!r} has {saved_shape[0]} rows for a vocabulary of "
+                f"{path}: checkpoint tensor {key!r} has {saved_shape[0]} rows for a vocabulary of "
                 f"{saved_vocab_size} tokens, but this model's vocabulary has {vocab} tokens; a "
                 f"different padding is resharded, a different vocabulary is not: use the "
                 f"checkpoint's tokenizer (or --vocab-size {saved_vocab_size})")

@@ -188,3 +188,4 @@ def _other_vocabulary(rank, world, path):
 def test_a_different_real_vocabulary_is_refused_by_name(tmp_path):
     [message] = run_ranks(_other_vocabulary, 1, str(tmp_path), timeout=120)
     assert message and "vocabulary of 101 tokens" in message and "has 90 tokens" in message, message
+    assert message.startswith(str(tmp_path)), message  # names the checkpoint

@@ -31,3 +31,28 @@ def test_convert_into_a_log_file_writes_no_bar(tmp_path):
     lines = text.splitlines()
     assert "reading torch_dist (5 step)" in lines and "writing torch (2 step)" in lines, lines
     assert lines[-1].startswith("converted "), lines
+
+
+def _damaged_hf_dir(tmp_path, damage):
+    from tests.convert.hf_tiny import hf_llama
+
+    hf_llama(groups=2).save_pretrained(tmp_path / "hf")
+    damage(tmp_path / "hf")
+    return str(tmp_path / "hf")
+
+
+def _cut(file):
+    data = file.read_bytes()
+    file.write_bytes(data[:len(data) // 2])
+
+
+def test_a_damaged_hf_file_is_one_message_naming_it(tmp_path, capsys):
+    from megafab.cli.convert import main as convert
+
+    for name, damage in (("config.json", lambda d: (d / "config.json").write_text("{not json")),
+                         ("model.safetensors", lambda d: _cut(d / "model.safetensors"))):
+        hf = _damaged_hf_dir(tmp_path / name, damage)
+        capsys.readouterr()  # transformers' own bar while saving the model
+        assert convert(["convert", "--hf-dir", hf, "--save-dir", str(tmp_path / "out")]) == 2
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert len(lines) == 1 and f"{hf}/{name} could not be read" in lines[0], lines
