@@ -1,5 +1,7 @@
 """Progress of a long step: a tqdm bar (total, rate, ETA) on a terminal, nothing when stderr is not one
-(and, in a multi-process job, only on rank 0)."""
+(and, in a multi-process job, only on rank 0). A tool whose phases belong in its log (megafab-convert's
+reading / writing) asks for `announce`: off a terminal each phase is then one plain line, never a bar
+(no carriage returns in log files)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ class Progress:
     """unit "B" scales bytes (kB, MB, ...); any other unit counts items."""
 
     def __init__(self, total: int | None, desc: str, unit: str = "B", enabled: bool | None = None):
-        enabled = sys.stderr.isatty() and process_rank() == 0 if enabled is None else enabled
+        enabled = on_terminal() if enabled is None else enabled
         self._bar = None
         if enabled:
             try:
@@ -42,12 +44,21 @@ class Progress:
             self._bar = None
 
 
+def on_terminal() -> bool:
+    """Whether this process shows bars: stderr is a terminal, and this is rank 0."""
+    return sys.stderr.isatty() and process_rank() == 0
+
+
 def progress(iterable, total: int | None = None, desc: str = "", unit: str = "it",
-             enabled: bool | None = None):
+             enabled: bool | None = None, announce: bool = False):
     """Yield from iterable with a Progress bar of `total` steps (len(iterable) when it has one).
-    The hook long loops call (conversion, checkpoint load/save, index builds); quiet off a terminal."""
+    The hook long loops call (conversion, checkpoint load/save, index builds); quiet off a terminal,
+    where `announce` prints `desc` once as a log line instead."""
     if total is None and hasattr(iterable, "__len__"):
         total = len(iterable)
+    enabled = on_terminal() if enabled is None else enabled
+    if announce and not enabled and process_rank() == 0:
+        print(f"{desc} ({total} {unit})" if total is not None else desc, file=sys.stderr, flush=True)
     bar = Progress(total, desc, unit=unit, enabled=enabled)
     try:
         for item in iterable:

@@ -28,11 +28,11 @@ from megafab.checkpoint.directory import (  # noqa: F401
     latest_iteration,
 )
 from megafab.checkpoint.errors import CheckpointError
+from megafab.checkpoint.keys import layer_of
 from megafab.checkpoint.layout import STEP, split_key
-from megafab.checkpoint.megatron_args import check_model_args, megatron_namespace
-from megafab.checkpoint.source import RNG_DIR, MegafabSource, rng_file
+from megafab.checkpoint.megatron_args import check_model_args
+from megafab.checkpoint.source import RNG_DIR, CommonRecord, Counters, MegafabSource, rng_file, run_layout
 from megafab.checkpoint.vocab import adapt_padded_vocab
-from megafab.distributed.fsdp import compute_dtype
 from megafab.errors import ReportedElsewhere
 
 PENDING_RNG = "checkpoint_rng"
@@ -46,11 +46,8 @@ def dcp_io():
 
 
 def _layout(topo, cfg) -> dict:
-    layout = {"world_size": topo.world_size, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
-              "vpp": cfg.parallel.virtual_pipeline_model_parallel_size or 1}
-    if topo.cp > 1:  # CP changes only activations; named so RNG states are not mixed up
-        layout["cp"] = topo.cp
-    return layout
+    vpp = cfg.parallel.virtual_pipeline_model_parallel_size or 1
+    return run_layout(topo.tp, topo.pp, topo.dp, vpp, topo.cp)
 
 
 def _print0(topo, text: str) -> None:
@@ -59,23 +56,19 @@ def _print0(topo, text: str) -> None:
 
 
 # ---- save ----------------------------------------------------------------------------------------
-def _common_state(state, with_optim: bool) -> dict:
-    """megafab's counters and config: JSON-able, kept in torch_dist's common.pt under `megafab`."""
+def common_record(state, with_optim: bool) -> CommonRecord:
+    """The run's counters, layout and config as the checkpoint records them (source.CommonRecord)."""
     opt = state.optimizer
     scaler = getattr(opt, "grad_scaler", None)
-    return {"format_version": FORMAT_VERSION, "iteration": state.iteration,
-            "consumed_train_samples": state.consumed_train_samples,
-            "consumed_valid_samples": state.consumed_valid_samples,
-            "skipped_iterations": state.skipped_iterations, "nan_iterations": state.nan_iterations,
-            "scheduler": state.scheduler.state_dict(), "optimizer_iteration": opt.iteration,
-            "grad_scaler": scaler.state_dict() if scaler is not None else None,
-            "has_optimizer": with_optim, "has_rng": not state.cfg.checkpoint.no_save_rng,
-            "layout": _layout(state.topology, state.cfg), "config": state.cfg.to_flat()}
+    counters = Counters(state.iteration, state.consumed_train_samples, state.consumed_valid_samples,
+                        state.skipped_iterations, state.nan_iterations, state.scheduler.state_dict(),
+                        opt.iteration, scaler.state_dict() if scaler is not None else None)
+    return CommonRecord(state.iteration, _layout(state.topology, state.cfg), state.cfg.to_flat(), counters,
+                        has_optimizer=with_optim, has_rng=not state.cfg.checkpoint.no_save_rng)
 
 
 def _held_layers(state) -> list[int]:
-    names = [n for n, _ in cs.named_parameters(state) if n.startswith("decoder.layers.")]
-    return sorted({int(n.split(".")[2]) for n in names})
+    return sorted({layer_of(n) for n, _ in cs.named_parameters(state)} - {None})
 
 
 def save_checkpoint(state) -> str:
@@ -94,7 +87,9 @@ def save_checkpoint(state) -> str:
     if ck.ckpt_format == formats.TORCH:
         from megafab.checkpoint import megatron_legacy
 
-        megatron_legacy.save_rank_file(state, tmp, _common_state(state, False))
+        common = megatron_dist.megatron_common(cfg, common_record(state, False), formats.TORCH,
+                                               state.scheduler.state_dict())
+        megatron_legacy.save_rank_file(state, tmp, common)
     else:
         _save_torch_dist(state, tmp, with_optim)
     if not ck.no_save_rng:
@@ -119,12 +114,9 @@ def _save_torch_dist(state, tmp: str, with_optim: bool) -> None:
         objects = megatron_dist.extra_state_objects(_held_layers(state), cfg.model.num_layers)
     dcp_io().save_shards(megatron_dist.megatron_shards(shards, cfg.model, dist_opt), tmp, objects)
     if topo.rank == 0:
-        args = megatron_namespace(cfg, state.iteration, state.consumed_train_samples, formats.TORCH_DIST,
-                                  not with_optim, cfg.checkpoint.no_save_rng, state.consumed_valid_samples)
         step = float(cs.common_step(state.optimizer)) if with_optim else None
         megatron_dist.write_common(tmp, megatron_dist.common_state(
-            args, state.iteration, _common_state(state, with_optim), state.scheduler.state_dict(), step,
-            dist_opt))
+            cfg, common_record(state, with_optim), state.scheduler.state_dict(), step, dist_opt))
 
 
 # ---- load ----------------------------------------------------------------------------------------
@@ -210,20 +202,23 @@ def load_checkpoint(state) -> int | None:
     if load_optim:
         optim_shards, targets = cs.optimizer_shards_for_load(state, with_main=with_main)
         shards.update(optim_shards)
-    notes = []
+    notes, padding = [], []
 
     def prepare():
         vocab = source.saved_vocab_size or cfg.model.vocab_size  # Megatron records only the padded size
-        note = adapt_padded_vocab(shards, stored, vocab, cfg.model, cfg.training.seed, _model_dtype(state))
+        note, fill = adapt_padded_vocab(shards, stored, vocab, cfg.model, source.path)
         notes.extend([note] if note else [])
+        padding.extend([fill] if fill else [])
         # Megatron keeps Adam's step in common.pt, not as tensors
         dcp_io().check_shards({k: s for k, s in shards.items() if k in stored or split_key(k)[1] != STEP},
-                              stored)
+                              stored, source.path)
 
     _check_on_every_rank(topo, prepare)
     for note in notes:
         _print0(topo, f"megafab: note: {note}")
     source.read(shards)
+    for fill in padding:  # the same on every rank: the padded sizes are the checkpoint's and the model's
+        fill.fill(source)
     cs.gather_params(gather)
     cs.refresh_main_params(state, skip={id(t.entry) for t in targets if t.main_loaded})
     counters = source.counters
@@ -246,10 +241,6 @@ def load_checkpoint(state) -> int | None:
     _print0(topo, f"loaded checkpoint from {load_dir} at iteration {iteration} ({source.format} format"
                   + ("; finetune: weights only, starting at iteration 0)" if finetune else ")"))
     return iteration
-
-
-def _model_dtype(state) -> torch.dtype:
-    return compute_dtype(state.model[0])
 
 
 def _check_on_every_rank(topo, check) -> None:

@@ -122,9 +122,9 @@ def _exact_storage(view: torch.Tensor) -> torch.Tensor:
 class _ShardLoadPlanner(DefaultLoadPlanner):
     """Reads each requested box out of whatever chunks the checkpoint holds for its key."""
 
-    def __init__(self, shards: dict[str, Shard]):
+    def __init__(self, shards: dict[str, Shard], path: str):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.shards = shards
+        self.shards, self.path = shards, path
 
     def create_local_plan(self) -> LoadPlan:
         requests = []
@@ -132,7 +132,7 @@ class _ShardLoadPlanner(DefaultLoadPlanner):
             if not shard.boxes:
                 continue
             md = self.metadata.state_dict_metadata.get(fqn)
-            check_stored_shape(fqn, md, shard.global_shape)
+            check_stored_shape(self.path, fqn, md, shard.global_shape)
             chunks = [ChunkStorageMetadata(offsets=torch.Size(b.offsets), sizes=torch.Size(b.sizes))
                       for b in shard.boxes]
             requests += create_read_items_for_chunk_list(fqn, md, chunks)
@@ -164,15 +164,16 @@ class _BytesLoadPlanner(DefaultLoadPlanner):
         self.raw[read_item.dest_index.fqn] = value.getvalue()
 
 
-def check_stored_shape(fqn: str, md, global_shape) -> None:
+def check_stored_shape(path: str, fqn: str, md, global_shape) -> None:
+    """The checkpoint in `path` holds tensor `fqn` (metadata `md`) at `global_shape`, or one error."""
     if md is None:
         raise CheckpointError(
-            f"the checkpoint has no tensor {fqn!r}; it was saved from a different model (or without "
+            f"{path}: the checkpoint has no tensor {fqn!r}; it was saved from a different model (or without "
             f"this state); load a matching checkpoint, or pass --no-load-optim / --finetune")
     if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != tuple(global_shape):
         stored = tuple(md.size) if isinstance(md, TensorStorageMetadata) else type(md).__name__
         raise CheckpointError(
-            f"checkpoint tensor {fqn!r} has global shape {stored} but this model needs "
+            f"{path}: checkpoint tensor {fqn!r} has global shape {stored} but this model needs "
             f"{tuple(global_shape)}: the checkpoint was saved from a model of another shape (any layout "
             f"and padded vocabulary load, other sizes must match)")
 
@@ -189,6 +190,10 @@ _SAFE_CALLABLES = {("torch.serialization", "_get_layout"), ("pathlib", "PosixPat
 class _MetadataUnpickler(pickle.Unpickler):
     """Admits DCP's metadata dataclasses/enums and torch's Size and dtype-like constants only."""
 
+    def __init__(self, file, path: str):
+        super().__init__(file)
+        self.path = path
+
     def find_class(self, module: str, name: str):
         if module in _DCP_MODULES:
             obj = super().find_class(module, name)
@@ -200,15 +205,16 @@ class _MetadataUnpickler(pickle.Unpickler):
                 return obj
         elif (module, name) in _SAFE_CALLABLES:
             return super().find_class(module, name)
-        raise CheckpointError(f"checkpoint metadata refers to {module}.{name}, which a DCP metadata "
-                              f"file never holds; refusing to unpickle it (the file is corrupt or unsafe)")
+        raise CheckpointError(f"{self.path} refers to {module}.{name}, which a DCP metadata file never "
+                              f"holds; refusing to unpickle it (the file is corrupt or unsafe): restore it "
+                              f"from the original run")
 
 
 class SafeFileSystemReader(FileSystemReader):
     def read_metadata(self, *args, **kwargs) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
+            metadata = _MetadataUnpickler(f, path).load()
         if not isinstance(metadata, Metadata):
             raise CheckpointError(f"{path} does not hold DCP metadata")
         if getattr(metadata, "storage_meta", None) is None:
@@ -232,12 +238,12 @@ def read_metadata(path: str) -> Metadata:
                               f"it from the original run, or load an earlier iteration") from None
 
 
-def check_shards(shards: dict[str, Shard], stored: dict) -> None:
-    """Raise one CheckpointError (before any collective) if a key is missing from the checkpoint's
-    metadata `stored` (read_metadata(path).state_dict_metadata) or shaped otherwise."""
+def check_shards(shards: dict[str, Shard], stored: dict, path: str) -> None:
+    """Raise one CheckpointError (before any collective) if a key is missing from the metadata
+    `stored` of the checkpoint in `path` (read_metadata(path).state_dict_metadata) or shaped otherwise."""
     for fqn, shard in shards.items():
         if shard.boxes:
-            check_stored_shape(fqn, stored.get(fqn), shard.global_shape)
+            check_stored_shape(path, fqn, stored.get(fqn), shard.global_shape)
 
 
 @contextlib.contextmanager
@@ -295,7 +301,7 @@ def read_objects(path: str, keys: list[str]) -> dict[str, bytes]:
 def load_shards(shards: dict[str, Shard], path: str) -> None:
     """Collective: fill every Shard's views in place from the checkpoint in `path` (also works
     in a process without torch.distributed)."""
-    planner = _ShardLoadPlanner(shards)
+    planner = _ShardLoadPlanner(shards, path)
     try:
         with _maybe_without_process_group() as no_dist:
             dcp.load(_dcp_state_dict(shards), storage_reader=SafeFileSystemReader(path),

@@ -42,13 +42,10 @@ from dataclasses import dataclass, field
 import torch
 
 from megafab.checkpoint.boxes import Box, flat_range_boxes
-from megafab.model.gpt import WORD_EMBEDDING
-from megafab.model.te import te_to_local_name
+from megafab.checkpoint.keys import OUTPUT_LAYER, WORD_EMBEDDING, partition_stride
 
 MODEL_PREFIX = "model."
 OPTIM_PREFIX = "optim."
-OUTPUT_LAYER = "output_layer.weight"
-VOCAB_PADDED = (WORD_EMBEDDING, OUTPUT_LAYER)  # dim 0 is the padded vocabulary
 MAIN_PARAM = "main_param"
 STEP = "step"
 
@@ -86,40 +83,15 @@ def strided_shape(shape: tuple[int, ...], dim: int, stride: int) -> tuple[int, .
     return (*shape[:dim], stride, shape[dim] // stride, *shape[dim + 1:])
 
 
-# ---- full tensors (conversion, generation: one process, TP = 1) ---------------------------------
-def partition_stride(name: str, model_cfg) -> int:
-    """The partition_stride training gives parameter `name` (2: SwiGLU's packed fc1 weight and bias)."""
-    return 2 if model_cfg.swiglu and ".mlp.linear_fc1." in name else 1
-
-
-_COLUMN_PARALLEL = ("self_attention.linear_qkv.", "mlp.linear_fc1.")  # weight and bias split on dim 0
-_ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")  # split on dim 1
-
-
-def tp_partition(name: str, model_cfg) -> tuple[int, int] | None:
-    """(partition_dim, partition_stride) of a TP-split parameter, None for a TP-replicated one: the
-    attributes megafab's layers give their parameters, by name, for files that carry none (Megatron's
-    legacy per-rank checkpoints). Vocabulary-parallel embeddings and column-parallel linears split
-    dim 0; row-parallel weights dim 1 (their biases, norms and position embeddings are replicated)."""
-    if name in VOCAB_PADDED:
-        return 0, 1
-    local = te_to_local_name(name) or name  # TE's fused layer norms are replicated like the local ones
-    suffix = local.split(".", 3)[-1] if local.startswith("decoder.layers.") else ""
-    if suffix.startswith(_COLUMN_PARALLEL):
-        return 0, partition_stride(name, model_cfg)
-    if suffix in _ROW_PARALLEL:
-        return 1, 1
-    return None
-
-
+# ---- full tensors (conversion, generation: one process, TP = 1; splits: keys.TP_SPLITS) ----------
 def to_stored(name: str, full: torch.Tensor, model_cfg) -> torch.Tensor:
     """A full (TP=1) parameter as the checkpoint stores it (a view)."""
-    return full.view(strided_shape(tuple(full.shape), 0, partition_stride(name, model_cfg)))
+    return full.view(strided_shape(tuple(full.shape), 0, partition_stride(name, model_cfg.swiglu)))
 
 
 def from_stored(name: str, stored: torch.Tensor, model_cfg) -> torch.Tensor:
     """Inverse of to_stored: [2, f, h] -> [2f, h] for strided parameters."""
-    return stored.flatten(0, 1) if partition_stride(name, model_cfg) > 1 else stored
+    return stored.flatten(0, 1) if partition_stride(name, model_cfg.swiglu) > 1 else stored
 
 
 # ---- what a rank holds --------------------------------------------------------------------------

@@ -85,20 +85,21 @@ def unknown_model(path: str) -> CheckpointError:
                            f"--finetune (then save) instead of converting it alone")
 
 
-def megatron_namespace(cfg, iteration: int, consumed_train_samples: int, ckpt_format: str,
-                       no_save_optim: bool, no_save_rng: bool,
-                       consumed_valid_samples: int = 0) -> argparse.Namespace:
-    """The args a Megatron-LM checkpoint of this run records (plain values only)."""
+def megatron_namespace(cfg, record, ckpt_format: str) -> argparse.Namespace:
+    """The args a Megatron-LM checkpoint of this run records (plain values only); its counters and
+    what it holds are the CommonRecord's."""
     flat = cfg.to_flat()
     m = cfg.model
+    counters = record.counters
     flat.update(
         add_position_embedding=m.position_embedding_type == "learned_absolute",
         use_rotary_position_embeddings=m.position_embedding_type == "rope",
-        iteration=iteration, consumed_train_samples=consumed_train_samples,
-        consumed_valid_samples=consumed_valid_samples,
-        ckpt_format=ckpt_format, use_dist_ckpt=ckpt_format == "torch_dist", no_save_optim=no_save_optim,
-        no_save_rng=no_save_rng, use_mcore_models=True, transformer_impl=m.transformer_impl,
-        rank=0)
+        iteration=record.iteration,
+        consumed_train_samples=counters.consumed_train_samples if counters else 0,
+        consumed_valid_samples=counters.consumed_valid_samples if counters else 0,
+        ckpt_format=ckpt_format, use_dist_ckpt=ckpt_format == "torch_dist",
+        no_save_optim=not record.has_optimizer, no_save_rng=not record.has_rng, use_mcore_models=True,
+        transformer_impl=m.transformer_impl, rank=0)
     return argparse.Namespace(**{k: v for k, v in flat.items() if _plain(v)})
 
 

@@ -34,9 +34,16 @@ import torch
 from megafab.checkpoint import megatron_keys as mk
 from megafab.checkpoint.errors import CheckpointError
 from megafab.checkpoint.formats import METADATA_JSON
+from megafab.checkpoint.keys import stacked_extra_state_key
 from megafab.checkpoint.layout import MODEL_PREFIX, STEP, Shard, split_key
-from megafab.checkpoint.megatron_args import flat_from_args, unknown_model
-from megafab.checkpoint.source import CheckpointSource, Counters, counters_from_common, read_json_object
+from megafab.checkpoint.megatron_args import flat_from_args, megatron_namespace, unknown_model
+from megafab.checkpoint.source import (
+    CheckpointSource,
+    CommonRecord,
+    Counters,
+    counters_from_common,
+    read_json_object,
+)
 
 COMMON_PT = "common.pt"
 COMMON_STATE = "common_state/shard_0_1"
@@ -168,7 +175,7 @@ class TorchDistSource(CheckpointSource):
         metadata = dcp_io().read_metadata(path)
         dcp_io().check_files(path, metadata)
         self.model_cfg, self.stacked = model_cfg, mk.is_stacked(metadata.state_dict_metadata)
-        view = mk.megafab_view(metadata.state_dict_metadata, model_cfg)
+        view = mk.megafab_view(metadata.state_dict_metadata, model_cfg, path)
         if not mk.model_names(view):
             raise CheckpointError(f"{path} is a torch_dist checkpoint without model weights (its DCP "
                                   f"metadata holds no model tensor); load a checkpoint saved with the model")
@@ -211,7 +218,7 @@ class TorchDistSource(CheckpointSource):
 def extra_state_objects(layers, num_layers: int) -> dict[str, list]:
     """The `_extra_state` byte objects of `layers` (global numbers) megatron-core's loader asks for:
     [None] each, as its local-spec linear layers save (Transformer Engine layers accept None too)."""
-    return {f"{mk.LAYERS}{module}._extra_state/shard_{layer}_{num_layers}": [None]
+    return {stacked_extra_state_key(module, layer, num_layers): [None]
             for layer in layers for module in mk.EXTRA_STATE_MODULES}
 
 
@@ -219,14 +226,22 @@ def megatron_scheduler_state(scheduler_state: dict) -> dict:
     return {k: scheduler_state[v] for k, v in SCHEDULER_FIELDS.items()}
 
 
-def common_state(args, iteration: int, megafab_common: dict, scheduler_state: dict | None,
-                 step: float | None, distributed_optimizer: bool) -> dict:
-    """common.pt of a megafab-written torch_dist checkpoint (plain data and the args Namespace)."""
-    common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-              "num_floating_point_operations_so_far": 0, MEGAFAB: megafab_common,
-              "content_metadata": {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}}
+def megatron_common(cfg, record: CommonRecord, ckpt_format: str, scheduler_state: dict | None) -> dict:
+    """What every Megatron file megafab writes records (torch_dist's common.pt, each legacy rank
+    file): the args, Megatron's counters and version, megafab's CommonRecord, the LR schedule."""
+    common = {"args": megatron_namespace(cfg, record, ckpt_format), "checkpoint_version": CHECKPOINT_VERSION,
+              "iteration": record.iteration, "num_floating_point_operations_so_far": 0,
+              MEGAFAB: record.to_dict()}
     if scheduler_state is not None:
         common["opt_param_scheduler"] = megatron_scheduler_state(scheduler_state)
+    return common
+
+
+def common_state(cfg, record: CommonRecord, scheduler_state: dict | None, step: float | None,
+                 distributed_optimizer: bool) -> dict:
+    """common.pt of a megafab-written torch_dist checkpoint (plain data and the args Namespace)."""
+    common = {**megatron_common(cfg, record, "torch_dist", scheduler_state),
+              "content_metadata": {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}}
     if step is not None:
         optimizer = {"optimizer": {"state": {"common_step": step}, "param_groups": [{"step": step}]}}
         if distributed_optimizer:

@@ -9,7 +9,7 @@ not stored), named and stacked differently:
   PP/VPP split (checkpoints saved with `non_homogeneous_layers` keep `decoder.layers.N.<suffix>`;
   both read);
 * layer norms carry Transformer Engine names whatever the layer spec (megatron-core's local spec
-  maps input_layernorm -> self_attention.linear_qkv.layer_norm_*; the table is megafab.model.te's);
+  maps input_layernorm -> self_attention.linear_qkv.layer_norm_*; the table is keys.TE_NAMES);
 * SwiGLU's fc1 is one [2f, h] = [gate; up] tensor; megafab stores it as a [2, f, h] view (the same
   bytes), so a megafab box at stride s, rows [o, o + n) is Megatron's rows [s f + o, s f + o + n).
 
@@ -23,12 +23,19 @@ Every translated box is a view of the megafab box's view: translating copies not
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 from megafab.checkpoint.boxes import Box
 from megafab.checkpoint.errors import CheckpointError
+from megafab.checkpoint.keys import (
+    LAYERS,
+    local_to_te_name,
+    parse_index,
+    partition_stride,
+    stacked_name,
+    te_to_local_name,
+    unstacked_name,
+)
 from megafab.checkpoint.layout import (
     MAIN_PARAM,
     MODEL_PREFIX,
@@ -36,13 +43,10 @@ from megafab.checkpoint.layout import (
     Shard,
     model_key,
     optim_key,
-    partition_stride,
     split_key,
     strided_shape,
 )
-from megafab.model.te import local_to_te_name, te_to_local_name
 
-LAYERS = "decoder.layers."
 OPTIM_STATE = "optimizer.state."
 MAIN_PARAM_KINDS = ("fp32_param", "param")  # plain optimizer, distributed optimizer
 # Megatron's linear modules carry an `_extra_state` (None for the local spec, FP8 metadata under
@@ -51,21 +55,17 @@ MAIN_PARAM_KINDS = ("fp32_param", "param")  # plain optimizer, distributed optim
 LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
                   "mlp.linear_fc2")
 EXTRA_STATE_MODULES = LINEAR_MODULES + ("self_attention.core_attention",)
-MEGATRON_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
 def megatron_name(name: str) -> tuple[str, int | None]:
     """(Megatron key, layer number or None) of megafab parameter `name` (stacked layers)."""
-    match = MEGATRON_LAYER.match(local_to_te_name(name))
-    if match is None:
-        return name, None
-    return LAYERS + match.group(2), int(match.group(1))
+    return stacked_name(local_to_te_name(name))
 
 
 def megafab_name(key: str, layer: int | None, te_names: bool = False) -> str:
     """Inverse of megatron_name: the local-spec name (a full megafab state dict's), or the
     Transformer Engine one (te_names: a --transformer-impl transformer_engine model's)."""
-    name = key if layer is None else f"{LAYERS}{layer}.{key[len(LAYERS):]}"
+    name = unstacked_name(key, layer)
     return name if te_names else te_to_local_name(name) or name
 
 
@@ -83,7 +83,7 @@ def _split_megatron_key(key: str) -> tuple[str, str | None]:
 
 def is_stacked(stored_keys) -> bool:
     """False for a checkpoint saved with non_homogeneous_layers (per-layer keys)."""
-    return not any(MEGATRON_LAYER.match(_split_megatron_key(k)[0]) for k in stored_keys)
+    return not any(parse_index(_split_megatron_key(k)[0]) for k in stored_keys)
 
 
 # ---- Shards: megafab keys -> Megatron keys ----------------------------------------------------------
@@ -110,14 +110,14 @@ def to_megatron(shards: dict[str, Shard], model_cfg, main_kind: str = "fp32_para
         if kind == STEP:
             continue
         base, layer = megatron_name(name)
-        strided = partition_stride(name, model_cfg) > 1
+        strided = partition_stride(name, model_cfg.swiglu) > 1
         shape = tuple(shard.global_shape)
         if strided:
             shape = (shape[0] * shape[1], *shape[2:])
         if layer is not None and stacked:
             shape = (num_layers, *shape)
         elif layer is not None:
-            base = f"{LAYERS}{layer}.{base[len(LAYERS):]}"
+            base = unstacked_name(base, layer)
         if kind is not None:
             base = megatron_optim_key(main_kind if kind == MAIN_PARAM else kind, base)
         target = out.setdefault(base, Shard(shape, write=shard.write))
@@ -130,7 +130,7 @@ def to_megatron(shards: dict[str, Shard], model_cfg, main_kind: str = "fp32_para
 
 
 # ---- what a Megatron checkpoint holds, in megafab keys ----------------------------------------------
-def megafab_view(stored: dict, model_cfg) -> dict:
+def megafab_view(stored: dict, model_cfg, path: str) -> dict:
     """DCP metadata of a Megatron checkpoint (key -> TensorStorageMetadata) as megafab keys ->
     TensorStorageMetadata of the global (stored-view) shape megafab's Shards have, so that the
     shape checks and vocabulary resharding of megafab checkpoints apply unchanged."""
@@ -145,18 +145,18 @@ def megafab_view(stored: dict, model_cfg) -> dict:
         param, kind = _split_megatron_key(key)
         size = tuple(md.size)
         layers = [None]
-        match = MEGATRON_LAYER.match(param)
-        if match:  # non_homogeneous_layers: one key per layer
-            layers, param = [int(match.group(1))], LAYERS + match.group(2)
+        param, layer = stacked_name(param)
+        if layer is not None:  # non_homogeneous_layers: one key per layer
+            layers = [layer]
         elif param.startswith(LAYERS) and stacked:
             if size[0] != model_cfg.num_layers:
                 raise CheckpointError(
-                    f"checkpoint tensor {key!r} stacks {size[0]} layers but this model has "
+                    f"{path}: checkpoint tensor {key!r} stacks {size[0]} layers but this model has "
                     f"--num-layers {model_cfg.num_layers}; pass the checkpoint's --num-layers")
             layers, size = range(size[0]), size[1:]
         for layer in layers:
             name = megafab_name(param, layer, te_names)
-            shape = strided_shape(size, 0, partition_stride(name, model_cfg))
+            shape = strided_shape(size, 0, partition_stride(name, model_cfg.swiglu))
             fab_key = model_key(name) if kind is None else optim_key(
                 name, MAIN_PARAM if kind in MAIN_PARAM_KINDS else kind)
             out[fab_key] = TensorStorageMetadata(md.properties, torch.Size(shape), [])

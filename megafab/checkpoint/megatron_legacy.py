@@ -12,7 +12,7 @@ TP shards, layers numbered from 0 within the stage, `_extra_state` entries), opt
 opt_param_scheduler, rng_state, num_floating_point_operations_so_far, rerun_state_machine.
 
 Read (safe_pickle, memory-mapped, so a rank pages in only the tensors it copies): each parameter is
-joined from the TP files that hold it (layout.tp_partition) one at a time and its boxes copied out,
+joined from the TP files that hold it (keys.tp_partition) one at a time and its boxes copied out,
 so any layout loads any other. The optimizer state follows Megatron's parameter order and buffers
 and is refused (--no-load-optim / --finetune load the rest). Written by megafab with
 --ckpt-format torch (without optimizer state; DP rank 0 of each TP x PP position writes).
@@ -21,67 +21,60 @@ and is refused (--no-load-optim / --finetune load the rest). Written by megafab 
 from __future__ import annotations
 
 import os
-import re
 
 import torch
 
 from megafab.checkpoint import safe_pickle
 from megafab.checkpoint.errors import CheckpointError
-from megafab.checkpoint.layout import (
-    MODEL_PREFIX,
+from megafab.checkpoint.keys import (
+    EXTRA_STATE,
     OUTPUT_LAYER,
     WORD_EMBEDDING,
-    Shard,
-    split_key,
-    strided_shape,
-    to_stored,
+    chunk_key,
+    chunk_keys,
+    layer_name,
+    layer_of,
+    local_to_te_name,
+    parse_rank_dir,
+    rank_dir,
+    te_to_local_name,
+    to_global,
+    to_stage,
     tp_partition,
 )
-from megafab.checkpoint.megatron_args import flat_from_args, megatron_namespace, unknown_model
-from megafab.checkpoint.megatron_dist import (
-    CHECKPOINT_VERSION,
-    MEGAFAB,
-    MEGATRON_RNG,
-    SCHEDULER_FIELDS,
-    megatron_scheduler_state,
-)
-from megafab.checkpoint.megatron_keys import LINEAR_MODULES, MEGATRON_LAYER
+from megafab.checkpoint.layout import MODEL_PREFIX, Shard, split_key, strided_shape, to_stored
+from megafab.checkpoint.megatron_args import flat_from_args, unknown_model
+from megafab.checkpoint.megatron_dist import MEGAFAB, MEGATRON_RNG, SCHEDULER_FIELDS
+from megafab.checkpoint.megatron_keys import LINEAR_MODULES
 from megafab.checkpoint.source import CheckpointSource, Counters, counters_from_common
 from megafab.distributed.layers import join_partitions, partition_of
-from megafab.model.te import local_to_te_name, te_to_local_name
 from megafab.pipeline_split import PipelineSplit
 
 FILE = "model_optim_rng.pt"
 DIST_OPTIM_FILE = "distrib_optim.pt"
-_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(_\d{3})?$")
 OPTIMIZER_PROBLEM = ("the legacy torch format keeps the optimizer state in Megatron's parameter order and "
                      "flat buffers of the saving job's layout, which megafab does not reshard")
-
-
-def rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:
-    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
 
 
 def _rank_files(path: str) -> dict[tuple[int, int], str]:
     files = {}
     for name in sorted(os.listdir(path)):
-        match = _RANK_DIR.match(name)
-        if match is None:
+        parsed = parse_rank_dir(name)
+        if parsed is None:
             continue
-        if match.group(3):
+        tp_rank, pp_rank, expert = parsed
+        if expert:
             raise CheckpointError(f"{path}/{name} is an expert-parallel rank's file; megafab has no "
                                   f"mixture of experts: convert a dense model's checkpoint")
-        files[(int(match.group(1)), int(match.group(2) or 0))] = os.path.join(path, name, FILE)
+        files[(tp_rank, pp_rank)] = os.path.join(path, name, FILE)
     return files
 
 
-def _model_keys(state: dict) -> list[str]:
-    if "model" in state:
-        return ["model"]
-    keys = sorted((k for k in state if re.fullmatch(r"model\d+", k)), key=lambda k: int(k[5:]))
+def _model_keys(state: dict, file: str) -> list[str]:
+    keys = chunk_keys(state)
     if not keys:
-        raise CheckpointError("the legacy checkpoint file holds no model state ('model' or 'model0' ...); "
-                              "it was saved without the model: load one that has it")
+        raise CheckpointError(f"{file} holds no model state ('model' or 'model0' ...); it was saved without "
+                              f"the model: load a checkpoint that has it")
     return keys
 
 
@@ -111,7 +104,7 @@ class LegacySource(CheckpointSource):
                 raise unknown_model(path)
             model_cfg = Config.from_flat(args).model
         self.model_cfg, self.files, self._cache = model_cfg, files, {(0, 0): first}
-        self.vpp = len(_model_keys(first))
+        self.vpp = len(_model_keys(first, files[(0, 0)]))
         saved = args.get  # the saving run's layers per stage (uneven first/last stages too)
         self.split = PipelineSplit(
             model_cfg.num_layers, self.pp, self.vpp, saved("decoder_first_pipeline_num_layers"),
@@ -141,21 +134,18 @@ class LegacySource(CheckpointSource):
         tied = not self.model_cfg.untie_embeddings_and_output_weights
         for (t, p) in sorted(self.files, key=lambda tp: (tp[1], tp[0])):
             state = self._file(t, p)
-            for chunk, key in enumerate(_model_keys(state)):
+            for chunk, key in enumerate(_model_keys(state, self.files[(t, p)])):
                 first_layer, _ = self.split.layer_range(p, chunk)
                 for local_name, tensor in state[key].items():
                     name = te_to_local_name(local_name)
                     if name is None or not torch.is_tensor(tensor) or (tied and name == OUTPUT_LAYER):
                         continue  # _extra_state; the last stage's copy of a tied embedding
-                    match = MEGATRON_LAYER.match(name)
-                    if match:
-                        name = f"decoder.layers.{first_layer + int(match.group(1))}.{match.group(2)}"
-                    index.setdefault(name, []).append((t, tensor))
+                    index.setdefault(to_global(name, first_layer), []).append((t, tensor))
         return index
 
     def _stored_shape(self, name: str, pieces) -> tuple[int, ...]:
         shape = list(pieces[0][1].shape)
-        split = tp_partition(name, self.model_cfg)
+        split = tp_partition(name, self.model_cfg.swiglu)
         if split is not None:
             shape[split[0]] *= self.tp
         return strided_shape(tuple(shape), 0, split[1] if split else 1)
@@ -163,7 +153,7 @@ class LegacySource(CheckpointSource):
     def full_tensor(self, name: str) -> torch.Tensor:
         """The TP=1 tensor of megafab parameter `name` (local-spec name), joined from the TP files."""
         pieces = self.index[name]
-        split = tp_partition(name, self.model_cfg)
+        split = tp_partition(name, self.model_cfg.swiglu)
         if split is None:
             return pieces[0][1]
         return join_partitions([tensor for _, tensor in pieces], *split)
@@ -200,17 +190,12 @@ def _counters(state: dict, args: dict) -> Counters | None:
 
 
 # ---- writing -------------------------------------------------------------------------------------
-def _stage_name(name: str, first_layer: int) -> str:
-    match = MEGATRON_LAYER.match(name)
-    return f"decoder.layers.{int(match.group(1)) - first_layer}.{match.group(2)}" if match else name
-
-
 def _with_extra_states(out: dict) -> dict:
     """A None `_extra_state` per linear module of each layer, as megatron-core's local layers save."""
-    layers = {int(MEGATRON_LAYER.match(n).group(1)) for n in out if MEGATRON_LAYER.match(n)}
+    layers = {layer_of(n) for n in out} - {None}
     for layer in sorted(layers):
         for module in LINEAR_MODULES:
-            out[f"decoder.layers.{layer}.{module}._extra_state"] = None
+            out[layer_name(layer, f"{module}.{EXTRA_STATE}")] = None
     return out
 
 
@@ -219,7 +204,7 @@ def local_state_dict(chunk, first_layer: int, te_names: bool) -> dict:
     within the stage; a tied last stage's output_layer copy included, as Megatron keeps it)."""
     out = {}
     for name, p in chunk.named_parameters():
-        name = _stage_name(name, first_layer)
+        name = to_stage(name, first_layer)
         out[local_to_te_name(name) if te_names else name] = p.detach().cpu().clone()
     return _with_extra_states(out)
 
@@ -230,10 +215,10 @@ def rank_state_dict(sd: dict, model_cfg, tp: int, tp_rank: int, pp: int, pp_rank
     tied = not model_cfg.untie_embeddings_and_output_weights
     stage = {}
     for name, full in sd.items():
-        match = MEGATRON_LAYER.match(name)
-        if match and not first <= int(match.group(1)) < last:
+        layer = layer_of(name)
+        if layer is not None and not first <= layer < last:
             continue
-        if not match and (name.startswith("embedding.") and pp_rank > 0
+        if layer is None and (name.startswith("embedding.") and pp_rank > 0
                           or not name.startswith("embedding.") and pp_rank < pp - 1):
             continue
         stage[name] = full
@@ -241,15 +226,23 @@ def rank_state_dict(sd: dict, model_cfg, tp: int, tp_rank: int, pp: int, pp_rank
         stage[OUTPUT_LAYER] = sd[WORD_EMBEDDING]
     out = {}
     for name, full in stage.items():
-        split = tp_partition(name, model_cfg)
+        split = tp_partition(name, model_cfg.swiglu)
         local = partition_of(full, split[0], tp_rank, tp, split[1]) if split else full
-        out[_stage_name(name, first)] = local.contiguous().clone()
+        out[to_stage(name, first)] = local.contiguous().clone()
     return _with_extra_states(out)
 
 
-def save_rank_file(state, tmp: str, megafab_common: dict) -> None:
-    """This rank's model_optim_rng.pt, without optimizer state (config.py refuses --ckpt-format torch
-    with it); DP rank 0 of each TP x PP position writes."""
+def write_rank_file(tmp: str, tp_rank: int, pp_rank: int, pp: int, common: dict, models: dict) -> None:
+    """The one writer of a legacy model_optim_rng.pt: `common` (megatron_dist.megatron_common) and
+    this rank's model chunks (chunk_key -> local state dict), without optimizer state."""
+    directory = os.path.join(tmp, rank_dir(tp_rank, pp_rank, pp))
+    os.makedirs(directory, exist_ok=True)
+    torch.save({**common, **models}, os.path.join(directory, FILE))
+
+
+def save_rank_file(state, tmp: str, common: dict) -> None:
+    """This rank's model_optim_rng.pt of a training run, without optimizer state (config.py refuses
+    --ckpt-format torch with it); DP rank 0 of each TP x PP position writes."""
     cfg, topo = state.cfg, state.topology
     if topo.dp_rank != 0:
         return
@@ -260,12 +253,5 @@ def save_rank_file(state, tmp: str, megafab_common: dict) -> None:
     for c, chunk in enumerate(state.model):
         first, _ = split.layer_range(topo.pp_rank, c)
         module = getattr(chunk, "module", chunk)
-        models["model" if vpp == 1 else f"model{c}"] = local_state_dict(module, first, te)
-    args = megatron_namespace(cfg, state.iteration, state.consumed_train_samples, "torch", True,
-                              cfg.checkpoint.no_save_rng, state.consumed_valid_samples)
-    out = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": state.iteration, **models,
-           "opt_param_scheduler": megatron_scheduler_state(state.scheduler.state_dict()),
-           "num_floating_point_operations_so_far": 0, MEGAFAB: megafab_common}
-    directory = os.path.join(tmp, rank_dir(topo.tp_rank, topo.pp_rank, topo.pp))
-    os.makedirs(directory, exist_ok=True)
-    torch.save(out, os.path.join(directory, FILE))
+        models[chunk_key(c, vpp)] = local_state_dict(module, first, te)
+    write_rank_file(tmp, topo.tp_rank, topo.pp_rank, topo.pp, common, models)

@@ -12,7 +12,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from megafab.checkpoint.directory import COMMON
+from megafab.checkpoint.directory import COMMON, FORMAT_VERSION
 from megafab.checkpoint.errors import CheckpointError
 from megafab.checkpoint.layout import Shard
 
@@ -66,6 +66,40 @@ class CheckpointSource:
             return None, (f"checkpoint layout {self.rng_layout} differs from this run's {layout}; RNG states "
                           f"are per rank, so they are not restored (dropout masks will differ)")
         return rng_file(self.path, rank), None
+
+
+def run_layout(tp: int, pp: int, dp: int, vpp: int = 1, cp: int = 1) -> dict:
+    """The layout a checkpoint records (the RNG files are per rank of it)."""
+    layout = {"world_size": tp * pp * dp * cp, "tp": tp, "pp": pp, "dp": dp, "vpp": vpp}
+    if cp > 1:  # CP changes only activations; named so RNG states are not mixed up
+        layout["cp"] = cp
+    return layout
+
+
+@dataclass
+class CommonRecord:
+    """megafab's common data of a checkpoint, whoever writes it (a training run, megafab-convert):
+    stored as a JSON-able dict (to_dict) under `megafab` in torch_dist's common.pt and in legacy rank
+    files (common.json in megafab's earlier format); read back by counters_from_common. counters None:
+    weights only (a converted checkpoint; load it with --finetune)."""
+
+    iteration: int
+    layout: dict
+    config: dict  # Config.to_flat()
+    counters: Counters | None = None
+    has_optimizer: bool = False
+    has_rng: bool = False
+
+    def to_dict(self) -> dict:
+        c = self.counters or Counters(self.iteration, 0)
+        return {"format_version": FORMAT_VERSION, "iteration": self.iteration,
+                "consumed_train_samples": c.consumed_train_samples,
+                "consumed_valid_samples": c.consumed_valid_samples,
+                "skipped_iterations": c.skipped_iterations, "nan_iterations": c.nan_iterations,
+                "scheduler": c.scheduler if self.counters is not None else None,
+                "optimizer_iteration": c.optimizer_iteration, "grad_scaler": c.grad_scaler,
+                "has_optimizer": self.has_optimizer, "has_rng": self.has_rng, "layout": self.layout,
+                "config": self.config}
 
 
 def counters_from_common(common: dict) -> Counters | None:

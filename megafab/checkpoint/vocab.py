@@ -1,87 +1,114 @@
-"""Loading a checkpoint into a model whose vocabulary is padded to another size.
+"""The padding rows of the vocabulary: one rule (Megatron's) for conversion and for loading into a
+model whose vocabulary is padded to another size.
 
 Megatron pads the vocabulary to a multiple of make-vocab-size-divisible-by x TP, so a new TP size
-often changes the padded size: dim 0 of the word embedding and of an untied output layer. Rows
-[0, vocab_size) are the real tokens (the checkpoint's args record vocab_size) and are read from the
-checkpoint, model and optimizer state alike. This model's padding rows start as initialization
-sets them (megafab.model.init: normal(0, init_method_std) from the (seed, name) stream of the full
-padded tensor, built in float32 -- float64 for float64 models -- and cast, as the layers build
-their weights), their fp32 main params as those weights, their optimizer moments at zero. The
-real vocabulary itself must match the checkpoint's.
+often changes the padded size: dim 0 of the word embedding and of an untied output layer. Megatron's
+checkpoint converter (tools/checkpoint, the savers' padding step) keeps the stored rows up to the
+new size and fills any further rows with copies of the stored tensor's last row; megafab does the
+same when it converts (padded_rows: a full tensor) and when it loads a checkpoint padded otherwise
+(adapt_padded_vocab: this rank's boxes, model and optimizer state). The fp32 main params follow the
+weights (copies of the stored main param's last row); the optimizer moments of the new rows start
+at zero. The real vocabulary itself must match the checkpoint's (its args record vocab_size).
+Because the padded logits enter the softmax, the rule decides the loss: converting and resharding
+give the same rows, hence the same loss.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
 from megafab.checkpoint.boxes import Box
 from megafab.checkpoint.errors import CheckpointError
-from megafab.checkpoint.layout import MAIN_PARAM, STEP, VOCAB_PADDED, Shard, split_key
-from megafab.model.init import normal_init
+from megafab.checkpoint.keys import VOCAB_PADDED
+from megafab.checkpoint.layout import MAIN_PARAM, STEP, Shard, split_key
 
 
-class _InitRows:
-    """The initial values of a vocab-padded parameter's full tensor, built once per name on demand
-    (one full weight of host memory, as building the layer took)."""
+def padded_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """`weight` [V_stored, ...] with `rows` rows by the rule above (the first rows kept, copies of
+    the last row added)."""
+    extra = rows - weight.shape[0]
+    if extra <= 0:
+        return weight[:rows]
+    return torch.cat([weight, weight[-1:].expand(extra, *weight.shape[1:])])
 
-    def __init__(self, seed: int, std: float, model_dtype: torch.dtype):
-        self.seed, self.std, self.model_dtype = seed, std, model_dtype
-        self.full: dict[str, torch.Tensor] = {}
 
-    def values(self, name: str, global_shape: tuple[int, ...], box: Box) -> torch.Tensor:
-        if name not in self.full:
-            master = torch.float64 if self.model_dtype == torch.float64 else torch.float32
-            full = torch.empty(global_shape, dtype=master)
-            normal_init(self.seed, name, self.std)(full)
-            self.full[name] = full.to(self.model_dtype)
-        return self.full[name][tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))]
+@dataclass
+class PaddingFill:
+    """This rank's padding rows still to be filled after the checkpoint's read: each target is
+    (key, the view of its rows, its box) and takes copies of the key's stored last row."""
+
+    saved_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    targets: list[tuple[str, torch.Tensor, Box]] = field(default_factory=list)
+
+    def fill(self, source) -> None:
+        """Collective (every rank calls it, with or without rows of its own): read the last stored
+        row of each key this rank pads and copy it into the padding rows."""
+        last: dict[str, Shard] = {}
+        for key, view, _ in self.targets:
+            if key not in last:
+                shape = self.saved_shapes[key]
+                box = Box((shape[0] - 1, *[0] * (len(shape) - 1)), (1, *shape[1:]))
+                last[key] = Shard(shape, [box], [torch.empty(box.sizes, dtype=view.dtype)])
+        source.read(last)
+        for key, view, box in self.targets:
+            columns = tuple(slice(o, o + n) for o, n in zip(box.offsets[1:], box.sizes[1:]))
+            view.copy_(last[key].views[0][0][columns].expand_as(view))
 
 
 def _split_rows(box: Box, rows: int) -> tuple[int, Box | None]:
     """How many of the box's rows are below `rows`, and the box of the rest (None when none)."""
-    real = max(0, min(box.offsets[0] + box.sizes[0], rows) - box.offsets[0])
-    if real == box.sizes[0]:
-        return real, None
-    return real, Box((box.offsets[0] + real, *box.offsets[1:]), (box.sizes[0] - real, *box.sizes[1:]))
+    kept = max(0, min(box.offsets[0] + box.sizes[0], rows) - box.offsets[0])
+    if kept == box.sizes[0]:
+        return kept, None
+    return kept, Box((box.offsets[0] + kept, *box.offsets[1:]), (box.sizes[0] - kept, *box.sizes[1:]))
+
+
+def _vocab_keys(stored: dict):
+    for key, md in stored.items():
+        name, kind = split_key(key)
+        if name in VOCAB_PADDED and kind != STEP and hasattr(md, "size"):
+            yield key, tuple(md.size)
 
 
 def adapt_padded_vocab(shards: dict[str, Shard], stored: dict, saved_vocab_size: int | None,
-                       model_cfg, seed: int, model_dtype: torch.dtype) -> str | None:
-    """Where the checkpoint's padded vocabulary differs from this model's: request only the real
-    rows of those keys and fill this rank's padding rows now (see the module docstring). Returns
-    the note to print, or None when every padded size matches."""
-    init = _InitRows(seed, model_cfg.init_method_std, model_dtype)
+                       model_cfg, path: str) -> tuple[str | None, PaddingFill | None]:
+    """Where the checkpoint's padded vocabulary differs from this model's: request only the stored
+    rows this model keeps, zero the new rows' optimizer moments now, and return the PaddingFill that
+    copies the last stored row into the new weight rows after the read (None, on every rank, when
+    every padded size matches), with the note to print."""
+    padded = model_cfg.padded_vocab_size
+    changed = [(key, shape) for key, shape in _vocab_keys(stored) if shape[0] != padded]
+    if not changed:
+        return None, None
     vocab = model_cfg.vocab_size
-    changed = None
-    for key, shard in list(shards.items()):
-        name, kind = split_key(key)
-        md = stored.get(key)
-        if name not in VOCAB_PADDED or kind == STEP or md is None:
-            continue
-        saved_shape = tuple(md.size)
-        if saved_shape == shard.global_shape or saved_shape[1:] != shard.global_shape[1:]:
-            continue  # same padding, or a different model: check_shards explains
+    saved_rows = changed[0][1][0]
+    fill = PaddingFill()
+    for key, saved_shape in changed:
+        shard = shards.get(key)
+        if shard is None or saved_shape[1:] != shard.global_shape[1:]:
+            continue  # another stage's tensor, or a different model: check_shards explains
         if saved_vocab_size != vocab or vocab > saved_shape[0]:
             raise CheckpointError(
-                f"checkpoint tensor {key!r} has {saved_shape[0]} rows for a vocabulary of "
+                f"{path}: checkpoint tensor {key!r} has {saved_shape[0]} rows for a vocabulary of "
                 f"{saved_vocab_size} tokens, but this model's vocabulary has {vocab} tokens; a "
                 f"different padding is resharded, a different vocabulary is not: use the "
                 f"checkpoint's tokenizer (or --vocab-size {saved_vocab_size})")
-        real_rows = Shard(saved_shape)
+        kept_rows = Shard(saved_shape)
+        moment = split_key(key)[1] not in (None, MAIN_PARAM)
         for box, view in zip(shard.boxes, shard.views):
-            real, padding = _split_rows(box, vocab)
-            if real:
-                real_rows.add(Box(box.offsets, (real, *box.sizes[1:])), view[:real])
-            if padding is not None:
-                rest = view[real:]
-                if kind in (None, MAIN_PARAM):  # the weight, its fp32 main copy
-                    rest.copy_(init.values(name, shard.global_shape, padding))
-                else:  # an optimizer moment
-                    rest.zero_()
-        shards[key] = real_rows
-        changed = (saved_shape[0], shard.global_shape[0])
-    if changed is None:
-        return None
-    return (f"the checkpoint's vocabulary of {vocab} tokens is padded to {changed[0]} rows, this "
-            f"model's to {changed[1]}: the {vocab} real rows are loaded, the padding rows start as "
-            f"initialization sets them, with zero optimizer state")
+            kept, new = _split_rows(box, saved_shape[0])
+            if kept:
+                kept_rows.add(Box(box.offsets, (kept, *box.sizes[1:])), view[:kept])
+            if new is not None and moment:
+                view[kept:].zero_()
+            elif new is not None:
+                fill.saved_shapes[key] = saved_shape
+                fill.targets.append((key, view[kept:], new))
+        shards[key] = kept_rows
+    note = (f"the checkpoint's vocabulary of {vocab} tokens is padded to {saved_rows} rows, this model's "
+            f"to {padded}: the first {min(saved_rows, padded)} rows are loaded"
+            + (", the new rows are copies of the last one (Megatron's rule), with zero optimizer state"
+               if padded > saved_rows else ""))
+    return note, fill

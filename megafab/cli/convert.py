@@ -31,16 +31,10 @@ import torch
 
 from megafab.checkpoint.formats import CKPT_FORMATS
 from megafab.convert import export_hf, import_hf, read_checkpoint, write_checkpoint
-from megafab.progress import progress as show_progress
 from megafab.run.report import exit_status
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SAVERS = (*CKPT_FORMATS, "hf")
-
-
-def progress(items, desc: str):
-    """A bar on stderr for each phase (reading layer by layer, writing file by file), terminal or not."""
-    return show_progress(list(items), desc=desc, unit="step", enabled=True)
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -97,14 +91,14 @@ def convert(args) -> str:
         sd, cfg = import_hf(args.hf_dir, tp or 1, args.make_vocab_size_divisible_by, dtype)
         what = f"{args.hf_dir} (HF {cfg.model.num_layers} layers)"
     else:
-        sd, cfg = read_checkpoint(args.load_dir, args.iteration, progress)
+        sd, cfg = read_checkpoint(args.load_dir, args.iteration)
         if dtype is not None:
             sd = {k: v.to(dtype) for k, v in sd.items()}
         what = args.load_dir
     if args.saver == "hf":
         arch = export_hf(sd, cfg, args.save_dir, dtype)
         return f"converted {what} to HF {arch} in {args.save_dir}"
-    path = write_checkpoint(args.save_dir, sd, cfg, ckpt_format=args.saver, tp=tp, pp=pp, progress=progress)
+    path = write_checkpoint(args.save_dir, sd, cfg, ckpt_format=args.saver, tp=tp, pp=pp)
     p = cfg.parallel
     return (f"converted {what} ({sum(t.numel() for t in sd.values()):,} parameters, vocabulary "
             f"{cfg.model.vocab_size} padded to {cfg.model.padded_vocab_size}) to {args.saver} for TP "

@@ -8,7 +8,8 @@
                             too), or legacy torch files split for TP x PP; load it with --finetune
 
 Full state dicts are TP=1 tensors under megafab's local-spec names (convert/state_dict.py). Runs in
-one process, without a process group; `progress` wraps each phase's iterable (a tqdm bar in the CLI).
+one process, without a process group; each phase shows a bar on a terminal and is one log line
+otherwise (megafab.progress).
 """
 
 from __future__ import annotations
@@ -16,22 +17,23 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-from collections.abc import Callable, Iterable
 
 import torch
 
-from megafab.checkpoint import formats, layout, megatron_dist, megatron_keys
-from megafab.checkpoint.directory import FORMAT_VERSION, TRACKER, commit_checkpoint, iteration_dir
+from megafab.checkpoint import formats, keys, layout, megatron_dist, megatron_keys
+from megafab.checkpoint.directory import TRACKER, commit_checkpoint, iteration_dir
 from megafab.checkpoint.errors import CheckpointError
-from megafab.checkpoint.megatron_args import megatron_namespace, unknown_model
-from megafab.config import Config, ModelConfig, pad_vocab_size
-from megafab.convert.state_dict import ConversionError, finalize_model_config, pad_vocab, unpad_vocab
+from megafab.checkpoint.megatron_args import unknown_model
+from megafab.checkpoint.source import CommonRecord, run_layout
+from megafab.checkpoint.vocab import padded_rows
+from megafab.config import Config, pad_vocab_size
+from megafab.convert.state_dict import ConversionError, finalize_model_config
+from megafab.progress import progress
 
-Progress = Callable[[Iterable, str], Iterable]
 
-
-def no_progress(items: Iterable, desc: str) -> Iterable:
-    return items
+def _phase(items, desc: str):
+    """A conversion phase: a bar on a terminal, one line in a log (megafab.progress)."""
+    return progress(list(items), desc=desc, unit="step", announce=True)
 
 
 def open_checkpoint(load_dir: str, iteration: int | None = None):
@@ -57,44 +59,39 @@ def open_checkpoint(load_dir: str, iteration: int | None = None):
     return open_source(found, cfg.model), cfg
 
 
-def read_checkpoint(load_dir: str, iteration: int | None = None,
-                    progress: Progress = no_progress) -> tuple[dict[str, torch.Tensor], Config]:
+def read_checkpoint(load_dir: str, iteration: int | None = None) -> tuple[dict[str, torch.Tensor], Config]:
     """The full megafab state dict and the Config of a checkpoint (latest by default)."""
     source, cfg = open_checkpoint(load_dir, iteration)
-    keys = sorted(megatron_keys.model_names(source.stored), key=_layer_order)
-    if not keys:
+    names = sorted(megatron_keys.model_names(source.stored), key=keys.layer_order)
+    if not names:
         raise ConversionError(f"{source.path} holds no model tensors; it cannot be converted")
     sd = {}
-    for group in progress(_by_layer(keys), f"reading {source.format}"):
+    for group in _phase(_by_layer(names), f"reading {source.format}"):
         shards = {layout.model_key(n): layout.Shard.whole(torch.empty(
             tuple(source.stored[layout.model_key(n)].size),
             dtype=source.stored[layout.model_key(n)].properties.dtype)) for n in group}
         source.read(shards)
         sd.update({n: layout.from_stored(n, shards[layout.model_key(n)].views[0], cfg.model) for n in group})
-    padded = sd[layout.WORD_EMBEDDING].shape[0]
+    padded = sd[keys.WORD_EMBEDDING].shape[0]
     vocab = cfg.model.vocab_size or padded  # Megatron records only the padded size
     return sd, dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, padded_vocab_size=padded,
                                                                    vocab_size=vocab))
 
 
-def _layer_order(name: str):
-    parts = name.split(".")
-    return (int(parts[2]), name) if name.startswith(megatron_keys.LAYERS) else (-1, name)
-
-
 def _by_layer(names: list[str]) -> list[list[str]]:
     groups: dict = {}
     for n in names:
-        groups.setdefault(_layer_order(n)[0], []).append(n)
+        groups.setdefault(keys.layer_of(n), []).append(n)
     return list(groups.values())
 
 
-def repad_vocab(sd: dict[str, torch.Tensor], m: ModelConfig, padded: int) -> dict[str, torch.Tensor]:
-    """The vocabulary padded to `padded` rows (as training pads it; Megatron reads no other padding)."""
+def repad_vocab(sd: dict[str, torch.Tensor], padded: int) -> dict[str, torch.Tensor]:
+    """The vocabulary padded to `padded` rows as training pads it (Megatron reads no other padding),
+    by the rule loading a checkpoint padded otherwise follows (megafab.checkpoint.vocab)."""
     out = dict(sd)
-    for name in layout.VOCAB_PADDED:
-        if name in out and out[name].shape[0] != padded:
-            out[name] = pad_vocab(unpad_vocab(out[name], m.vocab_size), padded)
+    for name in keys.VOCAB_PADDED:
+        if name in out:
+            out[name] = padded_rows(out[name], padded)
     return out
 
 
@@ -111,8 +108,8 @@ def _check_layout(m, tp: int, pp: int) -> None:
 
 
 def write_checkpoint(save_dir: str, sd: dict[str, torch.Tensor], cfg: Config, iteration: int = 0,
-                     ckpt_format: str = formats.TORCH_DIST, tp: int | None = None, pp: int | None = None,
-                     progress: Progress = no_progress) -> str:
+                     ckpt_format: str = formats.TORCH_DIST, tp: int | None = None,
+                     pp: int | None = None) -> str:
     """Write `sd` (full megafab state dict) as a weights-only checkpoint of iteration `iteration`,
     recorded as saved at TP `tp` x PP `pp` (default: the config's), the vocabulary padded for `tp`;
     see the module docstring."""
@@ -124,48 +121,40 @@ def write_checkpoint(save_dir: str, sd: dict[str, torch.Tensor], cfg: Config, it
     cfg = dataclasses.replace(  # the caller's config stays as it is; this one records the target layout
         cfg, parallel=dataclasses.replace(p, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
         model=dataclasses.replace(m, padded_vocab_size=padded))
-    sd = repad_vocab(sd, m, padded)
+    sd = repad_vocab(sd, padded)
     final = iteration_dir(save_dir, iteration)
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    ours = {"format_version": FORMAT_VERSION, "iteration": iteration, "consumed_train_samples": 0,
-            "skipped_iterations": 0, "nan_iterations": 0, "scheduler": None, "optimizer_iteration": 0,
-            "grad_scaler": None, "has_optimizer": False, "has_rng": False,
-            "layout": {"world_size": tp * pp, "tp": tp, "pp": pp, "dp": 1, "vpp": 1}, "config": cfg.to_flat()}
-    args = megatron_namespace(cfg, iteration, 0, ckpt_format, True, True)
+    record = CommonRecord(iteration, run_layout(tp, pp, 1), cfg.to_flat())  # weights only
     if ckpt_format == formats.TORCH_DIST:
-        _write_torch_dist(tmp, sd, cfg, args, iteration, ours, progress)
+        _write_torch_dist(tmp, sd, cfg, record)
     elif ckpt_format == formats.TORCH:
-        _write_legacy(tmp, sd, cfg, args, iteration, ours, tp, pp, progress)
+        _write_legacy(tmp, sd, cfg, record, tp, pp)
     else:
         raise ConversionError(f"checkpoint format {ckpt_format!r} is not one of {formats.CKPT_FORMATS}")
     commit_checkpoint(save_dir, iteration)  # the training saver's rename + tracker, same guarantees
     return final
 
 
-def _write_torch_dist(tmp, sd, cfg, args, iteration, ours, progress) -> None:
+def _write_torch_dist(tmp, sd, cfg, record) -> None:
     from megafab.checkpoint import dcp_io
 
     shards = {layout.model_key(n): layout.Shard.whole(layout.to_stored(n, t.contiguous(), cfg.model))
               for n, t in sd.items()}
     objects = megatron_dist.extra_state_objects(range(cfg.model.num_layers), cfg.model.num_layers)
-    for _ in progress([0], "writing torch_dist"):
+    for _ in _phase([0], "writing torch_dist"):
         dcp_io.save_shards(megatron_dist.megatron_shards(shards, cfg.model, False), tmp, objects)
-    megatron_dist.write_common(tmp, megatron_dist.common_state(args, iteration, ours, None, None, False))
+    megatron_dist.write_common(tmp, megatron_dist.common_state(cfg, record, None, None, False))
 
 
-def _write_legacy(tmp, sd, cfg, args, iteration, ours, tp, pp, progress) -> None:
+def _write_legacy(tmp, sd, cfg, record, tp, pp) -> None:
     from megafab.checkpoint import megatron_legacy
 
-    for tp_rank, pp_rank in progress([(t, p) for p in range(pp) for t in range(tp)], "writing torch"):
+    common = megatron_dist.megatron_common(cfg, record, formats.TORCH, None)
+    for tp_rank, pp_rank in _phase([(t, p) for p in range(pp) for t in range(tp)], "writing torch"):
         model = megatron_legacy.rank_state_dict(sd, cfg.model, tp, tp_rank, pp, pp_rank)
-        state = {"args": args, "checkpoint_version": megatron_dist.CHECKPOINT_VERSION, "iteration": iteration,
-                 "model": model, "num_floating_point_operations_so_far": 0,
-                 megatron_dist.MEGAFAB: ours}
-        directory = os.path.join(tmp, megatron_legacy.rank_dir(tp_rank, pp_rank, pp))
-        os.makedirs(directory)
-        torch.save(state, os.path.join(directory, megatron_legacy.FILE))
+        megatron_legacy.write_rank_file(tmp, tp_rank, pp_rank, pp, common, {keys.chunk_key(0, 1): model})
 
 
 __all__ = ["CheckpointError", "ConversionError", "open_checkpoint", "read_checkpoint", "write_checkpoint"]

@@ -57,6 +57,22 @@ def export_hf(sd: dict[str, torch.Tensor], cfg: Config, out_dir: str,
     return arch
 
 
+def _read(path: str, load):
+    """load(path), or one ConversionError naming the file when it cannot be read."""
+    try:
+        return load(path)
+    except Exception as e:  # noqa: BLE001 - json, safetensors and torch.load each fail their own way
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ConversionError(f"{path} could not be read ({type(e).__name__}: {first}); it is truncated "
+                              f"or not what save_pretrained writes: copy it again from the model's "
+                              f"source") from None
+
+
+def _json(path: str):
+    with open(path) as f:
+        return json.load(f)
+
+
 def read_hf_weights(hf_dir: str) -> dict[str, torch.Tensor]:
     """Every tensor of a HF directory: model.safetensors, a sharded safetensors index, or
     pytorch_model.bin (read with weights_only)."""
@@ -64,17 +80,16 @@ def read_hf_weights(hf_dir: str) -> dict[str, torch.Tensor]:
 
     single, index = os.path.join(hf_dir, WEIGHTS), os.path.join(hf_dir, WEIGHTS + ".index.json")
     if os.path.exists(single):
-        return load_file(single)
+        return _read(single, load_file)
     if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        files = sorted(set(_read(index, lambda p: _json(p)["weight_map"]).values()))
         out = {}
         for name in files:
-            out.update(load_file(os.path.join(hf_dir, name)))
+            out.update(_read(os.path.join(hf_dir, name), load_file))
         return out
     legacy = os.path.join(hf_dir, "pytorch_model.bin")
     if os.path.exists(legacy):
-        return torch.load(legacy, map_location="cpu", weights_only=True)
+        return _read(legacy, lambda p: torch.load(p, map_location="cpu", weights_only=True))
     raise ConversionError(f"{hf_dir} holds no weights ({WEIGHTS}, its .index.json or pytorch_model.bin); "
                           f"pass a directory written by save_pretrained")
 
@@ -83,10 +98,10 @@ def read_hf_config(hf_dir: str) -> dict:
     path = os.path.join(hf_dir, "config.json")
     if not os.path.exists(path):
         raise ConversionError(f"{path} not found; pass a HuggingFace model directory")
-    with open(path) as f:
-        c = json.load(f)
-    if c.get("model_type") not in ARCHITECTURES:
-        raise ConversionError(f"{path}: model_type {c.get('model_type')!r} is not one of "
+    c = _read(path, _json)
+    if not isinstance(c, dict) or c.get("model_type") not in ARCHITECTURES:
+        kind = c.get("model_type") if isinstance(c, dict) else None
+        raise ConversionError(f"{path}: model_type {kind!r} is not one of "
                               f"{sorted(ARCHITECTURES)}; megafab converts GPT-2 and Llama models")
     return c
 

@@ -39,6 +39,8 @@ _CONV1D = {"attn.c_proj": "self_attention.linear_proj", "mlp.c_fc": "mlp.linear_
 _NORMS = {"ln_1": "input_layernorm", "ln_2": "pre_mlp_layernorm"}
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers of old checkpoints
 
+HF_LAYERS = "transformer.h."  # HF's numbered layers: transformer.h.<i>.<name>
+
 
 def check_exportable(m: ModelConfig) -> None:
     problems = hf_variant_problems(m, "GPT-2")
@@ -106,7 +108,7 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, t
         out["lm_head.weight"] = unpad_vocab(sd[OUTPUT_LAYER], m.vocab_size)
     heads = m.num_attention_heads
     for i in progress(range(m.num_layers), desc="export to HF GPT-2", unit="layer"):
-        src, dst = layer_prefix(i), f"transformer.h.{i}."
+        src, dst = layer_prefix(i), layer_prefix(i, HF_LAYERS)
         for kind in ("weight", "bias"):
             qkv = unpack_qkv(sd[f"{src}self_attention.linear_qkv.{kind}"], heads, heads)
             packed = torch.cat(qkv)  # [3h(, h)] = [q | k | v]
@@ -144,7 +146,7 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], m: ModelConfig) -> dict[str,
         sd[OUTPUT_LAYER] = pad_vocab(hf["lm_head.weight"], m.padded_vocab_size)
     heads = m.num_attention_heads
     for i in progress(range(m.num_layers), desc="import from HF GPT-2", unit="layer"):
-        src, dst = f"transformer.h.{i}.", layer_prefix(i)
+        src, dst = layer_prefix(i, HF_LAYERS), layer_prefix(i)
         for kind in ("weight", "bias"):
             c_attn = hf[f"{src}attn.c_attn.{kind}"]
             packed = c_attn.t() if kind == "weight" else c_attn  # [3h(, h)]
@@ -165,5 +167,5 @@ def to_hf_expected_keys(m: ModelConfig) -> set[str]:
         keys.add("lm_head.weight")
     for i in range(m.num_layers):
         for name in ("attn.c_attn", *_CONV1D, *_NORMS):
-            keys.update(f"transformer.h.{i}.{name}.{kind}" for kind in ("weight", "bias"))
+            keys.update(f"{layer_prefix(i, HF_LAYERS)}{name}.{kind}" for kind in ("weight", "bias"))
     return keys

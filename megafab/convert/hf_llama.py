@@ -35,6 +35,8 @@ _SAME = {"self_attn.o_proj.weight": "self_attention.linear_proj.weight",
          "post_attention_layernorm.weight": "pre_mlp_layernorm.weight"}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer some old checkpoints saved
 
+HF_LAYERS = "model.layers."  # HF's numbered layers: model.layers.<i>.<name>
+
 
 def check_exportable(m: ModelConfig) -> None:
     problems = hf_variant_problems(m, "Llama")
@@ -108,7 +110,7 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, t
     if m.untie_embeddings_and_output_weights:
         out["lm_head.weight"] = unpad_vocab(sd[OUTPUT_LAYER], m.vocab_size)
     for i in progress(range(m.num_layers), desc="export to HF Llama", unit="layer"):
-        src, dst = layer_prefix(i), f"model.layers.{i}."
+        src, dst = layer_prefix(i), layer_prefix(i, HF_LAYERS)
         q, k, v = unpack_qkv(sd[src + "self_attention.linear_qkv.weight"], m.num_attention_heads,
                              m.num_query_groups)
         out.update({dst + "self_attn.q_proj.weight": q, dst + "self_attn.k_proj.weight": k,
@@ -128,7 +130,7 @@ def hf_expected_keys(m: ModelConfig) -> set[str]:
     for i in range(m.num_layers):
         names = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                  "mlp.gate_proj.weight", "mlp.up_proj.weight", *_SAME]
-        keys.update(f"model.layers.{i}.{n}" for n in names)
+        keys.update(layer_prefix(i, HF_LAYERS) + n for n in names)
     return keys
 
 
@@ -143,7 +145,7 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], m: ModelConfig) -> dict[str,
     if m.untie_embeddings_and_output_weights:
         sd[OUTPUT_LAYER] = pad_vocab(hf["lm_head.weight"], m.padded_vocab_size)
     for i in progress(range(m.num_layers), desc="import from HF Llama", unit="layer"):
-        src, dst = f"model.layers.{i}.", layer_prefix(i)
+        src, dst = layer_prefix(i, HF_LAYERS), layer_prefix(i)
         sd[dst + "self_attention.linear_qkv.weight"] = pack_qkv(
             hf[src + "self_attn.q_proj.weight"], hf[src + "self_attn.k_proj.weight"],
             hf[src + "self_attn.v_proj.weight"], m.num_query_groups).contiguous()

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from megafab.checkpoint.layout import OUTPUT_LAYER, WORD_EMBEDDING
+from megafab.checkpoint.keys import OUTPUT_LAYER, WORD_EMBEDDING, layer_prefix
+from megafab.checkpoint.vocab import padded_rows
 from megafab.config import Config, ModelConfig
 from megafab.config.derive import derive_model
 from megafab.errors import MegafabError
@@ -21,10 +22,6 @@ FINAL_NORM = "decoder.final_layernorm"
 
 class ConversionError(MegafabError):
     """A model or file that cannot be converted; the message names the value, the rule and the fix."""
-
-
-def layer_prefix(i: int) -> str:
-    return f"decoder.layers.{i}."
 
 
 def pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
@@ -49,12 +46,12 @@ def unpack_qkv(qkv: torch.Tensor, heads: int, groups: int) -> tuple[torch.Tensor
 
 
 def pad_vocab(weight: torch.Tensor, padded_vocab_size: int) -> torch.Tensor:
-    """[V, h] -> [V_padded, h] with zero rows (never sampled: generation reads the first V logits)."""
-    extra = padded_vocab_size - weight.shape[0]
-    if extra < 0:
+    """[V, h] -> [V_padded, h] by Megatron's padding rule (megafab.checkpoint.vocab: copies of the
+    last row; generation reads only the first V logits, the loss all of them)."""
+    if padded_vocab_size < weight.shape[0]:
         raise ConversionError(f"the embedding has {weight.shape[0]} rows but the padded vocabulary is only "
                               f"{padded_vocab_size}; the padded size must be at least the vocabulary size")
-    return torch.cat([weight, weight.new_zeros(extra, *weight.shape[1:])]) if extra else weight
+    return padded_rows(weight, padded_vocab_size)
 
 
 def unpad_vocab(weight: torch.Tensor, vocab_size: int) -> torch.Tensor:

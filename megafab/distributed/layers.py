@@ -9,7 +9,9 @@ Building on the CPU makes the values independent of the device; the price is one
 host memory per rank while a layer is built.
 
 Layouts are torch's: weight [out, in]; Column keeps [out/tp, in] (partition_dim 0), Row keeps
-[out, in/tp] (partition_dim 1), the embedding keeps [V/tp, h] (partition_dim 0).
+[out, in/tp] (partition_dim 1), the embedding keeps [V/tp, h] (partition_dim 0): the dims of
+megafab.checkpoint.keys' TP-partition table, which checkpoint readers use for files that carry no
+attributes.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megafab.checkpoint.keys import COLUMN_DIM, ROW_DIM, VOCAB_DIM
 from megafab.distributed.linear import linear_with_grad_accumulation_and_async_allreduce
 from megafab.distributed.mappings import (
     ShardingError,
@@ -128,13 +131,13 @@ class ColumnParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.skip_bias_add = skip_bias_add
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
-        self.weight = _sharded_weight((output_size, input_size), 0, stride, tp_group, init_method,
+        self.weight = _sharded_weight((output_size, input_size), COLUMN_DIM, stride, tp_group, init_method,
                                       params_dtype, device)  # [out/tp, in]
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.output_size_per_partition, dtype=params_dtype,
                                                  device=device))
             self.bias.tensor_model_parallel = True
-            self.bias.partition_dim = 0
+            self.bias.partition_dim = COLUMN_DIM
             self.bias.partition_stride = stride
         else:
             self.register_parameter("bias", None)
@@ -185,7 +188,7 @@ class RowParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.skip_bias_add = skip_bias_add
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
-        self.weight = _sharded_weight((output_size, input_size), 1, 1, tp_group, init_method,
+        self.weight = _sharded_weight((output_size, input_size), ROW_DIM, 1, tp_group, init_method,
                                       params_dtype, device)  # [out, in/tp]
         if bias:
             self.bias = nn.Parameter(torch.zeros(output_size, dtype=params_dtype, device=device))
@@ -238,7 +241,7 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings_per_partition = self.vocab_end - self.vocab_start
         self.tp_group = tp_group
         self.reduce_scatter_embeddings = reduce_scatter_embeddings and world > 1
-        self.weight = _sharded_weight((num_embeddings, embedding_dim), 0, 1, tp_group, init_method,
+        self.weight = _sharded_weight((num_embeddings, embedding_dim), VOCAB_DIM, 1, tp_group, init_method,
                                       params_dtype, device)  # [V/tp, h]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megafab.checkpoint.keys import OUTPUT_LAYER, WORD_EMBEDDING
 from megafab.distributed.context_parallel import local_position_ids
 from megafab.distributed.cross_entropy import vocab_parallel_cross_entropy
 from megafab.distributed.layers import VocabParallelEmbedding
@@ -22,8 +23,6 @@ from megafab.model.recompute import RecomputeSettings, forward_layers
 from megafab.model.te import transformer_layer_class
 from megafab.model.transformer import LayerContext, RotaryEmbedding, build_norm
 from megafab.pipeline_split import PipelineSplit
-
-WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
 
 class Embedding(nn.Module):
@@ -89,7 +88,7 @@ class GPTModel(nn.Module):
             self.decoder.final_layernorm = build_norm(cfg, ctx)
             if not (self.share_embeddings and pre_process):
                 # Untied, or the last stage's copy of a tied embedding (same name-seed: starts equal).
-                name = WORD_EMBEDDING if self.share_embeddings else "output_layer.weight"
+                name = WORD_EMBEDDING if self.share_embeddings else OUTPUT_LAYER
                 self.output_layer = VocabParallelEmbedding(
                     cfg.padded_vocab_size, cfg.hidden_size, tp_group=ctx.tp_group,
                     params_dtype=ctx.params_dtype, device=ctx.device,

@@ -23,12 +23,17 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import re
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megafab.checkpoint.keys import (
+    layer_prefix,
+    local_to_te_name,
+    te_to_local_name,
+    tp_partition,
+)
 from megafab.distributed.layers import partition_of
 from megafab.distributed.mappings import group_rank, group_size
 from megafab.errors import MegafabError
@@ -39,13 +44,6 @@ from megafab.model.transformer import TransformerLayer, apply_rotary, mlp_activa
 
 FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper and newer have FP8 tensor cores
 
-_NAME_PAIRS = [  # (local suffix, TE suffix) inside decoder.layers.N.
-    ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"),
-    ("input_layernorm.bias", "self_attention.linear_qkv.layer_norm_bias"),
-    ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
-    ("pre_mlp_layernorm.bias", "mlp.linear_fc1.layer_norm_bias"),
-]
-_LAYER = re.compile(r"^(.*decoder\.layers\.\d+\.)(.+)$")
 
 
 class TransformerEngineError(MegafabError):
@@ -54,27 +52,6 @@ class TransformerEngineError(MegafabError):
 
 def te_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
-
-
-def local_to_te_name(name: str) -> str:
-    match = _LAYER.match(name)
-    if match:
-        for local, te in _NAME_PAIRS:
-            if match.group(2) == local:
-                return match.group(1) + te
-    return name
-
-
-def te_to_local_name(name: str) -> str | None:
-    """The local name of a TE parameter; None for TE-only entries (`_extra_state`)."""
-    if name.endswith("_extra_state"):
-        return None
-    match = _LAYER.match(name)
-    if match:
-        for local, te in _NAME_PAIRS:
-            if match.group(2) == te:
-                return match.group(1) + local
-    return name
 
 
 def to_te_state_dict(state: dict) -> dict:
@@ -183,7 +160,7 @@ class TETransformerLayer(nn.Module):
         super().__init__()
         import transformer_engine.pytorch as te
 
-        prefix = f"decoder.layers.{layer_number}."
+        prefix = layer_prefix(layer_number)
         tp = group_size(ctx.tp_group)
         self.ctx, self.precision_cfg = ctx, ctx.precision
         self.hidden_dropout = cfg.hidden_dropout
@@ -218,11 +195,12 @@ class TETransformerLayer(nn.Module):
                                         parallel_mode="row", **common)
         self.swiglu = cfg.swiglu
         std, out_std = cfg.init_method_std, output_layer_std(cfg.init_method_std, cfg.num_layers)
-        for module, name, init_std, dim, stride in (
-                (self.self_attention.linear_qkv, "self_attention.linear_qkv.weight", std, 0, 1),
-                (self.self_attention.linear_proj, "self_attention.linear_proj.weight", out_std, 1, 1),
-                (self.mlp.linear_fc1, "mlp.linear_fc1.weight", std, 0, 2 if cfg.swiglu else 1),
-                (self.mlp.linear_fc2, "mlp.linear_fc2.weight", out_std, 1, 1)):
+        for module, name, init_std in (
+                (self.self_attention.linear_qkv, "self_attention.linear_qkv.weight", std),
+                (self.self_attention.linear_proj, "self_attention.linear_proj.weight", out_std),
+                (self.mlp.linear_fc1, "mlp.linear_fc1.weight", std),
+                (self.mlp.linear_fc2, "mlp.linear_fc2.weight", out_std)):
+            dim, stride = tp_partition(prefix + name, cfg.swiglu)
             _init_shard(module.weight, ctx.seed, prefix + name, init_std, dim, stride, ctx.tp_group)
             module.weight.partition_stride = stride
             if getattr(module, "bias", None) is not None and module.bias.numel():

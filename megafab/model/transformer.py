@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megafab.checkpoint.keys import layer_prefix, partition_stride
 from megafab.distributed.context_parallel import context_parallel_attention
 from megafab.distributed.layers import ColumnParallelLinear, RowParallelLinear
 from megafab.distributed.mappings import group_size
@@ -223,7 +224,8 @@ class MLP(nn.Module):
         fc1_out = cfg.ffn_hidden_size * (2 if cfg.swiglu else 1)
         self.linear_fc1 = ColumnParallelLinear(
             cfg.hidden_size, fc1_out, tp_group=ctx.tp_group, bias=cfg.add_bias_linear,
-            sequence_parallel=ctx.sequence_parallel, stride=2 if cfg.swiglu else 1,
+            sequence_parallel=ctx.sequence_parallel,
+            stride=partition_stride(prefix + "linear_fc1.weight", cfg.swiglu),
             params_dtype=ctx.params_dtype, device=ctx.device,
             gradient_accumulation_fusion=ctx.gradient_accumulation_fusion,
             init_method=normal_init(ctx.seed, prefix + "linear_fc1.weight", cfg.init_method_std))
@@ -249,7 +251,7 @@ class MLP(nn.Module):
 class TransformerLayer(nn.Module):
     def __init__(self, cfg, ctx: LayerContext, layer_number: int):
         super().__init__()
-        prefix = f"decoder.layers.{layer_number}."
+        prefix = layer_prefix(layer_number)
         self.ctx = ctx
         self.hidden_dropout = cfg.hidden_dropout
         self.residual_post_norm = cfg.apply_residual_connection_post_layernorm

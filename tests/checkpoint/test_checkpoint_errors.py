@@ -187,3 +187,41 @@ def test_a_damaged_file_of_each_format_is_named(tmp_path, ckpt_format, damage, m
     damage(path)
     with pytest.raises(CheckpointError, match=message):
         _open(root, cfg)
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, ("true",))
+
+
+def test_a_metadata_file_holding_code_is_refused_naming_the_file(tmp_path, capsys):
+    """safe unpickling refuses the payload (rightly); the one message names the file, exit 2."""
+    import pickle
+
+    from megafab.cli.convert import main as convert
+
+    root, path, _ = _written(tmp_path, "torch_dist")
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(_Payload(), f)
+    capsys.readouterr()  # writing the checkpoint's own phase lines
+    assert convert(["convert", "--load-dir", root, "--save-dir", str(tmp_path / "out"), "--saver", "hf"]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert os.path.join(path, ".metadata") in lines[0] and "refusing to unpickle" in lines[0], err
+
+
+def test_a_model_of_another_depth_or_shape_is_refused_naming_the_checkpoint(tmp_path):
+    from megafab.checkpoint import dcp_io
+    from megafab.checkpoint.layout import Shard
+
+    root, path, cfg = _written(tmp_path, "torch_dist")
+    deeper = tiny_config(style=LLAMA_STYLE, num_layers=6)
+    with pytest.raises(CheckpointError, match=f"^{path}: checkpoint tensor .* stacks 4 layers"):
+        _open(root, deeper)
+    source = _open(root, cfg)
+    key = "model.decoder.final_layernorm.weight"
+    with pytest.raises(CheckpointError, match=f"^{path}: checkpoint tensor '{key}' has global shape"):
+        dcp_io.check_shards({key: Shard.whole(torch.zeros(5))}, source.stored, source.path)
+    with pytest.raises(CheckpointError, match=f"^{path}: the checkpoint has no tensor 'model.x'"):
+        dcp_io.check_shards({"model.x": Shard.whole(torch.zeros(5))}, source.stored, source.path)

@@ -19,7 +19,8 @@ def _write_megafab_format(state, root):
     shards = {**cs.model_shards_for_save(state), **cs.optimizer_shards_for_save(state)}
     dcp_io.save_shards(shards, tmp)
     torch.save(cs.rng_snapshot(state), rng_file(tmp, 0))
-    directory.write_json(os.path.join(tmp, directory.COMMON), checkpointing._common_state(state, True))
+    record = checkpointing.common_record(state, True).to_dict()
+    directory.write_json(os.path.join(tmp, directory.COMMON), record)
     directory.commit_checkpoint(root, state.iteration)
 
 

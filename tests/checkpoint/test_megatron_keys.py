@@ -5,7 +5,8 @@ agrees with the attributes megafab's layers give their parameters."""
 import torch
 
 from megafab.checkpoint import megatron_keys as mk
-from megafab.checkpoint.layout import ParamLayout, model_key, optim_key, tp_partition
+from megafab.checkpoint.keys import tp_partition
+from megafab.checkpoint.layout import ParamLayout, model_key, optim_key
 from megafab.distributed.topology import build_topology
 from megafab.model.gpt import GPTModel
 from tests.harness import run_ranks
@@ -54,7 +55,7 @@ def _tp_rule_matches_attributes(rank, world):
         for name, p in GPTModel(cfg, context(topo.tp_group)).named_parameters():
             split = getattr(p, "tensor_model_parallel", False)
             attrs = (p.partition_dim, p.partition_stride) if split else None
-            assert tp_partition(name, cfg) == attrs, name
+            assert tp_partition(name, cfg.swiglu) == attrs, name
             checked += 1
     return checked
 

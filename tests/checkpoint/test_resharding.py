@@ -1,6 +1,7 @@
 """Sharded checkpoints reshard on load: distributed optimizer DP 2 -> DP 4 -> plain optimizer DP 1
 (float64: the resumed losses equal the uninterrupted run's), and TP 1 <-> TP 2 where the padded
-vocabulary changes (real rows kept exactly, padding rows as initialization, zero optimizer state)."""
+vocabulary changes (Megatron's padding rule: stored rows kept, new rows copies of the last one, zero
+optimizer state for them)."""
 
 import torch
 
@@ -108,31 +109,35 @@ def _load_padded(rank, world, src, tp, divisible_by, dp=1, dist_opt=False, dtype
             "tp_rank": state.topology.tp_rank, "losses": train(state, steps)}
 
 
-def _check_rows(result, saved, vocab=101):
-    """Real rows are the checkpoint's; padding rows are the fresh model's initial values (as
-    init would set them) with zero Adam moments; main params follow the weights."""
+def _check_rows(result, saved):
+    """Megatron's padding rule (megafab.checkpoint.vocab): the stored rows up to the new size are the
+    checkpoint's, further rows copies of its last row (weights and fp32 main params alike); their
+    Adam moments start at zero."""
     padded = result["padded"]
     for name in EMBEDDINGS:
         stored = saved["model." + name]
-        assert stored.shape[0] != padded
-        loaded, initial = result["loaded"][name], result["initial"][name]
+        rows_stored = stored.shape[0]
+        assert rows_stored != padded
+        kept = min(rows_stored, padded)
+        loaded = result["loaded"][name]
         assert loaded.shape[0] == padded
-        assert torch.equal(loaded[:vocab], stored[:vocab].to(loaded.dtype))
-        assert torch.equal(loaded[vocab:], initial[vocab:]) and loaded[vocab:].abs().sum() > 0
+        assert torch.equal(loaded[:kept], stored[:kept].to(loaded.dtype))
+        assert torch.equal(loaded[kept:], stored[-1:].to(loaded.dtype).expand(padded - kept, -1))
         o = result["opt"][name]
         h = stored.shape[1]
         owned = torch.arange(*o["range"])  # flat indices into this rank's TP block
         rows = result["tp_rank"] * o["rows"] + owned // h  # their global rows and columns
         cols = owned % h
-        real = rows < vocab
+        old = rows < rows_stored
         for kind in ("exp_avg", "exp_avg_sq"):
-            want = saved[f"optim.{name}.{kind}"][rows[real], cols[real]]
-            assert torch.equal(o[kind][real], want.to(o[kind].dtype)), kind
-            assert torch.all(o[kind][~real] == 0), kind
-            assert o[kind][real].abs().sum() > 0
+            want = saved[f"optim.{name}.{kind}"][rows[old], cols[old]]
+            assert torch.equal(o[kind][old], want.to(o[kind].dtype)), kind
+            assert torch.all(o[kind][~old] == 0), kind
+            assert o[kind][old].abs().sum() > 0
         if f"optim.{name}.main_param" in saved:
-            assert torch.equal(o["main"][real], saved[f"optim.{name}.main_param"][rows[real], cols[real]])
-            assert torch.equal(o["main"][~real], o["model"][~real].float())
+            main = saved[f"optim.{name}.main_param"]
+            assert torch.equal(o["main"][old], main[rows[old], cols[old]])
+            assert torch.equal(o["main"][~old], main[-1, cols[~old]])
 
 
 def test_tp1_to_tp2_with_a_different_padded_vocabulary_keeps_real_rows_and_trains_alike(tmp_path):
@@ -183,3 +188,4 @@ def _other_vocabulary(rank, world, path):
 def test_a_different_real_vocabulary_is_refused_by_name(tmp_path):
     [message] = run_ranks(_other_vocabulary, 1, str(tmp_path), timeout=120)
     assert message and "vocabulary of 101 tokens" in message and "has 90 tokens" in message, message
+    assert message.startswith(str(tmp_path)), message  # names the checkpoint

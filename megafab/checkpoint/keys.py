@@ -1,0 +1,202 @@
+"""Parameter names: the one place their grammar is written (built, parsed, renumbered) and the one
+table of how tensor parallelism splits each parameter. The model builds its names here, the layers
+take their partition attributes from here, every checkpoint reader and writer parses here.
+
+Names are megatron-core's (GPTModel.state_dict, local spec):
+
+    embedding.word_embeddings.weight          [V_padded, h]  vocab rows split over TP
+    embedding.position_embeddings.weight      learned absolute positions only
+    decoder.layers.<N>.<suffix>               layer N: global numbers in megafab's state dicts and
+                                              checkpoints, numbered from 0 within each pipeline
+                                              stage / virtual chunk in Megatron's legacy rank files
+    decoder.final_layernorm.{weight,bias}
+    output_layer.weight                       untied output layer (or a tied last stage's copy)
+
+Megatron's torch_dist stacks the layers: `decoder.layers.<suffix>` [L, ...] (stacked_name);
+Transformer Engine's spec fuses the layer norms into the linears (te_name); the legacy format names
+its files mp_rank_<TP:02d>[_<PP:03d>] and its model chunks model / model0, model1, ... (rank_dir,
+chunk_key).
+
+A numbered family is `<root><N>.<rest>` (parse_index): layers under `decoder.layers.`, and so, when
+mixture-of-experts arrives, experts under `mlp.experts.local_experts.` inside a layer's suffix (a
+global expert number, renumbered to (EP rank, local expert) like layers to (stage, local layer)); a
+new parameter family is one TP_SPLITS entry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LAYERS = "decoder.layers."
+WORD_EMBEDDING = "embedding.word_embeddings.weight"
+OUTPUT_LAYER = "output_layer.weight"
+VOCAB_PADDED = (WORD_EMBEDDING, OUTPUT_LAYER)  # dim 0 is the padded vocabulary
+EXTRA_STATE = "_extra_state"
+
+
+# ---- numbered names -------------------------------------------------------------------------------
+def parse_index(name: str, root: str = LAYERS) -> tuple[int, str] | None:
+    """(N, rest) of `<root><N>.<rest>`, None for any other name."""
+    if not name.startswith(root):
+        return None
+    number, dot, rest = name[len(root):].partition(".")
+    if not (dot and rest and number.isdigit()):
+        return None
+    return int(number), rest
+
+
+def layer_prefix(layer: int, root: str = LAYERS) -> str:
+    """`decoder.layers.<layer>.` (or another numbered root's, e.g. a HF format's `model.layers.`)."""
+    return f"{root}{layer}."
+
+
+def layer_name(layer: int, suffix: str, root: str = LAYERS) -> str:
+    return layer_prefix(layer, root) + suffix
+
+
+def layer_of(name: str) -> int | None:
+    parsed = parse_index(name)
+    return None if parsed is None else parsed[0]
+
+
+def renumber(name: str, delta: int) -> str:
+    """`name` with its layer number moved by delta (non-layer names unchanged): to_stage / to_global."""
+    parsed = parse_index(name)
+    return name if parsed is None else layer_name(parsed[0] + delta, parsed[1])
+
+
+def to_stage(name: str, first_layer: int) -> str:
+    """A global name as a pipeline stage (or virtual chunk) starting at first_layer numbers it."""
+    return renumber(name, -first_layer)
+
+
+def to_global(name: str, first_layer: int) -> str:
+    """Inverse of to_stage."""
+    return renumber(name, first_layer)
+
+
+def layer_order(name: str) -> tuple[int, str]:
+    """Sort key: non-layer names first, then layer by layer."""
+    layer = layer_of(name)
+    return (-1 if layer is None else layer, name)
+
+
+# ---- Megatron's stacked layers (torch_dist) --------------------------------------------------------
+def stacked_name(name: str) -> tuple[str, int | None]:
+    """(`decoder.layers.<suffix>`, N) of `decoder.layers.N.<suffix>`; (name, None) otherwise."""
+    parsed = parse_index(name)
+    return (name, None) if parsed is None else (LAYERS + parsed[1], parsed[0])
+
+
+def unstacked_name(key: str, layer: int | None) -> str:
+    """Inverse of stacked_name."""
+    return key if layer is None else layer_name(layer, key[len(LAYERS):])
+
+
+def stacked_extra_state_key(module: str, layer: int, num_layers: int) -> str:
+    """The byte object megatron-core's torch_dist keeps per stacked layer for a module's
+    `_extra_state`: `decoder.layers.<module>._extra_state/shard_<layer>_<num_layers>`."""
+    return f"{LAYERS}{module}.{EXTRA_STATE}/shard_{layer}_{num_layers}"
+
+
+# ---- Transformer Engine names ----------------------------------------------------------------------
+TE_NAMES = {  # local suffix -> TE suffix inside decoder.layers.N. (the norms TE fuses into the linears)
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+    "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
+}
+_LOCAL_NAMES = {te: local for local, te in TE_NAMES.items()}
+
+
+def local_to_te_name(name: str) -> str:
+    parsed = parse_index(name)
+    if parsed is None or parsed[1] not in TE_NAMES:
+        return name
+    return layer_name(parsed[0], TE_NAMES[parsed[1]])
+
+
+def te_to_local_name(name: str) -> str | None:
+    """The local name of a TE parameter; None for TE-only entries (`_extra_state`)."""
+    if name.endswith(EXTRA_STATE):
+        return None
+    parsed = parse_index(name)
+    if parsed is None or parsed[1] not in _LOCAL_NAMES:
+        return name
+    return layer_name(parsed[0], _LOCAL_NAMES[parsed[1]])
+
+
+# ---- Megatron's legacy per-rank files --------------------------------------------------------------
+def rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:
+    """mp_rank_<TP:02d> (PP 1) or mp_rank_<TP:02d>_<PP:03d>."""
+    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def parse_rank_dir(name: str) -> tuple[int, int, bool] | None:
+    """(TP rank, PP rank, has an expert-parallel rank) of a rank directory's name, None otherwise."""
+    parts = name.split("_")  # mp, rank, TP[, PP[, EP]]
+    if parts[:2] != ["mp", "rank"] or not 3 <= len(parts) <= 5 or not all(p.isdigit() for p in parts[2:]):
+        return None
+    widths = [2, 3, 3][:len(parts) - 2]
+    if [len(p) for p in parts[2:]] != widths:
+        return None
+    return int(parts[2]), int(parts[3]) if len(parts) > 3 else 0, len(parts) == 5
+
+
+def chunk_key(chunk: int, vpp: int) -> str:
+    """The entry of model chunk `chunk` in a legacy rank file: `model`, or model0, model1, ... (VPP)."""
+    return "model" if vpp == 1 else f"model{chunk}"
+
+
+def chunk_keys(state: dict) -> list[str]:
+    """The model chunks' entries of a legacy rank file, in chunk order."""
+    if "model" in state:
+        return ["model"]
+    chunks = [k for k in state if isinstance(k, str) and k.startswith("model") and k[5:].isdigit()]
+    return sorted(chunks, key=lambda k: int(k[5:]))
+
+
+# ---- tensor-parallel partitions --------------------------------------------------------------------
+COLUMN_DIM = 0  # column-parallel linears split their outputs: weight rows [out/tp, in], the bias
+ROW_DIM = 1  # row-parallel linears split their inputs: weight columns [out, in/tp]; bias replicated
+VOCAB_DIM = 0  # vocab-parallel embeddings split the (padded) vocabulary rows [V/tp, h]
+SWIGLU_STRIDE = 2  # SwiGLU's fc1 is [gate; up]: each TP rank holds [gate_r; up_r]
+
+
+@dataclass(frozen=True)
+class Split:
+    """How TP splits a parameter family: along `dim` (Megatron's partition_dim), in `stride` interleaved
+    blocks when strided_by_swiglu and the model is SwiGLU (Megatron's partition_stride)."""
+
+    dim: int
+    strided_by_swiglu: bool = False
+
+
+# Family -> Split: full names, or layer suffixes (after decoder.layers.N.). Everything else is
+# TP-replicated (norms, row-parallel biases, position embeddings). linear_qkv is packed per query
+# group ([q_1 .. q_{heads/groups}, k, v] per group), so a dim-0 block holds whole groups.
+TP_SPLITS = {
+    WORD_EMBEDDING: Split(VOCAB_DIM),
+    OUTPUT_LAYER: Split(VOCAB_DIM),
+    "self_attention.linear_qkv.weight": Split(COLUMN_DIM),
+    "self_attention.linear_qkv.bias": Split(COLUMN_DIM),
+    "self_attention.linear_proj.weight": Split(ROW_DIM),
+    "mlp.linear_fc1.weight": Split(COLUMN_DIM, strided_by_swiglu=True),
+    "mlp.linear_fc1.bias": Split(COLUMN_DIM, strided_by_swiglu=True),
+    "mlp.linear_fc2.weight": Split(ROW_DIM),
+}
+
+
+def tp_partition(name: str, swiglu: bool) -> tuple[int, int] | None:
+    """(partition_dim, partition_stride) of a TP-split parameter (local or TE name), None for a
+    TP-replicated one."""
+    parsed = parse_index(te_to_local_name(name) or name)
+    split = TP_SPLITS.get(name if parsed is None else parsed[1])
+    if split is None:
+        return None
+    return split.dim, SWIGLU_STRIDE if split.strided_by_swiglu and swiglu else 1
+
+
+def partition_stride(name: str, swiglu: bool) -> int:
+    split = tp_partition(name, swiglu)
+    return 1 if split is None else split[1]
