@@ -63,13 +63,13 @@ def run(args) -> bool:
     torch.manual_seed(0)
     x_full = torch.randn(s, b, h, device=device)
     grad_full = torch.randn(s, b, h, device=device)
-    block = DistributedDataParallel(Block(h, topo.tp_group, True, torch.float32, device),
-                                    dp_group=topo.dp_group)
+    block = DistributedDataParallel(Block(h, topo.group("tp"), True, torch.float32, device),
+                                    dp_group=topo.group("dp"))
     x = x_full.chunk(tp)[rank].clone().requires_grad_()
     with SavedActivations(block.parameters()) as saved:
         out = block(x)
     out.backward(grad_full.chunk(tp)[rank])
-    ref = DistributedDataParallel(Block(h, None, False, torch.float32, device), dp_group=topo.dp_group) \
+    ref = DistributedDataParallel(Block(h, None, False, torch.float32, device), dp_group=topo.group("dp")) \
         if rank == 0 else None
     gathered = [torch.empty_like(out) for _ in range(tp)]
     dist.all_gather(gathered, out.detach())
@@ -96,8 +96,8 @@ def run(args) -> bool:
               f"add {4 * s * b * h} more) -> {'ok' if memory else 'FAIL'}", flush=True)
 
     # speed in bf16
-    block = DistributedDataParallel(Block(h, topo.tp_group, True, torch.bfloat16, device),
-                                    dp_group=topo.dp_group)
+    block = DistributedDataParallel(Block(h, topo.group("tp"), True, torch.bfloat16, device),
+                                    dp_group=topo.group("dp"))
     x = torch.randn(s // tp, b, h, device=device, dtype=torch.bfloat16, requires_grad=True)
     for step in range(args.warmup + args.steps):
         if step == args.warmup:

@@ -61,7 +61,7 @@ def saved_bytes(state, data) -> int:
     chunk = state.model[0]
     topo = state.topology
     with SavedActivations(chunk.parameters()) as saved:
-        output, loss_func = gpt_forward_step(data, chunk, cp_group=topo.cp_group if topo.cp > 1 else None)
+        output, loss_func = gpt_forward_step(data, chunk, cp_group=topo.group("cp") if topo.cp > 1 else None)
         loss, _ = loss_func(output)
     loss.backward()
     chunk.zero_grad_buffer()

@@ -14,10 +14,10 @@ after the last micro-batch's backward and before the optimizer step. It does, in
      across TP (norm weights/biases, RowParallelLinear bias: `param.sequence_parallel = True`) is
      a partial sum; so is, with or without SP, that of a replicated param applied to this rank's
      heads only (q/k layernorms: `param.grad_sum_over_tp = True`). All-reduce them over
-     `topology.tp_group`.
+     `topology.group("tp")`.
   3. Tied word embeddings, over the embedding group. With PP > 1 the first stage's input embedding
      and the last stage's output layer hold two copies of one weight (`param.shared_embedding =
-     True`); all-reduce their gradients over `topology.embedding_group` so both copies take the
+     True`); all-reduce their gradients over `topology.embedding_group()` so both copies take the
      same step. With PP = 1 the weight is one tensor and nothing is done.
 
 All three are sums (DP also scales by 1/DP), so their order does not change the result. Under the
@@ -84,7 +84,7 @@ def allreduce_embedding_grads(model_chunks: list[nn.Module], topology):
     if topology.pp == 1 or not topology.is_in_embedding_group:
         return
     grads = [grad_of(p) for p in _params(model_chunks) if getattr(p, "shared_embedding", False)]
-    _all_reduce_coalesced([g for g in grads if g is not None], topology.embedding_group)
+    _all_reduce_coalesced([g for g in grads if g is not None], topology.embedding_group())
 
 
 def finalize_model_grads(model_chunks: list[nn.Module], *, topology, sequence_parallel: bool = False):
@@ -97,5 +97,5 @@ def finalize_model_grads(model_chunks: list[nn.Module], *, topology, sequence_pa
         if hasattr(chunk, "finish_grad_sync"):  # DDP, FSDP2
             chunk.finish_grad_sync()
     if topology.tp > 1:
-        allreduce_tp_partial_grads(model_chunks, topology.tp_group, sequence_parallel)
+        allreduce_tp_partial_grads(model_chunks, topology.group("tp"), sequence_parallel)
     allreduce_embedding_grads(model_chunks, topology)

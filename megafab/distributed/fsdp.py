@@ -56,7 +56,7 @@ def data_parallel_mesh(topology):
     (no new groups: gloo cannot split groups on CPU)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    return DeviceMesh.from_group(topology.dp_cp_group, device_type=topology.device.type,
+    return DeviceMesh.from_group(topology.group("dp", "cp"), device_type=topology.device.type,
                                  mesh_dim_names=("dp",))
 
 

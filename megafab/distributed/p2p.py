@@ -75,7 +75,7 @@ class P2PCommunicator:
         self.tensor_shape = tuple(tensor_shape)
         self.dtype = dtype
         self.device = topology.device
-        self.group = topology.pp_group
+        self.group = topology.group("pp")
         self.use_batched = topology.backend == "nccl"
 
     def _empty(self) -> torch.Tensor:

@@ -8,8 +8,10 @@ The axes, in Megatron's default order string 'tp-cp-ep-dp-pp', TP fastest:
 ep (expert parallel) is an axis of size 1 until megafab has experts. A group is named by the axes
 its ranks vary over, all other coordinates fixed: "dp" (pure data parallel), "cp", "dp-cp" (what
 gradients are averaged over and the distributed optimizer shards over, as Megatron's), "tp-pp"
-(model parallel), "tp-dp" and "tp-dp-cp" (FP8 amax reductions). Order inside a name does not
-matter: group("cp", "dp") is group("dp", "cp").
+(model parallel: the grad-norm and overflow reductions) and "tp-dp-cp" (FP8 amax reductions).
+`topo.group(*axes)` is the one accessor; order inside a name does not matter: group("cp", "dp")
+is group("dp", "cp"). The tied-embedding group (first and last stage) is not an axis combination:
+`topo.embedding_group()`.
 
 Example, 16 ranks with TP=2, PP=4 (so DP=2, CP=1):
     TP groups : [0,1] [2,3] [4,5] ... [14,15]
@@ -38,10 +40,9 @@ from megafab.run.launch import pick_device_and_backend, read_launch_env, rendezv
 ORDER = ("tp", "cp", "ep", "dp", "pp")  # Megatron's 'tp-cp-ep-dp-pp'
 FLAGS = {"tp": "tensor-model-parallel-size", "cp": "context-parallel-size",
          "ep": "expert-model-parallel-size", "pp": "pipeline-model-parallel-size"}
-# The groups every rank builds at initialize: attribute prefix -> axes the group spans.
-GROUP_KINDS = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",), "mp": ("tp", "pp"),
-               "tp_dp": ("tp", "dp"), "dp_cp": ("dp", "cp"), "tp_cp": ("tp", "cp"),
-               "tp_dp_cp": ("tp", "dp", "cp")}
+# The axis combinations whose groups every rank builds at initialize (each one has a reader).
+GROUP_AXES = (("tp",), ("cp",), ("dp",), ("pp",), ("tp", "pp"), ("dp", "cp"), ("tp", "dp", "cp"))
+EMBEDDING = "embedding"  # first and last stage of each pipeline: the tied word-embedding copies
 
 
 class TopologyError(MegafabError):
@@ -117,29 +118,26 @@ class Layout:
         return [sorted(self.rank(**outer, **inner) for inner in product(spanned))
                 for outer in product(fixed)]
 
-    def group_of(self, rank: int, *axes: str) -> list[int]:
-        """The ranks of the group spanning `axes` that holds `rank`."""
-        return next(g for g in self.groups(*axes) if rank in g)
-
     def embedding_groups(self) -> list[list[int]]:
         """First and last pipeline stage of each PP group (the tied word-embedding copies)."""
         return [sorted({g[0], g[-1]}) for g in self.groups("pp")]
 
 
-def grid_rank(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int,
-              cp_rank: int = 0, cp: int = 1) -> int:
-    return tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
+def group_name(axes) -> str:
+    """"tp-pp" for ("pp", "tp"): the axes in the grid's order."""
+    return "-".join(a for a in ORDER if a in axes)
 
 
 def all_group_ranks(world_size: int, tp: int, pp: int, cp: int = 1) -> dict[str, list[list[int]]]:
-    """Every group of every kind (GROUP_KINDS, plus "embedding") as lists of global ranks.
+    """Every group of every built kind (GROUP_AXES by group_name, plus "embedding") as lists of
+    global ranks.
 
     Pure function of the layout, so each rank can build all groups in the same order
     (torch.distributed requires every rank to take part in every new_group call).
     """
     layout = Layout(world_size, tp=tp, cp=cp, pp=pp)
-    out = {kind: layout.groups(*axes) for kind, axes in GROUP_KINDS.items()}
-    out["embedding"] = layout.embedding_groups()
+    out = {group_name(axes): layout.groups(*axes) for axes in GROUP_AXES}
+    out[EMBEDDING] = layout.embedding_groups()
     return out
 
 
@@ -160,19 +158,11 @@ class Topology:
     vpp: int
     device: torch.device
     backend: str
-    tp_group: object = None
-    dp_group: object = None
-    pp_group: object = None
-    mp_group: object = None
-    tp_dp_group: object = None
-    embedding_group: object = None
     group_ranks: dict[str, list[int]] = field(default_factory=dict)
+    """This rank's group of each built kind by group_name ("tp", "tp-pp", "embedding", ...)."""
     cp: int = 1
-    cp_group: object = None
-    dp_cp_group: object = None
-    tp_cp_group: object = None
-    tp_dp_cp_group: object = None
     groups_by_axes: dict[tuple[str, ...], object] = field(default_factory=dict)
+    embedding: object = None
 
     @functools.cached_property
     def layout(self) -> Layout:
@@ -210,6 +200,10 @@ class Topology:
                                 f"{', '.join(built)}")
         return self.groups_by_axes[key]
 
+    def embedding_group(self):
+        """The first and last pipeline stage holding this rank (None off those stages)."""
+        return self.embedding
+
     @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
@@ -229,12 +223,7 @@ class Topology:
 
     @property
     def is_in_embedding_group(self) -> bool:
-        return self.rank in self.group_ranks.get("embedding", [])
-
-    def describe(self) -> str:
-        cp = f" cp {self.cp_rank}/{self.cp}" if self.cp > 1 else ""
-        return (f"rank {self.rank}/{self.world_size} tp {self.tp_rank}/{self.tp}{cp} "
-                f"dp {self.dp_rank}/{self.dp} pp {self.pp_rank}/{self.pp} on {self.device}")
+        return self.rank in self.group_ranks.get(EMBEDDING, [])
 
 
 def build_topology(tp: int = 1, pp: int = 1, vpp: int = 1, device: torch.device | None = None,
@@ -265,10 +254,11 @@ def build_topology(tp: int = 1, pp: int = 1, vpp: int = 1, device: torch.device 
                 made[key] = dist.group.WORLD if len(ranks) == world \
                     else dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
-                setattr(topo, f"{kind}_group", made[key])
                 topo.group_ranks[kind] = ranks
-                if kind in GROUP_KINDS:
-                    topo.groups_by_axes[_axes_key(layout, GROUP_KINDS[kind])] = made[key]
+                if kind == EMBEDDING:
+                    topo.embedding = made[key]
+                else:
+                    topo.groups_by_axes[_axes_key(layout, kind.split("-"))] = made[key]
     return topo
 
 

@@ -10,8 +10,6 @@ DynamicGradScaler follows Megatron exactly:
 
 from __future__ import annotations
 
-import torch
-
 
 class ConstantGradScaler:
     """A fixed loss scale (Megatron's `--loss-scale`)."""
@@ -87,8 +85,3 @@ class DynamicGradScaler(ConstantGradScaler):
         self._scale = float(state["scale"])
         self.growth_tracker = int(state["growth_tracker"])
         self.hysteresis_tracker = int(state["hysteresis_tracker"])
-
-
-def scale_tensor(scaler: ConstantGradScaler | None, device) -> torch.Tensor:
-    """The loss scale as a 0-d fp32 tensor on `device` (1.0 without a scaler)."""
-    return torch.tensor(1.0 if scaler is None else scaler.scale, dtype=torch.float32, device=device)

@@ -229,8 +229,8 @@ class MixedPrecisionOptimizer:
         if self.topology is None:
             return [self.model_chunks[0].dp_group] if self.shards_across_dp else []
         if self.shards_across_dp:
-            return [self.topology.dp_cp_group, self.topology.mp_group]
-        return [self.topology.mp_group]
+            return [self.topology.group("dp", "cp"), self.topology.group("tp", "pp")]
+        return [self.topology.group("tp", "pp")]
 
     @property
     def torch_optimizers(self) -> list[torch.optim.Optimizer]:

@@ -78,10 +78,10 @@ def params_dtype(cfg) -> torch.dtype:
 def build_model(cfg, topo: Topology, tracker, dtype: torch.dtype | None = None) -> list:
     """This rank's model chunks, each wrapped for data parallelism (DDP, or FSDP2)."""
     dtype = dtype or params_dtype(cfg)
-    ctx = LayerContext(topo.tp_group if topo.tp > 1 else None, cfg.parallel.sequence_parallel, dtype,
+    ctx = LayerContext(topo.group("tp") if topo.tp > 1 else None, cfg.parallel.sequence_parallel, dtype,
                        topo.device, cfg.training.seed, tracker, precision=cfg.precision,
                        gradient_accumulation_fusion=cfg.parallel.gradient_accumulation_fusion,
-                       cp_group=topo.cp_group if topo.cp > 1 else None,
+                       cp_group=topo.group("cp") if topo.cp > 1 else None,
                        cp_comm_type=cfg.parallel.cp_comm_type)
     chunks = build_model_chunks(cfg.model, ctx, topo.pp, topo.pp_rank,
                                 cfg.parallel.virtual_pipeline_model_parallel_size or 1,
@@ -93,7 +93,7 @@ def build_model(cfg, topo: Topology, tracker, dtype: torch.dtype | None = None) 
     # fp32 main grads (fp64 for fp64 models), or the bf16 params' own dtype (--grad-reduce-in-bf16)
     grad_dtype = None if p.accumulate_allreduce_grads_in_fp32 else dtype
     # Gradients are averaged (and the distributed optimizer shards) over DP x CP, as Megatron's.
-    return [DistributedDataParallel(c, dp_group=topo.dp_cp_group, bucket_size=bucket,
+    return [DistributedDataParallel(c, dp_group=topo.group("dp", "cp"), bucket_size=bucket,
                                     grad_dtype=grad_dtype, overlap_grad_reduce=p.overlap_grad_reduce,
                                     use_distributed_optimizer=p.use_distributed_optimizer)
             for c in chunks]

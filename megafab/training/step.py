@@ -80,7 +80,7 @@ def global_batch_tokens(batches: list, topo) -> float:
     local = torch.tensor([float(sum(b["loss_mask"].sum() for b in batches))], dtype=torch.float64,
                          device=topo.device)
     if topo.dp > 1:
-        dist.all_reduce(local, group=topo.dp_group)
+        dist.all_reduce(local, group=topo.group("dp"))
     return local.item()
 
 
@@ -97,7 +97,7 @@ def run_schedule(state, data_iterator, forward_only: bool, num_micro_batches: in
     # iterator over the same data): take this step's batches once and replay them per chunk.
     batches = [next(data_iterator) for _ in range(num_micro_batches)]
     iterators = [iter(batches) for _ in range(vpp)] if vpp > 1 else iter(batches)
-    cp_group = topo.cp_group if topo.cp > 1 else None
+    cp_group = topo.group("cp") if topo.cp > 1 else None
     token_scale = None
     if t.calculate_per_token_loss:
         # Only the last stage's training loss is scaled (the logs carry the unscaled sums), and a DP
@@ -133,12 +133,12 @@ def average_loss_across_dp(logs: list, topo, device) -> float | None:
     if logs and "tokens" in logs[0]:
         sums = torch.stack([torch.stack([log["lm loss sum"], log["tokens"]]).double() for log in logs])
         total = sums.sum(dim=0).to(device)
-        dist.all_reduce(total, group=topo.dp_cp_group)  # under CP each rank summed its own tokens
+        dist.all_reduce(total, group=topo.group("dp", "cp"))  # under CP each rank summed its own tokens
         return (total[0] / total[1]).item()
     local = torch.stack([log["lm loss"].double() for log in logs]).mean() if logs else \
         torch.tensor(float("nan"), dtype=torch.float64)
     local = local.to(device)
-    dist.all_reduce(local, group=topo.dp_group)
+    dist.all_reduce(local, group=topo.group("dp"))
     return local.item() / topo.dp
 
 

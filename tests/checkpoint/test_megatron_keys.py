@@ -52,7 +52,7 @@ def _tp_rule_matches_attributes(rank, world):
     checked = 0
     for style in (GPT2_STYLE, LLAMA_STYLE):
         cfg = tiny_config(tp=world, style=style).model
-        for name, p in GPTModel(cfg, context(topo.tp_group)).named_parameters():
+        for name, p in GPTModel(cfg, context(topo.group("tp"))).named_parameters():
             split = getattr(p, "tensor_model_parallel", False)
             attrs = (p.partition_dim, p.partition_stride) if split else None
             assert tp_partition(name, cfg.swiglu) == attrs, name

@@ -85,7 +85,7 @@ def _save_tp1(rank, world, path):
 
 def _full(param, topo):
     parts = [torch.empty_like(param) for _ in range(topo.tp)]
-    torch.distributed.all_gather(parts, param.detach().contiguous(), group=topo.tp_group)
+    torch.distributed.all_gather(parts, param.detach().contiguous(), group=topo.group("tp"))
     return torch.cat(parts)
 
 

@@ -69,7 +69,7 @@ def full_logits(state, tokens):
         return None
     if topo.tp > 1:
         parts = [torch.empty_like(out) for _ in range(topo.tp)]
-        dist.all_gather(parts, out.contiguous(), group=topo.tp_group)
+        dist.all_gather(parts, out.contiguous(), group=topo.group("tp"))
         out = torch.cat(parts, dim=-1)
     return out.transpose(0, 1)  # [b, s, V]
 

@@ -49,7 +49,7 @@ def _parallel_one(full_logits, target, weights, group, r, tp, label_smoothing=0.
 def _check_cross_entropy(rank, world, tp, fused=False):
     _parallel = functools.partial(_parallel_one, fused=fused)
     topo = build_topology(tp=tp)
-    group, r = topo.tp_group, topo.tp_rank
+    group, r = topo.group("tp"), topo.tp_rank
     padded = -(-REAL_VOCAB // tp) * tp
     target = torch.randint(0, REAL_VOCAB, (S, B), generator=torch.Generator().manual_seed(1))
     weights = rand(2, S, B)  # a non-uniform upstream gradient, like a loss mask / token count

@@ -34,7 +34,7 @@ def _train_reference(steps, clip):
 
 def _train_dp(topo, dist_opt, overlap, steps, clip):
     """This DP rank's slice of the batch in MICRO_BATCHES micro-batches, earlier ones under no_sync."""
-    model = DistributedDataParallel(ToyMLP(HIDDEN), dp_group=topo.dp_group, bucket_size=40,
+    model = DistributedDataParallel(ToyMLP(HIDDEN), dp_group=topo.group("dp"), bucket_size=40,
                                     overlap_grad_reduce=overlap, use_distributed_optimizer=dist_opt)
     assert len(model.buckets) >= 4, "the toy model should span several buckets"
     cls = DistributedOptimizer if dist_opt else MixedPrecisionOptimizer
@@ -99,7 +99,7 @@ def _train_tp_block(topo, tp_group, dist_opt, overlap, clip):
     if tp_group is None:
         model, opt = block, MixedPrecisionOptimizer(block, lr=0.05, clip_grad=clip)
     else:
-        model = DistributedDataParallel(block, dp_group=topo.dp_group, bucket_size=50,
+        model = DistributedDataParallel(block, dp_group=topo.group("dp"), bucket_size=50,
                                         overlap_grad_reduce=overlap, use_distributed_optimizer=dist_opt)
         cls = DistributedOptimizer if dist_opt else MixedPrecisionOptimizer
         opt = cls([model], topology=topo, lr=0.05, clip_grad=clip)
@@ -124,7 +124,7 @@ def _tp_sp_dp_matches_one_process(rank, world):
     reference, _, _, _ = _train_tp_block(topo, None, False, False, clip)
     assert reference[0][1] > clip
     for dist_opt, overlap in LAYOUTS:
-        history, block, tp, tp_rank = _train_tp_block(topo, topo.tp_group, dist_opt, overlap, clip)
+        history, block, tp, tp_rank = _train_tp_block(topo, topo.group("tp"), dist_opt, overlap, clip)
         for (params, norm), (ref_params, ref_norm) in zip(history, reference):
             assert abs(norm - ref_norm) < 1e-10, (dist_opt, overlap, norm, ref_norm)
             for name, value in params.items():
@@ -141,8 +141,8 @@ def test_tp2_sequence_parallel_dp2_matches_one_process_in_every_layout():
 def _sp_grads_need_the_finalize_step(rank, world):
     """Without step 2 of finalize the SP-replicated grads are partial: the test above can fail."""
     topo = build_topology(tp=2, pp=1)
-    block = ToyTPBlock(HIDDEN, tp_group=topo.tp_group)
-    model = DistributedDataParallel(block, dp_group=topo.dp_group)
+    block = ToyTPBlock(HIDDEN, tp_group=topo.group("tp"))
+    model = DistributedDataParallel(block, dp_group=topo.group("dp"))
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(SEQ // 2, BATCH, HIDDEN, dtype=torch.float64, generator=gen)
     model(x).sum().backward()
@@ -159,7 +159,7 @@ def _tied_embedding(rank, world):
     topo = build_topology(tp=1, pp=2)
     module = torch.nn.Linear(3, 2, bias=False, dtype=torch.float64)
     module.weight.shared_embedding = True
-    model = DistributedDataParallel(module, dp_group=topo.dp_group, use_distributed_optimizer=True)
+    model = DistributedDataParallel(module, dp_group=topo.group("dp"), use_distributed_optimizer=True)
     opt = DistributedOptimizer([model], topology=topo, lr=0.1, clip_grad=0.0)
     module.weight.main_grad.fill_(1.0 + topo.pp_rank)  # stage 0 holds 1, stage 1 holds 2
     finalize_model_grads([model], topology=topo)
@@ -254,8 +254,8 @@ def _3d_matches_one_process(rank, world):
     mine = (slice(None), slice(topo.dp_rank * b, (topo.dp_rank + 1) * b))
     x, y = x[mine].chunk(topo.tp, 0)[topo.tp_rank], y[mine].chunk(topo.tp, 0)[topo.tp_rank]
     for dist_opt, overlap in LAYOUTS:
-        stage = _Stage(topo.pp_rank, topo.tp_group)
-        model = DistributedDataParallel(stage, dp_group=topo.dp_group, bucket_size=60,
+        stage = _Stage(topo.pp_rank, topo.group("tp"))
+        model = DistributedDataParallel(stage, dp_group=topo.group("dp"), bucket_size=60,
                                         overlap_grad_reduce=overlap, use_distributed_optimizer=dist_opt)
         cls = DistributedOptimizer if dist_opt else MixedPrecisionOptimizer
         opt = cls([model], topology=topo, lr=0.05, clip_grad=clip)

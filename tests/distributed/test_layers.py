@@ -55,7 +55,7 @@ def reference_linear(in_size, out_size, seed):
 
 
 def _check_column(topo, sp, stride, gather_output):
-    group, r, tp = topo.tp_group, topo.tp_rank, topo.tp
+    group, r, tp = topo.group("tp"), topo.tp_rank, topo.tp
     in_size, out_size, seed = 16, 24, 11
     layer = ColumnParallelLinear(in_size, out_size, tp_group=group, sequence_parallel=sp, stride=stride,
                                  gather_output=gather_output, init_method=seeded_init(seed),
@@ -91,7 +91,7 @@ def _check_column(topo, sp, stride, gather_output):
 
 
 def _check_row(topo, sp, input_is_parallel):
-    group, r, tp = topo.tp_group, topo.tp_rank, topo.tp
+    group, r, tp = topo.group("tp"), topo.tp_rank, topo.tp
     in_size, out_size, seed = 24, 16, 21
     layer = RowParallelLinear(in_size, out_size, tp_group=group, sequence_parallel=sp,
                               input_is_parallel=input_is_parallel, init_method=seeded_init(seed),
@@ -126,7 +126,7 @@ def _check_row(topo, sp, input_is_parallel):
 
 
 def _check_skip_bias_add(topo):
-    group = topo.tp_group
+    group = topo.group("tp")
     col = ColumnParallelLinear(16, 24, tp_group=group, skip_bias_add=True, params_dtype=F64)
     row = RowParallelLinear(24, 16, tp_group=group, skip_bias_add=True, params_dtype=F64)
     x = rand(5, S, B, 16)
@@ -141,7 +141,7 @@ def _check_skip_bias_add(topo):
 
 
 def _check_embedding(topo, real_vocab):
-    group, r, tp = topo.tp_group, topo.tp_rank, topo.tp
+    group, r, tp = topo.group("tp"), topo.tp_rank, topo.tp
     padded = -(-real_vocab // tp) * tp  # the model pads the vocabulary to a multiple of TP
     hidden, seed = 8, 31
     if padded != real_vocab:
@@ -189,7 +189,7 @@ def test_parallel_layers_equal_single_process(tp):
 def _check_stride_two_holds_gate_and_up(rank, world):
     topo = build_topology(tp=world)
     ffn = 8
-    fc1 = ColumnParallelLinear(6, 2 * ffn, tp_group=topo.tp_group, stride=2, bias=False,
+    fc1 = ColumnParallelLinear(6, 2 * ffn, tp_group=topo.group("tp"), stride=2, bias=False,
                                init_method=seeded_init(5), params_dtype=F64)
     full = torch.empty(2 * ffn, 6, dtype=F64)
     seeded_init(5)(full)
@@ -207,7 +207,7 @@ def test_stride_two_rank_holds_its_gate_then_its_up_rows():
 def _check_default_init_is_sharded_single_process_init(rank, world):
     topo = build_topology(tp=world)
     torch.manual_seed(1234)  # same default stream on every TP rank, as model_parallel_seed sets it
-    col = ColumnParallelLinear(8, 16, tp_group=topo.tp_group)
+    col = ColumnParallelLinear(8, 16, tp_group=topo.group("tp"))
     torch.manual_seed(1234)
     single = ColumnParallelLinear(8, 16, tp_group=None)
     assert col.weight.dtype == torch.float32

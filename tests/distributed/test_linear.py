@@ -20,7 +20,7 @@ F64 = torch.float64
 
 def _saved_shapes_under_sp(rank, world):
     topo = build_topology(tp=world)
-    layer = ColumnParallelLinear(16, 8 * world, tp_group=topo.tp_group, sequence_parallel=True,
+    layer = ColumnParallelLinear(16, 8 * world, tp_group=topo.group("tp"), sequence_parallel=True,
                                  params_dtype=F64)
     x = torch.randn(4, 2, 16, dtype=F64, requires_grad=True)  # [s/tp, b, in]
     shapes = []
@@ -43,12 +43,12 @@ def test_sequence_parallel_saves_the_sharded_input_not_the_gathered_one():
 
 def _fusion_equals_plain_grads(rank, world, fusion, overlap):
     topo = build_topology(tp=2, pp=1)
-    dp_group = topo.dp_group
+    dp_group = topo.group("dp")
     torch.manual_seed(0)
     chunk = torch.nn.Sequential()
-    chunk.add_module("col", ColumnParallelLinear(16, 32, tp_group=topo.tp_group, params_dtype=F64,
+    chunk.add_module("col", ColumnParallelLinear(16, 32, tp_group=topo.group("tp"), params_dtype=F64,
                                                  gradient_accumulation_fusion=fusion))
-    chunk.add_module("row", RowParallelLinear(32, 16, tp_group=topo.tp_group, params_dtype=F64,
+    chunk.add_module("row", RowParallelLinear(32, 16, tp_group=topo.group("tp"), params_dtype=F64,
                                               gradient_accumulation_fusion=fusion))
     ddp = DistributedDataParallel(chunk, dp_group=dp_group, overlap_grad_reduce=overlap, bucket_size=200)
     x = torch.randn(8, 2, 16, dtype=F64, generator=torch.Generator().manual_seed(topo.dp_rank))

@@ -40,17 +40,17 @@ def _draw_masks(rank, world, tp, pp):
     outside_2 = dropout_mask()
     masks = torch.stack([outside_1, inside, outside_2]).to(torch.uint8)
 
-    tp_masks = all_gather(masks, topo.tp_group)
+    tp_masks = all_gather(masks, topo.group("tp"))
     for other in tp_masks:
         assert torch.equal(other[0], masks[0]) and torch.equal(other[2], masks[2]), "outside fork"
     for i in range(tp):
         for j in range(i + 1, tp):
             assert not torch.equal(tp_masks[i][1], tp_masks[j][1]), "inside fork, TP ranks must differ"
     if pp > 1:
-        pp_masks = all_gather(masks, topo.pp_group)
+        pp_masks = all_gather(masks, topo.group("pp"))
         assert not torch.equal(pp_masks[0][0], pp_masks[1][0]), "pipeline stages must differ"
     if topo.dp > 1:  # DP replicas share every stream (Megatron's default)
-        for other in all_gather(masks, topo.dp_group):
+        for other in all_gather(masks, topo.group("dp")):
             assert torch.equal(other, masks)
     return masks
 

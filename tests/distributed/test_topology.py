@@ -2,12 +2,12 @@ import pytest
 import torch.distributed as dist
 
 from megafab.distributed.topology import (
-    GROUP_KINDS,
+    GROUP_AXES,
     Layout,
     TopologyError,
     all_group_ranks,
     build_topology,
-    grid_rank,
+    group_name,
 )
 from megafab.run.launch import first_slurm_host, read_launch_env
 from tests.harness import RankFailure, RankTimeout, run_ranks
@@ -16,6 +16,10 @@ from tests.harness import RankFailure, RankTimeout, run_ranks
 def factorizations(world):
     return [(tp, pp) for tp in range(1, world + 1) for pp in range(1, world + 1)
             if world % (tp * pp) == 0]
+
+
+def grid_rank(tp_rank, dp_rank, pp_rank, tp, dp):
+    return tp_rank + tp * (dp_rank + dp * pp_rank)
 
 
 def _groups_of_every_layout(rank, world):
@@ -29,10 +33,11 @@ def _groups_of_every_layout(rank, world):
         assert topo.group_ranks["tp"] == [grid_rank(i, d, p, tp, dp) for i in range(tp)]
         assert topo.group_ranks["dp"] == [grid_rank(t, i, p, tp, dp) for i in range(dp)]
         assert topo.group_ranks["pp"] == [grid_rank(t, d, i, tp, dp) for i in range(pp)]
-        kinds = ("tp", "dp", "pp", "mp") + (("embedding",) if p in (0, pp - 1) else ())
         assert topo.is_in_embedding_group == (p in (0, pp - 1))
-        for kind in kinds:
-            group = getattr(topo, f"{kind}_group")
+        groups = {kind: topo.group(*kind.split("-")) for kind in ("tp", "dp", "pp", "tp-pp")}
+        if p in (0, pp - 1):
+            groups["embedding"] = topo.embedding_group()
+        for kind, group in groups.items():
             assert dist.get_process_group_ranks(group) == topo.group_ranks[kind], kind
             assert dist.get_world_size(group) == len(topo.group_ranks[kind])
         assert topo.is_first_stage == (p == 0) and topo.is_last_stage == (p == pp - 1)
@@ -41,7 +46,7 @@ def _groups_of_every_layout(rank, world):
         # Real traffic: a sum over the TP group equals the sum of its members' ranks.
         import torch
         x = torch.tensor([float(rank)])
-        dist.all_reduce(x, group=topo.tp_group)
+        dist.all_reduce(x, group=topo.group("tp"))
         assert x.item() == sum(topo.group_ranks["tp"])
         seen[(tp, pp)] = (t, d, p)
     return seen
@@ -135,7 +140,7 @@ def test_every_group_is_the_ranks_that_agree_on_the_other_axes(world):
         assert all(layout.rank(**c) == r for r, c in enumerate(coords))
         assert all(r == c["tp"] + tp * (c["cp"] + cp * (c["dp"] + layout.dp * c["pp"]))
                    for r, c in enumerate(coords))
-        for axes in GROUP_KINDS.values():
+        for axes in GROUP_AXES:
             groups = layout.groups(*axes)
             assert sorted(r for g in groups for r in g) == list(range(world))  # a partition
             for g in groups:
@@ -147,11 +152,11 @@ def test_every_group_is_the_ranks_that_agree_on_the_other_axes(world):
 def test_cp_groups_of_an_8_rank_tp2_cp2_pp2_grid():
     groups = all_group_ranks(8, tp=2, pp=2, cp=2)
     assert groups["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert groups["tp_cp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert groups["dp"] == [[0], [1], [2], [3], [4], [5], [6], [7]]
-    assert groups["dp_cp"] == groups["cp"]
+    assert groups["cp-dp"] == groups["cp"]
+    assert groups["tp-cp-dp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert groups["pp"][:2] == [[0, 4], [1, 5]]
-    assert groups["mp"] == [[0, 1, 4, 5], [2, 3, 6, 7]]  # tp-pp: CP replicas are not in it
+    assert groups["tp-pp"] == [[0, 1, 4, 5], [2, 3, 6, 7]]  # CP replicas are not in it
 
 
 def test_layout_with_cp_that_does_not_divide_the_world_is_refused_by_name():
@@ -167,18 +172,32 @@ def _cp_groups(rank, world, tp, cp, pp):
     assert topo.cp_rank == layout.coords(rank)["cp"] and topo.dp == layout.dp
     import torch
 
-    for kind, axes in GROUP_KINDS.items():
+    for axes in GROUP_AXES:
         group = topo.group(*reversed(axes))
-        assert group is getattr(topo, f"{kind}_group")
-        assert dist.get_process_group_ranks(group) == layout.group_of(rank, *axes), kind
+        mine = next(g for g in layout.groups(*axes) if rank in g)
+        assert group is topo.group(*axes)
+        assert dist.get_process_group_ranks(group) == mine == topo.group_ranks[group_name(axes)]
         x = torch.tensor([float(rank)])
         dist.all_reduce(x, group=group)
-        assert x.item() == sum(layout.group_of(rank, *axes))
-    assert topo.group("ep", "dp", "cp") is topo.dp_cp_group  # ep is an axis of size 1
-    return topo.describe()
+        assert x.item() == sum(mine)
+    assert topo.group("ep", "dp", "cp") is topo.group("dp", "cp")  # ep is an axis of size 1
+    return f"cp {topo.cp_rank}/{topo.cp}"
 
 
 @pytest.mark.parametrize("tp,cp,pp", [(2, 2, 2), (1, 2, 2), (1, 4, 1)])
 def test_groups_by_axis_names_are_real_process_groups(tp, cp, pp):
     described = run_ranks(_cp_groups, 8, tp, cp, pp, timeout=120)
     assert f"cp 1/{cp}" in described[tp]
+
+
+def test_groups_are_looked_up_by_axis_names_only():
+    """No module reads a group as a topology attribute (topo.dp_group, ...): topo.group(*axes) is
+    the one accessor, so a layout's groups are named in one way everywhere."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[2] / "megafab"
+    attribute = re.compile(r"\b(topo|topology)\.(?!is_in_embedding_group\b)\w+_group\b(?!\()")
+    reads = [f"{path.relative_to(root)}:{n}" for path in root.rglob("*.py")
+             for n, line in enumerate(path.read_text().splitlines(), 1) if attribute.search(line)]
+    assert reads == []

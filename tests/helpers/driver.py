@@ -69,7 +69,7 @@ def train_and_compare(state, samples, reference, gbs, min_norm: float = 0.0) -> 
     """STEPS driver steps; after each, the grad norm and every parameter equal the reference's
     (1e-10), and the reference norm exceeds `min_norm` (clipping binds). Returns the last loss."""
     cfg, topo = state.cfg, state.topology
-    tp_group = topo.tp_group if topo.tp > 1 else None
+    tp_group = topo.group("tp") if topo.tp > 1 else None
     for step in range(STEPS):
         data = micro_batches(samples, step * gbs, topo.dp_rank, topo.dp, cfg.training.num_micro_batches)
         metrics = train_step(state, data)

@@ -13,7 +13,7 @@ from tests.model.tiny import batch, context, tiny_config
 def _run(topo, cfg, sp, seed=1234):
     tracker = RNGStatesTracker("cpu")
     model_parallel_seed(seed, topo.tp_rank, topo.pp_rank, torch.device("cpu"), tracker)
-    model = GPTModel(cfg, context(topo.tp_group, sp, tracker=tracker))
+    model = GPTModel(cfg, context(topo.group("tp"), sp, tracker=tracker))
     tokens, labels, mask = batch(cfg)
     loss = masked_mean_loss(model(tokens, labels=labels), mask)
     loss.backward()
@@ -32,7 +32,7 @@ def _dropout_checks(rank, world):
         # The loss is a TP-reduced quantity: every TP rank must agree on it, which fails if
         # ranks drew different masks on replicated (non-SP) residual tensors.
         losses = [None] * world
-        dist.all_gather_object(losses, first[0], group=topo.tp_group)
+        dist.all_gather_object(losses, first[0], group=topo.group("tp"))
         assert max(losses) - min(losses) < 1e-12, losses
 
     # Inside a TP region masks differ per rank; on replicated tensors they agree.
@@ -43,7 +43,7 @@ def _dropout_checks(rank, world):
     with tracker.fork():
         inside = torch.nn.functional.dropout(ones, 0.5)
     masks = [torch.empty(2, 64, dtype=torch.float64) for _ in range(world)]
-    dist.all_gather(masks, torch.stack([outside, inside]), group=topo.tp_group)
+    dist.all_gather(masks, torch.stack([outside, inside]), group=topo.group("tp"))
     assert all(torch.equal(m[0], masks[0][0]) for m in masks)
     assert not torch.equal(masks[0][1], masks[1][1])
     return True

@@ -38,7 +38,7 @@ def _pipeline_parity(rank, world, layouts):
         cfg = tiny_config(tp=tp, pp=pp, style=style).model
         batches = [batch(cfg, seed=i) for i in range(MICRO_BATCHES)]
         ref_loss, ref_grads = _reference(cfg, batches)
-        tp_group = topo.tp_group if tp > 1 else None
+        tp_group = topo.group("tp") if tp > 1 else None
         chunks = build_model_chunks(cfg, context(tp_group, sp), pp, topo.pp_rank, vpp)
         schedule = get_forward_backward_func(pp, vpp)
         logs = schedule(
@@ -56,7 +56,7 @@ def _pipeline_parity(rank, world, layouts):
             for name, p in chunk.named_parameters():
                 ref_name = WORD_EMBEDDING if name == "output_layer.weight" and \
                     not cfg.untie_embeddings_and_output_weights else name
-                err = (full_grad(p, topo.tp_group if tp > 1 else None) - ref_grads[ref_name]).abs().max()
+                err = (full_grad(p, topo.group("tp") if tp > 1 else None) - ref_grads[ref_name]).abs().max()
                 assert err < 1e-10, (tp, pp, vpp, sp, name, err.item())
                 compared += 1
         results.append(compared)

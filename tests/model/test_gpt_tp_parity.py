@@ -37,8 +37,8 @@ def _tp_parity(rank, world):
         tokens, labels, mask = batch(cfg)
         ref_loss, ref_grads = loss_and_grads(reference_model(cfg), tokens, labels, mask)
         for sp in ([False, True] if world > 1 else [False]):
-            model = GPTModel(cfg, context(topo.tp_group, sp))
-            loss, grads = loss_and_grads(model, tokens, labels, mask, topo.tp_group)
+            model = GPTModel(cfg, context(topo.group("tp"), sp))
+            loss, grads = loss_and_grads(model, tokens, labels, mask, topo.group("tp"))
             assert abs(loss - ref_loss) < 1e-10, (style_name, sp, loss, ref_loss)
             assert grads.keys() == ref_grads.keys()
             for name, g in grads.items():

@@ -174,7 +174,7 @@ def _qk_layernorm_tp(rank, world):
         masked_mean_loss(ref(tokens, labels=labels), mask).backward()
         ref_params = dict(ref.named_parameters())
         for sp in (False, True):
-            model = GPTModel(cfg, context(topo.tp_group, sp))
+            model = GPTModel(cfg, context(topo.group("tp"), sp))
             with torch.no_grad():
                 for name, p in model.named_parameters():
                     if "q_layernorm" in name or "k_layernorm" in name:
@@ -182,7 +182,7 @@ def _qk_layernorm_tp(rank, world):
             masked_mean_loss(model(tokens, labels=labels), mask).backward()
             finalize_model_grads([model], topology=topo, sequence_parallel=sp)
             for name, p in model.named_parameters():
-                err = (full_grad(p, topo.tp_group) - ref_params[name].grad).abs().max().item()
+                err = (full_grad(p, topo.group("tp")) - ref_params[name].grad).abs().max().item()
                 assert err < 1e-10, (sp, name, err)
             out.append(sum("q_layernorm" in n for n, _ in model.named_parameters()))
     return out

@@ -104,11 +104,11 @@ def _tp_sp_recompute(rank, world):
         reference = (ref_loss.detach(), {n: p.grad for n, p in ref_model.named_parameters()})
         for name, settings in SETTINGS.items():
             cfg = tiny_config(tp=world, style=style, **settings).model
-            _assert_same(_seeded_run(cfg, topo.tp_group, True, topo.tp_rank), reference, 1e-10, name)
+            _assert_same(_seeded_run(cfg, topo.group("tp"), True, topo.tp_rank), reference, 1e-10, name)
             with_dropout = tiny_config(tp=world, style=style, **DROPOUT, **settings).model
-            baseline = _seeded_run(tiny_config(tp=world, style=style, **DROPOUT).model, topo.tp_group, True,
-                                   topo.tp_rank)
-            _assert_same(_seeded_run(with_dropout, topo.tp_group, True, topo.tp_rank), baseline, 0,
+            baseline = _seeded_run(tiny_config(tp=world, style=style, **DROPOUT).model, topo.group("tp"),
+                                   True, topo.tp_rank)
+            _assert_same(_seeded_run(with_dropout, topo.group("tp"), True, topo.tp_rank), baseline, 0,
                          name + " dropout")
             checked.append(name)
     return checked

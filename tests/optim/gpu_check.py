@@ -27,7 +27,7 @@ def main():
     topo = build_topology()
     assert topo.device.type == "cuda", topo.device
     model = DistributedDataParallel(ToyMLP(64, layers=3, dtype=torch.bfloat16).to(topo.device),
-                                    dp_group=topo.dp_group, bucket_size=2000, overlap_grad_reduce=True,
+                                    dp_group=topo.group("dp"), bucket_size=2000, overlap_grad_reduce=True,
                                     use_distributed_optimizer=True, average_in_collective=True)
     opt = DistributedOptimizer([model], topology=topo, lr=1e-2, overlap_param_gather=True)
     x, y = (t.to(topo.device) for t in regression_batch(32, 64, dtype=torch.bfloat16))

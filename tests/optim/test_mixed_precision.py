@@ -24,7 +24,7 @@ from tests.optim.toy import ToyMLP, mse, regression_batch
 
 def _fp16_overflow_skips(rank, world):
     topo = build_topology()
-    model = DistributedDataParallel(ToyMLP(8, layers=1, dtype=torch.float16), dp_group=topo.dp_group,
+    model = DistributedDataParallel(ToyMLP(8, layers=1, dtype=torch.float16), dp_group=topo.group("dp"),
                                     bucket_size=20, use_distributed_optimizer=True)
     scaler = DynamicGradScaler(initial_scale=2.0 ** 10, growth_interval=2, hysteresis=2)
     opt = DistributedOptimizer([model], topology=topo, lr=1e-2, grad_scaler=scaler)
@@ -64,7 +64,7 @@ def test_fp16_model_without_a_loss_scaler_is_refused():
 
 def _bf16_trains(rank, world):
     topo = build_topology()
-    model = DistributedDataParallel(ToyMLP(16, layers=2, dtype=torch.bfloat16), dp_group=topo.dp_group,
+    model = DistributedDataParallel(ToyMLP(16, layers=2, dtype=torch.bfloat16), dp_group=topo.group("dp"),
                                     use_distributed_optimizer=True, overlap_grad_reduce=True,
                                     bucket_size=200)
     opt = DistributedOptimizer([model], topology=topo, lr=1e-2, overlap_param_gather=True)
@@ -131,7 +131,7 @@ def _resume(rank, world):
 
     def build(seed):
         model = DistributedDataParallel(ToyMLP(8, layers=2, dtype=torch.bfloat16, seed=seed),
-                                        dp_group=topo.dp_group, bucket_size=30,
+                                        dp_group=topo.group("dp"), bucket_size=30,
                                         use_distributed_optimizer=True)
         return model, DistributedOptimizer([model], topology=topo, lr=1e-2)
 
@@ -170,7 +170,7 @@ def test_distributed_optimizer_state_saves_and_resumes_bit_exact():
 
 def _memory(rank, world):
     topo = build_topology()
-    model = DistributedDataParallel(ToyMLP(128, layers=4, dtype=torch.bfloat16), dp_group=topo.dp_group,
+    model = DistributedDataParallel(ToyMLP(128, layers=4, dtype=torch.bfloat16), dp_group=topo.group("dp"),
                                     use_distributed_optimizer=True)
     opt = DistributedOptimizer([model], topology=topo, lr=1e-3)
     x, y = regression_batch(2 * world, 128, dtype=torch.bfloat16)

@@ -81,7 +81,7 @@ def _cp_parity(rank, world, tp, cp, pp, sp, dist_opt, comm, style, extra=None):
     state = driver_state(cfg, torch.float64)
     topo, model, optimizer = state.topology, state.model, state.optimizer
     assert (topo.cp, topo.dp) == (cp, dp)
-    tp_group = topo.tp_group if tp > 1 else None
+    tp_group = topo.group("tp") if tp > 1 else None
 
     optimizer.zero_grad()
     logs = run_schedule(state, _micro_batches(cfg, topo.dp_rank, dp, cfg.training.num_micro_batches),

@@ -52,9 +52,9 @@ def _cp_ranks_read_the_same_samples(rank, world):
     topo = build_topology(cp=2)
     train, _, _ = build_data_iterators(cfg, topo, consumed_train_samples=0)
     batch = next(train)
-    mine = get_batch_on_this_cp_rank(batch, topo.cp_group)
+    mine = get_batch_on_this_cp_rank(batch, topo.group("cp"))
     pieces = [torch.empty_like(mine["tokens"]) for _ in range(2)]
-    dist.all_gather(pieces, mine["tokens"].contiguous(), group=topo.cp_group)
+    dist.all_gather(pieces, mine["tokens"].contiguous(), group=topo.group("cp"))
     c = cfg.model.seq_length // 4  # CP rank r holds chunks r and 3 - r of 4
     whole = torch.cat([pieces[0][:, :c], pieces[1][:, :c], pieces[1][:, c:], pieces[0][:, c:]], dim=1)
     return topo.dp_rank, batch["tokens"], torch.equal(whole, batch["tokens"]), mine["position_ids"]

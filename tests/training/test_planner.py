@@ -37,7 +37,7 @@ def _tp_counts(rank, world):
     out = []
     for style in (GPT2_STYLE, LLAMA_STYLE):
         cfg = tiny_config(tp=world, style=style)
-        real = _count([GPTModel(cfg.model, context(topo.tp_group, dtype=torch.float32))])
+        real = _count([GPTModel(cfg.model, context(topo.group("tp"), dtype=torch.float32))])
         out.append((plan(cfg)[0].params, real))
     return out
 
