@@ -82,10 +82,10 @@ def build_model(cfg, topo: Topology, tracker, dtype: torch.dtype | None = None) 
                        gradient_accumulation_fusion=cfg.parallel.gradient_accumulation_fusion,
                        cp_group=topo.cp_group if topo.cp > 1 else None,
                        cp_comm_type=cfg.parallel.cp_comm_type)
-    chunks = build_model_chunks(cfg.model, ctx, topo.pp, topo.pp_rank,
-                                cfg.parallel.virtual_pipeline_model_parallel_size or 1,
-                                PipelineSplit.from_config(cfg))
     p = cfg.parallel
+    chunks = build_model_chunks(cfg.model, ctx, topo.pp, topo.pp_rank,
+                                p.virtual_pipeline_model_parallel_size or 1,
+                                PipelineSplit.from_config(cfg), on_meta=p.fully_sharded)
     if p.fully_sharded:
         return [fully_shard_chunk(cfg, topo, c) for c in chunks]
     bucket = p.ddp_bucket_size if p.overlap_grad_reduce or p.use_distributed_optimizer else None
@@ -99,9 +99,10 @@ def build_model(cfg, topo: Topology, tracker, dtype: torch.dtype | None = None) 
 
 
 def fully_shard_chunk(cfg, topo: Topology, chunk) -> FullyShardedDataParallel:
-    """ZeRO-3 of one GPT chunk: one FSDP2 unit per transformer layer, the chunk the root unit
-    (embedding, final norm, output layer). The shards are the fp32 masters of a bf16/fp16 model,
-    unless the optimizer is offloaded (then the host keeps the masters)."""
+    """ZeRO-3 of one GPT chunk built on the meta device: one FSDP2 unit per transformer layer, the
+    chunk the root unit (embedding, final norm, output layer); each rank's shards are filled one
+    part at a time. The shards are the fp32 masters of a bf16/fp16 model, unless the optimizer is
+    offloaded (then the host keeps the masters)."""
     dtype = next(chunk.parameters()).dtype
     low_precision = dtype in (torch.bfloat16, torch.float16)
     main = torch.float32 if low_precision and not cfg.optimizer.optimizer_cpu_offload else dtype
@@ -109,7 +110,8 @@ def fully_shard_chunk(cfg, topo: Topology, chunk) -> FullyShardedDataParallel:
     return FullyShardedDataParallel(chunk, mesh=data_parallel_mesh(topo),
                                     units=list(chunk.decoder.layers.values()), main_dtype=main,
                                     reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward,
-                                    reduce_dtype=reduce)
+                                    reduce_dtype=reduce, device=topo.device,
+                                    initialized_parts=chunk.initialized_parts)
 
 
 def build_optimizer(cfg, topo: Topology, model: list):

@@ -90,8 +90,13 @@ class StagePlan:
 
     @property
     def total_bytes(self) -> int:
-        """Device bytes at the peak."""
+        """Device bytes at the peak (the peak_phase's)."""
         return self.state_bytes + self.fsdp_transient_bytes + self.activation_peak_bytes
+
+    @property
+    def peak_phase(self) -> str:
+        """Where total_bytes is reached."""
+        return "training step (state + FSDP2 working set + activations)"
 
 
 def _norm_params(m) -> int:
