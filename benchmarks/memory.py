@@ -17,13 +17,13 @@ The planner columns are its weights+grads+optimizer and its activation peak for 
 resident memory per rank of DP 4 runs that save every iteration or load and continue, against no
 checkpoints; save time per rank at DP 1/2/4); benchmarks/README.md records them at 54M parameters.
 
---peaks: each rank's resident-set high-water mark (VmHWM) of FSDP2 and of the distributed
-optimizer at DP 8 (8 gloo processes, fp32, default 12 layers x hidden 768, vocab 8192: 91.5M
-parameters), per phase (build = model + optimizer; a few train steps; a checkpoint save; its load
-into the running state), minus the same phase of a tiny model's run (2 layers x hidden 64): the
-memory the model costs. Next to the bound of issue 26 (the sharded state, 16/8 bytes/param for
-FSDP2 and 8 + 12/8 for the distributed optimizer, plus four layers' fp32 parameters, +10%) and the
-planner's per-rank total (megafab.training.planner, kernels="cpu").
+--peaks: each rank's resident-set high-water mark (VmHWM) of FSDP2 and of the distributed optimizer
+at DP 8 (8 gloo processes, fp32, default 12 layers x hidden 768, vocab 8192: 91.5M parameters), per
+phase (build = model + optimizer; a few train steps; a checkpoint save; a resume: the state freed,
+built again and the checkpoint loaded into it), minus the same phase of a tiny model's run (2
+layers x hidden 64): the memory the model costs. Next to the bound of issue 26 (the sharded state,
+16/8 bytes/param for FSDP2 and 8 + 12/8 for the distributed optimizer, plus four layers' fp32
+parameters, +10%) and the planner's per-rank total (megafab.training.planner, kernels="cpu").
 
 --sharding adds the ZeRO-3 and offload rows (bf16 model, one step, rank 0): weights + grads +
 optimizer bytes per parameter per rank with FSDP2 at DP 1/2/4 next to ZeRO-3's 16/d and the
@@ -34,6 +34,7 @@ bytes per parameter next to the planner's (megafab.training.state_memory).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 
@@ -100,12 +101,16 @@ def main(argv=None):
                     help="only the DP 8 peak-RSS rows (FSDP2, distributed optimizer); give the model "
                          "size flags for another model than 12 x 768")
     ap.add_argument("--steps", type=int, default=2, help="train steps in --peaks")
+    ap.add_argument("--world", type=int, default=8, help="DP size (processes) in --peaks")
+    ap.add_argument("--engines", nargs="+", choices=list(PEAK_ENGINES), default=list(PEAK_ENGINES),
+                    help="the --peaks rows to run")
     args = ap.parse_args(argv)
     if args.peaks:
         size = ["--layers", "--hidden", "--heads", "--seq", "--vocab"]
         given = any(a.split("=")[0] in size for a in (argv if argv is not None else sys.argv[1:]))
         shape = (args.layers, args.hidden, args.heads, args.seq, args.vocab) if given else PEAK_SHAPE
-        peak_rows(shape, args.steps, args.timeout)
+        fixed_malloc_threshold()
+        peak_rows(shape, args.steps, args.timeout, args.world, args.engines)
         return
     base = gpt_flags(args.layers, args.hidden, args.heads, args.seq, args.batch, args.vocab)
     base += ["--bf16"] if args.bf16 else []
@@ -190,6 +195,19 @@ PEAK_ENGINES = {  # name: (flags, state bytes per parameter per rank at DP 8 for
 PHASES = ("build", "steps", "save", "load")
 
 
+MALLOC_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+
+
+def fixed_malloc_threshold() -> None:
+    """Re-run this script with glibc's mmap threshold fixed at 64 KiB, so every tensor buffer of
+    64 KiB or more is its own mapping, returned to the system when freed: the resident set then
+    follows the bytes alive. By default glibc raises the threshold to the largest block freed so
+    far (up to 32 MiB) and keeps later blocks in its heap, whose resident size stays at its own
+    high-water mark (measured: +45 MiB at DP 2 of a 3.4M-parameter model)."""
+    if any(os.environ.get(k) != v for k, v in MALLOC_THRESHOLD.items()):
+        os.execve(sys.executable, [sys.executable] + sys.argv, {**os.environ, **MALLOC_THRESHOLD})
+
+
 def _resident_peak_kib() -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
@@ -201,7 +219,8 @@ def _reset_resident_peak() -> None:
 
 
 def _phase_peaks(rank, world, flags, steps):
-    """VmHWM (KiB) of each phase of one rank: build, steps, checkpoint save, load."""
+    """VmHWM (KiB) of each phase of one rank: build, steps, checkpoint save, and a resume (build
+    again and load that checkpoint)."""
     from megafab.checkpoint.checkpointing import load_checkpoint, save_checkpoint
 
     peaks = {}
@@ -214,13 +233,14 @@ def _phase_peaks(rank, world, flags, steps):
     _reset_resident_peak()
     for _ in range(steps):
         train_step(state, data)
-        state.iteration += 1
     peaks["steps"] = _resident_peak_kib()
     _reset_resident_peak()
     save_checkpoint(state)
     peaks["save"] = _resident_peak_kib()
+    del state  # a resume: a fresh build (no optimizer state yet) that loads the checkpoint
+    gc.collect()
     _reset_resident_peak()
-    load_checkpoint(state)
+    load_checkpoint(build_state(flags, world_size=world))
     peaks["load"] = _resident_peak_kib()
     return peaks
 
@@ -232,7 +252,7 @@ def _peak_flags(shape, world: int, extra: list[str], save_dir: str) -> list[str]
     return flags
 
 
-def peak_rows(shape, steps: int, timeout: float, world: int = 8) -> None:
+def peak_rows(shape, steps: int, timeout: float, world: int, engines: list[str]) -> None:
     """The --peaks table (see the module docstring)."""
     import tempfile
 
@@ -245,7 +265,8 @@ def peak_rows(shape, steps: int, timeout: float, world: int = 8) -> None:
           f"micro-batch 1, {steps} steps; MiB; {load_average()}")
     print(f"{'engine':<10}" + "".join(f"{p:>8}" for p in PHASES) + f"{'max':>8}{'rank':>6}{'bound':>8}"
           f"{'planner':>9}{'ratio':>7}  planner's peak")
-    for name, (extra, per_param) in PEAK_ENGINES.items():
+    for name in engines:
+        extra, per_param = PEAK_ENGINES[name]
         rows = {}
         for which, size in (("tiny", TINY_SHAPE), ("model", shape)):
             with tempfile.TemporaryDirectory(prefix="megafab-peaks-") as save_dir:

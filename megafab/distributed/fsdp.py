@@ -102,11 +102,21 @@ def _mixed_precision(compute_dtype: torch.dtype, main_dtype: torch.dtype, reduce
                                 reduce_dtype=reduce if reduce != compute_dtype else None)
 
 
+def buffers_to_empty(module: nn.Module, device: torch.device) -> None:
+    """Allocate the meta-device buffers of `module` on `device`, uninitialized (fill_shards fills
+    them); what to_empty does, for a module whose parameters are already placed."""
+    for sub in module.modules():
+        for name, buffer in sub._buffers.items():
+            if buffer is not None and buffer.is_meta:
+                sub._buffers[name] = torch.empty_like(buffer, device=device)
+
+
 @torch.no_grad()
 def fill_shards(module: nn.Module, parts: Iterable[tuple[str, nn.Module]]) -> None:
-    """Copy this rank's shard of every parameter (and every buffer whole) of a sharded `module`
-    from `parts`: (name, initialized copy of submodule `name`), each dropped before the next is
-    built, so no more than one part's unsharded tensors exist at a time."""
+    """Copy this rank's shard of every parameter (the whole parameter when it is not a DTensor,
+    and every buffer whole) of `module` from `parts`: (name, initialized copy of submodule
+    `name`), each dropped before the next is built, so no more than one part's unsharded tensors
+    exist at a time."""
     targets = dict(module.named_parameters())
     targets.update(module.named_buffers())
     filled = set()
