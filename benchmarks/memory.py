@@ -17,6 +17,14 @@ The planner columns are its weights+grads+optimizer and its activation peak for 
 resident memory per rank of DP 4 runs that save every iteration or load and continue, against no
 checkpoints; save time per rank at DP 1/2/4); benchmarks/README.md records them at 54M parameters.
 
+--peaks: each rank's resident-set high-water mark (VmHWM) of FSDP2 and of the distributed optimizer
+at DP 8 (8 gloo processes, fp32, default 12 layers x hidden 768, vocab 8192: 91.5M parameters), per
+phase (build = model + optimizer; a few train steps; a checkpoint save; a resume: the state freed,
+built again and the checkpoint loaded into it), minus the same phase of a tiny model's run (2
+layers x hidden 64): the memory the model costs. Next to the bound of issue 26 (the sharded state,
+16/8 bytes/param for FSDP2 and 8 + 12/8 for the distributed optimizer, plus four layers' fp32
+parameters, +10%) and the planner's per-rank total (megafab.training.planner, kernels="cpu").
+
 --sharding adds the ZeRO-3 and offload rows (bf16 model, one step, rank 0): weights + grads +
 optimizer bytes per parameter per rank with FSDP2 at DP 1/2/4 next to ZeRO-3's 16/d and the
 planner's, and with optimizer CPU offload (FSDP2, distributed optimizer) the device-side and host
@@ -26,6 +34,7 @@ bytes per parameter next to the planner's (megafab.training.state_memory).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 
@@ -88,7 +97,21 @@ def main(argv=None):
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--checkpoint", action="store_true", help="also the checkpoint save/load rows")
     ap.add_argument("--sharding", action="store_true", help="only the ZeRO-3 (FSDP2) and offload rows")
+    ap.add_argument("--peaks", action="store_true",
+                    help="only the DP 8 peak-RSS rows (FSDP2, distributed optimizer); give the model "
+                         "size flags for another model than 12 x 768")
+    ap.add_argument("--steps", type=int, default=2, help="train steps in --peaks")
+    ap.add_argument("--world", type=int, default=8, help="DP size (processes) in --peaks")
+    ap.add_argument("--engines", nargs="+", choices=list(PEAK_ENGINES), default=list(PEAK_ENGINES),
+                    help="the --peaks rows to run")
     args = ap.parse_args(argv)
+    if args.peaks:
+        size = ["--layers", "--hidden", "--heads", "--seq", "--vocab"]
+        given = any(a.split("=")[0] in size for a in (argv if argv is not None else sys.argv[1:]))
+        shape = (args.layers, args.hidden, args.heads, args.seq, args.vocab) if given else PEAK_SHAPE
+        fixed_malloc_threshold()
+        peak_rows(shape, args.steps, args.timeout, args.world, args.engines)
+        return
     base = gpt_flags(args.layers, args.hidden, args.heads, args.seq, args.batch, args.vocab)
     base += ["--bf16"] if args.bf16 else []
     if args.sharding:
@@ -160,6 +183,106 @@ def sharding_rows(base: list[str], timeout: float) -> None:
         measured = device / params
         print(f"{name:<24}{measured:>9.3f}{planned_device:>9.3f}{measured / planned_device:>8.3f}"
               f"{'' if zero3 is None else f'{zero3:.3f}':>8}{host / params:>9.3f}{planned_host:>9.3f}")
+    print(f"after: {load_average()}")
+
+
+PEAK_SHAPE = (12, 768, 12, 64, 8192)  # layers, hidden, heads, seq, vocab: 91.5M parameters
+TINY_SHAPE = (2, 64, 4, 64, 128)
+PEAK_ENGINES = {  # name: (flags, state bytes per parameter per rank at DP 8 for the bound)
+    "FSDP2": (["--use-torch-fsdp2"], 16 / 8),
+    "dist-opt": (["--use-distributed-optimizer"], 8 + 12 / 8),
+}
+PHASES = ("build", "steps", "save", "load")
+
+
+MALLOC_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+
+
+def fixed_malloc_threshold() -> None:
+    """Re-run this script with glibc's mmap threshold fixed at 64 KiB, so every tensor buffer of
+    64 KiB or more is its own mapping, returned to the system when freed: the resident set then
+    follows the bytes alive. By default glibc raises the threshold to the largest block freed so
+    far (up to 32 MiB) and keeps later blocks in its heap, whose resident size stays at its own
+    high-water mark (measured: +45 MiB at DP 2 of a 3.4M-parameter model)."""
+    if any(os.environ.get(k) != v for k, v in MALLOC_THRESHOLD.items()):
+        os.execve(sys.executable, [sys.executable] + sys.argv, {**os.environ, **MALLOC_THRESHOLD})
+
+
+def _resident_peak_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+
+def _reset_resident_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := the current resident size
+
+
+def _phase_peaks(rank, world, flags, steps):
+    """VmHWM (KiB) of each phase of one rank: build, steps, checkpoint save, and a resume (build
+    again and load that checkpoint)."""
+    from megafab.checkpoint.checkpointing import load_checkpoint, save_checkpoint
+
+    peaks = {}
+    _reset_resident_peak()
+    state = build_state(flags, world_size=world)
+    peaks["build"] = _resident_peak_kib()
+    cfg = state.cfg
+    data = repeat_batch(synthetic_batch(cfg.training.micro_batch_size, cfg.model.seq_length,
+                                        cfg.model.vocab_size))
+    _reset_resident_peak()
+    for _ in range(steps):
+        train_step(state, data)
+    peaks["steps"] = _resident_peak_kib()
+    _reset_resident_peak()
+    save_checkpoint(state)
+    peaks["save"] = _resident_peak_kib()
+    del state  # a resume: a fresh build (no optimizer state yet) that loads the checkpoint
+    gc.collect()
+    _reset_resident_peak()
+    load_checkpoint(build_state(flags, world_size=world))
+    peaks["load"] = _resident_peak_kib()
+    return peaks
+
+
+def _peak_flags(shape, world: int, extra: list[str], save_dir: str) -> list[str]:
+    layers, hidden, heads, seq, vocab = shape
+    flags = gpt_flags(layers, hidden, heads, seq, 1, vocab) + extra + ["--save", save_dir, "--load", save_dir]
+    flags[flags.index("--global-batch-size") + 1] = str(world)
+    return flags
+
+
+def peak_rows(shape, steps: int, timeout: float, world: int, engines: list[str]) -> None:
+    """The --peaks table (see the module docstring)."""
+    import tempfile
+
+    from megafab.arguments import config_from_args
+    from megafab.training.planner import layer_params
+
+    mib = 2.0**20
+    print(f"Peak resident memory per rank above a tiny model's, DP {world} (gloo), fp32, layers "
+          f"{shape[0]}, hidden {shape[1]}, heads {shape[2]}, seq {shape[3]}, vocab {shape[4]}, "
+          f"micro-batch 1, {steps} steps; MiB; {load_average()}")
+    print(f"{'engine':<10}" + "".join(f"{p:>8}" for p in PHASES) + f"{'max':>8}{'rank':>6}{'bound':>8}"
+          f"{'planner':>9}{'ratio':>7}  planner's peak")
+    for name in engines:
+        extra, per_param = PEAK_ENGINES[name]
+        rows = {}
+        for which, size in (("tiny", TINY_SHAPE), ("model", shape)):
+            with tempfile.TemporaryDirectory(prefix="megafab-peaks-") as save_dir:
+                flags = _peak_flags(size, world, extra, save_dir)
+                rows[which] = run_ranks(_phase_peaks, world, flags, steps, timeout=timeout)
+        above = [{p: (big[p] - small[p]) * 1024 / mib for p in PHASES}
+                 for big, small in zip(rows["model"], rows["tiny"])]
+        worst = max(range(world), key=lambda r: max(above[r].values()))
+        cfg = config_from_args(_peak_flags(shape, world, extra, "/unused"), world_size=world)
+        stage = plan(cfg, kernels="cpu")[0]
+        params = stage.params
+        bound = 1.1 * (per_param * params + 4 * 4 * layer_params(cfg.model, 1)) / mib
+        measured, planned = max(above[worst].values()), stage.total_bytes / mib
+        print(f"{name:<10}" + "".join(f"{above[worst][p]:>8.0f}" for p in PHASES) + f"{measured:>8.0f}"
+              f"{worst:>6}{bound:>8.0f}{planned:>9.0f}{planned / measured:>7.2f}  {stage.peak_phase}",
+              flush=True)
     print(f"after: {load_average()}")
 
 

@@ -90,8 +90,9 @@ NO_EFFECT: dict[str, str] = {
                                              "AdamW (fused where torch has it)",
     "--overlap-cpu-optimizer-d2h-h2d": "megafab's optimizer CPU offload always overlaps its copies with "
                                        "the CPU step on CUDA (and has nothing to overlap on CPU)",
-    "--init-model-with-meta-device": "megafab initializes each rank's own shard directly; the full "
-                                     "model is never materialized on one rank",
+    "--init-model-with-meta-device": "always on with --use-torch-fsdp2 (Megatron: FSDP only): the model "
+                                     "is built on the meta device, each rank's shards filled one layer "
+                                     "at a time; DDP and the distributed optimizer hold every weight",
     "--use-dist-ckpt": "deprecated in Megatron-LM (see --ckpt-format); torch_dist is the default",
     "--ckpt-fully-parallel-save": "every rank writes only its own boxes of a torch_dist checkpoint",
     "--no-ckpt-fully-parallel-save": "every rank writes only its own boxes of a torch_dist checkpoint",

@@ -42,6 +42,23 @@ from megafab.distributed.mappings import all_gather_single, reduce_scatter_singl
 from megafab.errors import MegafabError
 from megafab.run import faults
 
+GLOO_SLICE = 1 << 20  # elements of each rank's shard per gloo reduce-scatter (4 MiB in fp32)
+
+
+def reduce_scatter_bucket(shard: torch.Tensor, data: torch.Tensor, op, group, async_op: bool):
+    """reduce_scatter_single(shard, data). gloo copies a reduce-scatter's whole input (a transient
+    of the bucket's size, the whole model with one bucket), so there a large bucket is reduced in
+    slices of GLOO_SLICE elements per rank, each finished before the next: the copy stays at
+    dp x GLOO_SLICE elements, the bytes sent are the same, and the result is returned done."""
+    per_rank = shard.numel()
+    if per_rank <= GLOO_SLICE or dist.get_backend(group) != "gloo":
+        return reduce_scatter_single(shard, data, op=op, group=group, async_op=async_op)
+    rows = data.view(-1, per_rank)  # row r: rank r's shard
+    for lo in range(0, per_rank, GLOO_SLICE):
+        hi = min(lo + GLOO_SLICE, per_rank)
+        reduce_scatter_single(shard[lo:hi], rows[:, lo:hi].reshape(-1), op=op, group=group)
+    return _Done()
+
 
 class DataParallelConfigError(MegafabError):
     """A data-parallel setting that cannot work; the message names the value and the fix."""
@@ -150,11 +167,15 @@ class DistributedDataParallel(nn.Module):
         use_distributed_optimizer: reduce-scatter instead of all-reduce, keep params in a buffer.
         average_in_collective: average with ReduceOp.AVG (NCCL) instead of pre-dividing by DP;
             falls back to pre-dividing on backends without AVG (gloo).
+        device: where the buffers live (default: the parameters' device); with the distributed
+            optimizer a chunk built on the meta device gets its parameters as views of the
+            param buffer, to be filled (megafab.distributed.fsdp.fill_shards).
     """
 
     def __init__(self, module: nn.Module, *, dp_group, grad_dtype: torch.dtype | None = None,
                  bucket_size: int | None = None, overlap_grad_reduce: bool = False,
-                 use_distributed_optimizer: bool = False, average_in_collective: bool = False):
+                 use_distributed_optimizer: bool = False, average_in_collective: bool = False,
+                 device: torch.device | None = None):
         super().__init__()
         self.module = module
         self.dp_group = dp_group
@@ -180,7 +201,7 @@ class DistributedDataParallel(nn.Module):
         self.buckets, self._offsets = plan_buckets(list(reversed(params)), self.dp, bucket_size,
                                                    use_distributed_optimizer)
         self.numel = self.buckets[-1].end
-        device = params[0].device
+        device = device or params[0].device
         self.grad_buffer = torch.zeros(self.numel, dtype=self.grad_dtype, device=device)
         self.param_buffer = None
         if use_distributed_optimizer:
@@ -207,7 +228,12 @@ class DistributedDataParallel(nn.Module):
                 hi = lo + p.numel()
                 self.param_to_bucket[p] = bucket
                 p.main_grad = self.grad_buffer[lo:hi].view(p.shape)
-                if self.param_buffer is not None:
+                if self.param_buffer is not None and p.is_meta:
+                    # a meta-built chunk: p becomes a view of the buffer, its values filled later
+                    attributes = dict(p.__dict__)
+                    torch.utils.swap_tensors(p, nn.Parameter(self.param_buffer[lo:hi].view(p.shape)))
+                    p.__dict__.update(attributes)
+                elif self.param_buffer is not None:
                     self.param_buffer[lo:hi].copy_(p.data.view(-1))
                     p.data = self.param_buffer[lo:hi].view(p.shape)
 
@@ -251,7 +277,7 @@ class DistributedDataParallel(nn.Module):
         if self.use_distributed_optimizer:
             lo, hi = bucket.shard_range(self.dp_rank)
             shard = self.grad_buffer[lo:hi]
-            bucket.handle = reduce_scatter_single(shard, data, op=op, group=self.dp_group, async_op=async_op)
+            bucket.handle = reduce_scatter_bucket(shard, data, op, self.dp_group, async_op)
         else:
             bucket.handle = dist.all_reduce(data, op=op, group=self.dp_group, async_op=async_op)
         if bucket.handle is None:

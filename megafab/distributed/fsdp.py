@@ -9,6 +9,13 @@ rank r keeps rows [r * c, (r + 1) * c) of its TP block, c = ceil(rows / dp), the
 (FSDP2 pads them internally). Before a group's forward FSDP2 all-gathers its parameters, after it
 (and after its backward) it frees them; gradients are reduce-scattered, averaged over DP.
 
+Built from the meta device (Megatron's --init-model-with-meta-device, always on here): the chunk
+is built on `meta` (no memory, no init), sharded, then `to_empty` allocates only this rank's
+shards, and `fill_shards` initializes them one part (one layer, or the embedding, ...) at a time:
+that part is built on the device with the same name-keyed init as a full build, this rank's rows
+are copied into its DTensor shards, and the part is freed. The values equal the non-sharded
+build's exactly, and no rank ever holds more than one part's unsharded parameters.
+
 Mixed precision as Megatron computes: the sharded parameters are kept in `main_dtype` (fp32 for a
 bf16/fp16 model: they are the fp32 master weights the optimizer steps), all-gathered in the model
 dtype (`MixedPrecisionPolicy.param_dtype`), gradients reduced and accumulated in fp32
@@ -41,7 +48,9 @@ exists only once it is imported, which is how `local_tensor` tells without impor
 from __future__ import annotations
 
 import contextlib
+import itertools
 import sys
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -93,12 +102,51 @@ def _mixed_precision(compute_dtype: torch.dtype, main_dtype: torch.dtype, reduce
                                 reduce_dtype=reduce if reduce != compute_dtype else None)
 
 
+def buffers_to_empty(module: nn.Module, device: torch.device) -> None:
+    """Allocate the meta-device buffers of `module` on `device`, uninitialized (fill_shards fills
+    them); what to_empty does, for a module whose parameters are already placed."""
+    for sub in module.modules():
+        for name, buffer in sub._buffers.items():
+            if buffer is not None and buffer.is_meta:
+                sub._buffers[name] = torch.empty_like(buffer, device=device)
+
+
+@torch.no_grad()
+def fill_shards(module: nn.Module, parts: Iterable[tuple[str, nn.Module]]) -> None:
+    """Copy this rank's shard of every parameter (the whole parameter when it is not a DTensor,
+    and every buffer whole) of `module` from `parts`: (name, initialized copy of submodule
+    `name`), each dropped before the next is built, so no more than one part's unsharded tensors
+    exist at a time."""
+    targets = dict(module.named_parameters())
+    targets.update(module.named_buffers())
+    filled = set()
+    for name, part in parts:
+        filled.update(_copy_shards(targets, name, part))
+        del part  # before the generator builds the next part
+    missing = sorted(set(targets) - filled)
+    assert not missing, f"no part initialized {missing}"
+
+
+def _copy_shards(targets: dict[str, torch.Tensor], name: str, part: nn.Module) -> list[str]:
+    keys = []
+    for key, full in itertools.chain(part.named_parameters(), part.named_buffers()):
+        key = f"{name}.{key}"
+        target = targets[key]
+        assert tuple(full.shape) == tuple(target.shape), (key, full.shape, target.shape)
+        lo, hi = shard_range(target)
+        local_tensor(target).view(-1).copy_(full.detach().reshape(-1)[lo:hi])
+        keys.append(key)
+    return keys
+
+
 class FullyShardedDataParallel(nn.Module):
     """Wraps a model chunk the way DistributedDataParallel does (same methods for the schedules,
     finalize_model_grads and the optimizers) but shards it with FSDP2; see the module docstring.
 
     Arguments:
-        module: the model chunk (built in the model dtype, every rank the same full TP block).
+        module: the model chunk in the model dtype, built on the meta device (then `device` and
+            `initialized_parts` fill this rank's shards, see fill_shards), or on the device (every
+            rank the same full TP block: tests and small models).
         mesh: the DP DeviceMesh (data_parallel_mesh(topology)).
         units: submodules that each become one FSDP2 group (the transformer layers).
         main_dtype: dtype the shards are stored in: fp32 masters for a bf16/fp16 model, the model
@@ -108,13 +156,18 @@ class FullyShardedDataParallel(nn.Module):
             optim_grads, ZeRO-2's communication).
         reduce_dtype: dtype gradients are reduced and accumulated in; None = fp32 (fp64 for an
             fp64 model); the model dtype with --grad-reduce-in-bf16.
+        device: where a meta-built chunk's shards live.
+        initialized_parts: for a meta-built chunk, yields (submodule name, that submodule built
+            and initialized on the device) one at a time, together covering every parameter and
+            buffer (GPTModel.initialized_parts).
     """
 
     is_fully_sharded = True
 
     def __init__(self, module: nn.Module, *, mesh, units: list[nn.Module],
                  main_dtype: torch.dtype | None = None, reshard_after_forward: bool = True,
-                 reduce_dtype: torch.dtype | None = None):
+                 reduce_dtype: torch.dtype | None = None, device: torch.device | None = None,
+                 initialized_parts: Callable[[], Iterable[tuple[str, nn.Module]]] | None = None):
         from torch.distributed.fsdp import fully_shard
 
         super().__init__()
@@ -128,13 +181,19 @@ class FullyShardedDataParallel(nn.Module):
         self.dp = mesh.size()
         attributes = {name: {a: getattr(p, a) for a in PARAM_ATTRIBUTES if hasattr(p, a)}
                       for name, p in module.named_parameters()}
+        on_meta = any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
+        assert not on_meta or (initialized_parts is not None and device is not None), \
+            "a chunk built on the meta device needs its device and initialized_parts"
         with torch.no_grad():
-            for p in params:
+            for p in params:  # free on the meta device; a whole-model copy otherwise
                 p.data = p.data.to(self.main_dtype)
         policy = _mixed_precision(self.compute_dtype, self.main_dtype, reduce_dtype)
         for unit in units:
             fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
         fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        if on_meta:
+            module.to_empty(device=device)  # this rank's shards (and the buffers), uninitialized
+            fill_shards(module, initialized_parts())
         for name, p in module.named_parameters():
             for attr, value in attributes[name].items():
                 setattr(p, attr, value)

@@ -8,6 +8,9 @@ state dict key means the same tensor in every pipeline layout.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -71,33 +74,67 @@ class GPTModel(nn.Module):
         self.pre_process, self.post_process = pre_process, post_process
         self.share_embeddings = not cfg.untie_embeddings_and_output_weights
         self.input_tensor = None
-        if pre_process:
-            self.embedding = Embedding(cfg, ctx)
-        self.rotary = None
-        if cfg.position_embedding_type == "rope":
-            self.rotary = RotaryEmbedding(cfg.kv_channels, cfg.rotary_percent, cfg.rotary_base, ctx.device)
+        self.first_layer, self.last_layer = first_layer, last_layer
         self.recompute = RecomputeSettings.from_model_config(cfg)
-        layer_cls = transformer_layer_class(cfg)  # local TransformerLayer or Transformer Engine's
-        self.decoder = nn.Module()
-        self.decoder.layers = nn.ModuleDict(
-            {str(i): layer_cls(cfg, ctx, i) for i in range(first_layer, last_layer)})
+        self.rotary = None
+        for name in self.part_names():
+            if name.startswith("decoder.") and not hasattr(self, "decoder"):
+                self._add_decoder()
+            parent, _, attr = name.rpartition(".")
+            setattr(self.get_submodule(parent), attr, self.build_part(name, ctx))
+        if not hasattr(self, "decoder"):
+            self._add_decoder()
         if getattr(cfg, "compile_layers", False):
             for layer in self.decoder.layers.values():
                 layer.compile()  # in place: parameter names (and checkpoints) stay unchanged
-        if post_process:
-            self.decoder.final_layernorm = build_norm(cfg, ctx)
-            if not (self.share_embeddings and pre_process):
-                # Untied, or the last stage's copy of a tied embedding (same name-seed: starts equal).
-                name = WORD_EMBEDDING if self.share_embeddings else OUTPUT_LAYER
-                self.output_layer = VocabParallelEmbedding(
-                    cfg.padded_vocab_size, cfg.hidden_size, tp_group=ctx.tp_group,
-                    params_dtype=ctx.params_dtype, device=ctx.device,
-                    init_method=normal_init(ctx.seed, name, cfg.init_method_std))
         if self.share_embeddings:
             for p in self.shared_embedding_params():
                 p.shared_embedding = True
         for p in self.embedding_or_output_params():
             p.is_embedding_or_output_parameter = True  # their own LR with --decoupled-lr
+
+    def _add_decoder(self) -> None:
+        """The container of the layers (registered after the embedding: parameter order matters)."""
+        self.decoder = nn.Module()
+        self.decoder.layers = nn.ModuleDict()
+
+    def part_names(self) -> list[str]:
+        """The submodules that together hold every parameter and buffer, in build order; each is
+        built (and initialized) by build_part on its own."""
+        names = ["embedding"] if self.pre_process else []
+        names += ["rotary"] if self.cfg.position_embedding_type == "rope" else []
+        names += [f"decoder.layers.{i}" for i in range(self.first_layer, self.last_layer)]
+        if self.post_process:
+            names.append("decoder.final_layernorm")
+            if not (self.share_embeddings and self.pre_process):
+                names.append("output_layer")
+        return names
+
+    def build_part(self, name: str, ctx: LayerContext) -> nn.Module:
+        """Part `name` (of part_names()) built and initialized in `ctx` (its device and seed)."""
+        cfg = self.cfg
+        if name == "embedding":
+            return Embedding(cfg, ctx)
+        if name == "rotary":
+            return RotaryEmbedding(cfg.kv_channels, cfg.rotary_percent, cfg.rotary_base, ctx.device)
+        if name.startswith("decoder.layers."):
+            # local TransformerLayer or Transformer Engine's
+            return transformer_layer_class(cfg)(cfg, ctx, int(name.rsplit(".", 1)[1]))
+        if name == "decoder.final_layernorm":
+            return build_norm(cfg, ctx)
+        assert name == "output_layer", name
+        # Untied, or the last stage's copy of a tied embedding (same name-seed: starts equal).
+        init_name = WORD_EMBEDDING if self.share_embeddings else OUTPUT_LAYER
+        return VocabParallelEmbedding(cfg.padded_vocab_size, cfg.hidden_size, tp_group=ctx.tp_group,
+                                      params_dtype=ctx.params_dtype, device=ctx.device,
+                                      init_method=normal_init(ctx.seed, init_name, cfg.init_method_std))
+
+    def initialized_parts(self):
+        """(name, part) for every part, each built and initialized on the chunk's device, one at a
+        time (a part is dropped before the next is built once the caller lets it go): how FSDP2
+        fills the shards of a chunk built on the meta device with the values of a full build."""
+        for name in self.part_names():
+            yield name, self.build_part(name, self.ctx)
 
     def embedding_or_output_params(self) -> list[nn.Parameter]:
         """Megatron's is_embedding_or_output_parameter: word embedding (first stage), output layer
@@ -162,16 +199,22 @@ class GPTModel(nn.Module):
 
 
 def build_model_chunks(cfg, ctx: LayerContext, pp: int = 1, pp_rank: int = 0, vpp: int = 1,
-                       split: PipelineSplit | None = None) -> list[GPTModel]:
+                       split: PipelineSplit | None = None, on_meta: bool = False) -> list[GPTModel]:
     """This pipeline rank's model chunks (one without interleaving). `split` places the layers
-    (uneven first/last stages, embedding/loss counted as layers); default: an even split."""
+    (uneven first/last stages, embedding/loss counted as layers); default: an even split.
+
+    on_meta: build every parameter and buffer on the meta device (no memory, no init); the chunks
+    still compute on ctx.device once filled (GPTModel.initialized_parts gives their values)."""
     split = split or PipelineSplit(cfg.num_layers, pp, vpp)
     assert (split.pp, split.vpp) == (pp, vpp), "the split was made for another pipeline layout"
+    build_ctx = dataclasses.replace(ctx, device=torch.device("meta")) if on_meta else ctx
     chunks = []
-    for c in range(vpp):
-        first, last = split.layer_range(pp_rank, c)
-        chunks.append(GPTModel(cfg, ctx, first, last, pre_process=(pp_rank == 0 and c == 0),
-                               post_process=(pp_rank == pp - 1 and c == vpp - 1)))
+    with torch.device("meta") if on_meta else contextlib.nullcontext():
+        for c in range(vpp):
+            first, last = split.layer_range(pp_rank, c)
+            chunks.append(GPTModel(cfg, build_ctx, first, last, pre_process=(pp_rank == 0 and c == 0),
+                                   post_process=(pp_rank == pp - 1 and c == vpp - 1)))
+    build_ctx.device = ctx.device  # the layers share this context: they compute on the real device
     return chunks
 
 

@@ -5,6 +5,9 @@ name). A pipeline stage therefore initializes its layers exactly as the single-p
 without drawing the other stages' weights first, and TP layers keep slices of the same full
 tensor. The tied output weight on the last stage takes the word embedding's name, so the two
 copies start equal with no communication.
+
+A model built on the meta device (FSDP2) draws nothing here: megafab.distributed.fsdp rebuilds it
+one part (a layer) at a time on the device with these same init methods and keeps each rank's shard.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ def normal_init(seed: int, name: str, std: float):
     """An init_method filling a full tensor with normal(0, std) from the (seed, name) stream."""
 
     def init(tensor: torch.Tensor) -> None:
+        if tensor.is_meta:  # a model built on the meta device has no values yet (FSDP2 fills them)
+            return
         gen = torch.Generator(device="cpu").manual_seed(name_seed(seed, name))
         with torch.no_grad():
             values = torch.empty(tensor.shape, dtype=torch.float64).normal_(0.0, std, generator=gen)

@@ -9,7 +9,12 @@ import torch.distributed as dist
 
 from megafab.config.derive import scheduler_samples
 from megafab.distributed.data_parallel import DistributedDataParallel
-from megafab.distributed.fsdp import FullyShardedDataParallel, data_parallel_mesh
+from megafab.distributed.fsdp import (
+    FullyShardedDataParallel,
+    buffers_to_empty,
+    data_parallel_mesh,
+    fill_shards,
+)
 from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
 from megafab.distributed.topology import Topology, initialize
 from megafab.errors import JobFault
@@ -83,26 +88,36 @@ def build_model(cfg, topo: Topology, tracker, dtype: torch.dtype | None = None) 
                        gradient_accumulation_fusion=cfg.parallel.gradient_accumulation_fusion,
                        cp_group=topo.group("cp") if topo.cp > 1 else None,
                        cp_comm_type=cfg.parallel.cp_comm_type)
-    chunks = build_model_chunks(cfg.model, ctx, topo.pp, topo.pp_rank,
-                                cfg.parallel.virtual_pipeline_model_parallel_size or 1,
-                                PipelineSplit.from_config(cfg))
     p = cfg.parallel
+    # FSDP2 shards a meta-built chunk; the distributed optimizer places it in its param buffer.
+    # Either then fills the values one part (layer) at a time: no second copy of the model.
+    on_meta = p.fully_sharded or p.use_distributed_optimizer
+    chunks = build_model_chunks(cfg.model, ctx, topo.pp, topo.pp_rank,
+                                p.virtual_pipeline_model_parallel_size or 1,
+                                PipelineSplit.from_config(cfg), on_meta=on_meta)
     if p.fully_sharded:
         return [fully_shard_chunk(cfg, topo, c) for c in chunks]
     bucket = p.ddp_bucket_size if p.overlap_grad_reduce or p.use_distributed_optimizer else None
     # fp32 main grads (fp64 for fp64 models), or the bf16 params' own dtype (--grad-reduce-in-bf16)
     grad_dtype = None if p.accumulate_allreduce_grads_in_fp32 else dtype
     # Gradients are averaged (and the distributed optimizer shards) over DP x CP, as Megatron's.
-    return [DistributedDataParallel(c, dp_group=topo.group("dp", "cp"), bucket_size=bucket,
-                                    grad_dtype=grad_dtype, overlap_grad_reduce=p.overlap_grad_reduce,
-                                    use_distributed_optimizer=p.use_distributed_optimizer)
-            for c in chunks]
+    wrapped = [DistributedDataParallel(c, dp_group=topo.group("dp", "cp"), bucket_size=bucket,
+                                       grad_dtype=grad_dtype, overlap_grad_reduce=p.overlap_grad_reduce,
+                                       use_distributed_optimizer=p.use_distributed_optimizer,
+                                       device=topo.device)
+               for c in chunks]
+    if on_meta:
+        for chunk in chunks:
+            buffers_to_empty(chunk, topo.device)
+            fill_shards(chunk, chunk.initialized_parts())
+    return wrapped
 
 
 def fully_shard_chunk(cfg, topo: Topology, chunk) -> FullyShardedDataParallel:
-    """ZeRO-3 of one GPT chunk: one FSDP2 unit per transformer layer, the chunk the root unit
-    (embedding, final norm, output layer). The shards are the fp32 masters of a bf16/fp16 model,
-    unless the optimizer is offloaded (then the host keeps the masters)."""
+    """ZeRO-3 of one GPT chunk built on the meta device: one FSDP2 unit per transformer layer, the
+    chunk the root unit (embedding, final norm, output layer); each rank's shards are filled one
+    part at a time. The shards are the fp32 masters of a bf16/fp16 model, unless the optimizer is
+    offloaded (then the host keeps the masters)."""
     dtype = next(chunk.parameters()).dtype
     low_precision = dtype in (torch.bfloat16, torch.float16)
     main = torch.float32 if low_precision and not cfg.optimizer.optimizer_cpu_offload else dtype
@@ -110,7 +125,8 @@ def fully_shard_chunk(cfg, topo: Topology, chunk) -> FullyShardedDataParallel:
     return FullyShardedDataParallel(chunk, mesh=data_parallel_mesh(topo),
                                     units=list(chunk.decoder.layers.values()), main_dtype=main,
                                     reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward,
-                                    reduce_dtype=reduce)
+                                    reduce_dtype=reduce, device=topo.device,
+                                    initialized_parts=chunk.initialized_parts)
 
 
 def build_optimizer(cfg, topo: Topology, model: list):

@@ -81,6 +81,7 @@ class StagePlan:
     forward_saved_bytes: int = 0  # what one micro-batch's forward leaves saved for its backward
     host_bytes: int = 0  # optimizer CPU offload: main params, Adam state and copy buffers on the host
     fsdp_transient_bytes: int = 0  # FSDP2: gathered weights and unsharded grads while in use
+    gather_transient_bytes: int = 0  # distributed optimizer: all-gather inputs after the step
     kv_exchange_bytes: int = 0  # context parallel: transient K/V exchange buffers (in the peak)
 
     @property
@@ -90,8 +91,19 @@ class StagePlan:
 
     @property
     def total_bytes(self) -> int:
-        """Device bytes at the peak."""
-        return self.state_bytes + self.fsdp_transient_bytes + self.activation_peak_bytes
+        """Device bytes at the peak (peak_phase says where). Building the model and loading a
+        checkpoint stay below it: they hold one layer unsharded at a time, and no activations."""
+        return self.state_bytes + self.fsdp_transient_bytes + max(self.activation_peak_bytes,
+                                                                  self.gather_transient_bytes)
+
+    @property
+    def peak_phase(self) -> str:
+        """Where total_bytes is reached."""
+        if self.gather_transient_bytes > self.activation_peak_bytes:
+            return "training step: state + the parameter all-gather after the optimizer step"
+        if self.fsdp_transient_bytes:
+            return "training step: state + FSDP2 working set + activations (backward)"
+        return "training step: state + activations (backward)"
 
 
 def _norm_params(m) -> int:
@@ -241,7 +253,8 @@ def in_flight_chunks(pp: int, vpp: int, pp_rank: int, micro_batches: int) -> int
 
 
 def plan(cfg, kernels: str = "flash") -> list[StagePlan]:
-    """One StagePlan per pipeline stage (every TP/DP rank of a stage holds the same amounts)."""
+    """One StagePlan per pipeline stage (every TP/DP rank of a stage holds the same amounts);
+    kernels="cpu": PyTorch's CPU kernels and gloo's collectives (state_memory)."""
     m, p, t, pr = cfg.model, cfg.parallel, cfg.training, cfg.precision
     pp, vpp, tp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1, \
         p.tensor_model_parallel_size
@@ -284,10 +297,11 @@ def plan(cfg, kernels: str = "flash") -> list[StagePlan]:
         peak = chunks * chunk_kept + (embed + rotary) * min(chunks, pp if pp > 1 else 1) \
             + max(logits + loss_backward, transient)
         peak += kv_exchange
-        state = state_bytes(cfg, params, largest_fsdp_unit(cfg, rank))
+        state = state_bytes(cfg, params, largest_fsdp_unit(cfg, rank), gloo=kernels == "cpu")
         out.append(StagePlan(
             pp_rank=rank, params=params, weights_bytes=state.weights, grads_bytes=state.grads,
             optimizer_bytes=state.optimizer, host_bytes=state.host, fsdp_transient_bytes=state.fsdp_transient,
+            gather_transient_bytes=state.gather_transient,
             activation_bytes_per_micro_batch=vpp * (chunk_kept + transient) + embed + rotary + logits,
             layer_activation_bytes=layer, logits_bytes=logits, in_flight=chunks / vpp,
             activation_peak_bytes=int(peak), kv_exchange_bytes=kv_exchange,
@@ -341,7 +355,9 @@ def format_plan(cfg, stages: list[StagePlan], mfu: float = 0.4, peak_tflops: flo
             f" x {st.in_flight:g} in flight"
             + (f" + K/V exchange {st.kv_exchange_bytes / 2**20:.1f} MiB" if st.kv_exchange_bytes else "")
             + f" = {st.activation_peak_bytes / gib:.2f} GiB"
-            f" | total {st.total_bytes / gib:.2f} GiB{fits}")
+            + (f" | all-gather inputs {st.gather_transient_bytes / gib:.2f} GiB"
+               if st.gather_transient_bytes else "")
+            + f" | total {st.total_bytes / gib:.2f} GiB at the {st.peak_phase}{fits}")
     model, hardware = iteration_flops(cfg)
     seconds = hardware / (p.world_size * peak_tflops * 1e12 * mfu)
     lines.append(f"  FLOPs/iteration: model {model:.3e}, with recompute {hardware:.3e}; at MFU {mfu:g} of "

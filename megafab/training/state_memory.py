@@ -23,10 +23,15 @@ buffer when the device grad is 16-bit (FSDP2, plain bf16 grads) and + e for the 
 
 FSDP2's working set (`fsdp_transient`, not at rest): the gathered weights of the unit in use and
 of the prefetched next one, 2 e U (U = the largest unit: a layer, or the root's embedding, final
-norm and output layer), and the unsharded gradient of a unit, 4 U; with more than one
-micro-batch the unsharded fp32 gradients of all units accumulate between micro-batches (gradient
-accumulation without communication), 4 P; without resharding after forward (ZeRO-2's
+norm and output layer), the unsharded gradient of a unit, 4 U, and the flat copy of it FSDP2
+reduce-scatters, 4 U (on gloo, which copies a reduce-scatter's input, once more 4 U); with more
+than one micro-batch the unsharded fp32 gradients of all units accumulate between micro-batches
+(gradient accumulation without communication), 4 P; without resharding after forward (ZeRO-2's
 communication) all gathered weights stay from forward to backward, e P.
+
+The distributed optimizer's parameter all-gather (`gather_transient`): the input copy of this
+rank's shard of every bucket, e P / d, alive from the end of the optimizer step to the gather's
+wait (after backward: the activations are gone by then).
 """
 
 from __future__ import annotations
@@ -43,10 +48,12 @@ class StateBytes:
     optimizer: int  # on the device
     host: int  # optimizer CPU offload's host memory
     fsdp_transient: int  # FSDP2's gathered weights and unsharded grads during forward/backward
+    gather_transient: int = 0  # the distributed optimizer's all-gather input copies
 
 
-def state_bytes(cfg, params: int, largest_unit: int) -> StateBytes:
-    """StateBytes of a stage with `params` parameters whose largest FSDP2 unit has `largest_unit`."""
+def state_bytes(cfg, params: int, largest_unit: int, gloo: bool = False) -> StateBytes:
+    """StateBytes of a stage with `params` parameters whose largest FSDP2 unit has `largest_unit`;
+    gloo: the collectives run on gloo (CPU)."""
     p, o, pr = cfg.parallel, cfg.optimizer, cfg.precision
     dp = (p.data_parallel_size or 1) * p.context_parallel_size  # shards over DP x CP
     e = BYTES[pr.params_dtype_name]
@@ -65,10 +72,13 @@ def state_bytes(cfg, params: int, largest_unit: int) -> StateBytes:
         sixteen_bit_grads = mixed and p.fully_sharded
         host_per_element = main + adam + main + (e if sixteen_bit_grads else 0) + (e if mixed else 0)
         host = offload * host_per_element * params / shards
-    transient = 0
+    transient = gather = 0
     if p.fully_sharded:
         accumulating = (cfg.training.num_micro_batches or 1) > 1
-        transient = 2 * e * largest_unit + 4 * (params if accumulating else largest_unit)
+        reduce_scatter = 4 * largest_unit * (2 if gloo else 1)
+        transient = 2 * e * largest_unit + 4 * (params if accumulating else largest_unit) + reduce_scatter
         if not p.fsdp_reshard_after_forward:
             transient += e * params
-    return StateBytes(int(weights), int(grads), int(optimizer), int(host), int(transient))
+    elif p.use_distributed_optimizer and dp > 1:
+        gather = e * params / dp
+    return StateBytes(int(weights), int(grads), int(optimizer), int(host), int(transient), int(gather))
