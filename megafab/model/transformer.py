@@ -18,6 +18,7 @@ from torch import nn
 from megafab.distributed.context_parallel import context_parallel_attention
 from megafab.distributed.layers import ColumnParallelLinear, RowParallelLinear
 from megafab.distributed.mappings import group_size
+from megafab.distributed.random import host_seed
 from megafab.model.attention_backend import sdpa_context
 from megafab.model.init import normal_init, output_layer_std
 from megafab.model.recompute import RecomputeSettings, recompute
@@ -204,7 +205,9 @@ class SelfAttention(nn.Module):
         with self.ctx.tp_region_rng() if dropout > 0 else contextlib.nullcontext(), self.sdpa_backend():
             if self.ctx.cp_group is not None:
                 assert attention_mask is None, "context parallel attention takes no attention mask"
-                return context_parallel_attention(q, k, v, self.ctx.cp_group, self.ctx.cp_comm_type, dropout)
+                seed = host_seed(self.ctx.rng_tracker) if dropout > 0 else None
+                return context_parallel_attention(q, k, v, self.ctx.cp_group, self.ctx.cp_comm_type, dropout,
+                                                  seed)
             if attention_mask is None:
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, **gqa)
             # Megatron's mask: True where attention is NOT allowed
