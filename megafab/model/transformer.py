@@ -42,6 +42,7 @@ class LayerContext:
     gradient_accumulation_fusion: bool = True  # weight grads straight into DDP's main_grad buffer
     cp_group: object = None  # context parallel: this rank holds 2 of 2*cp sequence chunks
     cp_comm_type: str = "p2p"
+    fp8_group: object = None  # FP8 amax reductions (TP x DP x CP; model/te.py's fp8_amax_group)
 
     def tp_region_rng(self):
         """Dropout on tensors that differ across TP ranks draws from the per-rank stream."""

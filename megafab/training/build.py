@@ -14,7 +14,7 @@ from megafab.distributed.topology import Topology, initialize
 from megafab.errors import JobFault
 from megafab.launch import read_launch_env
 from megafab.model.gpt import build_model_chunks
-from megafab.model.te import check_transformer_engine
+from megafab.model.te import check_transformer_engine, fp8_amax_group
 from megafab.model.transformer import LayerContext
 from megafab.optim.cpu_offload import OffloadConfig
 from megafab.optim.distributed_optimizer import DistributedOptimizer
@@ -81,7 +81,8 @@ def build_model(cfg, topo: Topology, tracker, dtype: torch.dtype | None = None) 
                        topo.device, cfg.training.seed, tracker, precision=cfg.precision,
                        gradient_accumulation_fusion=cfg.parallel.gradient_accumulation_fusion,
                        cp_group=topo.cp_group if topo.cp > 1 else None,
-                       cp_comm_type=cfg.parallel.cp_comm_type)
+                       cp_comm_type=cfg.parallel.cp_comm_type,
+                       fp8_group=fp8_amax_group(topo) if cfg.precision.fp8_format else None)
     chunks = build_model_chunks(cfg.model, ctx, topo.pp, topo.pp_rank,
                                 cfg.parallel.virtual_pipeline_model_parallel_size or 1,
                                 PipelineSplit.from_config(cfg))
