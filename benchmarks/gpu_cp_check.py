@@ -215,7 +215,8 @@ def main(argv=None) -> int:
         results["time"] = timing(args, device, dtype)
     finally:
         dist.destroy_process_group()
-        os.unlink(store_file)
+        if os.path.exists(store_file):  # the file store may have removed it
+            os.unlink(store_file)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

@@ -36,8 +36,12 @@ if [ "$device" = cuda ]; then
     gpus=$(python -c "import torch; print(torch.cuda.device_count())")
 fi
 
-# 1. FSDP2 build peak memory (fsdp26's benchmark; tolerated absent)
-if python benchmarks/memory.py --help 2>/dev/null | grep -q -- "--sharding"; then
+# 1. FSDP2 build peak memory (the FSDP2 helper's benchmark; tolerated absent; on CPU it is a
+#    benchmark of its own, not run here)
+if [ "$device" != cuda ]; then
+    echo "== fsdp_memory: skipped on cpu (run benchmarks/memory.py --sharding itself)"
+    summary+=("fsdp_memory: skipped (cpu)")
+elif python benchmarks/memory.py --help 2>/dev/null | grep -q -- "--sharding"; then
     step fsdp_memory 150 python benchmarks/memory.py --sharding
 else
     echo "== fsdp_memory: skipped: benchmarks/memory.py has no --sharding in this checkout"

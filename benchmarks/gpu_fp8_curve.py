@@ -94,7 +94,8 @@ def main(argv=None) -> int:
                 results[name] = f"failed: {type(err).__name__}: {err}"
     finally:
         dist.destroy_process_group()
-        os.unlink(store_file)
+        if os.path.exists(store_file):  # the file store may have removed it
+            os.unlink(store_file)
     names = ["local_bf16"] + [n for n in ("te_bf16", "te_fp8") if isinstance(results[n], list)]
     print("step  " + "".join(f"{n:>12}" for n in names))
     for i in range(0, args.steps, args.every):
