@@ -1,7 +1,8 @@
 """Context-parallel attention's fused kernels on one device (CUDA: the unverified flash path).
 
     python benchmarks/gpu_cp_check.py [--out results/cp_check.json]        # H200: well under a minute
-    python benchmarks/gpu_cp_check.py --device cpu --seq 256 --heads 4 --groups 2 --dim 16 --batch 1
+    python benchmarks/gpu_cp_check.py --device cpu --dtype fp32 --seq 2048 --heads 8 --groups 8 --dim 32 \
+        --batch 2                 # CPU, one thread, CPU seconds: the CP benchmark's attention shape
 
 One GPU cannot run a CP group (NCCL takes one rank per device), so the ring's math is emulated in
 one process: every CP rank's blocks (context_parallel.ring_plan, the kernel megafab picks,
@@ -146,15 +147,18 @@ def no_sync(args, device, dtype) -> dict:
 
 
 def timed(fn, device, repeats: int) -> float:
+    """Seconds per call: wall time on CUDA; on CPU this process's CPU seconds (one thread, so
+    other people's load on a shared machine does not count)."""
+    clock = time.perf_counter if device.type == "cuda" else time.process_time
     fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
+    t0 = clock()
     for _ in range(repeats):
         fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return (time.perf_counter() - t0) / repeats
+    return (clock() - t0) / repeats
 
 
 def timing(args, device, dtype) -> dict:
@@ -199,6 +203,8 @@ def main(argv=None) -> int:
         print("gpu_cp_check: --device cuda but CUDA is not available; use --device cpu", file=sys.stderr)
         return 2
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(1)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
