@@ -77,7 +77,7 @@ def speed(args) -> None:
     print(f"\nCP 2 step time, fp32: layers {ns.layers}, hidden {ns.hidden}, heads {ns.heads}, seq "
           f"{ns.seq}, global batch {ns.batch}, vocab {ns.vocab}; {ns.steps} steps x {args.rounds} rounds; "
           f"{load_average()}")
-    print(f"{'layout':<16}{'1p x 2t s/step':>24}{'2p x 1t s/step':>24}{'efficiency':>20}")
+    print(f"{'layout':<16}{'1p x 2t s/step':>24}{'2p x 1t s/step':>24}{'efficiency':>20}  per round")
     for comm in args.comm_types.split(","):
         two_threads, layout = [], []
         for _ in range(args.rounds):
@@ -86,7 +86,8 @@ def speed(args) -> None:
                                                              "--cp-comm-type", comm]))
         efficiency = [r / t for r, t in zip(two_threads, layout)]
         print(f"{'CP2 ' + comm:<16}{fmt_spread(two_threads, 3):>24}{fmt_spread(layout, 3):>24}"
-              f"{fmt_spread(efficiency, 2):>20}")
+              f"{fmt_spread(efficiency, 2):>20}  {' '.join(f'{e:.2f}' for e in efficiency)}  "
+              f"({load_average()})")
 
 
 def main(argv=None):

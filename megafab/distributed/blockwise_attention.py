@@ -1,5 +1,9 @@
-"""Exact causal attention on one block of queries x keys, for the ring and all-gather variants of
-context parallelism.
+"""Exact attention on one block of queries x keys in plain PyTorch: the portable reference the fused
+kernels (fused_attention.py) are tested against, and the kernel wherever none of them applies
+(attention dropout, float64 on CUDA, devices without a flash kernel).
+
+A block is either full (every query sees every key) or causal: square, query i sees key j iff
+j <= i (the diagonal block of a causal sequence; the fused kernels' top-left convention).
 
 The forward returns, besides the output, the log-sum-exp of every query row's scores, so partial
 results over disjoint key blocks merge exactly (`LseMerge`):
@@ -9,16 +13,15 @@ results over disjoint key blocks merge exactly (`LseMerge`):
 The backward is flash attention's: from the *merged* output and log-sum-exp each block recomputes
 its probabilities p = exp(q k^T * scale - lse) and yields its share of dq, dk, dv, with
 delta = rowsum(dout * out) standing in for the softmax's normalisation term. Both loop over tiles
-of query rows, so no [sq, sk] tensor outlives one tile and nothing of that size is saved.
+of query rows, so no [sq, sk] tensor outlives one tile and nothing of that size is saved. Tiles
+and masks are planned from shapes alone: no host-device synchronization.
 
-Shapes: q [b, g, hpg, sq, d] (query heads grouped by their key/value head, head = group * hpg + j
-as repeat_interleave orders them), k and v [b, g, sk, d]. q_pos [sq] and k_pos [sk] are global token
-positions: query i sees key j iff k_pos[j] <= q_pos[i]. Arithmetic runs in fp32 (fp64 for fp64
-inputs).
+Shapes: q [b, heads, sq, d], k and v [b, groups, sk, d] (GQA: query head = group * hpg + j, as
+repeat_interleave orders them), lse [b, heads, sq]. Arithmetic runs in fp32 (fp64 for fp64 inputs).
 
 Attention dropout: the keep-mask of a tile is drawn from a private generator seeded with
-(seed, block id, tile), so backward regenerates exactly the forward's mask; the caller draws `seed`
-once per attention call from its RNG stream (see context_parallel.py).
+(seed, block id, tile), so backward regenerates exactly the forward's mask; the caller passes
+`seed`, drawn once per attention call from the host RNG tracker (see context_parallel.py).
 """
 
 from __future__ import annotations
@@ -48,46 +51,83 @@ class BlockDropout:
         return torch.rand(shape, generator=gen, device=device) >= self.p
 
 
-def _tiles(q: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor):
-    """(tile index, query rows, visible keys, whether a causal mask is needed) over tiles of query
-    rows; keys after a tile's last query are never computed (k_pos ascending, as every caller's
-    blocks are)."""
-    b, g, hpg, sq, _ = q.shape
-    q_pos, k_pos = q_pos.cpu(), k_pos.cpu()  # one device sync per block, none per tile
-    rows = max(1, TILE_ELEMENTS // max(1, b * g * hpg * k_pos.numel()))
+def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[b, heads, ...] -> [b, groups, heads/groups, ...] (a view)."""
+    return x.unflatten(1, (groups, -1))
+
+
+def _tiles(q_shape, sk: int, causal: bool):
+    """(tile index, query rows, visible keys, first masked key offset or None) over tiles of query
+    rows; under a causal block keys after a tile's last query are never computed."""
+    b, h, sq, _ = q_shape
+    assert not causal or sq == sk, "a causal block is square"
+    rows = max(1, TILE_ELEMENTS // max(1, b * h * sk))
     for tile, start in enumerate(range(0, sq, rows)):
-        tile_rows = slice(start, min(start + rows, sq))
-        visible = int(torch.searchsorted(k_pos, q_pos[tile_rows].max(), right=True))
-        yield tile, tile_rows, slice(0, visible), bool(k_pos[visible - 1] > q_pos[tile_rows].min())
+        end = min(start + rows, sq)
+        yield tile, slice(start, end), slice(0, end if causal else sk), start if causal else None
 
 
-def _probabilities(q_tile, k, q_pos_tile, k_pos, scale, masked: bool, lse_tile=None):
-    """exp(q k^T * scale - lse) [b, g, hpg, t, sk], 0 where the key lies after the query; with
-    lse_tile None the tile's own log-sum-exp is computed and returned too."""
+def _probabilities(q_tile, k, scale, mask_from: int | None, lse_tile=None):
+    """exp(q k^T * scale - lse) [b, g, hpg, t, sk], 0 above the causal diagonal (row i of the tile
+    is query mask_from + i); with lse_tile None the tile's own log-sum-exp is computed too."""
     s = torch.matmul(q_tile, k.unsqueeze(2).transpose(-1, -2)).mul_(scale)
-    if masked:
-        s.masked_fill_(k_pos[None, :] > q_pos_tile[:, None], float("-inf"))
+    if mask_from is not None:
+        t, sk = s.shape[-2:]
+        future = torch.ones(t, sk, dtype=torch.bool, device=s.device).triu_(mask_from + 1)
+        s.masked_fill_(future, float("-inf"))
     if lse_tile is None:
         lse_tile = torch.logsumexp(s, dim=-1)
     return s.sub_(lse_tile[..., None]).exp_(), lse_tile
 
 
-def block_forward(q, k, v, q_pos, k_pos, scale: float, dropout: BlockDropout | None = None,
-                  block_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [b, g, hpg, sq, d], lse [b, g, hpg, sq]) in the compute dtype.
+class ReferenceKernel:
+    """Block forward/backward in plain PyTorch, with optional BlockDropout (same interface as
+    fused_attention's kernels; `aux` is unused)."""
 
-    Every query row must see at least one key (callers skip blocks that lie wholly in the future)."""
-    acc = compute_dtype(q.dtype)
-    k, v = k.to(acc), v.to(acc)
-    out = q.new_empty(q.shape, dtype=acc)
-    lse = q.new_empty(q.shape[:-1], dtype=acc)
-    for tile, rows, keys, masked in _tiles(q, q_pos, k_pos):
-        p, lse[..., rows] = _probabilities(q[..., rows, :].to(acc), k[:, :, keys], q_pos[rows],
-                                           k_pos[keys], scale, masked)
-        if dropout is not None:
-            p.mul_(dropout.keep(block_id, tile, p.shape, p.device)).div_(1.0 - dropout.p)
-        out[..., rows, :] = torch.matmul(p, v[:, :, keys].unsqueeze(2))
-    return out, lse
+    def __init__(self, dropout: BlockDropout | None = None):
+        self.dropout = dropout
+
+    def forward(self, q, k, v, causal: bool, scale: float, block_id: int = 0):
+        """(out [b, heads, sq, d], lse [b, heads, sq], aux) in the compute dtype."""
+        acc = compute_dtype(q.dtype)
+        g = k.shape[1]
+        k, v = k.to(acc), v.to(acc)
+        qg = _grouped(q, g)
+        out = q.new_empty(qg.shape, dtype=acc)
+        lse = q.new_empty(qg.shape[:-1], dtype=acc)
+        for tile, rows, keys, mask_from in _tiles(q.shape, k.shape[2], causal):
+            p, lse[..., rows] = _probabilities(qg[..., rows, :].to(acc), k[:, :, keys], scale, mask_from)
+            if self.dropout is not None:
+                p.mul_(self.dropout.keep(block_id, tile, p.shape, p.device)).div_(1.0 - self.dropout.p)
+            out[..., rows, :] = torch.matmul(p, v[:, :, keys].unsqueeze(2))
+        return out.flatten(1, 2), lse.flatten(1, 2), None
+
+    def backward(self, dout, q, k, v, out, lse, causal: bool, scale: float, block_id: int = 0, aux=None):
+        """This block's (dq [b, heads, sq, d], dk, dv [b, groups, sk, d]) in the compute dtype, from
+        the merged out and lse [b, heads, sq]."""
+        acc = compute_dtype(q.dtype)
+        g = k.shape[1]
+        k, v = k.to(acc), v.to(acc)
+        qg, dout = _grouped(q, g), _grouped(dout, g).to(acc)
+        delta = (dout * _grouped(out, g).to(acc)).sum(-1)  # rowsum(dout * out)
+        lse = _grouped(lse, g)
+        dq = q.new_empty(qg.shape, dtype=acc)
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        for tile, rows, keys, mask_from in _tiles(q.shape, k.shape[2], causal):
+            q_tile, dout_tile = qg[..., rows, :].to(acc), dout[..., rows, :]
+            k_tile, v_tile = k[:, :, keys], v[:, :, keys]
+            p, _ = _probabilities(q_tile, k_tile, scale, mask_from, lse[..., rows])
+            dp = torch.matmul(dout_tile, v_tile.unsqueeze(2).transpose(-1, -2))  # [b, g, hpg, t, sk]
+            if self.dropout is not None:
+                keep = self.dropout.keep(block_id, tile, p.shape, p.device).to(acc).div_(1.0 - self.dropout.p)
+                dv[:, :, keys] += _sum_heads_of_group(p * keep, dout_tile)
+                dp.mul_(keep)
+            else:
+                dv[:, :, keys] += _sum_heads_of_group(p, dout_tile)
+            ds = dp.sub_(delta[..., rows, None]).mul_(p)  # p * (dp - delta)
+            dq[..., rows, :] = torch.matmul(ds, k_tile.unsqueeze(2)).mul_(scale)
+            dk[:, :, keys] += _sum_heads_of_group(ds, q_tile).mul_(scale)
+        return dq.flatten(1, 2), dk, dv
 
 
 def _sum_heads_of_group(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -98,41 +138,23 @@ def _sum_heads_of_group(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.einsum("bghts,bghtd->bgsd", x, y)
 
 
-def block_backward(q, k, v, q_pos, k_pos, lse, dout, delta, scale: float,
-                   dropout: BlockDropout | None = None, block_id: int = 0):
-    """This block's (dq [b, g, hpg, sq, d], dk, dv [b, g, sk, d]) in the compute dtype, from the
-    merged lse [b, g, hpg, sq], dout (compute dtype) and delta = rowsum(dout * out)."""
-    acc = compute_dtype(q.dtype)
-    k, v = k.to(acc), v.to(acc)
-    dq = q.new_empty(q.shape, dtype=acc)
-    dk = torch.zeros_like(k)
-    dv = torch.zeros_like(v)
-    for tile, rows, keys, masked in _tiles(q, q_pos, k_pos):
-        q_tile, dout_tile = q[..., rows, :].to(acc), dout[..., rows, :]
-        k_tile, v_tile = k[:, :, keys], v[:, :, keys]
-        p, _ = _probabilities(q_tile, k_tile, q_pos[rows], k_pos[keys], scale, masked, lse[..., rows])
-        dp = torch.matmul(dout_tile, v_tile.unsqueeze(2).transpose(-1, -2))  # [b, g, hpg, t, sk]
-        if dropout is not None:
-            keep = dropout.keep(block_id, tile, p.shape, p.device).to(acc).div_(1.0 - dropout.p)
-            dv[:, :, keys] += _sum_heads_of_group(p * keep, dout_tile)
-            dp.mul_(keep)
-        else:
-            dv[:, :, keys] += _sum_heads_of_group(p, dout_tile)
-        ds = dp.sub_(delta[..., rows, None]).mul_(p)  # p * (dp - delta)
-        dq[..., rows, :] = torch.matmul(ds, k_tile.unsqueeze(2)).mul_(scale)
-        dk[:, :, keys] += _sum_heads_of_group(ds, q_tile).mul_(scale)
-    return dq, dk, dv
-
-
 class LseMerge:
-    """Running merge of partial attention results over disjoint key blocks, per query row."""
+    """Running merge of partial attention results over disjoint key blocks, per query row.
+
+    `out` is kept in [s, b, heads, d] memory (viewed as [b, heads, s, d]), the layout the caller's
+    permute to [s, b, h] reads as a view. The first block of a row range is written, not merged."""
 
     def __init__(self, q: torch.Tensor):
         acc = compute_dtype(q.dtype)
-        self.out = torch.zeros(q.shape, dtype=acc, device=q.device)
-        self.lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        b, h, s, d = q.shape
+        self.out = torch.empty(s, b, h, d, dtype=acc, device=q.device).permute(1, 2, 0, 3)
+        self.lse = torch.empty(b, h, s, dtype=acc, device=q.device)
 
-    def add(self, rows: slice, out: torch.Tensor, lse: torch.Tensor) -> None:
+    def add(self, rows: slice, out: torch.Tensor, lse: torch.Tensor, first: bool) -> None:
+        if first:
+            self.out[..., rows, :] = out
+            self.lse[..., rows] = lse
+            return
         old = self.lse[..., rows]
         new = torch.logaddexp(old, lse)
         self.out[..., rows, :] = (self.out[..., rows, :] * torch.exp(old - new)[..., None]

@@ -21,32 +21,41 @@ three variants, Megatron's --cp-comm-type:
              ([b, heads, s/cp, d] -> [b, heads/cp, s, d]), plain SDPA runs on whole sequences,
              a second all-to-all trades back. Needs heads/TP and query groups/TP divisible by cp.
 
-p2p and allgather compute blocks with blockwise_attention.py and save only q, k, v, out and the
-log-sum-exp (flash attention's set) for this rank's tokens; a2a saves what SDPA saves, for
-heads/cp of the whole sequence: the same bytes.
+p2p and allgather run every block on a fused kernel that returns the log-sum-exp (PyTorch's flash
+kernels, fused_attention.py; blockwise_attention.py's portable reference where none applies) and
+save only q, k, v, out and the log-sum-exp (flash attention's set) for this rank's tokens; a2a saves
+what SDPA saves, for heads/cp of the whole sequence: the same bytes. Blocks are full or causal
+(square, on the diagonal), never masked otherwise:
 
-RNG: attention dropout under p2p/allgather draws one seed per call from the stream the caller is
-in (SelfAttention forks the model-parallel stream, which differs across TP and CP ranks) and
-derives each block's mask from it (BlockDropout), so backward and recompute see the same masks;
-a2a's SDPA draws from that stream directly. Masks differ from a CP-1 run's (different blocks).
+    p2p, rank r, ring step i (K/V of rank src = r - i):   i = 0    all rows x all keys, causal
+                                                          src < r  all rows x first key chunk
+                                                          src > r  second query chunk x all keys
+    allgather, each local query chunk j:   keys of chunks before j (full), chunk j's keys (causal)
+
+The plans are host-side slices made once per (chunk length, cp, rank) and cached; no positions,
+index tensors or values are read back from the device inside attention (no host-device sync).
+
+RNG: attention dropout under p2p/allgather runs on the reference kernel with one seed per call that
+the caller takes from the host RNG tracker (random.host_seed: the model-parallel stream, which
+differs across TP and CP ranks); each block's mask derives from it (BlockDropout), so backward and
+recompute see the same masks. a2a's SDPA draws from the forked device stream directly. Masks
+differ from a CP-1 run's (different blocks).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megafab.distributed.blockwise_attention import (
-    BlockDropout,
-    LseMerge,
-    block_backward,
-    block_forward,
-    compute_dtype,
-)
+from megafab.distributed.blockwise_attention import LseMerge, compute_dtype
+from megafab.distributed.fused_attention import block_kernel
 from megafab.distributed.mappings import gather_first_dim, reduce_scatter_first_dim
+from megafab.distributed.random import host_seed
 from megafab.run import faults
 
 KV_TAG, DKV_TAG = 11, 12
@@ -73,32 +82,34 @@ def local_position_ids(local_length: int, group, device=None) -> torch.Tensor:
     return local_token_positions(local_length * cp, dist.get_rank(group), cp, device)
 
 
+def _chunks_in_order(x: torch.Tensor, dim: int, chunks, count: int) -> torch.Tensor:
+    """x cut into `count` equal chunks along `dim`, the chunks `chunks` concatenated (views + one
+    copy: no index tensor travels to the device)."""
+    c = x.shape[dim] // count
+    return torch.cat([x.narrow(dim, i * c, c) for i in chunks], dim=dim)
+
+
 def split_for_context_parallel(x: torch.Tensor, dim: int, cp_rank: int, cp: int) -> torch.Tensor:
     """This rank's two chunks of `x` along `dim` (the whole sequence), concatenated."""
     if cp == 1:
         return x
-    index = local_token_positions(x.shape[dim], cp_rank, cp, x.device)
-    return x.index_select(dim, index)
+    return _chunks_in_order(x, dim, chunk_ids(cp_rank, cp), 2 * cp)
 
 
-def _rank_layout_chunks(cp: int) -> list[int]:
+@functools.cache
+def _rank_layout_chunks(cp: int) -> tuple[int, ...]:
     """Chunk ids in the order the CP ranks' pieces concatenate: [0, 2cp-1, 1, 2cp-2, ...]."""
-    return [i for r in range(cp) for i in chunk_ids(r, cp)]
+    return tuple(i for r in range(cp) for i in chunk_ids(r, cp))
 
 
 def _to_natural_order(x: torch.Tensor, dim: int, cp: int) -> torch.Tensor:
     """Rank-ordered pieces (rank 0's s/cp tokens, rank 1's, ...) along `dim` -> sequence order."""
     layout = _rank_layout_chunks(cp)
-    c = x.shape[dim] // (2 * cp)
-    index = torch.cat([torch.arange(layout.index(j) * c, (layout.index(j) + 1) * c)
-                       for j in range(2 * cp)]).to(x.device)
-    return x.index_select(dim, index)
+    return _chunks_in_order(x, dim, [layout.index(j) for j in range(2 * cp)], 2 * cp)
 
 
 def _to_rank_order(x: torch.Tensor, dim: int, cp: int) -> torch.Tensor:
-    c = x.shape[dim] // (2 * cp)
-    index = torch.cat([torch.arange(j * c, (j + 1) * c) for j in _rank_layout_chunks(cp)]).to(x.device)
-    return x.index_select(dim, index)
+    return _chunks_in_order(x, dim, _rank_layout_chunks(cp), 2 * cp)
 
 
 # ---- loss ----------------------------------------------------------------------------------------
@@ -186,148 +197,148 @@ class _AllToAll(torch.autograd.Function):
         return _AllToAll.apply(grad, ctx.group, gather_dim, scatter_dim), None, None, None
 
 
+# ---- block plans (host-side, cached) -------------------------------------------------------------
+@dataclass(frozen=True)
+class Block:
+    """Local query rows x rows of a key/value block; full or causal (square, on the diagonal).
+    `first`: the first block of its rows, whose result is written rather than merged."""
+
+    rows: slice
+    keys: slice
+    causal: bool
+    first: bool
+
+
+@functools.cache
+def ring_plan(c: int, cp: int, rank: int) -> tuple[tuple[Block, ...], ...]:
+    """Per ring step, the blocks of this rank's queries against the K/V of rank (rank - step) % cp."""
+    steps = []
+    for step in range(cp):
+        src = (rank - step) % cp
+        if step == 0:
+            steps.append((Block(slice(0, 2 * c), slice(0, 2 * c), True, True),))
+        elif src < rank:  # its first chunk lies before both of ours, its second after both
+            steps.append((Block(slice(0, 2 * c), slice(0, c), False, False),))
+        else:  # both its chunks lie after our first chunk and before our second
+            steps.append((Block(slice(c, 2 * c), slice(0, 2 * c), False, False),))
+    return tuple(steps)
+
+
+@functools.cache
+def allgather_plan(c: int, cp: int, rank: int) -> tuple[Block, ...]:
+    """This rank's query chunks against the gathered K/V in sequence order."""
+    blocks = []
+    for a, chunk in enumerate(chunk_ids(rank, cp)):
+        rows = slice(a * c, (a + 1) * c)
+        if chunk > 0:
+            blocks.append(Block(rows, slice(0, chunk * c), False, True))
+        blocks.append(Block(rows, slice(chunk * c, (chunk + 1) * c), True, chunk == 0))
+    return tuple(blocks)
+
+
 # ---- attention variants --------------------------------------------------------------------------
-def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """[b, heads, s, d] -> [b, groups, heads/groups, s, d]."""
-    b, h, s, d = x.shape
-    return x.view(b, groups, h // groups, s, d)
+def _forward_blocks(kernel, merge: LseMerge, q, kv, blocks, scale: float, first_id: int) -> list:
+    """Attend q's rows to kv's rows block by block, merging into `merge`; the kernels' aux."""
+    aux = []
+    for i, blk in enumerate(blocks):
+        out, lse, extra = kernel.forward(q[:, :, blk.rows], kv[0][:, :, blk.keys], kv[1][:, :, blk.keys],
+                                         blk.causal, scale, first_id + i)
+        merge.add(blk.rows, out, lse, blk.first)
+        aux.append(extra)
+    return aux
 
 
-def _ring_blocks(q_chunks, k_chunks, c: int) -> list[tuple[slice, slice]]:
-    """(query rows, key rows) blocks of the local layout with anything visible: a query chunk
-    sees key chunks not after it; query halves that see the same keys share one block."""
-    per_half = []
-    for a, qc in enumerate(q_chunks):
-        seen = [b for b, kc in enumerate(k_chunks) if kc <= qc]
-        if seen:
-            per_half.append((a, slice(min(seen) * c, (max(seen) + 1) * c)))
-    if len(per_half) == 2 and per_half[0][1] == per_half[1][1]:
-        return [(slice(0, 2 * c), per_half[0][1])]
-    return [(slice(a * c, (a + 1) * c), keys) for a, keys in per_half]
+def _backward_blocks(ctx, saved, dout, dq, kv, dkv, blocks, first_id: int, aux) -> None:
+    """Add the blocks' dq into dq and their dk, dv into dkv [2, b, g, sk, d]."""
+    q, _, _, out, lse = saved
+    for i, blk in enumerate(blocks):
+        r, keys = blk.rows, blk.keys
+        dq_b, dk_b, dv_b = ctx.kernel.backward(dout[:, :, r], q[:, :, r], kv[0][:, :, keys],
+                                               kv[1][:, :, keys], out[:, :, r], lse[..., r], blk.causal,
+                                               ctx.scale, first_id + i, aux[i])
+        dq[:, :, r] += dq_b
+        dkv[0][:, :, keys] += dk_b
+        dkv[1][:, :, keys] += dv_b
 
 
-def _forward_blocks(merge: LseMerge, qg, kv, q_pos, k_pos, blocks, scale, dropout, first_id: int):
-    """Attend qg's rows to kv's rows block by block, merging into `merge`."""
-    for i, (rows, keys) in enumerate(blocks):
-        out, lse = block_forward(qg[..., rows, :], kv[0][:, :, keys], kv[1][:, :, keys], q_pos[rows],
-                                 k_pos[keys], scale, dropout, first_id + i)
-        merge.add(rows, out, lse)
+def _start(ctx, q, group, dropout_p: float, seed: int, implementation: str):
+    """(cp, rank, chunk length c, merge) and the kernel and scale on ctx."""
+    ctx.group = group
+    ctx.kernel = block_kernel(q, dropout_p, seed, implementation)
+    ctx.scale = 1.0 / math.sqrt(q.shape[-1])
+    return dist.get_world_size(group), dist.get_rank(group), q.shape[2] // 2, LseMerge(q)
 
 
-class _Grads:
-    """What a block backward reads, from the forward's saved q, k, v, out, lse and dout."""
-
-    def __init__(self, ctx, saved: tuple, dout: torch.Tensor, q_pos: torch.Tensor):
-        q, k, v, out, self.lse = saved  # ctx.saved_tensors, read once (recompute allows no more)
-        acc = compute_dtype(q.dtype)
-        self.q, self.k, self.v = q, k, v
-        self.qg = _grouped(q, k.shape[1])
-        self.dout = _grouped(dout.to(acc), k.shape[1])
-        self.delta = (self.dout * _grouped(out, k.shape[1]).to(acc)).sum(-1)  # rowsum(dout * out)
-        self.dq = torch.zeros_like(self.qg, dtype=acc)
-        self.q_pos, self.scale, self.dropout = q_pos, ctx.scale, ctx.dropout
-
-    def result(self, dkv: torch.Tensor) -> tuple:
-        q, k, v = self.q, self.k, self.v
-        return self.dq.view_as(q).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+def _save(ctx, q, k, v, merge: LseMerge) -> torch.Tensor:
+    out = merge.out.to(q.dtype)  # [s, b, heads, d] memory: the caller's reshape to [s, b, h] is a view
+    ctx.save_for_backward(q, k, v, out, merge.lse)
+    return out
 
 
-def _backward_blocks(grads: _Grads, kv, dkv, k_pos, blocks, first_id: int):
-    """Add the blocks' dq into grads.dq and their dk, dv into dkv [2, b, g, sk, d]."""
-    for i, (rows, keys) in enumerate(blocks):
-        dq, dk, dv = block_backward(
-            grads.qg[..., rows, :], kv[0][:, :, keys], kv[1][:, :, keys], grads.q_pos[rows], k_pos[keys],
-            grads.lse[..., rows], grads.dout[..., rows, :], grads.delta[..., rows], grads.scale,
-            grads.dropout, first_id + i)
-        grads.dq[..., rows, :] += dq
-        dkv[0][:, :, keys] += dk
-        dkv[1][:, :, keys] += dv
+def _grads(saved, dkv) -> tuple:
+    return dkv[0].to(saved[1].dtype), dkv[1].to(saved[2].dtype), None, None, None, None
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, dropout_p: float, seed: int, implementation: str):
+        cp, r, c, merge = _start(ctx, q, group, dropout_p, seed, implementation)
+        ring, ctx.plan, ctx.aux = _Ring(group), ring_plan(c, cp, r), []
+        kv = torch.stack([k, v])
+        for step, blocks in enumerate(ctx.plan):
+            pending = ring.start(kv, KV_TAG) if step < cp - 1 else None
+            ctx.aux.append(_forward_blocks(ctx.kernel, merge, q, kv, blocks, ctx.scale, 4 * step))
+            if pending is not None:
+                kv = ring.finish(pending)
+        return _save(ctx, q, k, v, merge)
+
+    @staticmethod
+    def backward(ctx, dout):
+        saved = ctx.saved_tensors  # read once (recompute allows no more)
+        q, k, v = saved[:3]
+        ring, cp = _Ring(ctx.group), len(ctx.plan)
+        dq = torch.zeros(q.shape, dtype=compute_dtype(q.dtype), device=q.device)
+        kv, exchange = torch.stack([k, v]), None
+        for step, blocks in enumerate(ctx.plan):
+            pending = ring.start(kv, KV_TAG) if step < cp - 1 else None
+            dkv = torch.zeros_like(kv, dtype=dq.dtype)
+            _backward_blocks(ctx, saved, dout, dq, kv, dkv, blocks, 4 * step, ctx.aux[step])
+            # dK/dV follow K/V round the ring: the partial sums of the ranks that held this block
+            # before arrive while this block computes; ours leave while the next one does. After
+            # the last step each rank holds its own, complete.
+            if exchange is not None:
+                dkv += ring.finish(exchange)
+            exchange = ring.start(dkv, DKV_TAG) if cp > 1 else None
+            if pending is not None:
+                kv = ring.finish(pending)
+        dkv = ring.finish(exchange) if exchange is not None else dkv
+        return (dq.to(q.dtype), *_grads(saved, dkv))
+
+
+class _AllGatherAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, dropout_p: float, seed: int, implementation: str):
+        cp, r, c, merge = _start(ctx, q, group, dropout_p, seed, implementation)
+        ctx.plan = allgather_plan(c, cp, r)
+        ctx.aux = _forward_blocks(ctx.kernel, merge, q, _all_gather_kv(torch.stack([k, v]), group),
+                                  ctx.plan, ctx.scale, 0)
+        return _save(ctx, q, k, v, merge)
+
+    @staticmethod
+    def backward(ctx, dout):
+        saved = ctx.saved_tensors
+        q, k, v = saved[:3]
+        dq = torch.zeros(q.shape, dtype=compute_dtype(q.dtype), device=q.device)
+        kv = _all_gather_kv(torch.stack([k, v]), ctx.group)  # gathered again, not saved
+        dkv = torch.zeros_like(kv, dtype=dq.dtype)
+        _backward_blocks(ctx, saved, dout, dq, kv, dkv, ctx.plan, 0, ctx.aux)
+        return (dq.to(q.dtype), *_grads(saved, _reduce_scatter_kv(dkv, ctx.group)))
 
 
 def _sbhd_layout(x: torch.Tensor) -> torch.Tensor:
     """x [b, heads, s, d] stored as [s, b, heads, d], the layout SDPA's flash kernels return: the
     caller's permute-and-reshape to [s, b, h] is then a view, not a second saved copy."""
     return x.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
-
-
-def _save(ctx, q, k, v, merge: LseMerge, group, dropout, scale) -> torch.Tensor:
-    out = _sbhd_layout(merge.out.view_as(q)).to(q.dtype)
-    ctx.save_for_backward(q, k, v, out, merge.lse)
-    ctx.group, ctx.dropout, ctx.scale = group, dropout, scale
-    return out
-
-
-def _setup(q, group, dropout_p: float, seed: int):
-    """(cp, rank, chunk length c, scale, dropout, this rank's query positions)."""
-    cp, r = dist.get_world_size(group), dist.get_rank(group)
-    dropout = BlockDropout(dropout_p, seed) if dropout_p > 0 else None
-    q_pos = local_token_positions(q.shape[2] * cp, r, cp, q.device)
-    return cp, r, q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1]), dropout, q_pos
-
-
-class _RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, group, dropout_p: float, seed: int):
-        cp, r, c, scale, dropout, q_pos = _setup(q, group, dropout_p, seed)
-        ring = _Ring(group)
-        qg = _grouped(q, k.shape[1])
-        merge = LseMerge(qg)
-        kv = torch.stack([k, v])
-        for step in range(cp):
-            pending = ring.start(kv, KV_TAG) if step < cp - 1 else None
-            src = (r - step) % cp
-            _forward_blocks(merge, qg, kv, q_pos, local_token_positions(2 * c * cp, src, cp, q.device),
-                            _ring_blocks(chunk_ids(r, cp), chunk_ids(src, cp), c), scale, dropout, 4 * step)
-            if pending is not None:
-                kv = ring.finish(pending)
-        return _save(ctx, q, k, v, merge, group, dropout, scale)
-
-    @staticmethod
-    def backward(ctx, dout):
-        saved = ctx.saved_tensors
-        cp, r, c, _, _, q_pos = _setup(saved[0], ctx.group, 0.0, 0)
-        ring = _Ring(ctx.group)
-        grads = _Grads(ctx, saved, dout, q_pos)
-        kv = torch.stack([grads.k, grads.v])
-        dkv = torch.zeros_like(kv, dtype=grads.dq.dtype)
-        for step in range(cp):
-            pending = ring.start(kv, KV_TAG) if step < cp - 1 else None
-            src = (r - step) % cp
-            _backward_blocks(grads, kv, dkv, local_token_positions(2 * c * cp, src, cp, dout.device),
-                             _ring_blocks(chunk_ids(r, cp), chunk_ids(src, cp), c), 4 * step)
-            # dK/dV follow K/V round the ring; after the last step each rank holds its own, complete.
-            dkv = ring.finish(ring.start(dkv, DKV_TAG))
-            if pending is not None:
-                kv = ring.finish(pending)
-        return grads.result(dkv)
-
-
-def _allgather_blocks(r: int, cp: int, c: int) -> list[tuple[slice, slice]]:
-    """Each local query chunk against every key up to its own chunk's end."""
-    return [(slice(a * c, (a + 1) * c), slice(0, (qc + 1) * c)) for a, qc in enumerate(chunk_ids(r, cp))]
-
-
-class _AllGatherAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, group, dropout_p: float, seed: int):
-        cp, r, c, scale, dropout, q_pos = _setup(q, group, dropout_p, seed)
-        qg = _grouped(q, k.shape[1])
-        merge = LseMerge(qg)
-        _forward_blocks(merge, qg, _all_gather_kv(torch.stack([k, v]), group), q_pos,
-                        torch.arange(2 * c * cp, device=q.device), _allgather_blocks(r, cp, c), scale,
-                        dropout, 0)
-        return _save(ctx, q, k, v, merge, group, dropout, scale)
-
-    @staticmethod
-    def backward(ctx, dout):
-        saved = ctx.saved_tensors
-        cp, r, c, _, _, q_pos = _setup(saved[0], ctx.group, 0.0, 0)
-        grads = _Grads(ctx, saved, dout, q_pos)
-        kv = _all_gather_kv(torch.stack([grads.k, grads.v]), ctx.group)  # gathered again, not saved
-        dkv = torch.zeros_like(kv, dtype=grads.dq.dtype)
-        _backward_blocks(grads, kv, dkv, torch.arange(2 * c * cp, device=dout.device),
-                         _allgather_blocks(r, cp, c), 0)
-        return grads.result(_reduce_scatter_kv(dkv, ctx.group))
 
 
 def _ulysses_attention(q, k, v, group, dropout_p: float) -> torch.Tensor:
@@ -338,26 +349,29 @@ def _ulysses_attention(q, k, v, group, dropout_p: float) -> torch.Tensor:
         return _to_natural_order(_AllToAll.apply(x, group, 1, 2), 2, cp)
 
     q, k, v = to_heads(q), to_heads(k), to_heads(v)
-    if q.shape[1] != k.shape[1]:
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}  # K/V heads not repeated
+    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, **gqa)
     return _sbhd_layout(_AllToAll.apply(_to_rank_order(out, 2, cp), group, 2, 1))
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group,
-                               comm_type: str = "p2p", dropout_p: float = 0.0) -> torch.Tensor:
+                               comm_type: str = "p2p", dropout_p: float = 0.0, seed: int | None = None,
+                               implementation: str = "auto") -> torch.Tensor:
     """Causal attention of this rank's tokens against the whole sequence spread over `group`.
 
     q [b, heads, s/cp, d]; k, v [b, groups, s/cp, d] (GQA: not repeated); local token order as in
-    the module docstring. Returns [b, heads, s/cp, d]. Run it inside the RNG stream that attention
-    dropout should draw from.
+    the module docstring. Returns [b, heads, s/cp, d]. Dropout: p2p/allgather take `seed` (from
+    random.host_seed(tracker); drawn from the CPU generator when None); a2a draws from the device
+    stream it runs in. implementation "reference" forces blockwise_attention's kernel (tests,
+    benchmarks).
     """
     if comm_type == "a2a":
         return _ulysses_attention(q, k, v, group, dropout_p)
-    seed = int(torch.randint(0, 1 << 62, (1,), device=q.device).item()) if dropout_p > 0 else 0
+    if dropout_p > 0 and seed is None:
+        seed = host_seed(None)
+    args = (q, k, v, group, dropout_p, seed or 0, implementation)
     if comm_type == "p2p":
-        return _RingAttention.apply(q, k, v, group, dropout_p, seed)
+        return _RingAttention.apply(*args)
     if comm_type == "allgather":
-        return _AllGatherAttention.apply(q, k, v, group, dropout_p, seed)
+        return _AllGatherAttention.apply(*args)
     raise ValueError(f"unknown CP comm type {comm_type!r}; expected one of {', '.join(COMM_TYPES)}")

@@ -15,8 +15,10 @@ Dropout on activations that are replicated across the TP group (after a RowParal
 embedding, with sequence parallel off) draws from the default stream, so every TP rank drops the
 same elements. Dropout on activations split across TP ranks (attention probabilities of each
 rank's heads; anything in the sequence-parallel region) runs inside `tracker.fork()` so each rank
-draws its own mask. Context-parallel attention dropout draws one seed per call from that stream and
-derives every block's mask from it (context_parallel.py), so backward and recompute replay it.
+draws its own mask. Context-parallel attention dropout takes one seed per call from the stream's
+host counter (`host_seed`: plain integer arithmetic, no tensor read back from the device) and
+derives every block's mask from it (context_parallel.py); the counter is part of the tracker's
+states, so backward, recompute and a resumed checkpoint replay it.
 
 The tracker works on the generator of one device: torch.default_generator for CPU, the CUDA
 device's generator for CUDA. States are CPU ByteTensors on both, so checkpoints are portable.
@@ -35,6 +37,15 @@ DATA_PARALLEL_RNG = "data-parallel-rng"
 TP_SEED_OFFSET = 2718
 PP_SEED_STRIDE = 100
 CP_SEED_STRIDE = 10007
+HOST_DRAWS = ":host-draws"  # get_states() key suffix of a stream's host counter [seed, draws]
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
 
 
 class _DeviceRNG:
@@ -86,6 +97,7 @@ class RNGStatesTracker:
     def reset(self) -> None:
         """Forget every named state."""
         self._states: dict[str, torch.Tensor] = {}
+        self._host: dict[str, list[int]] = {}  # name -> [seed, host draws so far]
         self._seeds: set[int] = set()
 
     def add(self, name: str, seed: int) -> None:
@@ -98,15 +110,32 @@ class RNGStatesTracker:
         self._rng.manual_seed(seed)
         self._states[name] = self._rng.get_state()
         self._rng.set_state(original)
+        self._host[name] = [seed, 0]
         self._seeds.add(seed)
 
-    def get_states(self) -> dict[str, torch.Tensor]:
-        """A copy of every named state (CPU ByteTensors), e.g. for a checkpoint."""
-        return {name: state.clone() for name, state in self._states.items()}
+    def host_seed(self, name: str = MODEL_PARALLEL_RNG) -> int:
+        """The next 62-bit seed of stream `name`'s host counter (no device work, no sync)."""
+        if name not in self._host:
+            raise ValueError(f"RNG state {name!r} was never added (known: {sorted(self._host)})")
+        seed, draws = self._host[name]
+        self._host[name][1] += 1
+        return _splitmix64(_splitmix64(seed) ^ draws) >> 2
 
-    def set_states(self, states: dict[str, torch.Tensor]) -> None:
-        """Replace the named states with `states` (from get_states)."""
-        self._states = {name: state.detach().cpu().clone() for name, state in states.items()}
+    def get_states(self) -> dict:
+        """A copy of every named state (CPU ByteTensors) and host counter ([seed, draws] under
+        name + HOST_DRAWS), e.g. for a checkpoint."""
+        states: dict = {name: state.clone() for name, state in self._states.items()}
+        states.update({name + HOST_DRAWS: list(counter) for name, counter in self._host.items()})
+        return states
+
+    def set_states(self, states: dict) -> None:
+        """Replace the named states with `states` (from get_states; host counters absent from an
+        older snapshot are kept)."""
+        self._states = {name: state.detach().cpu().clone() for name, state in states.items()
+                        if not name.endswith(HOST_DRAWS)}
+        for name, counter in states.items():
+            if name.endswith(HOST_DRAWS):
+                self._host[name[: -len(HOST_DRAWS)]] = [int(counter[0]), int(counter[1])]
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
@@ -144,6 +173,14 @@ def model_parallel_seed(seed: int, tp_rank: int, pp_rank: int, device, tracker: 
     tracker.add(DATA_PARALLEL_RNG, default_seed)
     tracker.add(MODEL_PARALLEL_RNG, tp_seed)
     return {"default": default_seed, DATA_PARALLEL_RNG: default_seed, MODEL_PARALLEL_RNG: tp_seed}
+
+
+def host_seed(tracker: RNGStatesTracker | None) -> int:
+    """A dropout seed for context-parallel attention: the model-parallel stream's host counter, or
+    (no tracker: single-process tools and tests) one draw of the CPU default generator."""
+    if tracker is not None:
+        return tracker.host_seed(MODEL_PARALLEL_RNG)
+    return int(torch.randint(0, 1 << 62, (1,)).item())
 
 
 def checkpoint_rng_state(tracker: RNGStatesTracker | None, device) -> dict:

@@ -23,7 +23,7 @@ from megafab.distributed.linear import linear_with_grad_accumulation_and_async_a
 from megafab.distributed.mappings import group_size, scatter_to_sequence_parallel_region
 from megafab.model.init import normal_init
 from megafab.model.recompute import RecomputeSettings, forward_layers
-from megafab.model.te import transformer_layer_class
+from megafab.model.te import fp8_chunk_context, transformer_layer_class
 from megafab.model.transformer import LayerContext, RotaryEmbedding, build_norm
 from megafab.pipeline_split import PipelineSplit
 
@@ -177,8 +177,9 @@ class GPTModel(nn.Module):
         x = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor
         angles = self.rotary(position_ids, self.ctx.params_dtype) if self.rotary is not None else None
         if kv_cache is None:
-            x = forward_layers(self.decoder.layers.values(), x, self.recompute, self.ctx, angles,
-                               attention_mask)
+            with fp8_chunk_context(self.ctx):  # one FP8 region per chunk, as megatron-core's block
+                x = forward_layers(self.decoder.layers.values(), x, self.recompute, self.ctx, angles,
+                                   attention_mask)
         else:
             for number, layer in self.decoder.layers.items():
                 x = layer(x, angles, attention_mask, kv_cache=kv_cache.layer(int(number)))

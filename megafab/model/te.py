@@ -17,12 +17,25 @@ into linear_fc1 (LayerNormLinear), so TE names differ from the local ones only t
     decoder.layers.N.pre_mlp_layernorm.bias       decoder.layers.N.mlp.linear_fc1.layer_norm_bias
 
 TE modules also carry `_extra_state` (FP8 scaling metadata); converting to local names drops it.
+
+FP8 (megatron-core's TransformerBlock): one `fp8_autocast` around each model chunk's layers
+(`fp8_chunk_context`, entered once per chunk forward by GPTModel), its amax reductions over the
+TP x DP x CP group (`fp8_amax_group`, Megatron's get_amax_reduction_group(with_context_parallel=
+True)). A TE layer run outside a chunk's region (full recompute re-running layers during backward)
+enters its own.
+
+The TE layer shares the local layer's settings: weights are the same name-keyed shards of the same
+seeded full tensors (`_init_shard`, as the local linears' init), attention is causal with scale
+1/sqrt(kv_channels), GQA over the same query groups, attention dropout from the same RNG tracker,
+and context parallelism over the same CP group and comm type (TE's own CP attention).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import math
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +57,18 @@ from megafab.model.transformer import TransformerLayer, apply_rotary, mlp_activa
 
 FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper and newer have FP8 tensor cores
 
+
+
+TE_CP_COMM_TYPES = {"p2p": "p2p", "allgather": "all_gather", "a2a": "a2a"}  # megafab's -> TE's names
+
+
+class _Fp8Region(threading.local):
+    """How many model chunks' fp8_autocast regions this thread is inside."""
+
+    depth = 0
+
+
+_FP8_REGION = _Fp8Region()
 
 
 class TransformerEngineError(MegafabError):
@@ -127,13 +152,52 @@ def fp8_recipe(precision_cfg):
     return getattr(recipe, makers[kind])(fp8_format=fmt)
 
 
+def fp8_enabled(precision_cfg) -> bool:
+    return precision_cfg is not None and precision_cfg.fp8_format is not None
+
+
 def fp8_context(precision_cfg, amax_group=None):
-    """TE's fp8_autocast for the layers' forward, or a no-op without --fp8-format."""
-    if precision_cfg is None or precision_cfg.fp8_format is None:
+    """TE's fp8_autocast with amax reductions over `amax_group`, or a no-op without --fp8-format."""
+    if not fp8_enabled(precision_cfg):
         return contextlib.nullcontext()
     import transformer_engine.pytorch as te
 
     return te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe(precision_cfg), fp8_group=amax_group)
+
+
+def fp8_amax_group(topo):
+    """Megatron's FP8 amax reduction group: every rank of this rank's TP x DP x CP slice."""
+    return topo.group("tp", "dp", "cp")
+
+
+@contextlib.contextmanager
+def fp8_chunk_context(ctx):
+    """One fp8_autocast around a model chunk's layers (LayerContext: precision, fp8_group)."""
+    if not fp8_enabled(ctx.precision):
+        yield
+        return
+    with fp8_context(ctx.precision, ctx.fp8_group):
+        _FP8_REGION.depth += 1
+        try:
+            yield
+        finally:
+            _FP8_REGION.depth -= 1
+
+
+def _layer_fp8_context(ctx):
+    """A layer's own fp8_autocast, only where no chunk's region is open (recompute in backward)."""
+    return contextlib.nullcontext() if _FP8_REGION.depth else fp8_context(ctx.precision, ctx.fp8_group)
+
+
+def _te_context_parallel(ctx) -> dict:
+    """TE DotProductAttention's CP arguments (megatron-core's TEDotProductAttention)."""
+    if ctx.cp_group is None:
+        return {}
+    import torch.distributed as dist
+
+    return {"cp_group": ctx.cp_group, "cp_global_ranks": dist.get_process_group_ranks(ctx.cp_group),
+            "cp_stream": torch.cuda.Stream() if torch.cuda.is_available() else None,
+            "cp_comm_type": TE_CP_COMM_TYPES[ctx.cp_comm_type]}
 
 
 def transformer_layer_class(cfg):
@@ -162,7 +226,7 @@ class TETransformerLayer(nn.Module):
 
         prefix = layer_prefix(layer_number)
         tp = group_size(ctx.tp_group)
-        self.ctx, self.precision_cfg = ctx, ctx.precision
+        self.ctx = ctx
         self.hidden_dropout = cfg.hidden_dropout
         self.d = cfg.kv_channels
         self.heads_per_group = cfg.num_attention_heads // cfg.num_query_groups
@@ -183,8 +247,9 @@ class TETransformerLayer(nn.Module):
         self.self_attention.core_attention = te.DotProductAttention(
             cfg.num_attention_heads, self.d, num_gqa_groups=cfg.num_query_groups,
             attention_dropout=cfg.attention_dropout, attn_mask_type="causal", qkv_format="sbhd",
-            tp_size=tp, tp_group=ctx.tp_group, sequence_parallel=ctx.sequence_parallel,
-            get_rng_state_tracker=common["get_rng_state_tracker"])
+            softmax_scale=1.0 / math.sqrt(self.d), tp_size=tp, tp_group=ctx.tp_group,
+            sequence_parallel=ctx.sequence_parallel, get_rng_state_tracker=common["get_rng_state_tracker"],
+            **_te_context_parallel(ctx))
         self.self_attention.linear_proj = te.Linear(
             cfg.num_attention_heads * self.d, cfg.hidden_size, bias=cfg.add_bias_linear,
             parallel_mode="row", **common)
@@ -231,7 +296,7 @@ class TETransformerLayer(nn.Module):
     def forward(self, x, rotary_angles=None, attention_mask=None, kv_cache=None):
         if kv_cache is not None:
             raise NotImplementedError("generation with a KV cache uses --transformer-impl local")
-        with fp8_context(self.precision_cfg):
+        with _layer_fp8_context(self.ctx):
             x = x + self._dropout(self._attention(x, rotary_angles, attention_mask))
             h = self.mlp.linear_fc1(x)
             h = F.silu(h.chunk(2, dim=-1)[0]) * h.chunk(2, dim=-1)[1] if self.swiglu else self.activation(h)

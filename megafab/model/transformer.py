@@ -19,6 +19,7 @@ from megafab.checkpoint.keys import layer_prefix, partition_stride
 from megafab.distributed.context_parallel import context_parallel_attention
 from megafab.distributed.layers import ColumnParallelLinear, RowParallelLinear
 from megafab.distributed.mappings import group_size
+from megafab.distributed.random import host_seed
 from megafab.model.attention_backend import sdpa_context
 from megafab.model.init import normal_init, output_layer_std
 from megafab.model.recompute import RecomputeSettings, recompute
@@ -42,6 +43,7 @@ class LayerContext:
     gradient_accumulation_fusion: bool = True  # weight grads straight into DDP's main_grad buffer
     cp_group: object = None  # context parallel: this rank holds 2 of 2*cp sequence chunks
     cp_comm_type: str = "p2p"
+    fp8_group: object = None  # FP8 amax reductions (TP x DP x CP; model/te.py's fp8_amax_group)
 
     def tp_region_rng(self):
         """Dropout on tensors that differ across TP ranks draws from the per-rank stream."""
@@ -205,7 +207,9 @@ class SelfAttention(nn.Module):
         with self.ctx.tp_region_rng() if dropout > 0 else contextlib.nullcontext(), self.sdpa_backend():
             if self.ctx.cp_group is not None:
                 assert attention_mask is None, "context parallel attention takes no attention mask"
-                return context_parallel_attention(q, k, v, self.ctx.cp_group, self.ctx.cp_comm_type, dropout)
+                seed = host_seed(self.ctx.rng_tracker) if dropout > 0 else None
+                return context_parallel_attention(q, k, v, self.ctx.cp_group, self.ctx.cp_comm_type, dropout,
+                                                  seed)
             if attention_mask is None:
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, **gqa)
             # Megatron's mask: True where attention is NOT allowed

@@ -19,7 +19,7 @@ from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
 from megafab.distributed.topology import Topology, initialize
 from megafab.errors import JobFault
 from megafab.model.gpt import build_model_chunks
-from megafab.model.te import check_transformer_engine
+from megafab.model.te import check_transformer_engine, fp8_amax_group
 from megafab.model.transformer import LayerContext
 from megafab.optim.cpu_offload import OffloadConfig
 from megafab.optim.distributed_optimizer import DistributedOptimizer
@@ -87,7 +87,8 @@ def build_model(cfg, topo: Topology, tracker, dtype: torch.dtype | None = None) 
                        topo.device, cfg.training.seed, tracker, precision=cfg.precision,
                        gradient_accumulation_fusion=cfg.parallel.gradient_accumulation_fusion,
                        cp_group=topo.group("cp") if topo.cp > 1 else None,
-                       cp_comm_type=cfg.parallel.cp_comm_type)
+                       cp_comm_type=cfg.parallel.cp_comm_type,
+                       fp8_group=fp8_amax_group(topo) if cfg.precision.fp8_format else None)
     p = cfg.parallel
     # FSDP2 shards a meta-built chunk; the distributed optimizer places it in its param buffer.
     # Either then fills the values one part (layer) at a time: no second copy of the model.

@@ -1,23 +1,26 @@
-"""Context-parallel attention against full-sequence SDPA, the sequence layout, the CP loss and the
-block kernels' dropout (float64, gloo)."""
+"""Context-parallel attention (fused kernels and the portable reference) against one process's
+attention, the block plans, the sequence layout, the CP loss and the reference kernel's dropout
+(float64, gloo)."""
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from megafab.distributed import blockwise_attention as ba
 from megafab.distributed.context_parallel import (
     _rank_layout_chunks,
-    _ring_blocks,
     _to_natural_order,
     _to_rank_order,
+    allgather_plan,
     chunk_ids,
     context_parallel_attention,
     context_parallel_masked_mean,
     local_token_positions,
+    ring_plan,
     split_for_context_parallel,
 )
+from megafab.distributed.fused_attention import CPU_FLASH, block_kernel
+from megafab.distributed.random import RNGStatesTracker, host_seed, model_parallel_seed
 from tests.harness import run_ranks
 
 TOL = 1e-10
@@ -28,7 +31,7 @@ def test_megatron_load_balanced_chunks():
     assert [chunk_ids(r, 2) for r in range(2)] == [(0, 3), (1, 2)]
     assert local_token_positions(8, 0, 2).tolist() == [0, 1, 6, 7]
     assert local_token_positions(8, 1, 2).tolist() == [2, 3, 4, 5]
-    assert _rank_layout_chunks(4) == [0, 7, 1, 6, 2, 5, 3, 4]
+    assert _rank_layout_chunks(4) == (0, 7, 1, 6, 2, 5, 3, 4)
     # the ranks' pieces tile the sequence exactly once
     for cp in (1, 2, 4):
         got = torch.cat([local_token_positions(32, r, cp) for r in range(cp)]).sort().values
@@ -44,23 +47,47 @@ def test_rank_order_and_sequence_order_are_inverse():
 
 
 @pytest.mark.parametrize("cp", [2, 3, 4])
-def test_ring_blocks_cover_every_causal_pair_once(cp):
+def test_block_plans_cover_every_causal_pair_once_with_exact_masks(cp):
+    """Every (query, key) pair with key <= query lies in exactly one block, and each block's own
+    mask (full, or causal on a square diagonal) is exactly the positional one."""
     c = 3
-    seen = torch.zeros(2 * cp * c, 2 * cp * c, dtype=torch.int64)
-    for r in range(cp):
-        q_pos = local_token_positions(2 * cp * c, r, cp)
-        for step in range(cp):
-            src = (r - step) % cp
-            k_pos = local_token_positions(2 * cp * c, src, cp)
-            for rows, keys in _ring_blocks(chunk_ids(r, cp), chunk_ids(src, cp), c):
-                qs, ks = q_pos[rows], k_pos[keys]
-                allowed = ks[None, :] <= qs[:, None]
-                assert allowed.any(dim=1).all()  # no query row of a block is fully masked
-                seen[qs[:, None].expand_as(allowed)[allowed], ks[None, :].expand_as(allowed)[allowed]] += 1
-    assert torch.equal(seen, torch.ones_like(seen).tril())
+    s = 2 * cp * c
+    natural = torch.arange(s)
+    for plan_of in ("p2p", "allgather"):
+        seen = torch.zeros(s, s, dtype=torch.int64)
+        for r in range(cp):
+            q_pos = local_token_positions(s, r, cp)
+            if plan_of == "p2p":
+                steps = [(local_token_positions(s, (r - i) % cp, cp), blocks)
+                         for i, blocks in enumerate(ring_plan(c, cp, r))]
+            else:
+                steps = [(natural, allgather_plan(c, cp, r))]
+            covered = torch.zeros(2 * c, dtype=torch.bool)
+            for k_pos, blocks in steps:
+                for blk in blocks:
+                    qs, ks = q_pos[blk.rows], k_pos[blk.keys]
+                    allowed = ks[None, :] <= qs[:, None]
+                    if blk.causal:
+                        assert len(qs) == len(ks) and torch.equal(allowed, torch.ones_like(allowed).tril())
+                    else:
+                        assert allowed.all()
+                    assert blk.first == (not covered[blk.rows].any())
+                    covered[blk.rows] = True
+                    pairs = qs[:, None].expand_as(allowed)[allowed], ks[None, :].expand_as(allowed)[allowed]
+                    seen[pairs] += 1
+        assert torch.equal(seen, torch.ones_like(seen).tril()), plan_of
 
 
-def _attention_parity(rank, world, comm, heads, groups, dtype):
+def _math_attention(q, k, v):
+    """softmax(q k^T / sqrt(d)) v with the causal mask, spelled out (GQA by repeating K/V)."""
+    hpg = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(hpg, 1), v.repeat_interleave(hpg, 1)
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    future = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).triu(1)
+    return torch.softmax(scores.masked_fill(future, float("-inf")), -1) @ v
+
+
+def _attention_parity(rank, world, comm, heads, groups, dtype, implementation="auto"):
     torch.manual_seed(0)
     b, s, d = 2, 8 * world, 8
     q = torch.randn(b, heads, s, d, dtype=torch.float64)
@@ -68,16 +95,14 @@ def _attention_parity(rank, world, comm, heads, groups, dtype):
     v = torch.randn(b, groups, s, d, dtype=torch.float64)
     dout = torch.randn(b, heads, s, d, dtype=torch.float64)
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-    hpg = heads // groups
-    ref = F.scaled_dot_product_attention(qr, kr.repeat_interleave(hpg, 1), vr.repeat_interleave(hpg, 1),
-                                         is_causal=True)
+    ref = _math_attention(qr, kr, vr)
     ref.backward(dout)
 
     def local(t):
         return split_for_context_parallel(t, 2, rank, world).to(dtype)
 
     ql, kl, vl = (local(t).requires_grad_() for t in (q, k, v))
-    out = context_parallel_attention(ql, kl, vl, dist.group.WORLD, comm)
+    out = context_parallel_attention(ql, kl, vl, dist.group.WORLD, comm, implementation=implementation)
     assert out.dtype == dtype and out.shape == ql.shape
     out.backward(local(dout))
     errors = [(out.double() - local(ref).double()).abs().max().item()]
@@ -88,10 +113,42 @@ def _attention_parity(rank, world, comm, heads, groups, dtype):
 
 @pytest.mark.parametrize("comm", ["p2p", "allgather", "a2a"])
 @pytest.mark.parametrize("cp", [2, 4])
-def test_attention_and_its_gradients_equal_full_sequence_sdpa(comm, cp):
+def test_attention_and_its_gradients_equal_full_sequence_attention(comm, cp):
+    """float64: the fused CPU flash kernel (it takes float64) against one process's math."""
     groups = 4 if comm == "a2a" and cp == 4 else 2  # a2a splits the key/value heads over CP
     for errors in run_ranks(_attention_parity, cp, comm, 8, groups, torch.float64, timeout=60):
         assert max(errors) < TOL, errors
+
+
+@pytest.mark.parametrize("comm", ["p2p", "allgather"])
+def test_portable_reference_equals_full_sequence_attention(comm):
+    for errors in run_ranks(_attention_parity, 2, comm, 8, 2, torch.float64, "reference", timeout=60):
+        assert max(errors) < TOL, errors
+
+
+def test_fused_kernels_are_chosen_on_cpu_and_the_reference_for_dropout():
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        assert block_kernel(torch.zeros(1, 2, 4, 8, dtype=dtype)) is CPU_FLASH
+    assert isinstance(block_kernel(torch.zeros(1, 2, 4, 8), 0.1, 7), ba.ReferenceKernel)
+    assert isinstance(block_kernel(torch.zeros(1, 2, 4, 8), implementation="reference"), ba.ReferenceKernel)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_fused_block_kernel_equals_the_reference_block_kernel(causal):
+    """One block, GQA, float64, forward and backward from a given (merged-like) out and lse."""
+    torch.manual_seed(4)
+    b, heads, groups, sq, d = 2, 4, 2, 6, 8
+    sk = sq if causal else 10
+    q = torch.randn(b, heads, sq, d, dtype=torch.float64)
+    k, v = (torch.randn(b, groups, sk, d, dtype=torch.float64) for _ in range(2))
+    dout = torch.randn(b, heads, sq, d, dtype=torch.float64)
+    ref_out, ref_lse, _ = ba.ReferenceKernel().forward(q, k, v, causal, 0.3)
+    out, lse, aux = CPU_FLASH.forward(q, k, v, causal, 0.3)
+    assert (out - ref_out).abs().max() < TOL and (lse - ref_lse).abs().max() < TOL
+    grads = CPU_FLASH.backward(dout, q, k, v, out, lse, causal, 0.3, 0, aux)
+    ref_grads = ba.ReferenceKernel().backward(dout, q, k, v, ref_out, ref_lse, causal, 0.3)
+    for mine, theirs in zip(grads, ref_grads):
+        assert mine.shape == theirs.shape and (mine - theirs).abs().max() < TOL
 
 
 def test_bf16_ring_attention_stays_close_to_fp64():
@@ -122,31 +179,32 @@ def test_loss_is_the_mean_over_the_whole_sequence():
         assert value_err < TOL and grad_err < TOL
 
 
-def _naive_block(q, k, v, q_pos, k_pos, scale, dropout, block_id):
-    """The block by autograd, with the kernel's own dropout masks, for the backward check."""
-    s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
-    s = s.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+def _naive_block(q, k, v, scale, dropout, block_id):
+    """A causal block by autograd, with the kernel's own dropout masks, for the backward check."""
+    hpg = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(hpg, 1), v.repeat_interleave(hpg, 1)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
     p = torch.softmax(s, dim=-1)
-    keep = dropout.keep(block_id, 0, p.shape, p.device).double() / (1.0 - dropout.p)
-    return torch.matmul(p * keep, v.unsqueeze(2))
+    keep = dropout.keep(block_id, 0, p.unflatten(1, (k.shape[1] // hpg, hpg)).shape, p.device)
+    return torch.matmul(p * keep.flatten(1, 2).double() / (1.0 - dropout.p), v)
 
 
-def test_block_kernels_with_dropout_match_autograd_of_the_same_masks():
+def test_reference_kernel_with_dropout_matches_autograd_of_the_same_masks():
     torch.manual_seed(1)
-    b, g, hpg, sq, sk, d = 2, 2, 2, 6, 10, 4
-    q = torch.randn(b, g, hpg, sq, d, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(b, g, sk, d, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(b, g, sk, d, dtype=torch.float64, requires_grad=True)
-    q_pos, k_pos = torch.arange(4, 4 + sq), torch.arange(sk)
+    b, g, hpg, s, d = 2, 2, 2, 6, 4
+    q = torch.randn(b, g * hpg, s, d, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(b, g, s, d, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(b, g, s, d, dtype=torch.float64, requires_grad=True)
     dropout, scale = ba.BlockDropout(0.3, 12345), 0.5
-    out, lse = ba.block_forward(q, k, v, q_pos, k_pos, scale, dropout, block_id=7)
-    ref = _naive_block(q, k, v, q_pos, k_pos, scale, dropout, 7)
+    kernel = ba.ReferenceKernel(dropout)
+    out, lse, _ = kernel.forward(q, k, v, True, scale, block_id=7)
+    ref = _naive_block(q, k, v, scale, dropout, 7)
     assert (out - ref).abs().max() < TOL
     dout = torch.randn_like(ref)
     ref.backward(dout)
     # delta = rowsum(dout * out): with dropout this is still the softmax's normalisation term
-    dq, dk, dv = ba.block_backward(q.detach(), k.detach(), v.detach(), q_pos, k_pos, lse, dout,
-                                   (dout * out).sum(-1), scale, dropout, block_id=7)
+    dq, dk, dv = kernel.backward(dout, q.detach(), k.detach(), v.detach(), out, lse, True, scale, block_id=7)
     for mine, full in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
         assert (mine - full).abs().max() < TOL
     kept = dropout.keep(7, 0, (1000, 100), "cpu").double().mean().item()
@@ -154,27 +212,38 @@ def test_block_kernels_with_dropout_match_autograd_of_the_same_masks():
     assert not torch.equal(dropout.keep(7, 0, (50, 50), "cpu"), dropout.keep(8, 0, (50, 50), "cpu"))
 
 
-def test_query_tiles_give_the_untiled_result(monkeypatch):
+@pytest.mark.parametrize("causal", [True, False])
+def test_query_tiles_give_the_untiled_result(monkeypatch, causal):
     torch.manual_seed(2)
-    q = torch.randn(1, 2, 1, 12, 4, dtype=torch.float64)
+    q = torch.randn(1, 2, 12, 4, dtype=torch.float64)
     k, v = torch.randn(1, 2, 12, 4, dtype=torch.float64), torch.randn(1, 2, 12, 4, dtype=torch.float64)
-    pos = torch.arange(12)
-    whole = ba.block_forward(q, k, v, pos, pos, 0.5)
+    dout = torch.randn(1, 2, 12, 4, dtype=torch.float64)
+    kernel = ba.ReferenceKernel()
+    whole = kernel.forward(q, k, v, causal, 0.5)[:2]
+    whole_grads = kernel.backward(dout, q, k, v, *whole, causal, 0.5)
     monkeypatch.setattr(ba, "TILE_ELEMENTS", 2 * 12 * 5)  # 5 query rows per tile
-    tiled = ba.block_forward(q, k, v, pos, pos, 0.5)
-    assert all((a - b).abs().max() < TOL for a, b in zip(whole, tiled))
+    tiled = kernel.forward(q, k, v, causal, 0.5)[:2]
+    tiled_grads = kernel.backward(dout, q, k, v, *whole, causal, 0.5)
+    assert all((a - b).abs().max() < TOL for a, b in zip(whole + whole_grads, tiled + tiled_grads))
 
 
 def _dropout_differs_across_cp_ranks(rank, world, comm):
-    torch.manual_seed(5)  # same stream on both ranks: the seeds must come from a per-rank stream
+    torch.manual_seed(5)  # same inputs on both ranks: the seeds must come from a per-rank stream
     q = torch.randn(1, 2, 8, 4, dtype=torch.float64)
     k, v = torch.randn(1, 2, 8, 4, dtype=torch.float64), torch.ones(1, 2, 8, 4, dtype=torch.float64)
-    torch.manual_seed(77 + rank)
-    state = torch.get_rng_state()
-    first = context_parallel_attention(q, k, v, dist.group.WORLD, comm, dropout_p=0.5)
-    torch.set_rng_state(state)
-    again = context_parallel_attention(q, k, v, dist.group.WORLD, comm, dropout_p=0.5)
-    plain = context_parallel_attention(q, k, v, dist.group.WORLD, comm)
+    tracker = RNGStatesTracker("cpu")
+    model_parallel_seed(77, 0, 0, "cpu", tracker, cp_rank=rank)
+    states = tracker.get_states()
+
+    def attention(dropout_p):
+        with tracker.fork():  # as SelfAttention runs it; a2a draws from the forked stream itself
+            seed = host_seed(tracker) if comm != "a2a" else None
+            return context_parallel_attention(q, k, v, dist.group.WORLD, comm, dropout_p, seed)
+
+    first = attention(0.5)
+    tracker.set_states(states)
+    again = attention(0.5)
+    plain = attention(0.0)
     assert torch.equal(first, again)  # the stream decides the masks: recompute replays them
     assert not torch.equal(first, plain)
     gathered = [torch.empty_like(first) for _ in range(world)]
