@@ -87,11 +87,7 @@ class Machine:
             return 0.0
         eff = self.attention_bwd_efficiency if backward else self.attention_fwd_efficiency
         eff *= keys / (keys + self.attention_seq_half)
-        measured = [row for row in self.gemm_points if row[3] == dtype]
-        rate = self.peak(dtype) * eff
-        if measured:  # a measured machine: attention runs its GEMMs at the measured rates
-            rate = _interpolated_rate(measured, flops) * (0.5 if backward else 0.7)
-        return flops / rate + self.kernel_overhead_s
+        return flops / (self.peak(dtype) * eff) + self.kernel_overhead_s
 
     def memory_seconds(self, nbytes: float, kernels: int = 0) -> float:
         """Element-wise work moving nbytes over HBM in `kernels` kernels."""

@@ -15,7 +15,8 @@ Pruning, none of which drops a candidate that could rank first:
   - without sharding is the distributed optimizer's communication with more memory and a longer
     optimizer step: tried only at DP x CP = 1, where both are the same;
   - TP stays inside one node (TP's per-layer collectives across nodes are never competitive).
-Ranking keeps each layout's (TP, PP, VPP, CP, EP, DP) best setting, so the top K are K layouts.
+Ranking keeps each rank grid's (TP, PP, CP, EP, DP) best setting (VPP, micro-batch, recompute, sharding,
+SP), so the top K are K different grids.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ class Candidate:
 
     @property
     def layout_key(self) -> tuple:
-        return self.tp, self.pp, self.vpp, self.cp, self.ep, self.dp
+        """The rank grid; VPP, like the micro-batch size, is a setting of a grid's schedule."""
+        return self.tp, self.pp, self.cp, self.ep, self.dp
 
     def to_json(self) -> dict:
         p = self.prediction
