@@ -71,3 +71,26 @@ def test_ring_collectives_follow_the_bus_bandwidth_factors():
     across = placement(64, 8, 1, 1, 8, ("dp",))  # one rank per node: one NIC
     assert collective_seconds(h100, "all_gather", size, across) == pytest.approx(
         7 / 8 * size / h100.nic_bandwidth + 7 * h100.inter_latency_s)
+
+
+@pytest.mark.slow
+def test_profile_measures_this_machine_and_the_model_uses_it(tmp_path):
+    from megafab.arguments import config_from_args
+    from megafab.plan.profile import measure
+    from megafab.plan.step_time import predict
+    from megafab.training.planner import plan
+
+    path = tmp_path / "here.json"
+    measure("here", budget_s=10).save(str(path))
+    here = Machine.load(str(path))
+    assert here.gemm_points and here.peak("float32") > 0
+    assert {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"} <= set(here.collectives)
+    assert "2" in here.collectives["all_gather"]
+    fits = [(alpha, busbw) for table in here.collectives.values() for alpha, busbw in table.values()]
+    assert all(alpha >= 0 and busbw > 0 for alpha, busbw in fits)
+    cfg = config_from_args(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+                            "--seq-length", "16", "--vocab-size", "128", "--micro-batch-size", "1",
+                            "--global-batch-size", "4", "--tensor-model-parallel-size", "2", "--dry-run"],
+                           world_size=2)
+    pred = predict(cfg, here, plan(cfg))
+    assert pred.step_time_s > 0 and pred.breakdown["tp_comm"] > 0 and pred.breakdown["gemm"] > 0
