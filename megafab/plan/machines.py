@@ -55,10 +55,15 @@ class Machine:
     host_adam_params_per_s: float = 2e8  # CPU Adam updates per second available to one device
     host_memory_gib: float = 250.0  # host memory per device
     iteration_overhead_s: float = 0.005  # per step: grad-norm host sync, loss scaler, logging
+    compute_slots: int = 0  # devices of a node that compute at once (CPU: its cores); 0: every device
     # Measured profiles: [m, n, k, dtype, seconds] rows and fitted collectives (see profile.py).
     gemm_points: list = field(default_factory=list)
     collectives: dict = field(default_factory=dict)  # op -> group size -> [alpha_s, busbw bytes/s]
     source: str = "built-in"
+
+    def sharing(self, devices_on_node: int) -> float:
+        """How many devices share one compute slot: > 1 when a CPU runs more ranks than it has cores."""
+        return max(1.0, devices_on_node / self.compute_slots) if self.compute_slots else 1.0
 
     def peak(self, dtype: str) -> float:
         """FLOP/s at peak for dtype (bf16 when the profile has no such entry)."""

@@ -204,6 +204,8 @@ def measure(name: str = "this-machine", budget_s: float = 90.0) -> Machine:
             collectives.setdefault(op, {}).update(table)
     deadline = time.monotonic() + budget_s * 0.5
     dtypes = [torch.float32] + ([torch.bfloat16] if device.type == "cuda" else [])
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # as each rank runs (one thread per rank)
     gemms = []
     for dtype in dtypes:
         gemms += measure_gemms(dtype, deadline)
@@ -224,4 +226,5 @@ def measure(name: str = "this-machine", budget_s: float = 90.0) -> Machine:
         inter_latency_s=link[0], gemm_efficiency=1.0, kernel_overhead_s=0.0,
         attention_fwd_efficiency=att_f, attention_bwd_efficiency=att_b, attention_seq_half=0.0,
         hbm_efficiency=1.0, gemm_points=gemms, collectives=collectives, iteration_overhead_s=0.0,
-        host_memory_gib=memory_gib, source=f"measured by megafab-estimate --profile on {device.type}")
+        host_memory_gib=memory_gib, compute_slots=0 if gpus else cores,
+        source=f"measured by megafab-estimate --profile on {device.type}")

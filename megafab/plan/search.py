@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -292,6 +293,29 @@ def search(user_argv: list[str], num_gpus: int, machine, top: int = 10, tp_comm_
             continue
         shown.append(evaluate(cfg, machine, user + cand.flags, tp_comm_overlap, kernels))
     return SearchResult(shown, considered, valid, fitting, time.perf_counter() - start)
+
+
+def every_valid_layout(user_argv: list[str], num_gpus: int, micro_batch_sizes=(1, 2, 4),
+                       recomputes=tuple(RECOMPUTE), shardings=tuple(SHARDING), max_cp: int = 1):
+    """[(exact flags, finalized Config)] of every layout the config accepts, without the search's
+    pruning (benchmarks/layout_search.py runs them all)."""
+    user = strip_layout_flags(user_argv)
+    base = config_from_args(user + ["--micro-batch-size", "1", "--dry-run"], world_size=1)
+    builder = _Builder(base, user, num_gpus)
+    layers = base.model.num_layers
+    out = []
+    for tp in _divisors(num_gpus):
+        for cp in [d for d in _divisors(num_gpus // tp) if d <= max_cp]:
+            for pp in _divisors(num_gpus // (tp * cp)):
+                vpps = [1] + ([v for v in _divisors(layers // pp) if v > 1 and pp > 1]
+                              if layers % pp == 0 else [])
+                for vpp, mbs, sharding, recompute, sp in itertools.product(
+                        vpps, micro_batch_sizes, shardings, recomputes, [False, True] if tp > 1 else [False]):
+                    cfg = builder.build(tp, pp, vpp, cp, mbs, sp, sharding, recompute, False)
+                    if cfg is not None:
+                        flags = user + _layout_flags(tp, pp, vpp, cp, mbs, sp, sharding, recompute, False)
+                        out.append((flags, cfg))
+    return out
 
 
 def candidate_from_flags(user_argv: list[str], num_gpus: int, machine, tp_comm_overlap: bool = False,

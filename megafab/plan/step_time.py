@@ -74,6 +74,9 @@ class _Pass:
         return _Pass(self.gemm + other.gemm, self.attention + other.attention, self.memory + other.memory,
                      self.tp + other.tp, self.cp + other.cp)
 
+    def compute_scaled(self, k: float) -> _Pass:
+        return _Pass(self.gemm * k, self.attention * k, self.memory * k, self.tp, self.cp)
+
     def scaled(self, k: float) -> _Pass:
         return _Pass(self.gemm * k, self.attention * k, self.memory * k, self.tp * k, self.cp * k)
 
@@ -316,7 +319,10 @@ def optimizer_seconds(cfg, machine, stages) -> float:
 def predict(cfg, machine, stages, tp_comm_overlap: bool = False) -> Prediction:
     """Step time of the finalized cfg whose memory plan is `stages` (megafab.training.planner.plan)."""
     p, t = cfg.parallel, cfg.training
-    passes = stage_passes(cfg, machine, tp_comm_overlap)
+    # ranks sharing a CPU's cores run their compute in turn (collectives are measured so already)
+    shared = machine.sharing(min(p.world_size, machine.gpus_per_node))
+    passes = [(f.compute_scaled(shared), b.compute_scaled(shared))
+              for f, b in stage_passes(cfg, machine, tp_comm_overlap)]
     m_count = t.num_micro_batches or 1
     vpp = p.virtual_pipeline_model_parallel_size or 1
     x = _Shapes(cfg, machine)
@@ -325,7 +331,7 @@ def predict(cfg, machine, stages, tp_comm_overlap: bool = False) -> Prediction:
     pipe = pipeline_time([f.total + b.total for f, b in passes], m_count, vpp,
                          p2p_seconds(machine, boundary, across))
     dp, fsdp = data_parallel_seconds(cfg, machine, stages, passes)
-    opt = optimizer_seconds(cfg, machine, stages)
+    opt = optimizer_seconds(cfg, machine, stages) * shared
     step = pipe.total + dp + fsdp + opt + machine.iteration_overhead_s
     slowest = max(range(len(passes)), key=lambda i: passes[i][0].total + passes[i][1].total)
     f, b = passes[slowest]
