@@ -111,8 +111,9 @@ def _describe(cfg) -> tuple[str, str]:
 
 
 def evaluate(cfg, machine, flags: list[str], tp_comm_overlap: bool = False, kernels: str = "flash",
-             stages=None) -> Candidate:
-    """Memory and step time of one finalized, valid config (stages: its plan, if made already)."""
+             stages=None, memo: dict | None = None) -> Candidate:
+    """Memory and step time of one finalized, valid config (stages: its plan, if made already;
+    memo: step_time.stage_passes's)."""
     stages = stages or plan(cfg, kernels)
     p = cfg.parallel
     recompute, sharding = _describe(cfg)
@@ -122,7 +123,7 @@ def evaluate(cfg, machine, flags: list[str], tp_comm_overlap: bool = False, kern
         dp=p.data_parallel_size, micro_batch_size=cfg.training.micro_batch_size, recompute=recompute,
         sharding=sharding, sequence_parallel=p.sequence_parallel,
         memory_gib=_device_gib(stages), host_gib=_host_gib(stages),
-        prediction=predict(cfg, machine, stages, tp_comm_overlap))
+        prediction=predict(cfg, machine, stages, tp_comm_overlap, memo))
 
 
 def _device_gib(stages) -> float:
@@ -165,6 +166,7 @@ class _Builder:
 
     def __init__(self, base: Config, user_flags: list[str], world: int):
         self.base, self.world = base, world
+        self.memo: dict = {}  # layer passes shared by the layouts of this one model
         self.section = {f.name: section.name for section in dataclasses.fields(Config)
                         if dataclasses.is_dataclass(section.type if not isinstance(section.type, str)
                                                     else getattr(base, section.name))
@@ -227,7 +229,8 @@ def _best_micro_batch(builder, machine, layout, dp, gbs, micro_batch_sizes, over
         cfg, stages = planned[recompute]
         fitting += 1
         cand = evaluate(cfg, machine, _layout_flags(tp, pp, vpp, cp, mbs, sp, sharding, recompute,
-                                                    overlap_param_gather), tp_comm_overlap, kernels, stages)
+                                                    overlap_param_gather), tp_comm_overlap, kernels, stages,
+                         builder.memo)
         if best is None or cand.prediction.step_time_s < best.prediction.step_time_s:
             best = cand
     return (built, valid, fitting), best

@@ -230,10 +230,24 @@ def _output_pass(x: _Shapes, tp_comm_overlap: bool) -> tuple[_Pass, _Pass]:
     return fwd, bwd
 
 
-def stage_passes(cfg, machine, tp_comm_overlap: bool = False) -> list[tuple[_Pass, _Pass]]:
-    """(forward, backward) of one micro-batch through each pipeline stage (all its chunks)."""
+def _layer_key(cfg, x: _Shapes, tp_comm_overlap: bool) -> tuple:
+    """What one layer's passes depend on (not PP, VPP or DP)."""
+    return (repr(vars(cfg.model)), x.dtype, x.tp, x.cp, x.b, x.sp, cfg.parallel.cp_comm_type, x.tp_group,
+            x.cp_group, tp_comm_overlap)
+
+
+def stage_passes(cfg, machine, tp_comm_overlap: bool = False,
+                 memo: dict | None = None) -> list[tuple[_Pass, _Pass]]:
+    """(forward, backward) of one micro-batch through each pipeline stage (all its chunks). memo: a
+    dict kept by a caller that predicts many layouts of one model on one machine."""
     x = _Shapes(cfg, machine)
-    layer_f, layer_b = layer_passes(cfg, machine, tp_comm_overlap)
+    key = _layer_key(cfg, x, tp_comm_overlap) if memo is not None else None
+    if key is not None and key in memo:
+        layer_f, layer_b = memo[key]
+    else:
+        layer_f, layer_b = layer_passes(cfg, machine, tp_comm_overlap)
+        if key is not None:
+            memo[key] = layer_f, layer_b
     embed = _embedding_pass(x)
     output = _output_pass(x, tp_comm_overlap)
     counts = PipelineSplit.from_config(cfg).counts()
@@ -316,13 +330,14 @@ def optimizer_seconds(cfg, machine, stages) -> float:
     return device + host
 
 
-def predict(cfg, machine, stages, tp_comm_overlap: bool = False) -> Prediction:
-    """Step time of the finalized cfg whose memory plan is `stages` (megafab.training.planner.plan)."""
+def predict(cfg, machine, stages, tp_comm_overlap: bool = False, memo: dict | None = None) -> Prediction:
+    """Step time of the finalized cfg whose memory plan is `stages` (megafab.training.planner.plan);
+    memo: see stage_passes."""
     p, t = cfg.parallel, cfg.training
     # ranks sharing a CPU's cores run their compute in turn (collectives are measured so already)
     shared = machine.sharing(min(p.world_size, machine.gpus_per_node))
     passes = [(f.compute_scaled(shared), b.compute_scaled(shared))
-              for f, b in stage_passes(cfg, machine, tp_comm_overlap)]
+              for f, b in stage_passes(cfg, machine, tp_comm_overlap, memo)]
     m_count = t.num_micro_batches or 1
     vpp = p.virtual_pipeline_model_parallel_size or 1
     x = _Shapes(cfg, machine)
