@@ -206,13 +206,13 @@ def _best_micro_batch(builder, machine, layout, dp, gbs, micro_batch_sizes, over
     for mbs in micro_batch_sizes:
         if gbs and gbs % (mbs * dp):
             continue
-        planned = {}
+        planned, valid_here = {}, 0
         for recompute in ("full", "none", "selective"):
             built += 1
             cfg = builder.build(tp, pp, vpp, cp, mbs, sp, sharding, recompute, overlap_param_gather)
             if cfg is None:
                 continue
-            valid += 1
+            valid, valid_here = valid + 1, valid_here + 1
             stages = plan(cfg, kernels)
             if not fits(stages, machine):
                 if recompute == "full":
@@ -222,8 +222,8 @@ def _best_micro_batch(builder, machine, layout, dp, gbs, micro_batch_sizes, over
             if recompute == "none":
                 break
         if not planned:
-            if built and valid:
-                break  # larger micro-batches need more memory still
+            if valid_here:
+                break  # valid but too big: larger micro-batches need more memory still
             continue
         recompute = next(r for r in RECOMPUTE if r in planned)
         cfg, stages = planned[recompute]
