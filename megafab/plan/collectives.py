@@ -1,0 +1,89 @@
+"""Alpha-beta times of collectives for a group as the layout places it on the machine.
+
+A group's ranks come from the topology's own rank grid (megafab.distributed.topology.Layout:
+Megatron's tp-cp-ep-dp-pp order, TP fastest), and node i holds ranks [i*G, (i+1)*G) for G GPUs per
+node. A group inside one node runs on NVLink at the node's NCCL bus bandwidth; a group across nodes
+runs its rings through the NICs of its ranks: with p of its ranks on each node, p NICs carry it
+(one per GPU, rail-aligned), bus bandwidth min(intra, p x NIC).
+
+Ring algorithms over n ranks, S the full (unsharded) message (nccl-tests' bus-bandwidth factors):
+    all-reduce          2 (n-1)/n S / busbw + 2 (n-1) alpha
+    all-gather,
+    reduce-scatter      (n-1)/n S / busbw + (n-1) alpha
+    all-to-all          (n-1)/n S / busbw + (n-1) alpha
+    send/recv           S / link + alpha
+A measured profile (profile.py) has its own alpha and bus bandwidth per op and group size.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass
+
+from megafab.distributed.topology import Layout
+
+
+@dataclass(frozen=True)
+class Placement:
+    size: int
+    per_node: int  # most of the group's ranks on one node
+    nodes: int
+
+
+@functools.lru_cache(maxsize=4096)
+def placement(world: int, tp: int, cp: int, pp: int, gpus_per_node: int, axes: tuple[str, ...]) -> Placement:
+    layout = Layout(world, tp=tp, cp=cp, pp=pp)
+    spans = [range(layout.size(a)) for a in axes]
+    ranks = [layout.rank(**dict(zip(axes, c))) for c in itertools.product(*spans)]  # rank 0's group
+    nodes: dict[int, int] = {}
+    for r in ranks:
+        nodes[r // gpus_per_node] = nodes.get(r // gpus_per_node, 0) + 1
+    return Placement(len(ranks), max(nodes.values()), len(nodes))
+
+
+def group_placement(cfg, machine, *axes: str) -> Placement:
+    p = cfg.parallel
+    return placement(p.world_size, p.tensor_model_parallel_size, p.context_parallel_size,
+                     p.pipeline_model_parallel_size, machine.gpus_per_node, tuple(sorted(axes)))
+
+
+_STEPS = {"all_reduce": (2.0, 2), "all_gather": (1.0, 1), "reduce_scatter": (1.0, 1), "all_to_all": (1.0, 1)}
+
+
+def _link(machine, where: Placement) -> tuple[float, float]:
+    """(alpha per step, bus bandwidth) of a group placed so."""
+    if where.nodes == 1:
+        return machine.intra_latency_s, machine.intra_busbw
+    return machine.inter_latency_s, min(machine.intra_busbw, where.per_node * machine.nic_bandwidth)
+
+
+def _measured(machine, op: str, n: int):
+    table = machine.collectives.get(op) or {}
+    if not table:
+        return None
+    size = min(table, key=lambda k: abs(int(k) - n))
+    return table[size]
+
+
+def collective_seconds(machine, op: str, nbytes: float, where: Placement) -> float:
+    """One ring collective of nbytes (the full, unsharded size) over the group."""
+    n = where.size
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    factor, steps = _STEPS[op]
+    measured = _measured(machine, op, n)
+    alpha, busbw = measured if measured else _link(machine, where)
+    return factor * (n - 1) / n * nbytes / busbw + steps * (n - 1) * alpha
+
+
+def p2p_seconds(machine, nbytes: float, across_nodes: bool) -> float:
+    """One send/recv between neighbouring pipeline stages."""
+    if nbytes <= 0:
+        return 0.0
+    measured = _measured(machine, "send_recv", 2)
+    if measured:
+        return measured[0] + nbytes / measured[1]
+    if across_nodes:
+        return machine.inter_latency_s + nbytes / machine.nic_bandwidth
+    return machine.intra_latency_s + nbytes / machine.intra_busbw

@@ -1,0 +1,329 @@
+"""The layout search: every layout the config accepts for a model, global batch and device count,
+what it needs in memory (megafab.training.planner) and how long its step takes (step_time), ranked.
+
+Each candidate is the user's flags with the layout flags replaced (TP, PP, VPP, CP, micro-batch,
+recompute, sharding, sequence parallel). Its Config is built from the resolved base config's values
+with those fields changed and finalized again, and the config's own rules (Config.problems) decide
+whether it is valid: nothing is restated here. Every candidate shown is then rebuilt from its exact
+command line through megafab.arguments.config_from_args, so the printed flags are ones that start.
+
+Pruning, none of which drops a candidate that could rank first:
+  - a candidate identical to a fitting one except for more recompute is slower by construction: for
+    each (layout, micro-batch, sharding) recompute none is tried, then selective, then full;
+  - sequence parallel off at TP > 1 does the same communication as on (all-reduce = reduce-scatter
+    + all-gather) with more element-wise work and memory: tried only where SP cannot run;
+  - without sharding is the distributed optimizer's communication with more memory and a longer
+    optimizer step: tried only at DP x CP = 1, where both are the same;
+  - TP stays inside one node (TP's per-layer collectives across nodes are never competitive).
+Ranking keeps each rank grid's (TP, PP, CP, EP, DP) best setting (VPP, micro-batch, recompute, sharding,
+SP), so the top K are K different grids.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import time
+from dataclasses import dataclass
+
+from megafab.arguments import config_from_args
+from megafab.config import Config, ConfigError
+from megafab.plan.step_time import Prediction, predict
+from megafab.training.planner import plan
+
+GiB = 2.0**30
+
+# The flags a candidate sets (removed from the user's command line first), with their value counts.
+LAYOUT_FLAGS = {"--tensor-model-parallel-size": 1, "--pipeline-model-parallel-size": 1,
+                "--context-parallel-size": 1, "--num-layers-per-virtual-pipeline-stage": 1,
+                "--num-virtual-stages-per-pipeline-rank": 1, "--micro-batch-size": 1,
+                "--recompute-granularity": 1, "--recompute-method": 1, "--recompute-num-layers": 1,
+                "--recompute-modules": "*", "--sequence-parallel": 0, "--use-distributed-optimizer": 0,
+                "--use-torch-fsdp2": 0, "--overlap-param-gather": 0, "--dry-run": 0}
+RECOMPUTE = {"none": [], "selective": ["--recompute-granularity", "selective"],
+             "full": ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                      "--recompute-num-layers", "1"]}
+SHARDING = {"none": [], "distributed_optimizer": ["--use-distributed-optimizer"],
+            "fsdp2": ["--use-torch-fsdp2"]}
+
+
+@dataclass
+class Candidate:
+    flags: list[str]
+    tp: int
+    pp: int
+    vpp: int
+    cp: int
+    ep: int
+    dp: int
+    micro_batch_size: int
+    recompute: str
+    sharding: str
+    sequence_parallel: bool
+    memory_gib: float
+    host_gib: float
+    prediction: Prediction
+
+    @property
+    def layout_key(self) -> tuple:
+        """The rank grid; VPP, like the micro-batch size, is a setting of a grid's schedule."""
+        return self.tp, self.pp, self.cp, self.ep, self.dp
+
+    def to_json(self) -> dict:
+        p = self.prediction
+        return {"flags": self.flags, "tp": self.tp, "pp": self.pp, "vpp": self.vpp, "cp": self.cp,
+                "ep": self.ep, "dp": self.dp, "micro_batch_size": self.micro_batch_size,
+                "recompute": self.recompute, "sharding": self.sharding,
+                "sequence_parallel": self.sequence_parallel, "memory_gib": round(self.memory_gib, 3),
+                "host_gib": round(self.host_gib, 3), "step_time_s": p.step_time_s,
+                "tokens_per_s": p.tokens_per_s, "tflops_per_gpu": p.tflops_per_gpu, "mfu": p.mfu,
+                "breakdown": p.breakdown}
+
+
+def strip_layout_flags(argv: list[str]) -> list[str]:
+    """The user's flags without those a candidate sets."""
+    out, i = [], 0
+    while i < len(argv):
+        token = argv[i]
+        name = token.split("=", 1)[0]
+        if name not in LAYOUT_FLAGS:
+            out.append(token)
+            i += 1
+            continue
+        i += 1
+        if "=" in token or LAYOUT_FLAGS[name] == 0:
+            continue
+        if LAYOUT_FLAGS[name] == "*":
+            while i < len(argv) and not argv[i].startswith("--"):
+                i += 1
+        else:
+            i += 1
+    return out
+
+
+def _describe(cfg) -> tuple[str, str]:
+    m, p = cfg.model, cfg.parallel
+    recompute = m.recompute_granularity or "none"
+    sharding = "fsdp2" if p.fully_sharded else \
+        "distributed_optimizer" if p.use_distributed_optimizer else "none"
+    return recompute, sharding
+
+
+def evaluate(cfg, machine, flags: list[str], tp_comm_overlap: bool = False, kernels: str = "flash",
+             stages=None, memo: dict | None = None) -> Candidate:
+    """Memory and step time of one finalized, valid config (stages: its plan, if made already;
+    memo: step_time.stage_passes's)."""
+    stages = stages or plan(cfg, kernels)
+    p = cfg.parallel
+    recompute, sharding = _describe(cfg)
+    return Candidate(
+        flags=list(flags), tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
+        vpp=p.virtual_pipeline_model_parallel_size or 1, cp=p.context_parallel_size, ep=1,
+        dp=p.data_parallel_size, micro_batch_size=cfg.training.micro_batch_size, recompute=recompute,
+        sharding=sharding, sequence_parallel=p.sequence_parallel,
+        memory_gib=_device_gib(stages), host_gib=_host_gib(stages),
+        prediction=predict(cfg, machine, stages, tp_comm_overlap, memo))
+
+
+def _device_gib(stages) -> float:
+    return max(s.total_bytes for s in stages) / GiB
+
+
+def _host_gib(stages) -> float:
+    return max(s.host_bytes for s in stages) / GiB
+
+
+def fits(stages, machine) -> bool:
+    return _device_gib(stages) <= machine.device_memory_gib and _host_gib(stages) <= machine.host_memory_gib
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _layout_flags(tp, pp, vpp, cp, mbs, sp, sharding, recompute, overlap_param_gather) -> list[str]:
+    flags = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
+    if vpp > 1:
+        flags += ["--num-virtual-stages-per-pipeline-rank", str(vpp)]
+    if cp > 1:
+        flags += ["--context-parallel-size", str(cp)]
+    flags += ["--micro-batch-size", str(mbs)]
+    if sp:
+        flags.append("--sequence-parallel")
+    flags += SHARDING[sharding] + RECOMPUTE[recompute]
+    if overlap_param_gather and sharding == "distributed_optimizer":
+        flags.append("--overlap-param-gather")
+    return flags
+
+
+class _Builder:
+    """Configs of candidates from the resolved base config's values (see the module docstring)."""
+
+    # Values finalize derives from the layout; they are recomputed for every candidate.
+    DERIVED = ("data_parallel_size", "world_size", "num_micro_batches",
+               "virtual_pipeline_model_parallel_size", "padded_vocab_size", "fully_sharded")
+
+    def __init__(self, base: Config, user_flags: list[str], world: int):
+        self.base, self.world = base, world
+        self.memo: dict = {}  # layer passes shared by the layouts of this one model
+        self.section = {f.name: section.name for section in dataclasses.fields(Config)
+                        if dataclasses.is_dataclass(section.type if not isinstance(section.type, str)
+                                                    else getattr(base, section.name))
+                        for f in dataclasses.fields(getattr(base, section.name))}
+        self.reset = dict.fromkeys(self.DERIVED)
+        if not any(f.split("=")[0] == "--ddp-bucket-size" for f in user_flags):
+            self.reset["ddp_bucket_size"] = None
+
+    def build(self, tp, pp, vpp, cp, mbs, sp, sharding, recompute, overlap_param_gather) -> Config | None:
+        values = dict(self.reset)
+        values.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                      context_parallel_size=cp,
+                      num_virtual_stages_per_pipeline_rank=vpp if vpp > 1 else None,
+                      num_layers_per_virtual_pipeline_stage=None, micro_batch_size=mbs, sequence_parallel=sp,
+                      use_distributed_optimizer=sharding == "distributed_optimizer",
+                      use_torch_fsdp2=sharding == "fsdp2",
+                      overlap_param_gather=overlap_param_gather and sharding == "distributed_optimizer",
+                      recompute_granularity=None if recompute == "none" else recompute,
+                      recompute_method="uniform" if recompute == "full" else None,
+                      recompute_num_layers=1 if recompute == "full" else None,
+                      recompute_modules=None)
+        sections = {name: copy.copy(getattr(self.base, name)) for name in set(self.section.values())}
+        for name, value in values.items():
+            setattr(sections[self.section[name]], name, value)
+        cfg = Config(**sections).finalize(self.world, validate=False)
+        return None if cfg.problems() else cfg
+
+
+def _best_micro_batch(builder, machine, layout, dp, gbs, micro_batch_sizes, overlap_param_gather,
+                      tp_comm_overlap, kernels):
+    """((built, valid, fitting), fastest fitting candidate) over micro-batch sizes and recompute for one
+    layout and sharding. Full recompute is planned first: where even it does not fit, nothing does,
+    nor at any larger micro-batch."""
+    tp, pp, vpp, cp, sp, sharding = layout
+    built = valid = fitting = 0
+    best = None
+    for mbs in micro_batch_sizes:
+        if gbs and gbs % (mbs * dp):
+            continue
+        planned, valid_here = {}, 0
+        for recompute in ("full", "none", "selective"):
+            built += 1
+            cfg = builder.build(tp, pp, vpp, cp, mbs, sp, sharding, recompute, overlap_param_gather)
+            if cfg is None:
+                continue
+            valid, valid_here = valid + 1, valid_here + 1
+            stages = plan(cfg, kernels)
+            if not fits(stages, machine):
+                if recompute == "full":
+                    break
+                continue
+            planned[recompute] = (cfg, stages)
+            if recompute == "none":
+                break
+        if not planned:
+            if valid_here:
+                break  # valid but too big: larger micro-batches need more memory still
+            continue
+        recompute = next(r for r in RECOMPUTE if r in planned)
+        cfg, stages = planned[recompute]
+        fitting += 1
+        cand = evaluate(cfg, machine, _layout_flags(tp, pp, vpp, cp, mbs, sp, sharding, recompute,
+                                                    overlap_param_gather), tp_comm_overlap, kernels, stages,
+                         builder.memo)
+        if best is None or cand.prediction.step_time_s < best.prediction.step_time_s:
+            best = cand
+    return (built, valid, fitting), best
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Candidate]  # best first, one per layout
+    considered: int  # configs built
+    valid: int  # configs the rules accepted
+    fitting: int
+    seconds: float
+
+
+def search(user_argv: list[str], num_gpus: int, machine, top: int = 10, tp_comm_overlap: bool = False,
+           kernels: str = "flash", micro_batch_sizes=(1, 2, 4, 8)) -> SearchResult:
+    start = time.perf_counter()
+    user = strip_layout_flags(user_argv)
+    # the model and training flags, checked once (at world 1 every layout rule holds)
+    base = config_from_args(user + ["--micro-batch-size", "1", "--dry-run"], world_size=1)
+    overlap_param_gather = "--overlap-param-gather" in user_argv
+    builder = _Builder(base, user, num_gpus)
+    m, t = base.model, base.training
+    gbs = t.global_batch_size
+    best: dict[tuple, Candidate] = {}
+    considered = valid = fitting = 0
+    tps = [d for d in _divisors(num_gpus) if d <= machine.gpus_per_node and m.num_attention_heads % d == 0]
+    for tp in tps:
+        for cp in [d for d in _divisors(num_gpus // tp) if d <= 16]:
+            for pp in [d for d in _divisors(num_gpus // (tp * cp)) if d <= m.num_layers]:
+                dp = num_gpus // (tp * cp * pp)
+                if gbs and gbs % dp:
+                    continue
+                vpps = [1] + ([v for v in _divisors(m.num_layers // pp) if v > 1] if pp > 1 and
+                              m.num_layers % pp == 0 else [])
+                for vpp in vpps:
+                    for sharding in ("distributed_optimizer", "fsdp2", "none"):
+                        if sharding == "none" and dp * cp > 1:
+                            continue
+                        for sp in ([True, False] if tp > 1 else [False]):
+                            layout = (tp, pp, vpp, cp, sp, sharding)
+                            counts, cand = _best_micro_batch(
+                                builder, machine, layout, dp, gbs, micro_batch_sizes, overlap_param_gather,
+                                tp_comm_overlap, kernels)
+                            considered, valid = considered + counts[0], valid + counts[1]
+                            fitting += counts[2]
+                            if cand is None:
+                                continue
+                            key = cand.layout_key
+                            if key not in best or \
+                                    cand.prediction.step_time_s < best[key].prediction.step_time_s:
+                                best[key] = cand
+                            if counts[1]:
+                                break  # SP off only where SP cannot run
+    ranked = sorted(best.values(), key=lambda c: c.prediction.step_time_s)
+    shown = []
+    for cand in ranked:
+        if len(shown) == top:
+            break
+        try:  # the exact command line must be accepted as it is printed
+            cfg = config_from_args(user + cand.flags + ["--dry-run"], world_size=num_gpus)
+        except ConfigError:
+            continue
+        shown.append(evaluate(cfg, machine, user + cand.flags, tp_comm_overlap, kernels))
+    return SearchResult(shown, considered, valid, fitting, time.perf_counter() - start)
+
+
+def every_valid_layout(user_argv: list[str], num_gpus: int, micro_batch_sizes=(1, 2, 4),
+                       recomputes=tuple(RECOMPUTE), shardings=tuple(SHARDING), max_cp: int = 1):
+    """[(exact flags, finalized Config)] of every layout the config accepts, without the search's
+    pruning (benchmarks/layout_search.py runs them all)."""
+    user = strip_layout_flags(user_argv)
+    base = config_from_args(user + ["--micro-batch-size", "1", "--dry-run"], world_size=1)
+    builder = _Builder(base, user, num_gpus)
+    layers = base.model.num_layers
+    out = []
+    for tp in _divisors(num_gpus):
+        for cp in [d for d in _divisors(num_gpus // tp) if d <= max_cp]:
+            for pp in _divisors(num_gpus // (tp * cp)):
+                vpps = [1] + ([v for v in _divisors(layers // pp) if v > 1 and pp > 1]
+                              if layers % pp == 0 else [])
+                for vpp, mbs, sharding, recompute, sp in itertools.product(
+                        vpps, micro_batch_sizes, shardings, recomputes, [False, True] if tp > 1 else [False]):
+                    cfg = builder.build(tp, pp, vpp, cp, mbs, sp, sharding, recompute, False)
+                    if cfg is not None:
+                        flags = user + _layout_flags(tp, pp, vpp, cp, mbs, sp, sharding, recompute, False)
+                        out.append((flags, cfg))
+    return out
+
+
+def candidate_from_flags(user_argv: list[str], num_gpus: int, machine, tp_comm_overlap: bool = False,
+                         kernels: str = "flash") -> Candidate:
+    """The layout the user's flags give, evaluated."""
+    cfg = config_from_args(list(user_argv) + ["--dry-run"], world_size=num_gpus)
+    flags = [f for f in user_argv if f != "--dry-run"]
+    return evaluate(cfg, machine, flags, tp_comm_overlap, kernels)

@@ -1,0 +1,362 @@
+"""One training iteration's time, from the FLOPs and bytes of a finalized Config on a Machine.
+
+Notation as megafab.training.planner: s sequence, b micro-batch, h hidden, a heads, g query groups,
+d head width, f ffn width, V padded vocab, t TP, c CP, e bytes per element; M = b s / c tokens per
+rank in every GEMM (under SP the GEMMs run on the TP-gathered sequence).
+
+Per layer and micro-batch, on one rank:
+  GEMMs     forward QKV [M, h] x [h, (a+2g)d/t], projection [M, ad/t] x [ad/t, h], fc1 [M, h] x
+            [h, f/t] (2f/t with SwiGLU), fc2 [M, f/t] x [f/t, h]; backward for each one the data
+            gradient [M, n] x [n, k] and the weight gradient [k, M] x [M, n] (2x the forward).
+  attention flash kernels doing the causal half of the 4 b s^2 (a/t) d / c forward FLOPs (the
+            backward recomputes the scores: 2.5x), at the machine's attention efficiency.
+  memory    norms, bias/dropout/residual adds, activation, RoPE: bytes over HBM (backward 2x).
+  TP        with SP: forward 2 all-gathers + 2 reduce-scatters of e M h bytes; backward 2 + 2 more,
+            and the SP input re-gathered for the weight gradient (2 all-gathers, which the linear
+            layer overlaps with the data-gradient GEMM); without SP: 2 + 2 all-reduces.
+            tp_comm_overlap (Transformer Engine's userbuffers, Megatron's --tp-comm-overlap)
+            pipelines each collective with its GEMM in t chunks: one chunk stays exposed, and what
+            the GEMM cannot cover.
+  CP        p2p: c-1 K/V ring steps per layer, each hidden behind one attention block, backward
+            sending dK/dV too; allgather: K/V gathered, their gradients reduce-scattered; a2a:
+            q, k, v and the output re-sharded between sequence and heads.
+  recompute full: the layer's forward again in backward (with its TP collectives); selective: the
+            attention forward again.
+First stage: the embedding (memory-bound); last stage: final norm, output layer [M, h] x [h, V/t]
+and the fp32 cross entropy over [M, V/t].
+
+Per step: the pipeline schedule (schedule.py) over m micro-batches; data-parallel reductions over
+the dp-cp group (all-reduce, or reduce-scatter + parameter all-gather with the distributed
+optimizer; FSDP2 gathers each layer in forward and again in backward and reduce-scatters once),
+hidden by --overlap-grad-reduce behind the last micro-batch's backward and by
+--overlap-param-gather behind the first one's forward, except one bucket; the optimizer step,
+memory-bound (bytes of state / HBM bandwidth) and, offloaded, PCIe copies plus the CPU's Adam.
+
+Throughput is reported as Megatron does: model FLOPs (megafab.training.flops, no recompute) per
+second per GPU, and MFU = that / the machine's peak for the model dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from megafab.pipeline_split import PipelineSplit
+from megafab.plan.collectives import collective_seconds, group_placement, p2p_seconds
+from megafab.plan.schedule import pipeline_time
+from megafab.training.flops import flops_per_iteration
+from megafab.training.state_memory import BYTES
+
+
+@dataclass
+class Prediction:
+    step_time_s: float
+    tokens_per_s: float
+    tflops_per_gpu: float
+    mfu: float
+    breakdown: dict[str, float] = field(default_factory=dict)  # seconds per part of the step
+
+
+@dataclass
+class _Pass:
+    """Seconds of one forward or backward of one layer (or the embedding/output) for one micro-batch."""
+    gemm: float = 0.0
+    attention: float = 0.0
+    memory: float = 0.0
+    tp: float = 0.0
+    cp: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.gemm + self.attention + self.memory + self.tp + self.cp
+
+    def __add__(self, other: _Pass) -> _Pass:
+        return _Pass(self.gemm + other.gemm, self.attention + other.attention, self.memory + other.memory,
+                     self.tp + other.tp, self.cp + other.cp)
+
+    def compute_scaled(self, k: float) -> _Pass:
+        return _Pass(self.gemm * k, self.attention * k, self.memory * k, self.tp, self.cp)
+
+    def scaled(self, k: float) -> _Pass:
+        return _Pass(self.gemm * k, self.attention * k, self.memory * k, self.tp * k, self.cp * k)
+
+
+class _Shapes:
+    def __init__(self, cfg, machine):
+        m, p, t = cfg.model, cfg.parallel, cfg.training
+        self.cfg, self.machine = cfg, machine
+        self.dtype = cfg.precision.params_dtype_name
+        self.e = BYTES[self.dtype]
+        self.tp, self.cp = p.tensor_model_parallel_size, p.context_parallel_size
+        self.sp = p.sequence_parallel
+        self.s, self.b, self.h = m.seq_length, t.micro_batch_size, m.hidden_size
+        self.M = self.b * self.s // self.cp
+        self.a, self.g, self.d, self.f = m.num_attention_heads, m.num_query_groups, m.kv_channels, \
+            m.ffn_hidden_size
+        self.tp_group = group_placement(cfg, machine, "tp")
+        self.cp_group = group_placement(cfg, machine, "cp")
+
+    def gemm(self, m: int, n: int, k: int) -> float:
+        return self.machine.gemm_seconds(m, n, k, self.dtype, self.e)
+
+    def tp_collective(self, op: str, nbytes: float) -> float:
+        return collective_seconds(self.machine, op, nbytes, self.tp_group)
+
+
+def _linear_shapes(x: _Shapes) -> list[tuple[int, int, int]]:
+    """(m, n, k) of the layer's four forward GEMMs on one TP rank."""
+    fc1 = x.f * (2 if x.cfg.model.swiglu else 1)
+    return [(x.M, (x.a + 2 * x.g) * x.d // x.tp, x.h), (x.M, x.h, x.a * x.d // x.tp),
+            (x.M, fc1 // x.tp, x.h), (x.M, x.h, x.f // x.tp)]
+
+
+def _elementwise_bytes(x: _Shapes) -> float:
+    """Forward bytes of the layer's memory-bound kernels on one rank."""
+    m = x.cfg.model
+    tokens = x.M / (x.tp if x.sp else 1)  # the norm/dropout region is sequence-sharded under SP
+    mask = 1 if m.hidden_dropout > 0 else 0
+    norms = 2 * 2 * x.e * tokens * x.h
+    residual_adds = 2 * (3 * x.e + mask) * tokens * x.h
+    activation = (3 if m.swiglu else 2) * x.e * x.M * x.f / x.tp
+    rope = 2 * x.e * x.M * (x.a + x.g) * x.d / x.tp if m.position_embedding_type == "rope" else 0
+    return norms + residual_adds + activation + rope
+
+
+def _overlapped(comm: float, gemm: float, chunks: int) -> float:
+    """What stays exposed of a collective pipelined with a GEMM in `chunks` pieces."""
+    return max(comm / chunks, comm - gemm * (chunks - 1) / chunks)
+
+
+def _tp_comm(x: _Shapes, gemms_fwd: list[float], gemms_dgrad: list[float],
+             overlap: bool) -> tuple[float, float]:
+    """(forward, backward) exposed TP/SP collectives of one layer."""
+    if x.tp == 1:
+        return 0.0, 0.0
+    size = x.e * x.M * x.h
+    if not x.sp:
+        ar = x.tp_collective("all_reduce", size)
+        return 2 * ar, 2 * ar
+    ag, rs = x.tp_collective("all_gather", size), x.tp_collective("reduce_scatter", size)
+    # forward: AG before QKV and fc1, RS after projection and fc2
+    # backward: RS of the QKV/fc1 input gradients, AG of the projection/fc2 output gradients, and
+    # the SP input re-gathered for the QKV/fc1 weight gradients behind their data-gradient GEMMs
+    qkv, proj, fc1, fc2 = gemms_fwd
+    d_qkv, d_proj, d_fc1, d_fc2 = gemms_dgrad
+    regather = max(0.0, ag - d_qkv) + max(0.0, ag - d_fc1)
+    if not overlap:
+        return 2 * ag + 2 * rs, 2 * rs + 2 * ag + regather
+    t = x.tp
+    fwd = _overlapped(ag, qkv, t) + _overlapped(rs, proj, t) + _overlapped(ag, fc1, t) \
+        + _overlapped(rs, fc2, t)
+    bwd = _overlapped(rs, d_qkv, t) + _overlapped(ag, d_proj, t) + _overlapped(rs, d_fc1, t) \
+        + _overlapped(ag, d_fc2, t) + regather
+    return fwd, bwd
+
+
+def _cp_comm(x: _Shapes, attention_fwd: float, attention_bwd: float) -> tuple[float, float]:
+    if x.cp == 1:
+        return 0.0, 0.0
+    p = x.cfg.parallel
+    kv = 2 * x.e * x.M * x.g * x.d / x.tp  # this rank's K and V
+    if p.cp_comm_type == "p2p":
+        steps = x.cp - 1
+        send = p2p_seconds(x.machine, kv, x.cp_group.nodes > 1)
+        send_bwd = p2p_seconds(x.machine, kv + 2 * kv * 4 / x.e, x.cp_group.nodes > 1)  # + fp32 dK/dV
+        return (steps * max(0.0, send - attention_fwd / x.cp),
+                steps * max(0.0, send_bwd - attention_bwd / x.cp))
+    if p.cp_comm_type == "allgather":
+        fwd = collective_seconds(x.machine, "all_gather", kv * x.cp, x.cp_group)
+        return fwd, fwd + collective_seconds(x.machine, "reduce_scatter", kv * x.cp * 4 / x.e, x.cp_group)
+    qkv_out = x.e * x.M * ((x.a + 2 * x.g) + x.a) * x.d / x.tp * x.cp  # a2a: full-size q, k, v and output
+    a2a = collective_seconds(x.machine, "all_to_all", qkv_out, x.cp_group)
+    return a2a, a2a
+
+
+def layer_passes(cfg, machine, tp_comm_overlap: bool = False) -> tuple[_Pass, _Pass]:
+    """(forward, backward incl. recompute) of one transformer layer for one micro-batch on one rank."""
+    x = _Shapes(cfg, machine)
+    m = cfg.model
+    shapes = _linear_shapes(x)
+    fwd_g = [x.gemm(*s) for s in shapes]
+    dgrad = [x.gemm(mm, k, n) for mm, n, k in shapes]
+    wgrad = [x.gemm(k, n, mm) for mm, n, k in shapes]
+    heads = x.a // x.tp
+    causal_flops = 4 * x.b * heads * x.d * x.M * x.s / 2  # each query meets half the keys on average
+    keys = x.s if cfg.parallel.cp_comm_type == "a2a" else x.s // x.cp
+    att_f = machine.attention_seconds(causal_flops, keys, x.dtype, backward=False)
+    att_b = machine.attention_seconds(2.5 * causal_flops, keys, x.dtype, backward=True)
+    mem = _elementwise_bytes(x)
+    tp_f, tp_b = _tp_comm(x, fwd_g, dgrad, tp_comm_overlap)
+    cp_f, cp_b = _cp_comm(x, att_f, att_b)
+    fwd = _Pass(sum(fwd_g), att_f, machine.memory_seconds(mem, kernels=8), tp_f, cp_f)
+    bwd = _Pass(sum(dgrad) + sum(wgrad), att_b, machine.memory_seconds(2 * mem, kernels=12), tp_b, cp_b)
+    if m.recompute_granularity == "selective":
+        bwd = bwd + _Pass(attention=att_f)
+    return fwd, bwd
+
+
+def _recomputed_layers(cfg, chunk_layers: int) -> int:
+    m = cfg.model
+    if m.recompute_granularity != "full":
+        return 0
+    return chunk_layers if m.recompute_method == "uniform" else min(m.recompute_num_layers, chunk_layers)
+
+
+def _embedding_pass(x: _Shapes) -> tuple[_Pass, _Pass]:
+    tokens = x.M / (x.tp if x.sp else 1)
+    fwd = _Pass(memory=x.machine.memory_seconds(2 * x.e * tokens * x.h, kernels=2))
+    if x.tp > 1:  # the vocab-parallel embedding's output reduced (reduce-scattered under SP)
+        op = "reduce_scatter" if x.sp else "all_reduce"
+        fwd = fwd + _Pass(tp=x.tp_collective(op, x.e * x.M * x.h))
+    return fwd, fwd.scaled(2.0)
+
+
+def _output_pass(x: _Shapes, tp_comm_overlap: bool) -> tuple[_Pass, _Pass]:
+    vocab = x.cfg.model.padded_vocab_size // x.tp
+    logits = x.M * vocab
+    final_norm = 4 * x.e * x.M * x.h / (x.tp if x.sp else 1)
+    fwd = _Pass(gemm=x.gemm(x.M, vocab, x.h),
+                memory=x.machine.memory_seconds((x.e + 12) * logits + final_norm, kernels=6))
+    bwd = _Pass(gemm=x.gemm(x.M, x.h, vocab) + x.gemm(x.h, vocab, x.M),
+                memory=x.machine.memory_seconds((8 + x.e) * logits, kernels=4))
+    if x.tp > 1:
+        op = "all_gather" if x.sp else "all_reduce"
+        comm = x.tp_collective(op, x.e * x.M * x.h)
+        comm_b = x.tp_collective("reduce_scatter" if x.sp else "all_reduce", x.e * x.M * x.h)
+        if tp_comm_overlap and x.sp:
+            comm, comm_b = _overlapped(comm, fwd.gemm, x.tp), _overlapped(comm_b, bwd.gemm / 2, x.tp)
+        fwd = fwd + _Pass(tp=comm + 3 * x.tp_collective("all_reduce", 4 * x.M))  # + the loss's max/sums
+        bwd = bwd + _Pass(tp=comm_b)
+    return fwd, bwd
+
+
+def _layer_key(cfg, x: _Shapes, tp_comm_overlap: bool) -> tuple:
+    """What one layer's passes depend on (not PP, VPP or DP)."""
+    return (repr(vars(cfg.model)), x.dtype, x.tp, x.cp, x.b, x.sp, cfg.parallel.cp_comm_type, x.tp_group,
+            x.cp_group, tp_comm_overlap)
+
+
+def stage_passes(cfg, machine, tp_comm_overlap: bool = False,
+                 memo: dict | None = None) -> list[tuple[_Pass, _Pass]]:
+    """(forward, backward) of one micro-batch through each pipeline stage (all its chunks). memo: a
+    dict kept by a caller that predicts many layouts of one model on one machine."""
+    x = _Shapes(cfg, machine)
+    key = _layer_key(cfg, x, tp_comm_overlap) if memo is not None else None
+    if key is not None and key in memo:
+        layer_f, layer_b = memo[key]
+    else:
+        layer_f, layer_b = layer_passes(cfg, machine, tp_comm_overlap)
+        if key is not None:
+            memo[key] = layer_f, layer_b
+    embed = _embedding_pass(x)
+    output = _output_pass(x, tp_comm_overlap)
+    counts = PipelineSplit.from_config(cfg).counts()
+    pp = len(counts)
+    out = []
+    for rank, chunks in enumerate(counts):
+        layers = sum(chunks)
+        recomputed = sum(_recomputed_layers(cfg, n) for n in chunks)
+        fwd = layer_f.scaled(layers)
+        bwd = layer_b.scaled(layers) + layer_f.scaled(recomputed)
+        if rank == 0:
+            fwd, bwd = fwd + embed[0], bwd + embed[1]
+        if rank == pp - 1:
+            fwd, bwd = fwd + output[0], bwd + output[1]
+        out.append((fwd, bwd))
+    return out
+
+
+def _buckets(cfg, params: int) -> int:
+    size = cfg.parallel.ddp_bucket_size
+    return max(1, math.ceil(params / size)) if size else 1
+
+
+def _hidden(comm: float, cover: float, buckets: int) -> float:
+    """Exposed part of a bucketed reduction overlapped with `cover` seconds of compute: the last
+    bucket always waits."""
+    return max(comm / buckets, comm - cover)
+
+
+def data_parallel_seconds(cfg, machine, stages, passes) -> tuple[float, float]:
+    """(exposed gradient reduction + parameter gather, FSDP2's exposed per-layer gathers) per step."""
+    p, t = cfg.parallel, cfg.training
+    where = group_placement(cfg, machine, "dp", "cp")
+    if where.size == 1:
+        return 0.0, 0.0
+    e = BYTES[cfg.precision.params_dtype_name]
+    grad_e = 4 if p.accumulate_allreduce_grads_in_fp32 else e
+    m_count = t.num_micro_batches or 1
+    worst, fsdp = 0.0, 0.0
+    for i, (stage, (fwd, bwd)) in enumerate(zip(stages, passes)):
+        params = stage.params
+        slack = i * bwd.total  # later stages finish their last backward earlier (1F1B drain)
+        if p.fully_sharded:
+            layers = max(1, cfg.model.num_layers // len(stages))
+            gather = collective_seconds(machine, "all_gather", e * params, where)
+            per_layer_gather = gather / layers
+            regather = 2 if p.fsdp_reshard_after_forward else 1
+            exposed_gather = m_count * regather * layers * max(0.0, per_layer_gather - bwd.total / layers / 2)
+            reduce = collective_seconds(machine, "reduce_scatter", 4 * params, where)
+            exposed = _hidden(reduce, bwd.total, layers) + per_layer_gather
+            fsdp = max(fsdp, exposed_gather)
+        else:
+            buckets = _buckets(cfg, params)
+            if p.use_distributed_optimizer:
+                reduce = collective_seconds(machine, "reduce_scatter", grad_e * params, where)
+                gather = collective_seconds(machine, "all_gather", e * params, where)
+            else:
+                reduce, gather = collective_seconds(machine, "all_reduce", grad_e * params, where), 0.0
+            exposed = _hidden(reduce, bwd.total, buckets) if p.overlap_grad_reduce else reduce
+            exposed += _hidden(gather, fwd.total, buckets) if p.overlap_param_gather else gather
+        worst = max(worst, exposed - slack)
+    return max(worst, 0.0), fsdp
+
+
+def optimizer_seconds(cfg, machine, stages) -> float:
+    """Adam over this rank's shard: fp32 main params, grads, m, v read and written, the 16-bit copy
+    written, the gradient norm read; offloaded, PCIe both ways and the CPU's Adam."""
+    p, o = cfg.parallel, cfg.optimizer
+    params = max(s.params for s in stages)
+    shards = (p.data_parallel_size or 1) * p.context_parallel_size \
+        if p.use_distributed_optimizer or p.fully_sharded else 1
+    shard = params / shards
+    e = BYTES[cfg.precision.params_dtype_name]
+    offload = o.optimizer_offload_fraction if o.optimizer_cpu_offload else 0.0
+    device = machine.memory_seconds((1 - offload) * shard * (8 + 4 + 16 + e + 4), kernels=8)
+    host = 0.0
+    if offload:
+        moved = offload * shard
+        host = moved * (4 + e) / machine.pcie_bandwidth + moved / machine.host_adam_params_per_s
+    return device + host
+
+
+def predict(cfg, machine, stages, tp_comm_overlap: bool = False, memo: dict | None = None) -> Prediction:
+    """Step time of the finalized cfg whose memory plan is `stages` (megafab.training.planner.plan);
+    memo: see stage_passes."""
+    p, t = cfg.parallel, cfg.training
+    # ranks sharing a CPU's cores run their compute in turn (collectives are measured so already)
+    shared = machine.sharing(min(p.world_size, machine.gpus_per_node))
+    passes = [(f.compute_scaled(shared), b.compute_scaled(shared))
+              for f, b in stage_passes(cfg, machine, tp_comm_overlap, memo)]
+    m_count = t.num_micro_batches or 1
+    vpp = p.virtual_pipeline_model_parallel_size or 1
+    x = _Shapes(cfg, machine)
+    boundary = x.e * x.M * x.h / (x.tp if x.sp else 1)
+    across = group_placement(cfg, machine, "pp").nodes > 1
+    pipe = pipeline_time([f.total + b.total for f, b in passes], m_count, vpp,
+                         p2p_seconds(machine, boundary, across))
+    dp, fsdp = data_parallel_seconds(cfg, machine, stages, passes)
+    opt = optimizer_seconds(cfg, machine, stages) * shared
+    step = pipe.total + dp + fsdp + opt + machine.iteration_overhead_s
+    slowest = max(range(len(passes)), key=lambda i: passes[i][0].total + passes[i][1].total)
+    f, b = passes[slowest]
+    parts = (f + b).scaled(m_count)
+    breakdown = {"gemm": parts.gemm, "attention": parts.attention, "memory_bound": parts.memory,
+                 "tp_comm": parts.tp, "cp_comm": parts.cp, "pp_bubble": pipe.bubble, "pp_p2p": pipe.p2p,
+                 "dp_comm": dp, "fsdp_gather": fsdp, "optimizer": opt,
+                 "overhead": machine.iteration_overhead_s}
+    flops = flops_per_iteration(cfg, t.global_batch_size)
+    tflops = flops / p.world_size / step / 1e12
+    peak = machine.peak(cfg.precision.params_dtype_name) / 1e12
+    tokens = t.global_batch_size * cfg.model.seq_length / step
+    return Prediction(step, tokens, tflops, tflops / peak if peak else 0.0, breakdown)

@@ -1,0 +1,96 @@
+"""Machine profiles, the shape-dependent compute times and the collective placement."""
+
+import json
+
+import pytest
+
+from megafab.errors import MegafabError
+from megafab.plan.collectives import Placement, collective_seconds, placement
+from megafab.plan.machines import BUILTIN, Machine, machine
+
+
+def test_builtin_profiles_round_trip_through_json(tmp_path):
+    for name in ("h100-sxm-80gb", "h200-sxm-141gb", "a100-sxm-80gb", "b200"):
+        path = tmp_path / f"{name}.json"
+        BUILTIN[name].save(str(path))
+        assert Machine.load(str(path)) == BUILTIN[name]
+        assert machine(path=str(path)).peak("bfloat16") == BUILTIN[name].peak("bfloat16")
+
+
+def test_unknown_machine_and_bad_files_are_user_errors(tmp_path):
+    with pytest.raises(MegafabError, match="h100-sxm-80gb"):
+        machine("h100")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"name": "x", "bogus": 1}))
+    with pytest.raises(MegafabError, match="bogus"):
+        Machine.load(str(bad))
+    with pytest.raises(MegafabError, match="--profile"):
+        Machine.load(str(tmp_path / "missing.json"))
+
+
+def test_small_gemms_run_far_below_peak_and_large_ones_near_the_sustained_rate():
+    h100 = BUILTIN["h100-sxm-80gb"]
+
+    def rate(m, n, k):
+        return 2 * m * n * k / h100.gemm_seconds(m, n, k, "bfloat16", 2) / h100.peak("bfloat16")
+
+    assert rate(256, 256, 256) < 0.1
+    assert rate(1024, 1024, 1024) < rate(4096, 4096, 4096) < rate(16384, 16384, 16384) <= h100.gemm_efficiency
+    assert rate(16384, 16384, 16384) > 0.9 * h100.gemm_efficiency
+    assert rate(4096, 6144, 512) < rate(4096, 6144, 4096)  # a short inner dimension costs
+
+
+def test_measured_gemm_points_replace_the_curve():
+    m = Machine(name="t", peak_tflops={"float32": 1.0}, device_memory_gib=1, hbm_bandwidth=1e10,
+                gpus_per_node=8, intra_busbw=1e9, intra_latency_s=1e-5, nic_bandwidth=1e9,
+                inter_latency_s=1e-5,
+                gemm_points=[[100, 100, 100, "float32", 2e-3], [1000, 1000, 1000, "float32", 0.5]])
+    assert m.gemm_seconds(100, 100, 100, "float32", 4) == pytest.approx(2e-3)
+    assert m.gemm_seconds(1000, 1000, 1000, "float32", 4) == pytest.approx(0.5)
+    mid = m.gemm_seconds(300, 300, 300, "float32", 4)
+    assert 2 * 300**3 / mid > 2 * 100**3 / 2e-3  # between the two measured rates
+    assert 2 * 300**3 / mid < 2 * 1000**3 / 0.5
+
+
+def test_groups_are_placed_by_megatrons_rank_order():
+    # 64 ranks, 8 per node, TP 8, PP 2: TP inside a node, DP (4) across 4 nodes one rank each
+    assert placement(64, 8, 1, 2, 8, ("tp",)) == Placement(8, 8, 1)
+    assert placement(64, 8, 1, 2, 8, ("dp",)) == Placement(4, 1, 4)
+    # TP 2: a DP group of 32 has 4 ranks on each of 8 nodes
+    assert placement(64, 2, 1, 1, 8, ("dp",)) == Placement(32, 4, 8)
+
+
+def test_ring_collectives_follow_the_bus_bandwidth_factors():
+    h100 = BUILTIN["h100-sxm-80gb"]
+    intra = placement(8, 8, 1, 1, 8, ("tp",))
+    size = 1e9
+    ar = collective_seconds(h100, "all_reduce", size, intra)
+    ag = collective_seconds(h100, "all_gather", size, intra)
+    assert ar == pytest.approx(2 * 7 / 8 * size / h100.intra_busbw + 14 * h100.intra_latency_s)
+    assert ag == pytest.approx(7 / 8 * size / h100.intra_busbw + 7 * h100.intra_latency_s)
+    across = placement(64, 8, 1, 1, 8, ("dp",))  # one rank per node: one NIC
+    assert collective_seconds(h100, "all_gather", size, across) == pytest.approx(
+        7 / 8 * size / h100.nic_bandwidth + 7 * h100.inter_latency_s)
+
+
+@pytest.mark.slow
+def test_profile_measures_this_machine_and_the_model_uses_it(tmp_path):
+    from megafab.arguments import config_from_args
+    from megafab.plan.profile import measure
+    from megafab.plan.step_time import predict
+    from megafab.training.planner import plan
+
+    path = tmp_path / "here.json"
+    measure("here", budget_s=10).save(str(path))
+    here = Machine.load(str(path))
+    assert here.gemm_points and here.peak("float32") > 0
+    assert {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"} <= set(here.collectives)
+    assert "2" in here.collectives["all_gather"]
+    fits = [(alpha, busbw) for table in here.collectives.values() for alpha, busbw in table.values()]
+    assert all(alpha >= 0 and busbw > 0 for alpha, busbw in fits)
+    cfg = config_from_args(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+                            "--seq-length", "16", "--vocab-size", "128", "--micro-batch-size", "1",
+                            "--global-batch-size", "4", "--tensor-model-parallel-size", "2", "--dry-run"],
+                           world_size=2)
+    pred = predict(cfg, here, plan(cfg))
+    assert pred.step_time_s > 0 and pred.breakdown["tp_comm"] > 0 and pred.breakdown["gemm"] > 0
