@@ -33,6 +33,7 @@ from megafab.checkpoint.megatron_args import check_model_args, megatron_namespac
 from megafab.checkpoint.source import RNG_DIR, MegafabSource, rng_file
 from megafab.checkpoint.vocab import adapt_padded_vocab
 from megafab.distributed.fsdp import compute_dtype
+from megafab.distributed.param_gather import finish_param_syncs
 from megafab.errors import ReportedElsewhere
 
 # Test hook: "ITER:SECONDS" makes rank 0 sleep before committing the save of iteration ITER, so a
@@ -96,6 +97,7 @@ def save_checkpoint(state) -> str:
     tmp = iteration_dir(root, iteration) + ".tmp"
     start = time.time()
     with_optim = not ck.no_save_optim
+    finish_param_syncs(state.model)  # --overlap-param-gather leaves them to the next forward
     if topo.rank == 0:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
