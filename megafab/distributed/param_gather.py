@@ -113,11 +113,7 @@ class ParamGather:
         assert not self.in_flight, "a parameter gather is still in flight while the optimizer steps"
         self.stale = {b.index for b in self.buckets}
         if not self._hooks:
-            if not self._waits:  # no forward yet: the chunk's own pre-hook waits for everything
-                self._waits = {self.module: list(self.forward_order)}
-            position = {b.index: i for i, b in enumerate(self.forward_order)}
-            for module, buckets in self._waits.items():
-                self._hooks.append(module.register_forward_pre_hook(self._make_hook(buckets, position)))
+            self._install_hooks()
 
     def dispatch_first(self) -> None:
         """Start the gather of the first stale bucket the forward needs."""
@@ -146,6 +142,8 @@ class ParamGather:
                 handle.remove()
             self._probes = []
             self._plan()
+            if self._hooks:  # installed before this first forward (a checkpoint load)
+                self._install_hooks()
         if self.pending:
             self.sync()
 
@@ -170,6 +168,15 @@ class ParamGather:
             order += [b for b in waits[module] if b not in order]
         order += [b for b in reversed(self.buckets) if b not in order]
         self.forward_order, self._waits = order, waits
+
+    def _install_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        # Before the first forward the chunk's own pre-hook waits for everything.
+        waits = self._waits or {self.module: list(self.forward_order)}
+        position = {b.index: i for i, b in enumerate(self.forward_order)}
+        self._hooks = [module.register_forward_pre_hook(self._make_hook(buckets, position))
+                       for module, buckets in waits.items()]
 
     def _make_hook(self, buckets: list, position: dict):
         def hook(_module, _args):

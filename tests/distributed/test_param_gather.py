@@ -97,11 +97,17 @@ def _overlap_matches_and_waits_late(rank, world, pp, vpp):
         last_wait = next(i for i in waits if step_log[i][2] == buckets[-1].index)
         assert start < last_wait, step_log
 
-    # Evaluation before any step and right after one; fresh state so the log is not in the way.
+    # Evaluation before any step and right after one, on a state whose optimizer was loaded
+    # (gathers, and installs hooks) before the first forward taught it the per-bucket plan.
     ParamGather.wait = real_wait
     evaluated = driver_state(_config(pp, vpp, overlap=True), torch.float64)
+    evaluated.optimizer.load_state_dict(evaluated.optimizer.state_dict())
     _, evals = _run(evaluated, with_eval=True)
     assert evals == ref_evals, (evals, ref_evals)
+    for chunk in evaluated.model:  # the chunk's pre-hook alone would wait for every bucket at once
+        assert len(chunk.param_gather._hooks) > 1
+        assert chunk.module not in chunk.param_gather._waits or \
+            len(chunk.param_gather._waits[chunk.module]) < len(chunk.param_gather.buckets)
     return rank
 
 
