@@ -3,9 +3,13 @@ module that needs it, so the first layer's forward starts before the last bucket
 (VPP 1 and 2); losses, evaluation and weights equal overlap off (float64, the driver's train_step).
 """
 
+import os
+
 import pytest
 import torch
 
+from megafab.checkpoint.checkpointing import save_checkpoint
+from megafab.checkpoint.megatron_legacy import FILE
 from megafab.distributed.param_gather import ParamGather, finish_param_syncs
 from megafab.training.step import evaluate, train_step
 from tests.harness import run_ranks
@@ -22,12 +26,12 @@ def _data(cfg, dp_rank, dp, step):
         yield {"tokens": tokens, "labels": labels, "loss_mask": mask}
 
 
-def _config(pp, vpp, overlap):
+def _config(pp, vpp, overlap, **extra):
     dp = 2
     flat = dict(pp=pp, dp=dp, style=LLAMA_STYLE, vocab_size=112, micro_batch_size=MICRO,
                 global_batch_size=MICRO * dp * 2 * pp, use_distributed_optimizer=True,
                 overlap_grad_reduce=True, overlap_param_gather=overlap, ddp_bucket_size=1500,
-                lr=1e-2, clip_grad=0.5, lr_decay_style="constant", train_iters=STEPS)
+                lr=1e-2, clip_grad=0.5, lr_decay_style="constant", train_iters=STEPS, **extra)
     if vpp > 1:
         flat["num_layers_per_virtual_pipeline_stage"] = 4 // (pp * vpp)
     return tiny_config(**flat)
@@ -63,12 +67,13 @@ def _weights(state):
     return [p.detach().clone() for chunk in state.model for p in chunk.module.parameters()]
 
 
-def _overlap_matches_and_waits_late(rank, world, pp, vpp):
+def _overlap_matches_and_waits_late(rank, world, pp, vpp, save_dir):
     reference = driver_state(_config(pp, vpp, overlap=False), torch.float64)
     ref_losses, ref_evals = _run(reference, with_eval=True)
     ref_weights = _weights(reference)
 
-    state = driver_state(_config(pp, vpp, overlap=True), torch.float64)
+    legacy = dict(save=save_dir, ckpt_format="torch", no_save_optim=True) if pp == 1 else {}
+    state = driver_state(_config(pp, vpp, overlap=True, **legacy), torch.float64)
     cfg, topo = state.cfg, state.topology
     log, real_wait = [], ParamGather.wait
     losses = [train_step(state, _data(cfg, topo.dp_rank, topo.dp, 0))["lm loss"]]
@@ -80,7 +85,12 @@ def _overlap_matches_and_waits_late(rank, world, pp, vpp):
     assert all(not chunk.param_gather.in_flight for chunk in state.model)
     assert all(chunk.param_gather.stale for chunk in state.model)
     stale = _weights(state)
-    finish_param_syncs(state.model)  # what a checkpoint save does first
+    if legacy:  # a save (legacy: DP rank 0 writes whole tensors) gathers first
+        saved = torch.load(os.path.join(save_checkpoint(state), "mp_rank_00", FILE), weights_only=False)
+        names = [n for n, _ in state.model[0].module.named_parameters()]
+        assert all(torch.equal(saved["model"][n], w) for n, w in zip(names, ref_weights))
+    else:
+        finish_param_syncs(state.model)
     weights = _weights(state)
     assert any(not torch.equal(a, b) for a, b in zip(stale, weights))
     assert losses == ref_losses, (losses, ref_losses)
@@ -112,6 +122,7 @@ def _overlap_matches_and_waits_late(rank, world, pp, vpp):
 
 
 @pytest.mark.parametrize("world,pp,vpp", [(2, 1, 1), (4, 2, 2)], ids=["dp2", "pp2-vpp2-dp2"])
-def test_overlapped_param_gather_waits_per_bucket_in_the_forward_and_matches_overlap_off(world, pp, vpp):
-    assert sorted(run_ranks(_overlap_matches_and_waits_late, world, pp, vpp, timeout=300)) == \
-        list(range(world))
+def test_overlapped_param_gather_waits_per_bucket_in_the_forward_and_matches_overlap_off(
+        world, pp, vpp, tmp_path):
+    ranks = run_ranks(_overlap_matches_and_waits_late, world, pp, vpp, str(tmp_path), timeout=300)
+    assert sorted(ranks) == list(range(world))
