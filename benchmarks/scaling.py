@@ -15,6 +15,21 @@ PP 2 with m = 4 micro-batches of b/4):
 interleaved (ref, layout, ref, layout, ...); step times are medians over rounds, the efficiency is
 the median of per-round ratios. The 1-thread reference shows how far intra-op threading itself is
 from 2x on this machine.
+
+Bounds are stated against a perfect 2x, so the table also shows
+
+    vs 1t/2 = (1 process, 1 thread step time) / (2 x 2 processes x 1 thread step time)
+
+(efficiency = vs 1t/2 x 2 / speedup, the "2t speedup" column). For PP the 1F1B bubble bounds
+vs 1t/2 by m/(m+p-1) only when the stages compute alike. With per-micro-batch stage compute c_r
+(forward + backward compute, timed in the same run) a 1F1B step takes at least its compute
+critical path
+
+    path = (m-1) * max(c) + sum(c)          (= (m+p-1) c for equal stages)
+
+so the PP line shows the last stage's share of sum(c) (imbalance: it also holds the output layer
+and the loss), path / step time (the rest: p2p waits beyond the fill and drain, schedule
+bookkeeping, grad sync and the optimizer step), and vs 1t/2 for a step as long as its path.
 """
 
 from __future__ import annotations
@@ -40,6 +55,7 @@ from benchmarks.bench_util import (  # noqa: E402
     synthetic_batch,
 )
 from megafab.run.fork_ranks import run_ranks  # noqa: E402
+from megafab.timers import Timers  # noqa: E402
 from megafab.training.step import train_step  # noqa: E402
 
 LAYOUTS = {  # name: (tp, pp, dp, micro-batches per global batch per DP rank)
@@ -59,18 +75,33 @@ def _step_seconds(rank, world, args, tp, pp, dp, micro, threads, extra=()):
     data = repeat_batch(synthetic_batch(mbs, args.seq, args.vocab))
     for _ in range(args.warmup):
         train_step(state, data)
+    timers = Timers(2)  # per micro-batch compute; no device to synchronize on CPU
     dist.barrier()
     start = time.perf_counter()
     for _ in range(args.steps):
-        train_step(state, data)
+        train_step(state, data, timers)
     dist.barrier()
-    return (time.perf_counter() - start) / args.steps
+    seconds = (time.perf_counter() - start) / args.steps
+    compute = sum(timers(name, 2).elapsed for name in ("forward-compute", "backward-compute"))
+    return seconds, compute / args.steps
+
+
+def run_stages(args, tp, pp, dp, micro, world, threads, extra=()) -> tuple[float, list[float]]:
+    """(seconds per step of the slowest rank, each rank's forward + backward compute seconds per
+    step); `extra`: more Megatron flags (e.g. context parallel)."""
+    results = run_ranks(_step_seconds, world, args, tp, pp, dp, micro, threads, extra, timeout=args.timeout)
+    return max(r[0] for r in results), [r[1] for r in results]
 
 
 def run(args, tp, pp, dp, micro, world, threads, extra=()) -> float:
-    """Seconds per step of the slowest rank; `extra`: more Megatron flags (e.g. context parallel)."""
-    return max(run_ranks(_step_seconds, world, args, tp, pp, dp, micro, threads, extra,
-                         timeout=args.timeout))
+    """Seconds per step of the slowest rank."""
+    return run_stages(args, tp, pp, dp, micro, world, threads, extra)[0]
+
+
+def critical_path(stage_compute: list[float], m: int) -> float:
+    """Seconds of the 1F1B compute critical path for per-stage compute seconds (module docstring)."""
+    c = [t / m for t in stage_compute]
+    return (m - 1) * max(c) + sum(c)
 
 
 def main(argv=None):
@@ -90,19 +121,35 @@ def main(argv=None):
           f"global batch {args.batch}, vocab {args.vocab}; {args.steps} steps x {args.rounds} rounds; "
           f"{load_average()}")
     print(f"{'layout':<8}{'micro-batch':>12}{'1p x 1t s/step':>24}{'1p x 2t s/step':>24}"
-          f"{'2p x 1t s/step':>24}{'efficiency':>20}{'2t speedup':>12}")
+          f"{'2p x 1t s/step':>24}{'efficiency':>20}{'2t speedup':>12}{'vs 1t/2':>20}")
+    pipeline_lines = []
     for name in args.layouts.split(","):
         tp, pp, dp, micro = LAYOUTS[name]
-        one_thread, two_threads, layout = [], [], []
+        one_thread, two_threads, layout, paths, shares = [], [], [], [], []
         for _ in range(args.rounds):
             two_threads.append(run(args, 1, 1, 1, dp * micro, 1, 2))
-            layout.append(run(args, tp, pp, dp, micro, 2, 1))
+            seconds, compute = run_stages(args, tp, pp, dp, micro, 2, 1)
+            layout.append(seconds)
             one_thread.append(run(args, 1, 1, 1, dp * micro, 1, 1))
+            paths.append(critical_path(compute, micro))
+            shares.append(compute[-1] / sum(compute))
         efficiency = [r / t for r, t in zip(two_threads, layout)]
+        vs_one_thread = [r / (2 * t) for r, t in zip(one_thread, layout)]
         speedup = statistics.median(one_thread) / statistics.median(two_threads)
         print(f"{name:<8}{args.batch // (dp * micro):>12}{fmt_spread(one_thread, 3):>24}"
               f"{fmt_spread(two_threads, 3):>24}{fmt_spread(layout, 3):>24}{fmt_spread(efficiency, 2):>20}"
-              f"{speedup:>12.2f}")
+              f"{speedup:>12.2f}{fmt_spread(vs_one_thread, 2):>20}")
+        print(f"{'':<8}per round: efficiency {' '.join(f'{e:.2f}' for e in efficiency)}; "
+              f"vs 1t/2 {' '.join(f'{e:.2f}' for e in vs_one_thread)}")
+        if pp > 1:
+            on_path = [c / t for c, t in zip(paths, layout)]
+            at_path = [r / (2 * c) for r, c in zip(one_thread, paths)]
+            pipeline_lines.append(
+                f"{name}: m {micro}, bubble bound m/(m+p-1) {micro / (micro + pp - 1):.2f}; last stage's "
+                f"share of the compute {fmt_spread(shares, 2)}; compute critical path / step "
+                f"{fmt_spread(on_path, 2)}; vs 1t/2 at the critical path {fmt_spread(at_path, 2)}")
+    for line in pipeline_lines:
+        print(line)
     print(f"after: {load_average()}")
 
 

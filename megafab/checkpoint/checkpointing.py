@@ -33,6 +33,7 @@ from megafab.checkpoint.layout import STEP, split_key
 from megafab.checkpoint.megatron_args import check_model_args
 from megafab.checkpoint.source import RNG_DIR, CommonRecord, Counters, MegafabSource, rng_file, run_layout
 from megafab.checkpoint.vocab import adapt_padded_vocab
+from megafab.distributed.param_gather import finish_param_syncs
 from megafab.errors import ReportedElsewhere
 
 PENDING_RNG = "checkpoint_rng"
@@ -79,6 +80,7 @@ def save_checkpoint(state) -> str:
     tmp = iteration_dir(root, iteration) + ".tmp"
     start = time.time()
     with_optim = not ck.no_save_optim
+    finish_param_syncs(state.model)  # --overlap-param-gather leaves them to the next forward
     if topo.rank == 0:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)

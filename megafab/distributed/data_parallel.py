@@ -25,7 +25,8 @@ every collective after backward.
 
 With the distributed optimizer the parameters also live in one contiguous buffer of their own dtype
 with the same layout (`param.data` is a view into it), so the updated shards can be all-gathered
-bucket by bucket (`start_param_sync()`).
+bucket by bucket (param_gather.py: all at once, or with `--overlap-param-gather` each bucket
+waited for by a forward pre-hook of the first module that needs it).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ import torch.distributed as dist
 from torch import nn
 
 from megafab.config import default_bucket_size
-from megafab.distributed.mappings import all_gather_single, reduce_scatter_single
+from megafab.distributed.mappings import reduce_scatter_single
+from megafab.distributed.param_gather import Done, ParamGather
 from megafab.errors import MegafabError
 from megafab.run import faults
 
@@ -57,7 +59,7 @@ def reduce_scatter_bucket(shard: torch.Tensor, data: torch.Tensor, op, group, as
     for lo in range(0, per_rank, GLOO_SLICE):
         hi = min(lo + GLOO_SLICE, per_rank)
         reduce_scatter_single(shard[lo:hi], rows[:, lo:hi].reshape(-1), op=op, group=group)
-    return _Done()
+    return Done()
 
 
 class DataParallelConfigError(MegafabError):
@@ -92,8 +94,6 @@ class Bucket:
         self.handle = None
         self.grad_data: torch.Tensor | None = None
         self.param_data: torch.Tensor | None = None
-        self.param_gather_handle = None
-        self.param_gather_input: torch.Tensor | None = None
 
     @property
     def numel(self) -> int:
@@ -217,6 +217,10 @@ class DistributedDataParallel(nn.Module):
             if self.param_buffer is not None:
                 bucket.param_data = self.param_buffer[bucket.start:bucket.end]
         self._place_params()
+        self.param_gather = None
+        if use_distributed_optimizer:
+            self.param_gather = ParamGather(module, self.buckets, self.param_to_bucket, dp_group,
+                                            self.dp, self.dp_rank)
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook()) for p in params]
         self.reset_bucket_state()
 
@@ -272,7 +276,7 @@ class DistributedDataParallel(nn.Module):
         elif self.dp > 1:
             data.mul_(1.0 / self.dp)
         if self.dp == 1:
-            bucket.handle = _Done()
+            bucket.handle = Done()
             return
         if self.use_distributed_optimizer:
             lo, hi = bucket.shard_range(self.dp_rank)
@@ -281,7 +285,7 @@ class DistributedDataParallel(nn.Module):
         else:
             bucket.handle = dist.all_reduce(data, op=op, group=self.dp_group, async_op=async_op)
         if bucket.handle is None:
-            bucket.handle = _Done()
+            bucket.handle = Done()
 
     def start_grad_sync(self):
         """Launch every bucket's collective that has not started yet."""
@@ -298,23 +302,18 @@ class DistributedDataParallel(nn.Module):
         self.reset_bucket_state()
 
     def start_param_sync(self, async_op: bool = False):
-        """All-gather the updated parameter shards (distributed optimizer only)."""
-        assert self.param_buffer is not None, "param sync needs use_distributed_optimizer=True"
-        for bucket in self.buckets:
-            if self.dp == 1:
-                bucket.param_gather_handle = _Done()
-                continue
-            lo, hi = bucket.shard_range(self.dp_rank)
-            # The input is a view of the output; copy it so the collective never reads what it writes.
-            bucket.param_gather_input = self.param_buffer[lo:hi].clone()  # alive until the wait
-            bucket.param_gather_handle = all_gather_single(bucket.param_data, bucket.param_gather_input,
-                                                     group=self.dp_group, async_op=async_op) or _Done()
+        """All-gather every bucket's updated parameter shards (distributed optimizer only)."""
+        assert self.param_gather is not None, "param sync needs use_distributed_optimizer=True"
+        self.param_gather.start(async_op)
 
     def finish_param_sync(self):
-        for bucket in self.buckets:
-            if bucket.param_gather_handle is not None:
-                faults.wait(bucket.param_gather_handle, "parameter all-gather (data parallel)", self.dp_group)
-                bucket.param_gather_handle = bucket.param_gather_input = None
+        """Every bucket's parameters gathered (stale buckets are gathered now)."""
+        if self.param_gather is not None:
+            self.param_gather.sync()
+
+    def defer_param_sync(self):
+        """The optimizer updated this rank's shards: gather each bucket in the next forward."""
+        self.param_gather.defer()
 
     def zero_grad_buffer(self):
         """Zero the main grads before the first micro-batch of a step."""
@@ -334,17 +333,12 @@ class DistributedDataParallel(nn.Module):
             self.is_last_microbatch = previous
 
     def forward(self, *args, **kwargs):
-        # An overlapped param all-gather from the last optimizer step must land before use.
-        self.finish_param_sync()
-        return self.module(*args, **kwargs)
+        output = self.module(*args, **kwargs)
+        if self.param_gather is not None:
+            self.param_gather.after_forward()
+        return output
 
     def set_input_tensor(self, tensor) -> None:
         """Pipeline schedules hand a stage its input through the wrapped chunk."""
         self.module.set_input_tensor(tensor)
 
-
-class _Done:
-    """Handle of a collective that already finished (DP=1 or a synchronous call)."""
-
-    def wait(self):
-        return True

@@ -43,8 +43,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     """MixedPrecisionOptimizer whose main params and Adam state cover only this DP rank's shards.
 
     Every model chunk must be a DistributedDataParallel built with use_distributed_optimizer=True.
-    overlap_param_gather: launch the all-gather asynchronously at the end of step(); each DDP
-    chunk waits for it at the start of its next forward.
+    overlap_param_gather: step() leaves the all-gather of the updated shards to the next forward,
+    bucket by bucket (megafab.distributed.param_gather: zero_grad() dispatches each chunk's first
+    bucket, forward pre-hooks dispatch the next and wait for their own); without it step()
+    gathers every bucket before it returns.
     """
 
     shards_across_dp = True
@@ -79,11 +81,26 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         this rank holds (so a checkpoint can place them in the global, unsharded tensor)."""
         return {e.name: e.param_range for e in self.entries}
 
+    def zero_grad(self):
+        super().zero_grad()
+        if self.overlap_param_gather:
+            for chunk in self.model_chunks:
+                chunk.param_gather.dispatch_first()
+
+    def step(self):
+        # Normally a no-op (each chunk's forward consumed its gathers); with no forward since
+        # zero_grad() this lands the gathers before the optimizer writes the shards again.
+        for chunk in self.model_chunks:
+            chunk.finish_param_sync()
+        return super().step()
+
     def _copy_main_to_model(self):
         super()._copy_main_to_model()
         for chunk in self.model_chunks:
-            chunk.start_param_sync(async_op=self.overlap_param_gather)
-            if not self.overlap_param_gather:
+            if self.overlap_param_gather:
+                chunk.defer_param_sync()
+            else:
+                chunk.start_param_sync()
                 chunk.finish_param_sync()
 
     def _after_load(self):

@@ -1,0 +1,196 @@
+"""The distributed optimizer's parameter all-gather, bucket by bucket (`--overlap-param-gather`).
+
+After an optimizer step each DP rank holds fresh values only in its own shard of every bucket of
+the parameter buffer (data_parallel.py); an all-gather per bucket over DP brings the rest.
+
+Without overlap, `sync()` gathers every bucket before step() returns.
+
+With overlap (Megatron's design, `DistributedDataParallel._make_forward_pre_hook`):
+  * step() only marks every bucket *stale* (`defer()`); nothing is sent.
+  * The next `optimizer.zero_grad()` (the first call of the next train step) dispatches the
+    all-gather of the first bucket the forward needs (`dispatch_first()`), asynchronously.
+  * A forward pre-hook on every module that owns bucketed parameters runs the first time that
+    module runs after the step: it dispatches the gather of the *next* bucket in forward order,
+    then waits for the module's own bucket(s). So bucket k+1 travels while the modules of bucket
+    k compute, and the first layer's forward starts while later buckets are still in flight.
+    (Forward order and which module waits for what: see ParamGather.)
+  * Each model chunk (VPP) has its own buckets and hooks: the interleaved schedule's first
+    forward of chunk k waits only for chunk k's buckets; `zero_grad()` dispatches the first
+    bucket of every chunk.
+  * A chunk's forward ends by waiting for whatever its hooks did not consume (parameters no
+    module's forward touched), so nothing is in flight when backward or the next step runs.
+
+What overlaps: with overlap, the gather of a chunk's first bucket with the host work between
+zero_grad() and its first forward (batch loading, the pipeline's warmup receives), and the gather
+of each later bucket with the forward compute of the bucket before it. A forward that runs with
+stale buckets and no dispatch (evaluation right after a step) gathers through the same hooks;
+one that runs before any step finds nothing stale and waits for nothing. Nothing is dispatched
+after the last step of a run, so nothing is left in flight at exit; anything that reads the
+weights outside a forward (checkpoint save) calls `sync()` first (`finish_param_syncs`).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from megafab.distributed.mappings import all_gather_single
+from megafab.run import faults
+
+
+class Done:
+    """Handle of a collective that already finished (DP=1 or a synchronous call)."""
+
+    def wait(self):
+        return True
+
+
+class ParamGather:
+    """Per-bucket all-gather state of one model chunk's parameter buffer.
+
+    buckets: data_parallel.Bucket list (bucket.param_data views the buffer); a bucket is synced,
+    stale (this rank's shard is new, the others are not gathered yet) or in flight.
+
+    Which module waits for which bucket is learnt from the chunk's first forward (always before
+    the first step, so nothing is stale then): a parameter's bucket is waited for by its owner's
+    pre-hook if the owner's forward ran, else by the nearest ancestor whose forward ran (a weight
+    used by the parent directly, e.g. the output layer's in GPTModel.forward). Forward order is the
+    order those modules first ran.
+    """
+
+    def __init__(self, module: nn.Module, buckets: list, param_to_bucket: dict, dp_group, dp: int,
+                 dp_rank: int):
+        self.module = module
+        self.buckets = buckets
+        self.forward_order = list(reversed(buckets))  # until the first forward says otherwise
+        self.param_to_bucket = param_to_bucket
+        self.dp_group, self.dp, self.dp_rank = dp_group, dp, dp_rank
+        self.stale: set[int] = set()  # bucket indices to gather, not dispatched
+        self.in_flight: dict[int, tuple] = {}  # bucket index -> (handle, input copy)
+        self._ran: dict[nn.Module, int] = {}  # module -> when its forward first ran
+        self._probes = [m.register_forward_pre_hook(self._probe) for m in module.modules()]
+        self._waits: dict[nn.Module, list] = {}  # module -> buckets its pre-hook waits for
+        self._hooks: list = []
+
+    @property
+    def pending(self) -> bool:
+        """Some bucket is stale or in flight (the hooks' fast path: False)."""
+        return bool(self.stale or self.in_flight)
+
+    # ---- one bucket -------------------------------------------------------------------------
+    def dispatch(self, bucket, async_op: bool = True) -> None:
+        """Start the all-gather of a stale bucket."""
+        self.stale.discard(bucket.index)
+        if self.dp == 1:
+            self.in_flight[bucket.index] = (Done(), None)
+            return
+        lo = bucket.shard_size * self.dp_rank
+        # The input is a view of the output; copy it so the collective never reads what it writes.
+        shard = bucket.param_data[lo:lo + bucket.shard_size].clone()
+        handle = all_gather_single(bucket.param_data, shard, group=self.dp_group, async_op=async_op)
+        self.in_flight[bucket.index] = (handle or Done(), shard)
+
+    def wait(self, bucket) -> None:
+        """Bucket's gather complete: dispatch it first if it is still stale."""
+        if bucket.index in self.stale:
+            self.dispatch(bucket)
+        handle, _ = self.in_flight.pop(bucket.index)
+        faults.wait(handle, "parameter all-gather (data parallel)", self.dp_group)
+
+    def _consume(self, bucket, position: int) -> None:
+        """A module of `bucket` is about to run: send the next bucket on, then wait for this one."""
+        if bucket.index not in self.stale and bucket.index not in self.in_flight:
+            return
+        if bucket.index in self.stale:
+            self.dispatch(bucket)
+        if position + 1 < len(self.forward_order):
+            following = self.forward_order[position + 1]
+            if following.index in self.stale:
+                self.dispatch(following)
+        self.wait(bucket)
+
+    # ---- the whole chunk ----------------------------------------------------------------------
+    def defer(self) -> None:
+        """This rank's shards were just updated: gather lazily, in the next forward's pre-hooks."""
+        assert not self.in_flight, "a parameter gather is still in flight while the optimizer steps"
+        self.stale = {b.index for b in self.buckets}
+        if not self._hooks:
+            self._install_hooks()
+
+    def dispatch_first(self) -> None:
+        """Start the gather of the first stale bucket the forward needs."""
+        for bucket in self.forward_order:
+            if bucket.index in self.stale:
+                self.dispatch(bucket)
+                return
+
+    def start(self, async_op: bool = False) -> None:
+        """Dispatch every bucket (checkpoint load, overlap off)."""
+        assert not self.in_flight, "a parameter gather is already in flight"
+        for bucket in self.forward_order:
+            self.dispatch(bucket, async_op)
+
+    def sync(self) -> None:
+        """Every bucket gathered: dispatch what is stale, wait for what is in flight."""
+        for bucket in self.forward_order:
+            if bucket.index in self.stale or bucket.index in self.in_flight:
+                self.wait(bucket)
+
+    def after_forward(self) -> None:
+        """End of a chunk forward: learn the wait plan after the first; land what no hook consumed
+        (parameters no forward touched), so nothing stays in flight into backward or the step."""
+        if self._probes:
+            for handle in self._probes:
+                handle.remove()
+            self._probes = []
+            self._plan()
+            if self._hooks:  # installed before this first forward (a checkpoint load)
+                self._install_hooks()
+        if self.pending:
+            self.sync()
+
+    # ---- the wait plan ------------------------------------------------------------------------
+    def _probe(self, module, _args):
+        self._ran.setdefault(module, len(self._ran))
+
+    def _plan(self) -> None:
+        parent = {child: m for m in self.module.modules() for child in m.children()}
+        waits: dict[nn.Module, list] = {}
+        for owner in self.module.modules():
+            waiter = owner
+            while waiter not in self._ran and waiter in parent:
+                waiter = parent[waiter]
+            for p in owner.parameters(recurse=False):
+                bucket = self.param_to_bucket.get(p)
+                if bucket is not None and bucket not in waits.setdefault(waiter, []):
+                    waits[waiter].append(bucket)
+        waits = {m: b for m, b in waits.items() if b}
+        order = []
+        for module in sorted(waits, key=lambda m: self._ran.get(m, -1)):
+            order += [b for b in waits[module] if b not in order]
+        order += [b for b in reversed(self.buckets) if b not in order]
+        self.forward_order, self._waits = order, waits
+
+    def _install_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        # Before the first forward the chunk's own pre-hook waits for everything.
+        waits = self._waits or {self.module: list(self.forward_order)}
+        position = {b.index: i for i, b in enumerate(self.forward_order)}
+        self._hooks = [module.register_forward_pre_hook(self._make_hook(buckets, position))
+                       for module, buckets in waits.items()]
+
+    def _make_hook(self, buckets: list, position: dict):
+        def hook(_module, _args):
+            if self.pending:
+                for bucket in buckets:
+                    self._consume(bucket, position[bucket.index])
+        return hook
+
+
+def finish_param_syncs(model_chunks) -> None:
+    """Every chunk's parameters gathered (before reading weights outside a forward, e.g. a save)."""
+    for chunk in model_chunks:
+        gather = getattr(chunk, "param_gather", None)
+        if gather is not None:
+            gather.sync()
+
