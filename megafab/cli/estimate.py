@@ -19,10 +19,10 @@ import json
 import sys
 
 from megafab.arguments import config_or_exit
-from megafab.errors import exit_on_user_error
 from megafab.plan.machines import BUILTIN, MachineError, machine
 from megafab.plan.report import HEADER, candidate_row, prediction_line
 from megafab.plan.search import candidate_from_flags, search
+from megafab.run.report import exit_on_user_error
 from megafab.training.planner import format_plan, plan
 
 

@@ -34,14 +34,13 @@ def main(argv=None):
     with exit_on_user_error():
         cfg = config_or_exit(argv, checks=machine_checks(), start_up=True)
         if cfg.training.dry_run:  # the plan only: no process group, no tensors
-            from megafab.training.data_setup import attach_tokenizer
+            from megafab.plan.report import dry_run_prediction
             from megafab.training.planner import format_plan, plan
 
             for line in cfg.start_up_notes():
                 print(f"megafab: note: {line}")
-            if cfg.model.padded_vocab_size is None:
-                attach_tokenizer(cfg)
-            print(format_plan(cfg, plan(cfg)))
+            stages = plan(cfg)
+            print(format_plan(cfg, stages, step_time=dry_run_prediction(cfg, stages)))
             return 0
         from megafab.training.pretrain import pretrain
 

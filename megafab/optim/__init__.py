@@ -8,9 +8,8 @@ from megafab.optim.mixed_precision import (
     MixedPrecisionOptimizer,
     NonFiniteGradError,
     OptimizerConfigError,
-    check_loss_is_finite,
 )
 
 __all__ = ["ConstantGradScaler", "DistributedOptimizer", "DynamicGradScaler", "MemoryReport",
            "MixedPrecisionOptimizer", "NonFiniteGradError", "OptimizerConfigError",
-           "OptimizerParamScheduler", "check_loss_is_finite", "measure_memory", "owned_param_ranges"]
+           "OptimizerParamScheduler", "measure_memory", "owned_param_ranges"]

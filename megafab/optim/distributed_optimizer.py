@@ -103,7 +103,3 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 chunk.start_param_sync()
                 chunk.finish_param_sync()
 
-    def _after_load(self):
-        for chunk in self.model_chunks:
-            chunk.finish_param_sync()
-

@@ -53,15 +53,6 @@ def no_weight_decay(name: str, param: nn.Parameter) -> bool:
     return name.endswith(".bias") or param.dim() == 1
 
 
-def check_loss_is_finite(loss: torch.Tensor | float, iteration: int):
-    """Raise NonFiniteGradError naming the iteration if the loss is nan or inf."""
-    value = float(loss)
-    if not math.isfinite(value):
-        raise NonFiniteGradError(
-            f"iteration {iteration}: the loss is {value}; training diverged or the data holds a bad "
-            f"sample. Lower --lr, raise --lr-warmup-samples, or resume from an earlier checkpoint")
-
-
 @dataclass
 class MainParam:
     """One tensor the optimizer steps: a model param (or its shard) and its fp32/main copy."""
@@ -329,58 +320,3 @@ class MixedPrecisionOptimizer:
                 chunk.zero_grad_buffer()
             else:
                 chunk.zero_grad(set_to_none=True)
-
-    # ---- state --------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """Per parameter name: main param (fp32 copy, or this rank's shard) and Adam state.
-
-        {"params": {name: {"main_param", "exp_avg", "exp_avg_sq", "step", "range", "shape"}},
-         "param_groups": [hyperparameters], "grad_scaler": ..., "iteration": int}
-        "range" is the flat [lo, hi) of the param this entry covers (whole param when not sharded).
-        """
-        params = {}
-        for e in self.entries:
-            state = self.torch_optimizer_of(e).state.get(e.main, {})
-            lo, hi = e.param_range or (0, e.model_param.numel())
-            entry = {"main_param": e.main.detach().clone(), "range": (lo, hi),
-                     "shape": tuple(e.model_param.shape)}
-            entry.update({k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in state.items()})
-            params[e.name] = entry
-        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-        return {"params": params, "param_groups": hyper, "iteration": self.iteration,
-                "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict()}
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict):
-        missing = [e.name for e in self.entries if e.name not in state["params"]]
-        if missing:
-            raise OptimizerConfigError(
-                f"optimizer checkpoint has no state for {missing[:5]}{'...' if len(missing) > 5 else ''}; "
-                f"it was saved from a different model; load a matching checkpoint or pass --no-load-optim")
-        for e in self.entries:
-            saved = state["params"][e.name]
-            lo, hi = e.param_range or (0, e.model_param.numel())
-            if tuple(saved["range"]) != (lo, hi):
-                raise OptimizerConfigError(
-                    f"optimizer checkpoint shard of {e.name} covers {tuple(saved['range'])} but this rank "
-                    f"owns {(lo, hi)}; the data-parallel layout changed; resume with the same layout")
-            e.main.copy_(saved["main_param"])
-            self.torch_optimizer_of(e).state[e.main] = {
-                k: (v.to(e.main.device).clone() if torch.is_tensor(v) else v) for k, v in saved.items()
-                if k not in ("main_param", "range", "shape")}
-        for group, saved in zip(self.param_groups, state["param_groups"]):
-            group.update(saved)
-        self.iteration = state["iteration"]
-        if self.grad_scaler is not None and state.get("grad_scaler") is not None:
-            self.grad_scaler.load_state_dict(state["grad_scaler"])
-        self.copy_all_mains_to_model()
-        self._after_load()
-
-    def copy_all_mains_to_model(self):
-        """Every main (device and host) into the model weights, e.g. after loading state."""
-        if self.host is not None:
-            self.host.copy_to_device()
-        self._copy_main_to_model()
-
-    def _after_load(self):
-        pass

@@ -330,7 +330,9 @@ def iteration_flops(cfg) -> tuple[float, float]:
 
 
 def format_plan(cfg, stages: list[StagePlan], mfu: float = 0.4, peak_tflops: float = 989.0,
-                gpu_memory_gb: float | None = None) -> str:
+                gpu_memory_gb: float | None = None, step_time: str | None = None) -> str:
+    """The plan as printed; `step_time`: the step-time model's line(s) (megafab.plan.report), which
+    replace the fixed-MFU estimate."""
     gib = 2.0**30
     p = cfg.parallel
     vpp = f" (VPP {p.virtual_pipeline_model_parallel_size})" if p.virtual_pipeline_model_parallel_size else ""
@@ -359,6 +361,10 @@ def format_plan(cfg, stages: list[StagePlan], mfu: float = 0.4, peak_tflops: flo
                if st.gather_transient_bytes else "")
             + f" | total {st.total_bytes / gib:.2f} GiB at the {st.peak_phase}{fits}")
     model, hardware = iteration_flops(cfg)
+    if step_time is not None:
+        lines.append(f"  FLOPs/iteration: model {model:.3e}, with recompute {hardware:.3e}")
+        lines.append(step_time)
+        return "\n".join(lines)
     seconds = hardware / (p.world_size * peak_tflops * 1e12 * mfu)
     lines.append(f"  FLOPs/iteration: model {model:.3e}, with recompute {hardware:.3e}; at MFU {mfu:g} of "
                  f"{peak_tflops:g} TFLOP/s/GPU: {seconds:.3f} s/iteration")
