@@ -98,3 +98,17 @@ def test_a_benchmark_runs_with_tests_absent(startup_hook):
                          capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert re.search(r"^1F1B\s+0\s", out.stdout, re.M), out.stdout  # the bubble table's first stage row
+
+
+def test_no_benchmark_imports_the_tests():
+    """Every benchmark, not only the one run above, gets its launcher from megafab.run."""
+    import ast
+    import pathlib
+
+    importers = []
+    for path in sorted(pathlib.Path(ROOT, "benchmarks").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            importers += [f"{path.name}: {n}" for n in names if n == "tests" or n.startswith("tests.")]
+    assert importers == []
