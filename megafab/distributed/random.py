@@ -17,8 +17,8 @@ same elements. Dropout on activations split across TP ranks (attention probabili
 rank's heads; anything in the sequence-parallel region) runs inside `tracker.fork()` so each rank
 draws its own mask. Context-parallel attention dropout takes one seed per call from the stream's
 host counter (`host_seed`: plain integer arithmetic, no tensor read back from the device) and
-derives every block's mask from it (context_parallel.py); the counter is part of the tracker's
-states, so backward, recompute and a resumed checkpoint replay it.
+derives every block's mask from it (context_parallel.py); the counters are part of the RNG snapshot
+(checkpoint_rng_state), so backward, recompute and a resumed checkpoint replay them.
 
 The tracker works on the generator of one device: torch.default_generator for CPU, the CUDA
 device's generator for CUDA. States are CPU ByteTensors on both, so checkpoints are portable.
@@ -37,7 +37,6 @@ DATA_PARALLEL_RNG = "data-parallel-rng"
 TP_SEED_OFFSET = 2718
 PP_SEED_STRIDE = 100
 CP_SEED_STRIDE = 10007
-HOST_DRAWS = ":host-draws"  # get_states() key suffix of a stream's host counter [seed, draws]
 _MASK64 = (1 << 64) - 1
 
 
@@ -121,21 +120,20 @@ class RNGStatesTracker:
         self._host[name][1] += 1
         return _splitmix64(_splitmix64(seed) ^ draws) >> 2
 
-    def get_states(self) -> dict:
-        """A copy of every named state (CPU ByteTensors) and host counter ([seed, draws] under
-        name + HOST_DRAWS), e.g. for a checkpoint."""
-        states: dict = {name: state.clone() for name, state in self._states.items()}
-        states.update({name + HOST_DRAWS: list(counter) for name, counter in self._host.items()})
-        return states
+    def get_states(self) -> dict[str, torch.Tensor]:
+        """A copy of every named state (CPU ByteTensors), e.g. for a checkpoint."""
+        return {name: state.clone() for name, state in self._states.items()}
 
-    def set_states(self, states: dict) -> None:
-        """Replace the named states with `states` (from get_states; host counters absent from an
-        older snapshot are kept)."""
-        self._states = {name: state.detach().cpu().clone() for name, state in states.items()
-                        if not name.endswith(HOST_DRAWS)}
-        for name, counter in states.items():
-            if name.endswith(HOST_DRAWS):
-                self._host[name[: -len(HOST_DRAWS)]] = [int(counter[0]), int(counter[1])]
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        """Replace the named states with `states` (from get_states)."""
+        self._states = {name: state.detach().cpu().clone() for name, state in states.items()}
+
+    def get_host_draws(self) -> dict[str, list[int]]:
+        """Every stream's host counter [seed, draws] (plain ints), for snapshots and checkpoints."""
+        return {name: list(counter) for name, counter in self._host.items()}
+
+    def set_host_draws(self, counters: dict[str, list[int]]) -> None:
+        self._host.update({name: [int(c[0]), int(c[1])] for name, c in counters.items()})
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
@@ -191,7 +189,8 @@ def checkpoint_rng_state(tracker: RNGStatesTracker | None, device) -> dict:
     device = torch.device(device)
     return {"cpu": torch.get_rng_state(),
             "device": _DeviceRNG(device).get_state() if device.type == "cuda" else None,
-            "tracker": tracker.get_states() if tracker is not None else None}
+            "tracker": tracker.get_states() if tracker is not None else None,
+            "host_draws": tracker.get_host_draws() if tracker is not None else None}
 
 
 def restore_rng_state(state: dict, tracker: RNGStatesTracker | None, device) -> None:
@@ -202,3 +201,5 @@ def restore_rng_state(state: dict, tracker: RNGStatesTracker | None, device) -> 
         _DeviceRNG(device).set_state(state["device"])
     if tracker is not None:
         tracker.set_states(state["tracker"])
+        if state.get("host_draws"):  # absent from snapshots made before host counters
+            tracker.set_host_draws(state["host_draws"])

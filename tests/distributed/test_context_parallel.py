@@ -20,7 +20,13 @@ from megafab.distributed.context_parallel import (
     split_for_context_parallel,
 )
 from megafab.distributed.fused_attention import CPU_FLASH, block_kernel
-from megafab.distributed.random import RNGStatesTracker, host_seed, model_parallel_seed
+from megafab.distributed.random import (
+    RNGStatesTracker,
+    checkpoint_rng_state,
+    host_seed,
+    model_parallel_seed,
+    restore_rng_state,
+)
 from tests.harness import run_ranks
 
 TOL = 1e-10
@@ -233,7 +239,7 @@ def _dropout_differs_across_cp_ranks(rank, world, comm):
     k, v = torch.randn(1, 2, 8, 4, dtype=torch.float64), torch.ones(1, 2, 8, 4, dtype=torch.float64)
     tracker = RNGStatesTracker("cpu")
     model_parallel_seed(77, 0, 0, "cpu", tracker, cp_rank=rank)
-    states = tracker.get_states()
+    states = checkpoint_rng_state(tracker, "cpu")
 
     def attention(dropout_p):
         with tracker.fork():  # as SelfAttention runs it; a2a draws from the forked stream itself
@@ -241,7 +247,7 @@ def _dropout_differs_across_cp_ranks(rank, world, comm):
             return context_parallel_attention(q, k, v, dist.group.WORLD, comm, dropout_p, seed)
 
     first = attention(0.5)
-    tracker.set_states(states)
+    restore_rng_state(states, tracker, "cpu")
     again = attention(0.5)
     plain = attention(0.0)
     assert torch.equal(first, again)  # the stream decides the masks: recompute replays them

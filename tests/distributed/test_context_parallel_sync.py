@@ -9,11 +9,12 @@ import torch.distributed as dist
 
 from megafab.distributed import context_parallel as cpa
 from megafab.distributed.random import (
-    HOST_DRAWS,
     MODEL_PARALLEL_RNG,
     RNGStatesTracker,
+    checkpoint_rng_state,
     host_seed,
     model_parallel_seed,
+    restore_rng_state,
 )
 from tests.harness import run_ranks
 
@@ -128,18 +129,18 @@ def test_dkv_exchange_overlaps_the_next_blocks_backward():
                 assert waited == len(events) - 1
 
 
-def test_host_seeds_replay_with_the_tracker_states_and_differ_per_stream_and_draw():
+def test_host_seeds_replay_with_the_rng_snapshot_and_differ_per_stream_and_draw():
     tracker = RNGStatesTracker("cpu")
     model_parallel_seed(1234, 0, 0, "cpu", tracker)
-    states = tracker.get_states()
-    assert states[MODEL_PARALLEL_RNG + HOST_DRAWS] == [1234 + 2718, 0]
+    snapshot = checkpoint_rng_state(tracker, "cpu")  # what recompute and checkpoints keep
+    assert snapshot["host_draws"][MODEL_PARALLEL_RNG] == [1234 + 2718, 0]
     first = [host_seed(tracker) for _ in range(3)]
     assert len(set(first)) == 3 and all(0 <= s < 1 << 62 for s in first)
-    tracker.set_states(states)
+    restore_rng_state(snapshot, tracker, "cpu")
     assert [host_seed(tracker) for _ in range(3)] == first
     other = RNGStatesTracker("cpu")
     model_parallel_seed(1234, 1, 0, "cpu", other)  # another TP rank: another stream
     assert host_seed(other) != first[0]
-    old_snapshot = {n: s for n, s in states.items() if not n.endswith(HOST_DRAWS)}
-    tracker.set_states(old_snapshot)  # a checkpoint from before host counters: counters kept
+    old_snapshot = {k: v for k, v in snapshot.items() if k != "host_draws"}
+    restore_rng_state(old_snapshot, tracker, "cpu")  # a checkpoint from before host counters: kept
     assert host_seed(tracker) not in first
