@@ -50,6 +50,17 @@ def layer_prefix(layer: int, root: str = LAYERS) -> str:
     return f"{root}{layer}."
 
 
+def layer_module(layer: int) -> str:
+    """The module path of layer `layer`: `decoder.layers.<layer>` (no trailing dot)."""
+    return layer_prefix(layer)[:-1]
+
+
+def module_layer(path: str) -> int | None:
+    """The layer number of a module path `decoder.layers.<N>`, None for any other module."""
+    number = path[len(LAYERS):] if path.startswith(LAYERS) else ""
+    return int(number) if number.isdigit() else None
+
+
 def layer_name(layer: int, suffix: str, root: str = LAYERS) -> str:
     return layer_prefix(layer, root) + suffix
 

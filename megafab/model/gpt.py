@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megafab.checkpoint import keys
 from megafab.checkpoint.keys import OUTPUT_LAYER, WORD_EMBEDDING
 from megafab.distributed.context_parallel import local_position_ids
 from megafab.distributed.cross_entropy import vocab_parallel_cross_entropy
@@ -103,7 +104,7 @@ class GPTModel(nn.Module):
         built (and initialized) by build_part on its own."""
         names = ["embedding"] if self.pre_process else []
         names += ["rotary"] if self.cfg.position_embedding_type == "rope" else []
-        names += [f"decoder.layers.{i}" for i in range(self.first_layer, self.last_layer)]
+        names += [keys.layer_module(i) for i in range(self.first_layer, self.last_layer)]
         if self.post_process:
             names.append("decoder.final_layernorm")
             if not (self.share_embeddings and self.pre_process):
@@ -117,9 +118,9 @@ class GPTModel(nn.Module):
             return Embedding(cfg, ctx)
         if name == "rotary":
             return RotaryEmbedding(cfg.kv_channels, cfg.rotary_percent, cfg.rotary_base, ctx.device)
-        if name.startswith("decoder.layers."):
-            # local TransformerLayer or Transformer Engine's
-            return transformer_layer_class(cfg)(cfg, ctx, int(name.rsplit(".", 1)[1]))
+        layer = keys.module_layer(name)
+        if layer is not None:  # local TransformerLayer or Transformer Engine's
+            return transformer_layer_class(cfg)(cfg, ctx, layer)
         if name == "decoder.final_layernorm":
             return build_norm(cfg, ctx)
         assert name == "output_layer", name

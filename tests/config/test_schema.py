@@ -19,7 +19,9 @@ from megafab.config.schema import SECTIONS, flag_fields
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Captured from pretrain_gpt.py on main before the schema existed (commit 32be7ca):
-# help_before.json: every action of the parser; help_before.txt: `COLUMNS=200 pretrain_gpt.py --help`.
+# help_before.json: every action of the parser; help_before.txt: `COLUMNS=200 pretrain_gpt.py --help`
+# (captured at 32be7ca; since then only the --init-model-with-meta-device note changed, on purpose,
+# and the offload flags moved up inside the training group).
 BEFORE = os.path.join(HERE, "help_before.json")
 BEFORE_TEXT = os.path.join(HERE, "help_before.txt")
 # The two parser defaults that now equal the schema's (both flags carry their own help text, so
