@@ -234,12 +234,17 @@ class DistributedDataParallel(nn.Module):
                 p.main_grad = self.grad_buffer[lo:hi].view(p.shape)
                 if self.param_buffer is not None and p.is_meta:
                     # a meta-built chunk: p becomes a view of the buffer, its values filled later
-                    attributes = dict(p.__dict__)
-                    torch.utils.swap_tensors(p, nn.Parameter(self.param_buffer[lo:hi].view(p.shape)))
+                    # (.data, not a view parameter: a view would share the buffer's version counter,
+                    # and a later bucket's all-gather landing in the forward would then invalidate
+                    # every weight autograd saved before it)
+                    attributes, shape = dict(p.__dict__), p.shape
+                    torch.utils.swap_tensors(p, nn.Parameter(self.param_buffer.new_empty(0),
+                                                             requires_grad=p.requires_grad))
                     p.__dict__.update(attributes)
+                    p.data = self.param_buffer[lo:hi].view(shape)
                 elif self.param_buffer is not None:
                     self.param_buffer[lo:hi].copy_(p.data.view(-1))
-                    p.data = self.param_buffer[lo:hi].view(p.shape)
+                    p.data = self.param_buffer[lo:hi].view(shape)
 
     def owned_param_ranges(self, dp_rank: int | None = None) -> dict[nn.Parameter, tuple[int, int]]:
         """owned_ranges of this chunk's buckets for `dp_rank` (default: this rank)."""

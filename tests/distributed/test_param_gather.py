@@ -10,6 +10,7 @@ import torch
 
 from megafab.checkpoint.checkpointing import save_checkpoint
 from megafab.checkpoint.megatron_legacy import FILE
+from megafab.checkpoint.state import gather_params
 from megafab.distributed.param_gather import ParamGather, finish_param_syncs
 from megafab.training.step import evaluate, train_step
 from tests.harness import run_ranks
@@ -107,11 +108,11 @@ def _overlap_matches_and_waits_late(rank, world, pp, vpp, save_dir):
         last_wait = next(i for i in waits if step_log[i][2] == buckets[-1].index)
         assert start < last_wait, step_log
 
-    # Evaluation before any step and right after one, on a state whose optimizer was loaded
-    # (gathers, and installs hooks) before the first forward taught it the per-bucket plan.
+    # Evaluation before any step and right after one, on a state whose weights were gathered as a
+    # checkpoint load gathers them, before the first forward taught it the per-bucket plan.
     ParamGather.wait = real_wait
     evaluated = driver_state(_config(pp, vpp, overlap=True), torch.float64)
-    evaluated.optimizer.load_state_dict(evaluated.optimizer.state_dict())
+    gather_params(evaluated.model)
     _, evals = _run(evaluated, with_eval=True)
     assert evals == ref_evals, (evals, ref_evals)
     for chunk in evaluated.model:  # the chunk's pre-hook alone would wait for every bucket at once
