@@ -21,7 +21,6 @@ SP), so the top K are K different grids.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import itertools
 import time
@@ -188,9 +187,12 @@ class _Builder:
                       recompute_method="uniform" if recompute == "full" else None,
                       recompute_num_layers=1 if recompute == "full" else None,
                       recompute_modules=None)
-        sections = {name: copy.copy(getattr(self.base, name)) for name in set(self.section.values())}
+        by_section: dict[str, dict] = {name: {} for name in set(self.section.values())}
         for name, value in values.items():
-            setattr(sections[self.section[name]], name, value)
+            by_section[self.section[name]][name] = value
+        # replace() builds writable sections from the (frozen) base's values
+        sections = {name: dataclasses.replace(getattr(self.base, name), **changes)
+                    for name, changes in by_section.items()}
         cfg = Config(**sections).finalize(self.world, validate=False)
         return None if cfg.problems() else cfg
 
