@@ -244,7 +244,7 @@ class DistributedDataParallel(nn.Module):
                     p.data = self.param_buffer[lo:hi].view(shape)
                 elif self.param_buffer is not None:
                     self.param_buffer[lo:hi].copy_(p.data.view(-1))
-                    p.data = self.param_buffer[lo:hi].view(shape)
+                    p.data = self.param_buffer[lo:hi].view(p.shape)
 
     def owned_param_ranges(self, dp_rank: int | None = None) -> dict[nn.Parameter, tuple[int, int]]:
         """owned_ranges of this chunk's buckets for `dp_rank` (default: this rank)."""
