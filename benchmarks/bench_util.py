@@ -62,6 +62,11 @@ def build_state(flags: list[str], world_size: int = 1, topo=None) -> TrainState:
     if topo is None:
         topo = build_topology(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                               cp=p.context_parallel_size)
+    return state_of(cfg, topo)
+
+
+def state_of(cfg, topo) -> TrainState:
+    """The TrainState of a finalized config on `topo`: seeded RNG streams, model, optimizer, schedule."""
     tracker = RNGStatesTracker(topo.device)
     model_parallel_seed(cfg.training.seed, topo.tp_rank, topo.pp_rank, topo.device, tracker,
                         cp_rank=topo.cp_rank)

@@ -23,11 +23,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from benchmarks.bench_util import state_of  # noqa: E402
 from benchmarks.gpu_check import megafab_config, mock_batches  # noqa: E402
-from megafab.distributed.random import RNGStatesTracker, model_parallel_seed  # noqa: E402
 from megafab.distributed.topology import build_topology  # noqa: E402
 from megafab.model.te import te_available  # noqa: E402
-from megafab.training.build import TrainState, build_model, build_optimizer, build_scheduler  # noqa: E402
 from megafab.training.step import train_step  # noqa: E402
 
 
@@ -53,14 +52,10 @@ def parse(argv=None):
 
 
 def curve(cfg, topo, steps: int) -> list[float]:
-    tracker = RNGStatesTracker(topo.device)
-    model_parallel_seed(cfg.training.seed, 0, 0, topo.device, tracker)
-    model = build_model(cfg, topo, tracker)
-    optimizer = build_optimizer(cfg, topo, model)
-    state = TrainState(cfg, topo, tracker, model, optimizer, build_scheduler(cfg, optimizer))
+    state = state_of(cfg, topo)
     data = mock_batches(cfg)
     losses = [train_step(state, data)["lm loss"] for _ in range(steps)]
-    del state, model, optimizer
+    del state
     if topo.device.type == "cuda":
         torch.cuda.empty_cache()
     return losses

@@ -56,11 +56,10 @@ def run(args) -> int:
     import torch
     import torch.distributed as dist
 
+    from benchmarks.bench_util import state_of
     from benchmarks.gpu_check import mock_batches
     from megafab.arguments import config_from_args
-    from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
     from megafab.distributed.topology import initialize
-    from megafab.training.build import TrainState, build_model, build_optimizer, build_scheduler
     from megafab.training.step import train_step
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -74,11 +73,7 @@ def run(args) -> int:
             "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
             "--ddp-bucket-size", 20_000_000, "--lr-decay-style", "constant"]
     cfg = config_from_args([str(a) for a in argv], world_size=world)
-    tracker = RNGStatesTracker(topo.device)
-    model_parallel_seed(cfg.training.seed, 0, 0, topo.device, tracker)
-    model = build_model(cfg, topo, tracker)
-    optimizer = build_optimizer(cfg, topo, model)
-    state = TrainState(cfg, topo, tracker, model, optimizer, build_scheduler(cfg, optimizer))
+    state = state_of(cfg, topo)
     data = mock_batches(cfg, seed=topo.rank)
     os.makedirs(args.out_dir, exist_ok=True)
     trace = os.path.join(args.out_dir, f"overlap_rank{topo.rank}.json")
