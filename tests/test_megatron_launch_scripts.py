@@ -232,7 +232,7 @@ def test_three_mistakes_under_torchrun_print_one_message_once():
     flags = words("""--num-layers 4 --hidden-size 64 --num-attention-heads 8 --seq-length 32
                      --micro-batch-size 1 --train-iters 2 --lr 1e-3 --mock-data --vocab-size 100""") + [
              "--hiden-dropout", "0.0",  # misspelled
-             "--num-experts", "8",  # refused
+             "--moe-use-upcycling",  # refused
              "--tensor-model-parallel-size", "3"]  # 8 heads over 3 TP ranks
     proc = torchrun(4, flags, timeout=300)
     assert proc.returncode != 0
@@ -242,5 +242,5 @@ def test_three_mistakes_under_torchrun_print_one_message_once():
     assert "traceback : megafab: error: 4 problem(s) in the configuration" in ours
     message = ours[ours.index("megafab: error:"):]
     assert "--hiden-dropout: unrecognized flag (did you mean --hidden-dropout?)" in message
-    assert "--num-experts: refused, mixture-of-experts" in message
+    assert "--moe-use-upcycling: refused, upcycling a dense checkpoint" in message
     assert "--num-attention-heads 8 is not divisible by --tensor-model-parallel-size 3" in message
