@@ -1,0 +1,116 @@
+"""The MoE rules of issue 23 (item 4) and the MoE asserts of Megatron's validate_args /
+TransformerConfig that apply here: each is one line of the one configuration message, exit status
+2, found before any process group starts (pretrain's main is run as rank 0 of a torchrun job with
+init_process_group made to fail: the error must come first)."""
+
+import pytest
+import torch.distributed
+
+from megafab.arguments import config_from_args
+from megafab.cli.pretrain import main
+from megafab.config import ConfigError
+
+BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--micro-batch-size", "1", "--mock-data", "--vocab-size", "100", "--lr", "1e-4",
+        "--train-iters", "10"]
+MOE = ["--num-experts", "8", "--moe-router-topk", "2"]
+
+# (what, flags, world size, the one line)
+RULES = [
+    ("experts not divisible by EP", ["--num-experts", "6", "--expert-model-parallel-size", "4"], 8,
+     "--num-experts 6 is not divisible by --expert-model-parallel-size 4"),
+    ("world not divisible by the expert grid", MOE + ["--expert-model-parallel-size", "4"], 6,
+     "world size 6 is not divisible by the expert grid --expert-tensor-parallel-size 1 x "
+     "--expert-model-parallel-size 4 x --pipeline-model-parallel-size 1 = 4"),
+    ("top-k above the experts", ["--num-experts", "4", "--moe-router-topk", "5"], 1,
+     "--moe-router-topk 5 must be between 1 and --num-experts 4"),
+    ("top-k above what the groups allow",
+     ["--num-experts", "8", "--moe-router-topk", "6", "--moe-router-num-groups", "4",
+      "--moe-router-group-topk", "2"], 1, "needs 3 experts per group, but a group has 2"),
+    ("group top-k without groups", MOE + ["--moe-router-group-topk", "2"], 1,
+     "--moe-router-group-topk needs --moe-router-num-groups"),
+    ("padding to capacity without a capacity", MOE + ["--moe-pad-expert-input-to-capacity"], 1,
+     "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"),
+    ("flex dispatcher (DeepEP, GPU only)", MOE + ["--moe-token-dispatcher-type", "flex"], 1,
+     "--moe-token-dispatcher-type flex (DeepEP / HybridEP, GPU-only kernels) is not supported"),
+    ("shared-expert overlap without alltoall",
+     MOE + ["--moe-shared-expert-intermediate-size", "64", "--moe-shared-expert-overlap"], 1,
+     "--moe-shared-expert-overlap works only with --moe-token-dispatcher-type alltoall"),
+    ("MoE under TP without sequence parallelism",
+     MOE + ["--tensor-model-parallel-size", "2", "--disable-bias-linear"], 2,
+     "MoE layers with --tensor-model-parallel-size 2 need --sequence-parallel"),
+    ("expert biases under ETP", MOE + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2,
+     "biases in MoE experts need --expert-tensor-parallel-size 1 (it is 2)"),
+    ("EP without experts", ["--expert-model-parallel-size", "2"], 2,
+     "--expert-model-parallel-size 2 needs --num-experts"),
+    ("layer pattern of the wrong length", MOE + ["--moe-layer-freq", "([0]*1+[1]*2)"], 1,
+     "--moe-layer-freq pattern has 3 entries for --num-layers 4"),
+]
+
+
+@pytest.mark.parametrize("what,flags,world,line", RULES, ids=[r[0] for r in RULES])
+def test_each_moe_rule_is_one_line(what, flags, world, line):
+    with pytest.raises(ConfigError) as err:
+        config_from_args(BASE + flags, world_size=world)
+    assert len(err.value.problems) == 1 and line in err.value.problems[0], err.value.problems
+
+
+BEFORE_GROUPS = RULES[:2] + RULES[8:9]  # the layout rules: the ones a process group would meet
+
+
+@pytest.mark.parametrize("what,flags,world,line", BEFORE_GROUPS, ids=[r[0] for r in BEFORE_GROUPS])
+def test_moe_rule_exits_2_before_any_process_group(what, flags, world, line, monkeypatch, capsys):
+    for name, value in {"RANK": "0", "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}.items():
+        monkeypatch.setenv(name, value)
+
+    def no_group(*args, **kwargs):
+        raise AssertionError("a process group was started before the configuration was checked")
+
+    monkeypatch.setattr(torch.distributed, "init_process_group", no_group)
+    with pytest.raises(SystemExit) as exit_info:
+        main(BASE + flags)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("problem(s) in the configuration") == 1 and err.count(line) == 1, err
+    assert "Traceback" not in err
+
+
+def test_mixtral_like_layout_and_etp_default():
+    cfg = config_from_args(BASE + MOE + ["--expert-model-parallel-size", "8",
+                                         "--pipeline-model-parallel-size", "4",
+                                         "--moe-aux-loss-coeff", "1e-2", "--no-position-embedding"],
+                           world_size=32)
+    p, moe = cfg.parallel, cfg.moe
+    assert (p.expert_model_parallel_size, p.expert_tensor_parallel_size, p.data_parallel_size) == (8, 1, 8)
+    # Megatron's validate_args: a one-value list becomes the value; the experts' width defaults
+    assert (moe.moe_router_load_balancing_type, moe.moe_aux_loss_coeff) == ("aux_loss", 0.01)
+    assert moe.moe_ffn_hidden_size == cfg.model.ffn_hidden_size == 128
+    assert cfg.model.position_embedding_type == "none"
+
+
+def test_several_balancing_types_and_patterns_parse():
+    cfg = config_from_args(BASE + MOE + ["--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss",
+                                         "--moe-aux-loss-coeff", "1e-2", "1e-3",
+                                         "--moe-layer-freq", "([0]*1+[1]*3)", "--position-embedding-type",
+                                         "rope", "--no-position-embedding",
+                                         "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                         "--expert-tensor-parallel-size", "1"], world_size=2)
+    moe = cfg.moe
+    assert moe.balancing_types == ("aux_loss", "seq_aux_loss")
+    assert moe.aux_loss_coeff("seq_aux_loss") == 1e-3
+    assert [moe.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
+    assert cfg.parallel.expert_tensor_parallel_size == 1
+    assert cfg.model.position_embedding_type == "rope"  # rope has no learned table to turn off
+
+
+def test_bad_layer_pattern_names_the_flag():
+    with pytest.raises(ConfigError, match="--moe-layer-freq 'abc' is neither an int nor a pattern"):
+        config_from_args(BASE + MOE + ["--moe-layer-freq", "abc"], world_size=1)
+
+
+@pytest.mark.parametrize("flag", ["--moe-enable-deepep", "--moe-use-legacy-grouped-gemm",
+                                  "--overlap-moe-expert-parallel-comm", "--moe-per-layer-logging"])
+def test_megatron_moe_flags_without_a_field_are_refused_by_name(flag):
+    with pytest.raises(ConfigError, match=f"{flag}: refused, "):
+        config_from_args(BASE + MOE + [flag], world_size=1)
