@@ -114,3 +114,30 @@ def test_bad_layer_pattern_names_the_flag():
 def test_megatron_moe_flags_without_a_field_are_refused_by_name(flag):
     with pytest.raises(ConfigError, match=f"{flag}: refused, "):
         config_from_args(BASE + MOE + [flag], world_size=1)
+
+
+def test_every_megatron_moe_flag_is_a_field_refused_or_announced():
+    """megatron-core 0.16.1's MoE and expert options (TransformerConfig's, which Megatron-LM turns
+    into flags, less the three its arguments.py gives no flag of that name), and the ones its
+    _add_moe_args adds: none is unknown to megafab. Read from the installed sources (importing
+    megatron.core takes seconds)."""
+    import importlib.util
+    import os
+    import re
+
+    from megafab.arguments import build_parser
+    from megafab.megatron_flags import NO_EFFECT, REFUSED
+
+    core = importlib.util.find_spec("megatron.core").submodule_search_locations[0]
+    source = "".join(open(os.path.join(core, *path)).read() for path in
+                     (("model_parallel_config.py",), ("transformer", "transformer_config.py")))
+    no_flag = {"num_moe_experts", "moe_token_dropping", "moe_router_topk_limited_devices"}
+    names = [n for n in re.findall(r"^    ([a-z_0-9]+): ", source, re.M)
+             if ("moe" in n or "expert" in n) and n not in no_flag]
+    flags = {"--" + n.replace("_", "-") for n in names} | {
+        "--num-experts", "--moe-use-upcycling", "--moe-upcycling-granularity",
+        "--moe-pad-experts-for-cuda-graph-inference"}
+    assert len(flags) > 40
+    known = build_parser()._option_string_actions
+    unknown = sorted(f for f in flags if f not in known and f not in REFUSED and f not in NO_EFFECT)
+    assert unknown == []
