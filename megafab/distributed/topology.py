@@ -70,7 +70,7 @@ def layout_problems(world_size: int, tp: int, pp: int, cp: int = 1, ep: int = 1,
     problems = []
     sizes = {"tp": tp, "cp": cp, "pp": pp, "ep": ep, "etp": tp if etp is None else etp}
     for axis, value in sizes.items():
-        if value < 1:
+        if value < 1 and (axis != "etp" or etp is not None):  # an unset ETP is TP's problem
             problems.append(f"--{FLAGS[axis]} is {value}; it must be at least 1")
     if min(sizes.values()) < 1:
         return problems

@@ -110,6 +110,7 @@ def test_layout_problems_name_the_expert_flags_and_the_fix():
     problems = layout_problems(8, tp=1, pp=1, ep=0, etp=0)
     assert problems == ["--expert-model-parallel-size is 0; it must be at least 1",
                         "--expert-tensor-parallel-size is 0; it must be at least 1"]
+    assert layout_problems(8, tp=0, pp=1) == ["--tensor-model-parallel-size is 0; it must be at least 1"]
     (msg,) = layout_problems(6, tp=4, pp=1)  # a dense failure is not repeated for the expert grid
     assert "--tensor-model-parallel-size 4" in msg
     with pytest.raises(TopologyError, match="--expert-model-parallel-size 3"):
