@@ -141,3 +141,12 @@ def test_every_megatron_moe_flag_is_a_field_refused_or_announced():
     known = build_parser()._option_string_actions
     unknown = sorted(f for f in flags if f not in known and f not in REFUSED and f not in NO_EFFECT)
     assert unknown == []
+
+
+def test_moe_flags_of_a_dense_model_are_announced_without_effect():
+    cfg = config_from_args(BASE + ["--moe-router-topk", "4", "--moe-grouped-gemm",
+                                   "--expert-tensor-parallel-size", "1"], world_size=1)
+    assert cfg.no_effect == ("--moe-router-topk (only with --num-experts)",
+                             "--moe-grouped-gemm (only with --num-experts)",
+                             "--expert-tensor-parallel-size (only with --num-experts)")
+    assert config_from_args(BASE + MOE + ["--moe-grouped-gemm"], world_size=1).no_effect == ()
