@@ -157,3 +157,9 @@ def test_moe_flags_of_a_dense_model_are_announced_without_effect():
                              "--moe-grouped-gemm (only with --num-experts)",
                              "--expert-tensor-parallel-size (only with --num-experts)")
     assert config_from_args(BASE + MOE + ["--moe-grouped-gemm"], world_size=1).no_effect == ()
+    # the options of a part the MoE layer does not have
+    cfg = config_from_args(BASE + MOE + ["--moe-shared-expert-gate", "--moe-router-bias-update-rate", "1e-2",
+                                         "--moe-token-drop-policy", "position"], world_size=1)
+    assert cfg.no_effect == ("--moe-shared-expert-gate (only with --moe-shared-expert-intermediate-size)",
+                             "--moe-router-bias-update-rate (only with --moe-router-enable-expert-bias)",
+                             "--moe-token-drop-policy (only with --moe-expert-capacity-factor)")
