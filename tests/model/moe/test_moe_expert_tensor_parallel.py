@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megafab.distributed.layers import join_partitions
+from megafab.distributed.layers import join_partitions, partition_of
 from megafab.model.moe.settings import MoESettings
 from tests.harness import run_ranks
 from tests.model.moe.mcore_moe import HIDDEN, megafab_layer
@@ -93,6 +93,8 @@ def _compare(rank, world, layout, dispatcher, grouped, swiglu, groups):
                           sequence_parallel=tp > 1, ep_group=groups["ep"], etp_group=groups["etp"],
                           tp_ep_group=groups["tp_ep"] if ep > 1 and etp > 1 else None,
                           tp_cp_group=groups["tp"], tp_dp_cp_group=groups["world"])
+    if bias:
+        _give_biases(reference, layer, grouped, groups["etp"])
     x, grad = _batch(dp)
     tp_rank, dp_rank = rank % tp, rank // tp
     rows = slice(tp_rank * SEQ // tp, (tp_rank + 1) * SEQ // tp)
@@ -126,6 +128,25 @@ def _compare(rank, world, layout, dispatcher, grouped, swiglu, groups):
     marked = all(getattr(p, "is_expert", False) for p in expert_params.values()) and all(
         getattr(p, "tensor_model_parallel", False) for n, p in expert_params.items() if n.endswith("weight"))
     return max(errors), init_error, marked, sum(_count_rows(layer, x[rows, cols]))
+
+
+@torch.no_grad()
+def _give_biases(reference, layer, grouped, etp_group):
+    """Values for the expert biases (megafab starts them at 0): random in the 1-rank layer, this
+    rank's partition of them in the sharded one."""
+    torch.manual_seed(0)
+    ref_params, first = dict(reference.named_parameters()), layer.dispatcher.first_expert
+    for name, p in ref_params.items():
+        if name.startswith("experts.") and name.endswith("bias"):
+            p.add_(torch.randn_like(p) * 0.05)
+    rank, size = dist.get_rank(etp_group), dist.get_world_size(etp_group)
+    for name, p in layer.experts.named_parameters(prefix="experts"):
+        if name.endswith("bias"):
+            ref_name, index = _reference_name(name, first, grouped)
+            full = ref_params[ref_name] if index is None else ref_params[ref_name][index][:p.shape[0]]
+            if getattr(p, "tensor_model_parallel", False):
+                full = partition_of(full, p.partition_dim, rank, size, p.partition_stride)
+            p.copy_(full)
 
 
 def _joined(tensor, param, group):
