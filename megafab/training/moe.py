@@ -11,8 +11,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from megafab.model.moe.balancing import LossScale, update_expert_biases
 from megafab.model.moe.loss_logging import moe_loss_values
 from megafab.model.moe.router import routers_of
@@ -21,12 +19,7 @@ from megafab.model.moe.settings import MoESettings
 
 def moe_settings(cfg) -> MoESettings | None:
     """The model's MoE settings (the config's moe section), None for a dense model."""
-    section = getattr(cfg, "moe", None)
-    if section is None or section.num_experts is None:
-        return None
-    if isinstance(section, MoESettings):
-        return section
-    return MoESettings(**{f.name: getattr(section, f.name) for f in dataclasses.fields(MoESettings)})
+    return cfg.moe if cfg.moe.num_experts is not None else None
 
 
 def moe_context_fields(cfg, topo) -> dict:
