@@ -22,6 +22,7 @@ import itertools
 from dataclasses import dataclass
 
 from megafab.distributed.topology import Layout
+from megafab.plan.moe import expert_sizes
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,10 @@ def placement(world: int, tp: int, cp: int, pp: int, gpus_per_node: int, axes: t
     layout = Layout(world, tp=tp, cp=cp, pp=pp)
     spans = [range(layout.size(a)) for a in axes]
     ranks = [layout.rank(**dict(zip(axes, c))) for c in itertools.product(*spans)]  # rank 0's group
+    return _placed(ranks, gpus_per_node)
+
+
+def _placed(ranks: list[int], gpus_per_node: int) -> Placement:
     nodes: dict[int, int] = {}
     for r in ranks:
         nodes[r // gpus_per_node] = nodes.get(r // gpus_per_node, 0) + 1
@@ -46,6 +51,24 @@ def group_placement(cfg, machine, *axes: str) -> Placement:
     p = cfg.parallel
     return placement(p.world_size, p.tensor_model_parallel_size, p.context_parallel_size,
                      p.pipeline_model_parallel_size, machine.gpus_per_node, tuple(sorted(axes)))
+
+
+@functools.lru_cache(maxsize=4096)
+def expert_placement(world: int, etp: int, ep: int, pp: int, gpus_per_node: int,
+                     axes: tuple[str, ...]) -> Placement:
+    """Rank 0's group over axes of the expert grid "etp", "ep", "edp" (Megatron's expert
+    RankGenerator tp-ep-dp-pp over the same ranks: ETP fastest, expert-DP = world / (ETP EP PP))."""
+    sizes = {"etp": etp, "ep": ep, "edp": world // (etp * ep * pp)}
+    strides = {"etp": 1, "ep": etp, "edp": etp * ep}
+    ranks = [sum(c * strides[a] for a, c in zip(axes, coords))
+             for coords in itertools.product(*(range(sizes[a]) for a in axes))]
+    return _placed(ranks, gpus_per_node)
+
+
+def expert_group_placement(cfg, machine, *axes: str) -> Placement:
+    ep, etp = expert_sizes(cfg)
+    return expert_placement(cfg.parallel.world_size, etp, ep, cfg.parallel.pipeline_model_parallel_size,
+                            machine.gpus_per_node, tuple(sorted(axes)))
 
 
 _STEPS = {"all_reduce": (2.0, 2), "all_gather": (1.0, 1), "reduce_scatter": (1.0, 1), "all_to_all": (1.0, 1)}
