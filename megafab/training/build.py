@@ -57,7 +57,8 @@ def init_distributed(cfg) -> tuple[Topology, RNGStatesTracker]:
     try:
         topo = initialize(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                           p.virtual_pipeline_model_parallel_size or 1, p.distributed_backend,
-                          p.distributed_timeout_minutes, cp=p.context_parallel_size)
+                          p.distributed_timeout_minutes, cp=p.context_parallel_size,
+                          ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size)
     except dist.DistError as e:  # before the process group exists no rank can speak for the job
         launch = read_launch_env()
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
