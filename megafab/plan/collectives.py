@@ -1,10 +1,11 @@
 """Alpha-beta times of collectives for a group as the layout places it on the machine.
 
-A group's ranks come from the topology's own rank grid (megafab.distributed.topology.Layout:
-Megatron's tp-cp-ep-dp-pp order, TP fastest), and node i holds ranks [i*G, (i+1)*G) for G GPUs per
-node. A group inside one node runs on NVLink at the node's NCCL bus bandwidth; a group across nodes
-runs its rings through the NICs of its ranks: with p of its ranks on each node, p NICs carry it
-(one per GPU, rail-aligned), bus bandwidth min(intra, p x NIC).
+A group's ranks come from the topology's own rank grids (megafab.distributed.topology.Layout:
+Megatron's tp-cp-ep-dp-pp order, TP fastest; MoE experts on the etp-ep-edp-pp grid), and node i
+holds ranks [i*G, (i+1)*G) for G GPUs per node. A group inside one node runs on NVLink at the
+node's NCCL bus bandwidth; a group across nodes runs its rings through the NICs of its ranks: with
+p of its ranks on each node, p NICs carry it (one per GPU, rail-aligned), bus bandwidth
+min(intra, p x NIC).
 
 Ring algorithms over n ranks, S the full (unsharded) message (nccl-tests' bus-bandwidth factors):
     all-reduce          2 (n-1)/n S / busbw + 2 (n-1) alpha
@@ -22,7 +23,6 @@ import itertools
 from dataclasses import dataclass
 
 from megafab.distributed.topology import Layout
-from megafab.plan.moe import expert_sizes
 
 
 @dataclass(frozen=True)
@@ -33,14 +33,12 @@ class Placement:
 
 
 @functools.lru_cache(maxsize=4096)
-def placement(world: int, tp: int, cp: int, pp: int, gpus_per_node: int, axes: tuple[str, ...]) -> Placement:
-    layout = Layout(world, tp=tp, cp=cp, pp=pp)
+def placement(world: int, tp: int, cp: int, pp: int, gpus_per_node: int, axes: tuple[str, ...],
+              ep: int = 1, etp: int | None = None) -> Placement:
+    """Rank 0's group over `axes`, of the dense grid or of the expert grid (etp, ep, edp)."""
+    layout = Layout(world, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp)
     spans = [range(layout.size(a)) for a in axes]
     ranks = [layout.rank(**dict(zip(axes, c))) for c in itertools.product(*spans)]  # rank 0's group
-    return _placed(ranks, gpus_per_node)
-
-
-def _placed(ranks: list[int], gpus_per_node: int) -> Placement:
     nodes: dict[int, int] = {}
     for r in ranks:
         nodes[r // gpus_per_node] = nodes.get(r // gpus_per_node, 0) + 1
@@ -48,27 +46,11 @@ def _placed(ranks: list[int], gpus_per_node: int) -> Placement:
 
 
 def group_placement(cfg, machine, *axes: str) -> Placement:
+    """A group of the config's layout; expert axes ("etp", "ep", "edp") on its expert grid."""
     p = cfg.parallel
     return placement(p.world_size, p.tensor_model_parallel_size, p.context_parallel_size,
-                     p.pipeline_model_parallel_size, machine.gpus_per_node, tuple(sorted(axes)))
-
-
-@functools.lru_cache(maxsize=4096)
-def expert_placement(world: int, etp: int, ep: int, pp: int, gpus_per_node: int,
-                     axes: tuple[str, ...]) -> Placement:
-    """Rank 0's group over axes of the expert grid "etp", "ep", "edp" (Megatron's expert
-    RankGenerator tp-ep-dp-pp over the same ranks: ETP fastest, expert-DP = world / (ETP EP PP))."""
-    sizes = {"etp": etp, "ep": ep, "edp": world // (etp * ep * pp)}
-    strides = {"etp": 1, "ep": etp, "edp": etp * ep}
-    ranks = [sum(c * strides[a] for a, c in zip(axes, coords))
-             for coords in itertools.product(*(range(sizes[a]) for a in axes))]
-    return _placed(ranks, gpus_per_node)
-
-
-def expert_group_placement(cfg, machine, *axes: str) -> Placement:
-    ep, etp = expert_sizes(cfg)
-    return expert_placement(cfg.parallel.world_size, etp, ep, cfg.parallel.pipeline_model_parallel_size,
-                            machine.gpus_per_node, tuple(sorted(axes)))
+                     p.pipeline_model_parallel_size, machine.gpus_per_node, tuple(sorted(axes)),
+                     p.expert_model_parallel_size, p.expert_tensor_parallel_size)
 
 
 _STEPS = {"all_reduce": (2.0, 2), "all_gather": (1.0, 1), "reduce_scatter": (1.0, 1), "all_to_all": (1.0, 1)}

@@ -45,9 +45,8 @@ class MoEParams:
 
 
 def settings_of(cfg):
-    """The config's MoE settings, None for a dense model."""
-    moe = getattr(cfg, "moe", None)
-    return moe if moe is not None and moe.num_experts is not None else None
+    """The config's MoE settings (cfg.moe), None for a dense model."""
+    return cfg.moe if cfg.moe.num_experts is not None else None
 
 
 def is_moe_layer(moe, index: int) -> bool:
@@ -58,9 +57,7 @@ def is_moe_layer(moe, index: int) -> bool:
 def expert_sizes(cfg) -> tuple[int, int]:
     """(EP, ETP) of the config (1, 1 for a dense model)."""
     p = cfg.parallel
-    ep = getattr(p, "expert_model_parallel_size", 1) or 1
-    etp = getattr(p, "expert_tensor_parallel_size", None) or p.tensor_model_parallel_size
-    return ep, etp
+    return p.expert_model_parallel_size, p.expert_tensor_parallel_size or p.tensor_model_parallel_size
 
 
 def moe_mlp_params(m, moe, tp: int = 1, etp: int = 1, ep: int = 1, experts: int | None = None) -> MoEParams:

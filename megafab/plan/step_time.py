@@ -42,7 +42,7 @@ import math
 from dataclasses import dataclass, field
 
 from megafab.pipeline_split import PipelineSplit
-from megafab.plan.collectives import collective_seconds, expert_group_placement, group_placement, p2p_seconds
+from megafab.plan.collectives import collective_seconds, group_placement, p2p_seconds
 from megafab.plan.moe import (
     expected_rows,
     expert_data_parallel_size,
@@ -113,9 +113,9 @@ class _Shapes:
             self.rows = expected_rows(cfg, self.moe)  # routed rows one rank's experts take (balanced)
             self.f_e = self.moe.ffn_hidden_size(self.f)
             self.f_s = self.moe.moe_shared_expert_intermediate_size or 0
-            self.ep_group = expert_group_placement(cfg, machine, "ep")
-            self.etp_group = expert_group_placement(cfg, machine, "etp")
-            self.ep_etp_group = expert_group_placement(cfg, machine, "etp", "ep")
+            self.ep_group = group_placement(cfg, machine, "ep")
+            self.etp_group = group_placement(cfg, machine, "etp")
+            self.ep_etp_group = group_placement(cfg, machine, "etp", "ep")
 
     def gemm(self, m: int, n: int, k: int) -> float:
         return self.machine.gemm_seconds(m, n, k, self.dtype, self.e)
@@ -357,7 +357,7 @@ def _groups(cfg, machine, stage):
     routed experts over expert-DP."""
     groups = [(stage.params - stage.expert_params, group_placement(cfg, machine, "dp", "cp"))]
     if stage.expert_params:
-        groups.append((stage.expert_params, expert_group_placement(cfg, machine, "edp")))
+        groups.append((stage.expert_params, group_placement(cfg, machine, "edp")))
     return [(n, where) for n, where in groups if where.size > 1 and n > 0]
 
 

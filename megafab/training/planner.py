@@ -66,6 +66,7 @@ from megafab.plan.moe import (
     bound_rows,
     dense_mlp_params,
     dispatcher_bytes,
+    expected_rows,
     expert_data_parallel_size,
     expert_sizes,
     is_moe_layer,
@@ -97,6 +98,7 @@ class StagePlan:
     kv_exchange_bytes: int = 0  # context parallel: transient K/V exchange buffers (in the peak)
     expert_params: int = 0  # MoE: the routed experts' part of params (reduced over expert-DP)
     dispatcher_bytes: int = 0  # MoE: one layer's transient token-dispatch buffers (in the peak)
+    balanced_activation_peak_bytes: int = 0  # MoE: activation_peak_bytes under balanced routing
 
     @property
     def state_bytes(self) -> int:
@@ -108,6 +110,12 @@ class StagePlan:
         """Device bytes at the peak (peak_phase says where). Building the model and loading a
         checkpoint stay below it: they hold one layer unsharded at a time, and no activations."""
         return self.state_bytes + self.fsdp_transient_bytes + max(self.activation_peak_bytes,
+                                                                  self.gather_transient_bytes)
+
+    @property
+    def balanced_total_bytes(self) -> int:
+        """total_bytes with an MoE stage's routed rows at balanced routing instead of their bound."""
+        return self.state_bytes + self.fsdp_transient_bytes + max(self.balanced_activation_peak_bytes,
                                                                   self.gather_transient_bytes)
 
     @property
@@ -341,11 +349,13 @@ def plan(cfg, kernels: str = "flash") -> list[StagePlan]:
     layer = layer_activation_bytes(cfg, kernels, recompute_core_attention=granularity == "selective")
     layer_input = e * s * b * h // r
     moe = settings_of(cfg)
-    moe_layer, dispatch = layer, 0
-    if moe is not None:  # the MoE MLP in place of the dense one, at the routed rows' bound
-        rows = bound_rows(cfg, moe)
-        moe_layer = layer - mlp_activation_bytes(cfg) + moe_mlp_activation_bytes(cfg, moe, rows, e)
-        dispatch = dispatcher_bytes(cfg, moe, rows, e)
+    # an MoE layer: its MoE MLP in place of the dense one, (layer bytes, dispatcher bytes) at the
+    # routed rows' bound (the plan) and under balanced routing (shown beside it)
+    routed = {}
+    if moe is not None:
+        for kind, rows in (("bound", bound_rows(cfg, moe)), ("balanced", expected_rows(cfg, moe))):
+            routed[kind] = (layer - mlp_activation_bytes(cfg) + moe_mlp_activation_bytes(cfg, moe, rows, e),
+                            dispatcher_bytes(cfg, moe, rows, e))
 
     def chunk_activations(sizes: list[int]) -> tuple[int, int]:
         """(kept per in-flight chunk, transient during its backward) for a chunk whose layers keep
@@ -364,10 +374,12 @@ def plan(cfg, kernels: str = "flash") -> list[StagePlan]:
     for rank in range(pp):
         # the stage's largest chunk bounds what each in-flight chunk keeps
         chunk_layers = [range(*split.layer_range(rank, c)) for c in range(len(counts[rank]))]
-        chunk_kept, transient = max(
-            chunk_activations([moe_layer if is_moe_layer(moe, i) else layer for i in layers])
-            for layers in chunk_layers)
         has_moe = any(is_moe_layer(moe, i) for layers in chunk_layers for i in layers)
+        # (kept per in-flight chunk, backward transient, dispatch buffers) with MoE layers at each kind
+        kept = {kind: max(chunk_activations([moe_layer if is_moe_layer(moe, i) else layer for i in layers])
+                          for layers in chunk_layers) + (dispatch if has_moe else 0,)
+                for kind, (moe_layer, dispatch) in (routed or {"bound": (layer, 0)}).items()}
+        chunk_kept, transient, stage_dispatch = kept["bound"]
         params, expert_params = stage_param_split(cfg, rank)
         first, last = rank == 0, rank == pp - 1
         embed = s * b * h * _mask_bytes(kernels, e) // r if first and m.hidden_dropout > 0 else 0
@@ -380,10 +392,10 @@ def plan(cfg, kernels: str = "flash") -> list[StagePlan]:
         chunks = in_flight_chunks(pp, vpp, rank, t.num_micro_batches or 1)
         # Backward starts at the loss (logits alive, their gradient made); a recomputed group's
         # activations come later, once the logits are freed.
-        peak = chunks * chunk_kept + (embed + rotary) * min(chunks, pp if pp > 1 else 1) \
-            + max(logits + loss_backward, transient)
-        stage_dispatch = dispatch if has_moe else 0
-        peak += kv_exchange + stage_dispatch
+        fixed = (embed + rotary) * min(chunks, pp if pp > 1 else 1) + kv_exchange
+        peaks = {kind: int(chunks * kept_ + fixed + max(logits + loss_backward, transient_) + dispatch_)
+                 for kind, (kept_, transient_, dispatch_) in kept.items()}
+        peak = peaks["bound"]
         unit, expert_unit = largest_fsdp_unit(cfg, rank)
         state = stage_state_bytes(cfg, params, expert_params, unit, expert_unit, gloo=kernels == "cpu")
         out.append(StagePlan(
@@ -391,10 +403,11 @@ def plan(cfg, kernels: str = "flash") -> list[StagePlan]:
             optimizer_bytes=state.optimizer, host_bytes=state.host, fsdp_transient_bytes=state.fsdp_transient,
             gather_transient_bytes=state.gather_transient,
             activation_bytes_per_micro_batch=vpp * (chunk_kept + transient) + embed + rotary + logits,
-            layer_activation_bytes=max(layer, moe_layer) if has_moe else layer, logits_bytes=logits,
-            in_flight=chunks / vpp, activation_peak_bytes=int(peak), kv_exchange_bytes=kv_exchange,
+            layer_activation_bytes=max(layer, routed["bound"][0]) if has_moe else layer, logits_bytes=logits,
+            in_flight=chunks / vpp, activation_peak_bytes=peak, kv_exchange_bytes=kv_exchange,
             forward_saved_bytes=int(vpp * chunk_kept + embed + rotary + logits),
-            expert_params=expert_params, dispatcher_bytes=stage_dispatch))
+            expert_params=expert_params, dispatcher_bytes=stage_dispatch,
+            balanced_activation_peak_bytes=peaks.get("balanced", peak)))
     return out
 
 
@@ -463,7 +476,9 @@ def format_plan(cfg, stages: list[StagePlan], mfu: float = 0.4, peak_tflops: flo
             + f" = {st.activation_peak_bytes / gib:.2f} GiB"
             + (f" | all-gather inputs {st.gather_transient_bytes / gib:.2f} GiB"
                if st.gather_transient_bytes else "")
-            + f" | total {st.total_bytes / gib:.2f} GiB at the {st.peak_phase}{fits}")
+            + f" | total {st.total_bytes / gib:.2f} GiB at the {st.peak_phase}{fits}"
+            + (f" (routed rows at their bound; balanced routing: total "
+               f"{st.balanced_total_bytes / gib:.2f} GiB)" if st.dispatcher_bytes else ""))
     model, hardware = iteration_flops(cfg)
     if step_time is not None:
         lines.append(f"  FLOPs/iteration: model {model:.3e}, with recompute {hardware:.3e}")

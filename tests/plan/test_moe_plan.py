@@ -2,8 +2,6 @@
 independent oracles, from megatron/training/theoretical_memory_usage.py and training.py), and
 against the shapes of megafab's MoE modules."""
 
-import types
-
 import pytest
 
 from megafab.arguments import config_from_args
@@ -22,11 +20,23 @@ SMALL = """--num-layers 4 --hidden-size 64 --ffn-hidden-size 96 --num-attention-
     --position-embedding-type rope --dry-run""".split()  # Megatron counts neither biases nor positions
 
 
+def moe_flags(**moe) -> list[str]:
+    """Megatron's MoE flags for MoESettings keywords."""
+    out = []
+    for name, value in moe.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            out.append(flag)
+        else:
+            out += [flag, str(list(value)) if isinstance(value, tuple) else str(value)]
+    return out
+
+
 def with_moe(flags, world_size=1, **moe):
-    """A config of the dense flags with MoE settings beside it, as cfg.moe carries them."""
-    cfg = config_from_args(flags, world_size=world_size)
-    return types.SimpleNamespace(model=cfg.model, parallel=cfg.parallel, training=cfg.training,
-                                 precision=cfg.precision, moe=MoESettings(**moe))
+    """The finalized config of the flags plus the MoE settings' flags."""
+    cfg = config_from_args(flags + moe_flags(**moe), world_size=world_size)
+    assert all(getattr(cfg.moe, name) == value for name, value in moe.items()), cfg.moe
+    return cfg
 
 
 def _megatron_layer_pattern(m, moe):
