@@ -5,7 +5,6 @@ against the shapes of megafab's MoE modules."""
 import pytest
 
 from megafab.arguments import config_from_args
-from megafab.model.moe.settings import MoESettings
 from megafab.plan.moe import bound_rows, expected_rows, moe_mlp_params
 from megafab.training.flops import flops_per_iteration
 from megafab.training.planner import model_params
