@@ -426,10 +426,14 @@ def parameters_line(cfg) -> str:
     """The whole model's parameter count; for MoE total and active (per token) and the expert grid."""
     total, active = model_params(cfg)
     moe = settings_of(cfg)
+
+    def count(n: int) -> str:
+        return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
     if moe is None:
-        return f"  parameters: {total / 1e9:.2f}B"
+        return f"  parameters: {count(total)}"
     ep, etp = expert_sizes(cfg)
-    return (f"  parameters: {total / 1e9:.2f}B total, {active / 1e9:.2f}B active ({moe.moe_router_topk} of "
+    return (f"  parameters: {count(total)} total, {count(active)} active ({moe.moe_router_topk} of "
             f"{moe.num_experts} routed experts per MoE layer); experts on EP {ep} x ETP {etp} x expert-DP "
             f"{expert_data_parallel_size(cfg)}, {moe.moe_token_dispatcher_type} dispatcher")
 
@@ -476,9 +480,9 @@ def format_plan(cfg, stages: list[StagePlan], mfu: float = 0.4, peak_tflops: flo
             + f" = {st.activation_peak_bytes / gib:.2f} GiB"
             + (f" | all-gather inputs {st.gather_transient_bytes / gib:.2f} GiB"
                if st.gather_transient_bytes else "")
-            + f" | total {st.total_bytes / gib:.2f} GiB at the {st.peak_phase}{fits}"
+            + f" | total {st.total_bytes / gib:.2f} GiB at the {st.peak_phase}"
             + (f" (routed rows at their bound; balanced routing: total "
-               f"{st.balanced_total_bytes / gib:.2f} GiB)" if st.dispatcher_bytes else ""))
+               f"{st.balanced_total_bytes / gib:.2f} GiB)" if st.dispatcher_bytes else "") + fits)
     model, hardware = iteration_flops(cfg)
     if step_time is not None:
         lines.append(f"  FLOPs/iteration: model {model:.3e}, with recompute {hardware:.3e}")
