@@ -242,3 +242,31 @@ def test_moe_mlp_params_are_what_megafabs_moe_layer_builds(swiglu, bias, shared,
     assert counted.router == sum(p.numel() for p in layer.router.parameters())
     assert counted.experts == sum(p.numel() for p in layer.experts.parameters()) \
         == sum(p.numel() for p in layer.parameters() if getattr(p, "is_expert", False))
+
+
+@pytest.mark.parametrize("swiglu,bf16,shared", [(False, False, None), (False, True, 48), (True, True, None),
+                                                (True, False, 48)])
+def test_moe_mlp_activation_bytes_equal_what_autograd_saves(swiglu, bf16, shared):
+    """One rank: the routed rows are exactly N k, the bound and the balanced count alike."""
+    import torch
+    import torch.nn.functional as F
+
+    from megafab.model.moe.layer import MoELayer
+    from megafab.model.transformer import LayerContext
+    from megafab.optim.memory import SavedActivations
+    from megafab.plan.moe import moe_mlp_activation_bytes
+
+    extra = {"moe_shared_expert_intermediate_size": shared} if shared else {}
+    cfg = with_moe(SMALL + ["--swiglu"] * swiglu + ["--bf16"] * bf16, num_experts=4, moe_router_topk=2,
+                   **extra)
+    dtype, e = (torch.bfloat16, 2) if bf16 else (torch.float32, 4)
+    layer = MoELayer(cfg.moe, cfg.model, LayerContext(None, False, dtype, torch.device("cpu"), 5),
+                     "decoder.layers.0.mlp.", activation=F.silu if swiglu else F.gelu)
+    m = cfg.model
+    x = torch.randn(m.seq_length, cfg.training.micro_batch_size, m.hidden_size, dtype=dtype,
+                    requires_grad=True)
+    with SavedActivations(layer.parameters()) as saved:
+        layer(x)
+    assert bound_rows(cfg, cfg.moe) == expected_rows(cfg, cfg.moe) == x.numel() // m.hidden_size * 2
+    input_bytes = e * x.numel()  # the normed input: the dense layer's formula counts it
+    assert saved.bytes == moe_mlp_activation_bytes(cfg, cfg.moe, expected_rows(cfg, cfg.moe), e) + input_bytes
