@@ -52,6 +52,14 @@ p2p kv*(2e + 8) (K/V being sent and received, dK/dV in fp32 travelling with them
 allgather cp*kv*(2e + 8) (gathered and reordered K/V, their fp32 gradients), a2a
 2*e*b*(a + 2g)/t*d*s/cp (one all-to-all's send and receive buffers for q, k, v).
 
+Mixture of experts (megafab.plan.moe, which states each term): an MoE layer's MLP is its router,
+routed experts and shared experts. Parameters: the routed experts' split over ETP x EP (their
+weights, grads and optimizer state reduced and sharded over expert-DP = world / (ETP EP PP), the
+rest over DP x CP); totals, and active ones (k routed experts), over the whole model. Activations:
+the dense MLP's TP-region term is replaced by the MoE MLP's, with the routed rows at their bound
+(the capacity, or every token of the EP x ETP group without a capacity factor); each stage's line
+also gives the total under balanced routing. One layer's dispatcher buffers add to the peak.
+
 In flight (micro-batches whose activations are alive at once): 1F1B stage i holds min(pp - i, M);
 interleaved: min(2*(pp - i - 1) + (vpp - 1)*pp + 1, M*vpp) chunk-micro-batches (Megatron's warmup
 + 1); without pipelining one.
