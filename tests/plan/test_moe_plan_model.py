@@ -83,3 +83,53 @@ def test_weight_grad_optimizer_bytes_under_ep_match_measured():
                    strict=False)
 def test_distributed_optimizer_shards_expert_state_over_expert_dp():
     _assert_within_one_percent(run_ranks(_state_bytes, 2, [(2, True)], timeout=240)[0])
+
+
+def _saved_and_planned(rank, world, overrides, tp=None):
+    from megafab.model.gpt import GPTModel, masked_mean_loss
+    from megafab.optim.memory import SavedActivations
+    from megafab.training.planner import plan
+    from tests.model.tiny import batch
+
+    tp = world if tp is None else tp
+    cfg = tiny_config(tp=tp, dp=world // tp, style=LLAMA_STYLE, num_layers=4, hidden_size=64, seq_length=32,
+                      vocab_size=128, make_vocab_size_divisible_by=32, sequence_parallel=tp > 1,
+                      num_experts=4, moe_router_topk=2, moe_layer_freq=(0, 1, 1, 1), **overrides)
+    dtype = torch.bfloat16 if cfg.precision.bf16 else torch.float32
+    p = cfg.parallel
+    topo = build_topology(tp=tp, ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size)
+    ctx = LayerContext(topo.group("tp") if tp > 1 else None, tp > 1, dtype, torch.device("cpu"), 1234,
+                       **moe_context_fields(cfg, topo))
+    model = GPTModel(cfg.model, ctx)
+    tokens, labels, mask = batch(cfg.model, micro_batch=2, seed=rank)
+    with SavedActivations(model.parameters()) as saved:
+        masked_mean_loss(model(tokens, labels=labels), mask)
+    (stage,) = plan(cfg, kernels="cpu")
+    balanced = stage.forward_saved_bytes - stage.activation_peak_bytes + stage.balanced_activation_peak_bytes
+    return saved.bytes, stage.forward_saved_bytes, balanced
+
+
+SHARED_AUX = dict(bf16=True, moe_shared_expert_intermediate_size=40, moe_aux_loss_coeff=1e-2)
+
+
+@pytest.mark.parametrize("tp,overrides", [(1, {}), (1, SHARED_AUX), (2, dict(bf16=True)),
+                                          (2, dict(bf16=True, expert_tensor_parallel_size=1))],
+                         ids=["fp32", "bf16-shared-aux", "tp2-sp-etp2-bf16", "tp2-sp-etp1-bf16"])
+def test_moe_activation_prediction_within_10_percent_of_saved_tensors(tp, overrides):
+    """EP 1: the routed rows' bound is the balanced count, N k (the planner's tolerance for dense
+    layers, test_planner.py, is the same 10%)."""
+    measured, predicted, _ = run_ranks(_saved_and_planned, tp, overrides, timeout=120)[0]
+    print(f"TP{tp} {overrides}: measured {measured} predicted {predicted} ratio {predicted / measured:.3f}")
+    assert abs(predicted - measured) <= 0.10 * measured, (measured, predicted)
+
+
+def test_ep2_saved_activations_stay_under_the_routed_rows_bound():
+    """EP 2 (world 2, DP 2): each rank's experts take rows from both ranks. The plan (routed rows at
+    their bound: every token of the EP group, once per local expert it may pick) is above what is
+    saved; its balanced-routing figure is within the dense tolerance of it (the routing of an
+    initialized router is close to balanced)."""
+    for measured, bound, balanced in run_ranks(_saved_and_planned, 2, dict(expert_model_parallel_size=2), 1,
+                                               timeout=120):
+        print(f"EP2: measured {measured} bound {bound} balanced {balanced}")
+        assert balanced < bound and measured <= bound
+        assert abs(balanced - measured) <= 0.10 * measured
