@@ -8,6 +8,9 @@
     megafab-estimate <model and batch flags> --num-gpus 1024 --gpu h100-sxm-80gb --search --top 10
     megafab-estimate --profile machine.json        (measure this machine; then --machine machine.json)
 
+MoE models (--num-experts): the plan prints total and active parameters and the expert grid, counts
+expert state per EP x ETP rank over expert-DP, and --search also ranks EP and ETP.
+
 Memory: megafab/training/planner.py. Step time: megafab/plan/step_time.py. Search: megafab/plan/search.py.
 Also: python -m megafab.cli.estimate, python tools/estimate_memory.py.
 """
