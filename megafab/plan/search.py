@@ -113,10 +113,10 @@ def _describe(cfg) -> tuple[str, str]:
 
 
 def evaluate(cfg, machine, flags: list[str], tp_comm_overlap: bool = False, kernels: str = "flash",
-             stages=None, memo: dict | None = None) -> Candidate:
+             stages=None, memo: dict | None = None, routing: str = "bound") -> Candidate:
     """Memory and step time of one finalized, valid config (stages: its plan, if made already;
     memo: step_time.stage_passes's)."""
-    stages = stages or plan(cfg, kernels)
+    stages = stages or plan(cfg, kernels, routing)
     p = cfg.parallel
     recompute, sharding = _describe(cfg)
     return Candidate(
@@ -183,8 +183,8 @@ class _Builder:
     DERIVED = ("data_parallel_size", "world_size", "num_micro_batches",
                "virtual_pipeline_model_parallel_size", "padded_vocab_size", "fully_sharded")
 
-    def __init__(self, base: Config, user_flags: list[str], world: int):
-        self.base, self.world = base, world
+    def __init__(self, base: Config, user_flags: list[str], world: int, routing: str = "bound"):
+        self.base, self.world, self.routing = base, world, routing
         self.memo: dict = {}  # layer passes shared by the layouts of this one model
         self.section = {f.name: section.name for section in dataclasses.fields(Config)
                         if dataclasses.is_dataclass(section.type if not isinstance(section.type, str)
@@ -237,7 +237,7 @@ def _best_micro_batch(builder, machine, layout, dp, gbs, micro_batch_sizes, over
             if cfg is None:
                 continue
             valid, valid_here = valid + 1, valid_here + 1
-            stages = plan(cfg, kernels)
+            stages = plan(cfg, kernels, builder.routing)
             if not fits(stages, machine):
                 if recompute == "full":
                     break
@@ -254,7 +254,7 @@ def _best_micro_batch(builder, machine, layout, dp, gbs, micro_batch_sizes, over
         fitting += 1
         cand = evaluate(cfg, machine, _layout_flags(tp, pp, vpp, cp, mbs, sp, sharding, recompute,
                                                     overlap_param_gather, ep, etp), tp_comm_overlap, kernels,
-                        stages, builder.memo)
+                        stages, builder.memo, builder.routing)
         if best is None or cand.prediction.step_time_s < best.prediction.step_time_s:
             best = cand
     return (built, valid, fitting), best
@@ -270,13 +270,14 @@ class SearchResult:
 
 
 def search(user_argv: list[str], num_gpus: int, machine, top: int = 10, tp_comm_overlap: bool = False,
-           kernels: str = "flash", micro_batch_sizes=(1, 2, 4, 8)) -> SearchResult:
+           kernels: str = "flash", micro_batch_sizes=(1, 2, 4, 8), routing: str = "bound") -> SearchResult:
+    """routing: an MoE model's routed rows in the memory that must fit (planner.plan)."""
     start = time.perf_counter()
     user = strip_layout_flags(user_argv)
     # the model and training flags, checked once (at world 1 every layout rule holds)
     base = config_from_args(user + ["--micro-batch-size", "1", "--dry-run"], world_size=1)
     overlap_param_gather = "--overlap-param-gather" in user_argv
-    builder = _Builder(base, user, num_gpus)
+    builder = _Builder(base, user, num_gpus, routing)
     m, t = base.model, base.training
     gbs = t.global_batch_size
     best: dict[tuple, Candidate] = {}
@@ -318,7 +319,7 @@ def search(user_argv: list[str], num_gpus: int, machine, top: int = 10, tp_comm_
             cfg = config_from_args(user + cand.flags + ["--dry-run"], world_size=num_gpus)
         except ConfigError:
             continue
-        shown.append(evaluate(cfg, machine, user + cand.flags, tp_comm_overlap, kernels))
+        shown.append(evaluate(cfg, machine, user + cand.flags, tp_comm_overlap, kernels, routing=routing))
     return SearchResult(shown, considered, valid, fitting, time.perf_counter() - start)
 
 
@@ -348,8 +349,8 @@ def every_valid_layout(user_argv: list[str], num_gpus: int, micro_batch_sizes=(1
 
 
 def candidate_from_flags(user_argv: list[str], num_gpus: int, machine, tp_comm_overlap: bool = False,
-                         kernels: str = "flash") -> Candidate:
+                         kernels: str = "flash", routing: str = "bound") -> Candidate:
     """The layout the user's flags give, evaluated."""
     cfg = config_from_args(list(user_argv) + ["--dry-run"], world_size=num_gpus)
     flags = [f for f in user_argv if f != "--dry-run"]
-    return evaluate(cfg, machine, flags, tp_comm_overlap, kernels)
+    return evaluate(cfg, machine, flags, tp_comm_overlap, kernels, routing=routing)

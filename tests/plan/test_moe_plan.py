@@ -270,3 +270,21 @@ def test_moe_mlp_activation_bytes_equal_what_autograd_saves(swiglu, bf16, shared
     assert bound_rows(cfg, cfg.moe) == expected_rows(cfg, cfg.moe) == x.numel() // m.hidden_size * 2
     input_bytes = e * x.numel()  # the normed input: the dense layer's formula counts it
     assert saved.bytes == moe_mlp_activation_bytes(cfg, cfg.moe, expected_rows(cfg, cfg.moe), e) + input_bytes
+
+
+def test_moe_routing_balanced_plans_the_expected_rows(capsys):
+    """Megatron's Mixtral layout (TP 1, PP 4, EP 8, dropless): its first stage does not fit an 80 GB
+    H100 at the routed rows' bound (every token of the EP group to one rank's expert), and fits at
+    balanced routing."""
+    from megafab.cli.estimate import main
+
+    flags = [f for f in MIXTRAL if f != "--dry-run"] + moe_flags(num_experts=8, moe_router_topk=2) + [
+        "--moe-token-dispatcher-type", "alltoall", "--pipeline-model-parallel-size", "4",
+        "--expert-model-parallel-size", "8", "--use-distributed-optimizer", "--num-gpus", "32",
+        "--gpu-memory-gb", "80"]
+    stage0 = {}
+    for routing in ("bound", "balanced"):
+        assert main(flags + ["--moe-routing", routing]) == 0
+        stage0[routing] = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("  stage 0:"))
+    assert "DOES NOT FIT" in stage0["bound"] and "balanced routing: total" in stage0["bound"]
+    assert stage0["balanced"].endswith("fits") and "routed rows balanced" in stage0["balanced"]
