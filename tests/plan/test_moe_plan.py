@@ -206,14 +206,17 @@ def test_expert_state_per_rank_is_total_over_ep_sharded_over_expert_dp(sharding)
     assert len(totals) == 1  # per-rank expert params x EP: every expert, once
 
 
-def test_step_time_counts_the_ep_all_to_all_only_with_ep():
-    times = {}
-    for ep in (1, 4):
+def test_step_time_counts_the_ep_all_to_all_and_the_expert_dp_reduction():
+    """World 8, no overlap: the all-to-all only with EP > 1; the experts' gradients reduce over
+    expert-DP, which EP 8 leaves one rank wide (nothing to reduce), EP 2 four."""
+    parts = {}
+    for ep in (1, 2, 8):
         cfg = with_moe([f for f in SMALL if f != "--dry-run"] + ["--expert-model-parallel-size", str(ep),
                                                                 "--dry-run"],
                        world_size=8, num_experts=8, moe_router_topk=2, moe_token_dispatcher_type="alltoall")
-        times[ep] = predict(cfg, machine("h100-sxm-80gb"), plan(cfg)).breakdown["ep_comm"]
-    assert times[1] == 0 and times[4] > 0
+        parts[ep] = predict(cfg, machine("h100-sxm-80gb"), plan(cfg)).breakdown
+    assert parts[1]["ep_comm"] == 0 and parts[2]["ep_comm"] > 0 and parts[8]["ep_comm"] > 0
+    assert parts[1]["dp_comm"] > parts[2]["dp_comm"] > parts[8]["dp_comm"] > 0
 
 
 def test_search_enumerates_expert_parallel_layouts_the_rules_accept():
