@@ -160,6 +160,14 @@ def moe_problems(cfg) -> list[str]:
     if m.add_bias_linear and etp is not None and etp > 1:
         out.append(f"biases in MoE experts need --expert-tensor-parallel-size 1 (it is {etp}); add "
                    f"--disable-bias-linear or set --expert-tensor-parallel-size 1")
+    # each rank holds an equal slice of every expert's (ETP) and the shared experts' (TP) width
+    width, shared = moe.moe_ffn_hidden_size or m.ffn_hidden_size, moe.moe_shared_expert_intermediate_size
+    for flag, value, flag_of_size, size in (
+            ("--moe-ffn-hidden-size", width, "--expert-tensor-parallel-size", etp),
+            ("--moe-shared-expert-intermediate-size", shared, "--tensor-model-parallel-size", tp)):
+        if value and size and size >= 1 and value > 0 and value % size:
+            out.append(f"{flag} {value} is not divisible by {flag_of_size} {size}; each rank holds an "
+                       f"equal slice of the width")
     return out
 
 
