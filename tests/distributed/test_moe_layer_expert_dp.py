@@ -19,13 +19,11 @@ BASE = dict(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.0,  # aux-los
             moe_shared_expert_intermediate_size=40, moe_token_dispatcher_type="alltoall")
 
 
-def _shard(rank, seed=3):
+def _shard(rank):
     """DP rank `rank`'s columns of the global [s, WORLD * b, h] batch and its output gradient."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(SEQ, WORLD * BATCH, HIDDEN, generator=g, dtype=torch.float64)
-    grad = torch.randn(SEQ, WORLD * BATCH, HIDDEN, generator=g, dtype=torch.float64)
-    cols = slice(rank * BATCH, (rank + 1) * BATCH)
-    return x[:, cols].contiguous(), grad[:, cols].contiguous()
+    g = torch.Generator().manual_seed(3)
+    both = torch.randn(2, SEQ, WORLD * BATCH, HIDDEN, generator=g, dtype=torch.float64)
+    return tuple(t[:, rank * BATCH:(rank + 1) * BATCH].contiguous() for t in both)
 
 
 def _loss(layer, x, grad):
