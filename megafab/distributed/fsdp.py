@@ -66,6 +66,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from megafab.distributed.data_parallel import is_expert_param
+
 # Megatron's per-parameter attributes that the rest of megafab reads off the parameters.
 PARAM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel",
                     "grad_sum_over_tp", "shared_embedding", "is_embedding_or_output_parameter",
@@ -100,7 +102,7 @@ def expert_units(module: nn.Module) -> list[nn.Module]:
     def visit(m: nn.Module) -> None:
         params = [p for p in m.parameters() if p.requires_grad]
         container = isinstance(m, (nn.ModuleList, nn.ModuleDict))  # no forward of its own to hook
-        if params and not container and all(getattr(p, "is_expert", False) for p in params):
+        if params and not container and all(is_expert_param(p) for p in params):
             units.append(m)
             return
         for child in m.children():
@@ -109,7 +111,7 @@ def expert_units(module: nn.Module) -> list[nn.Module]:
     visit(module)
     inside = {id(p) for unit in units for p in unit.parameters()}
     stray = [n for n, p in module.named_parameters()
-             if getattr(p, "is_expert", False) and id(p) not in inside]
+             if is_expert_param(p) and id(p) not in inside]
     assert not stray, f"expert params held beside dense params cannot shard over expert-DP: {stray}"
     return units
 
@@ -251,7 +253,7 @@ class FullyShardedDataParallel(nn.Module):
                 setattr(p, attr, value)
         self.module = module
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self.expert_params = [p for p in self.params if getattr(p, "is_expert", False)]
+        self.expert_params = [p for p in self.params if is_expert_param(p)]
         self.expert_grad_scale = self.expert_mesh.size() / self.dp  # FSDP2's average -> DP x CP's
 
     # ---- what each rank holds ---------------------------------------------------------------------

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megafab.distributed.data_parallel import is_expert_param
+
 
 @dataclass
 class GradSet:
@@ -41,7 +43,7 @@ def counts_for_norm(param, topology) -> bool:
     """
     if topology is None:
         return True
-    if getattr(param, "is_expert", False):
+    if is_expert_param(param):
         return getattr(param, "tensor_model_parallel", False) or topology.coord("etp") == 0
     if not getattr(param, "tensor_model_parallel", False) and topology.tp_rank != 0:
         return False
