@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import types
 import warnings
 
@@ -89,8 +90,30 @@ def megatron_moe_on_cpu(**parallel):
     finally:
         parallel_state.destroy_model_parallel()
         if own_group:
-            dist.destroy_process_group()  # the harness forks later tests from this process
+            moe_utils.get_moe_layer_wise_logging_tracker().clear()  # it keeps the groups it reduced over
+            _release_groups(parallel_state)
+            dist.destroy_process_group()
         patch.undo()
+
+
+def _release_groups(module) -> None:
+    """Drop the module's references to process groups and free them now. The harness forks later
+    tests from this process; destroy_model_parallel leaves some groups in parallel_state's globals
+    (the loss tracker keeps others), and a forked child that drops the last reference to one runs
+    the group's destructor, which waits forever for gloo threads the child does not have."""
+    import torch.distributed as dist
+
+    def holds_group(value) -> bool:
+        if isinstance(value, dist.ProcessGroup):
+            return True
+        if isinstance(value, dict):
+            value = value.values()
+        values = value if isinstance(value, (list, tuple, type({}.values()))) else ()
+        return any(isinstance(v, dist.ProcessGroup) for v in values)
+
+    for name in [name for name, value in vars(module).items() if holds_group(value)]:
+        setattr(module, name, None)
+    gc.collect()
 
 
 def model_cfg(swiglu: bool, bias: bool = False):
