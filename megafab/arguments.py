@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import os
 import sys
 import typing
@@ -20,6 +21,7 @@ from megafab.arguments_help import document
 from megafab.config import Config, ConfigError
 from megafab.config.derive import derive_model
 from megafab.config.fields import field_default, field_types
+from megafab.config.moe import NEEDS_EXPERTS
 from megafab.config.probes import start_up_problems, tokenizer_vocab_size
 from megafab.config.schema import SECTIONS, flag_fields
 from megafab.config_file import CONFIG_FLAGS, parser_defaults, split_config_files
@@ -28,16 +30,23 @@ from megafab.run.launch import planned_world_size
 from megafab.run.report import exit_on_user_error
 
 # The argparse group each section's flags are added to (arguments_help regroups them for display).
-SECTION_GROUPS = {"model": "model", "parallel": "parallelism", "precision": "precision",
+SECTION_GROUPS = {"model": "model", "moe": "mixture of experts", "parallel": "parallelism",
+                  "precision": "precision",
                   "optimizer": "optimizer and learning rate", "data": "data and tokenizer",
                   "training": "training", "checkpoint": "checkpointing", "logging": "logging"}
 
 # Megatron's deprecated spellings and shortcuts: flags with no field of their own, mapped onto the
 # fields they mean by _resolve_spellings, listed in the group after the field they stand for.
-SPELLINGS = {"position_embedding_type": ("--use-rotary-position-embeddings",
-                                         "deprecated Megatron spelling of --position-embedding-type rope"),
-             "recompute_granularity": ("--recompute-activations",
-                                       "shortcut for --recompute-granularity selective")}
+# Each: (flag, help, its argparse keywords).
+SPELLINGS = {"position_embedding_type": (
+                 ("--use-rotary-position-embeddings",
+                  "deprecated Megatron spelling of --position-embedding-type rope", {}),
+                 ("--no-position-embedding",
+                  "deprecated Megatron spelling of --position-embedding-type none: no learned position "
+                  "table (with rope, which has none, it changes nothing)",
+                  {"dest": "add_position_embedding", "action": "store_false"})),
+             "recompute_granularity": (
+                 ("--recompute-activations", "shortcut for --recompute-granularity selective", {}),)}
 
 
 def flag_kwargs(f: dataclasses.Field, kind: type) -> dict:
@@ -48,13 +57,29 @@ def flag_kwargs(f: dataclasses.Field, kind: type) -> dict:
     if action:
         return {**kwargs, "action": action}
     element = typing.get_args(kind)[0] if typing.get_origin(kind) is list else kind
-    if element in (int, float):
+    if meta["parse"] is not None:
+        kwargs["type"] = _argparse_type(meta["parse"])
+    elif element in (int, float):
         kwargs["type"] = element
     if meta["choices"] is not None:
         kwargs["choices"] = list(meta["choices"])
     if meta["nargs"] is not None:
         kwargs["nargs"] = meta["nargs"]
     return kwargs
+
+
+def _argparse_type(parse):
+    """A schema field's `parse` for argparse: its ValueError's own message, not "invalid value"."""
+    if isinstance(parse, type):
+        return parse
+
+    @functools.wraps(parse)
+    def convert(text):
+        try:
+            return parse(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    return convert
 
 
 def field_flags(f: dataclasses.Field) -> tuple[str, ...]:
@@ -69,9 +94,8 @@ def _schema_flags(p) -> None:
         group.add_argument(*field_flags(f), **flag_kwargs(f, field_types(SECTIONS[section])[f.name]))
         if f.metadata["negation"]:
             group.add_argument(f.metadata["negation"], action="store_false", dest=f.name)
-        if f.name in SPELLINGS:
-            flag, help_text = SPELLINGS[f.name]
-            group.add_argument(flag, action="store_true", help=help_text)
+        for flag, help_text, kwargs in SPELLINGS.get(f.name, ()):
+            group.add_argument(flag, help=help_text, **{"action": "store_true", **kwargs})
 
 
 def _config_file_flags(p):
@@ -198,6 +222,8 @@ def _resolve_spellings(args: argparse.Namespace, named: set[str]) -> None:
     dests the command line or a config file set)."""
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
+    if not args.add_position_embedding and args.position_embedding_type == "learned_absolute":
+        args.position_embedding_type = "none"  # the one rule: the model reads position_embedding_type
     if args.recompute_activations and args.recompute_granularity is None:
         args.recompute_granularity = "selective"
     if args.fp8_format and "transformer_impl" not in named:  # FP8 exists only in Transformer Engine's layers
@@ -236,6 +262,18 @@ def no_effect_flags(cfg: Config, given: set[str], argv: list[str]) -> list[str]:
     if pr.fp8_format is None:
         unused(["fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo"],
                "only with --fp8-format")
+    if cfg.moe.num_experts is None:  # a dense model: the MoE flags that are not refused then (rules.py)
+        unused([f.name for f in dataclasses.fields(cfg.moe) if f.name not in NEEDS_EXPERTS + ("num_experts",)]
+               + ["expert_tensor_parallel_size"], "only with --num-experts")
+    else:
+        moe = cfg.moe
+        if moe.moe_shared_expert_intermediate_size is None:
+            unused(["moe_shared_expert_gate", "moe_shared_expert_overlap"],
+                   "only with --moe-shared-expert-intermediate-size")
+        if not moe.moe_router_enable_expert_bias:
+            unused(["moe_router_bias_update_rate"], "only with --moe-router-enable-expert-bias")
+        if moe.moe_expert_capacity_factor is None:
+            unused(["moe_token_drop_policy"], "only with --moe-expert-capacity-factor")
     if cfg.parallel.tensor_model_parallel_size == 1 and cfg.model.cross_entropy_loss_fusion:
         out.append("--cross-entropy-loss-fusion (with one tensor-parallel rank the cross entropy makes "
                    "no all-reduce to fuse)")
