@@ -2,8 +2,8 @@
 (float64, gloo, within 1e-10): output, input gradient and every parameter gradient, for both
 dispatchers, sequential and grouped experts, SwiGLU (strided fc1) and GELU with biases.
 
-Rank layout as Megatron's (no CP/PP): dense grid tp fastest (tp rank r % TP, DP rank r // TP);
-expert grid etp fastest, then ep, then expert-DP. Every rank's [s/tp, b, h] tokens are distinct:
+Groups from megafab's topology (Megatron's rank layout, no CP/PP): dense grid tp fastest, expert
+grid etp fastest, then ep, then expert-DP. Every rank's [s/tp, b, h] tokens are distinct:
 TP ranks hold sequence slices, DP ranks micro-batch columns. The 1-rank layer runs each DP
 micro-batch (full sequence) and accumulates its gradients. Both layers come from the same seed (no
 weight copying), so the sharded experts must hold exactly the 1-rank weights' partitions (checked
@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 
 from megafab.distributed.layers import join_partitions, partition_of
+from megafab.distributed.mappings import group_rank, group_size
+from megafab.distributed.topology import build_topology
 from megafab.model.moe.settings import MoESettings
 from tests.harness import run_ranks
 from tests.model.moe.mcore_moe import HIDDEN, megafab_layer
@@ -36,24 +38,11 @@ LAYOUTS = {  # name: (world, tp, ep, etp)
 VARIANTS = [(grouped, swiglu) for grouped in (False, True) for swiglu in (True, False)]  # GELU with biases
 
 
-def _axis_groups(rank: int, world: int, stride: int, size: int):
-    """This rank's group among those of ranks differing only in the coordinate of `stride` and
-    `size` (every rank creates every group, in the same order)."""
-    blocks: dict[int, list[int]] = {}
-    for r in range(world):
-        blocks.setdefault(r - (r // stride) % size * stride, []).append(r)
-    mine = None
-    for ranks in sorted(blocks.values()):
-        group = dist.new_group(ranks)
-        mine = group if rank in ranks else mine
-    return mine
-
-
-def _groups(rank, world, tp, ep, etp):
-    return dict(tp=_axis_groups(rank, world, 1, tp), dp=_axis_groups(rank, world, tp, world // tp),
-                etp=_axis_groups(rank, world, 1, etp), ep=_axis_groups(rank, world, etp, ep),
-                edp=_axis_groups(rank, world, etp * ep, world // (etp * ep)),
-                tp_ep=_axis_groups(rank, world, 1, etp * ep), world=dist.new_group(list(range(world))))
+def _groups(tp, ep, etp):
+    """The groups the training loop gives the layer (megafab.training.moe) and the reductions."""
+    topo = build_topology(tp=tp, ep=ep, etp=etp)
+    names = ("tp", "dp", "etp", "ep", "edp", "etp-ep", "tp-dp-cp")
+    return topo, {name: topo.group(*name.split("-")) for name in names}
 
 
 def _batch(dp: int, seed: int = 3):
@@ -83,20 +72,20 @@ def _summed(tensor, group):
     return tensor
 
 
-def _compare(rank, world, layout, dispatcher, grouped, swiglu, groups):
-    _, tp, ep, etp = layout
-    dp = world // tp
+def _compare(topo, layout, dispatcher, grouped, swiglu, groups):
+    tp = layout[1]
+    dp = topo.size("dp")
     settings = MoESettings(**BASE, moe_grouped_gemm=grouped, moe_token_dispatcher_type=dispatcher)
     bias = not swiglu
     reference = megafab_layer(settings, swiglu, torch.float64, bias=bias)
     layer = megafab_layer(settings, swiglu, torch.float64, bias=bias, tp_group=groups["tp"],
                           sequence_parallel=tp > 1, ep_group=groups["ep"], etp_group=groups["etp"],
-                          tp_ep_group=groups["tp_ep"] if ep > 1 and etp > 1 else None,
-                          tp_cp_group=groups["tp"], tp_dp_cp_group=groups["world"])
+                          tp_ep_group=groups["etp-ep"],
+                          tp_cp_group=groups["tp"], tp_dp_cp_group=groups["tp-dp-cp"])
     if bias:
         _give_biases(reference, layer, grouped, groups["etp"])
     x, grad = _batch(dp)
-    tp_rank, dp_rank = rank % tp, rank // tp
+    tp_rank, dp_rank = topo.coord("tp"), topo.coord("dp")
     rows = slice(tp_rank * SEQ // tp, (tp_rank + 1) * SEQ // tp)
     cols = slice(dp_rank * BATCH, (dp_rank + 1) * BATCH)
     for shard in range(dp):  # the 1-rank layer sees every micro-batch
@@ -122,7 +111,7 @@ def _compare(rank, world, layout, dispatcher, grouped, swiglu, groups):
         elif getattr(p, "tensor_model_parallel", False):
             g, ref_grad = _summed(full_grad(p, groups["tp"]), groups["dp"]), ref_params[name].grad
         else:
-            g, ref_grad = _summed(p.grad, groups["world"]), ref_params[name].grad
+            g, ref_grad = _summed(p.grad, groups["tp-dp-cp"]), ref_params[name].grad
         errors.append((g - ref_grad).abs().max().item())
     expert_params = dict(layer.experts.named_parameters())
     marked = all(getattr(p, "is_expert", False) for p in expert_params.values()) and all(
@@ -139,7 +128,7 @@ def _give_biases(reference, layer, grouped, etp_group):
     for name, p in ref_params.items():
         if name.startswith("experts.") and name.endswith("bias"):
             p.add_(torch.randn_like(p) * 0.05)
-    rank, size = dist.get_rank(etp_group), dist.get_world_size(etp_group)
+    rank, size = group_rank(etp_group), group_size(etp_group)
     for name, p in layer.experts.named_parameters(prefix="experts"):
         if name.endswith("bias"):
             ref_name, index = _reference_name(name, first, grouped)
@@ -151,9 +140,9 @@ def _give_biases(reference, layer, grouped, etp_group):
 
 def _joined(tensor, param, group):
     """A tensor of an ETP-split parameter (its value or gradient) joined over the ETP group."""
-    if not getattr(param, "tensor_model_parallel", False):
+    if not getattr(param, "tensor_model_parallel", False) or group_size(group) == 1:
         return tensor
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    parts = [torch.empty_like(tensor) for _ in range(group_size(group))]
     dist.all_gather(parts, tensor.contiguous(), group=group)
     return join_partitions(parts, param.partition_dim, param.partition_stride)
 
@@ -165,8 +154,8 @@ def _count_rows(layer, x):
 
 
 def _rank(rank, world, layout, dispatcher):
-    groups = _groups(rank, world, *layout[1:])
-    return [_compare(rank, world, layout, dispatcher, *variant, groups) for variant in VARIANTS]
+    topo, groups = _groups(*layout[1:])
+    return [_compare(topo, layout, dispatcher, *variant, groups) for variant in VARIANTS]
 
 
 @pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
