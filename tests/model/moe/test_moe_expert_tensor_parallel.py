@@ -114,8 +114,9 @@ def _compare(topo, layout, dispatcher, grouped, swiglu, groups):
             g, ref_grad = _summed(p.grad, groups["tp-dp-cp"]), ref_params[name].grad
         errors.append((g - ref_grad).abs().max().item())
     expert_params = dict(layer.experts.named_parameters())
-    marked = all(getattr(p, "is_expert", False) for p in expert_params.values()) and all(
-        getattr(p, "tensor_model_parallel", False) for n, p in expert_params.items() if n.endswith("weight"))
+    split = {getattr(p, "tensor_model_parallel", False) for n, p in expert_params.items() if "weight" in n}
+    marked = all(getattr(p, "is_expert", False) for p in expert_params.values()) and split == {
+        group_size(groups["etp"]) > 1}  # split over ETP: the TP attributes at ETP > 1 only
     return max(errors), init_error, marked, sum(_count_rows(layer, x[rows, cols]))
 
 
