@@ -72,10 +72,11 @@ def _summed(tensor, group):
     return tensor
 
 
-def _compare(topo, layout, dispatcher, grouped, swiglu, groups):
+def _compare(topo, layout, dispatcher, grouped, swiglu, groups, case=None):
     tp = layout[1]
     dp = topo.size("dp")
-    settings = MoESettings(**BASE, moe_grouped_gemm=grouped, moe_token_dispatcher_type=dispatcher)
+    settings = MoESettings(**{**BASE, **(case or {})}, moe_grouped_gemm=grouped,
+                           moe_token_dispatcher_type=dispatcher)
     bias = not swiglu
     reference = megafab_layer(settings, swiglu, torch.float64, bias=bias)
     layer = megafab_layer(settings, swiglu, torch.float64, bias=bias, tp_group=groups["tp"],
@@ -154,9 +155,9 @@ def _count_rows(layer, x):
         return layer.dispatcher.dispatch(x.reshape(-1, x.shape[-1]), probs, routing_map)[1]
 
 
-def _rank(rank, world, layout, dispatcher):
+def _rank(rank, world, layout, dispatcher, case=None):
     topo, groups = _groups(*layout[1:])
-    return [_compare(topo, layout, dispatcher, *variant, groups) for variant in VARIANTS]
+    return [_compare(topo, layout, dispatcher, *variant, groups, case) for variant in VARIANTS]
 
 
 @pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
@@ -168,3 +169,18 @@ def test_expert_tensor_parallel_equals_one_rank(layout, dispatcher):
             assert error <= 1e-10
             assert init_error == 0.0
             assert marked and received > 0
+
+
+CAPACITY = {"capacity_drop": dict(moe_expert_capacity_factor=0.75),
+            "capacity_pad": dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)}
+
+
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+@pytest.mark.parametrize("case", list(CAPACITY))
+def test_expert_tensor_parallel_with_capacity(case, dispatcher):
+    """Dropping (and padding) to capacity under ETP 2. TP 1: every rank routes one whole micro-batch,
+    as the 1-rank layer does (under SP each rank would drop to the capacity of its s/tp tokens)."""
+    layout = LAYOUTS["etp2"]
+    for results in run_ranks(_rank, layout[0], layout, dispatcher, CAPACITY[case], timeout=60):
+        for error, init_error, marked, received in results:
+            assert error <= 1e-10 and init_error == 0.0 and marked and received > 0
