@@ -72,12 +72,12 @@ def _summed(tensor, group):
     return tensor
 
 
-def _compare(topo, layout, dispatcher, grouped, swiglu, groups, case=None):
+def _compare(topo, layout, dispatcher, grouped, swiglu, groups, case=None, idle=False):
     tp = layout[1]
     dp = topo.size("dp")
     settings = MoESettings(**{**BASE, **(case or {})}, moe_grouped_gemm=grouped,
                            moe_token_dispatcher_type=dispatcher)
-    bias = not swiglu
+    bias = idle or not swiglu  # idle: the router's bias keeps every token off the last EP rank's experts
     reference = megafab_layer(settings, swiglu, torch.float64, bias=bias)
     layer = megafab_layer(settings, swiglu, torch.float64, bias=bias, tp_group=groups["tp"],
                           sequence_parallel=tp > 1, ep_group=groups["ep"], etp_group=groups["etp"],
@@ -85,6 +85,10 @@ def _compare(topo, layout, dispatcher, grouped, swiglu, groups, case=None):
                           tp_cp_group=groups["tp"], tp_dp_cp_group=groups["tp-dp-cp"])
     if bias:
         _give_biases(reference, layer, grouped, groups["etp"])
+    if idle:
+        with torch.no_grad():
+            for router in (reference.router, layer.router):
+                router.bias[settings.num_experts - layer.dispatcher.num_local_experts:] = -100.0
     x, grad = _batch(dp)
     tp_rank, dp_rank = topo.coord("tp"), topo.coord("dp")
     rows = slice(tp_rank * SEQ // tp, (tp_rank + 1) * SEQ // tp)
@@ -155,9 +159,9 @@ def _count_rows(layer, x):
         return layer.dispatcher.dispatch(x.reshape(-1, x.shape[-1]), probs, routing_map)[1]
 
 
-def _rank(rank, world, layout, dispatcher, case=None):
+def _rank(rank, world, layout, dispatcher, case=None, idle=False):
     topo, groups = _groups(*layout[1:])
-    return [_compare(topo, layout, dispatcher, *variant, groups, case) for variant in VARIANTS]
+    return [_compare(topo, layout, dispatcher, *variant, groups, case, idle) for variant in VARIANTS]
 
 
 @pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
@@ -184,3 +188,15 @@ def test_expert_tensor_parallel_with_capacity(case, dispatcher):
     for results in run_ranks(_rank, layout[0], layout, dispatcher, CAPACITY[case], timeout=60):
         for error, init_error, marked, received in results:
             assert error <= 1e-10 and init_error == 0.0 and marked and received > 0
+
+
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+def test_expert_tensor_parallel_with_an_idle_expert_block(dispatcher):
+    """EP 2 x ETP 2 (x TP 2 + SP): the last EP rank's experts get no token, so both of its ETP ranks
+    gather, compute and reduce-scatter empty rows; everything still equals the 1-rank layer."""
+    layout = LAYOUTS["ep2_tp2_sp_etp2"]
+    results = run_ranks(_rank, layout[0], layout, dispatcher, idle=True, timeout=60)
+    assert [{received > 0 for *_, received in rank} for rank in results] == [{True}, {True}, {False}, {False}]
+    for rank in results:
+        for error, init_error, marked, _ in rank:
+            assert error <= 1e-10 and init_error == 0.0 and marked
