@@ -84,7 +84,7 @@ def megatron_moe_on_cpu(**parallel):
     own_group = not dist.is_initialized()
     if own_group:
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1, **parallel)
+    parallel_state.initialize_model_parallel(**{"tensor_model_parallel_size": 1, **parallel})
     try:
         yield
     finally:
