@@ -19,8 +19,10 @@ read as "split over etp_group". At ETP 1 they carry none (megatron-core sets the
 readers that know only the attention TP group (checkpoint layout, grad-norm) then see expert
 params as TP-replicated, which they are at ETP 1, instead of split over TP, which they are not. The linears
 do no communication: the dispatcher hands every ETP rank the rows of all of them and sums their
-partial fc2 outputs. The fc2 bias is replicated; its value is added on ETP rank 0 only (megatron-
-core adds it on every ETP rank, so its sum counts it ETP times), its gradient taken on every rank.
+partial fc2 outputs. Expert biases under ETP > 1 are refused by megatron-core's config (and
+megafab's, config/rules.py); the layer still takes them: the fc2 bias is replicated, its value
+added on ETP rank 0 only (the reduce-scatter sums the ranks' outputs), its gradient taken on every
+rank.
 
 Every routed-expert parameter is marked `is_expert` (its gradient is reduced over expert-DP, not DP).
 """

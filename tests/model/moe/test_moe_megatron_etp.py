@@ -4,8 +4,7 @@ sequence slice under SP): every rank's output, input gradient and every paramete
 within 1e-12 in float64 (measured: bit-equal), for both dispatchers and megafab's sequential and
 grouped experts (against megatron's SequentialMLP). The weights are megatron's shards copied into
 megafab's, so this checks the layouts agree (SwiGLU fc1 [gate_r; up_r], fc2 row shards) and the
-dispatch/combine collectives. No expert biases: megatron-core adds the fc2 bias on every ETP rank
-before the reduce-scatter (counting it ETP times); megafab adds it once (experts.py)."""
+dispatch/combine collectives. No expert biases: megatron-core refuses them with ETP > 1."""
 
 from __future__ import annotations
 
