@@ -50,8 +50,6 @@ def test_data_parallel_moe_logs_the_single_process_losses(tmp_path, single_proce
     assert len(iterations) == 5 and all({"load_balancing_loss", "z_loss"} <= r.keys() for r in iterations)
 
 
-@pytest.mark.xfail(strict=True, reason="expert gradients still average over DP, not expert-DP (the DDP "
-                                       "helper's branch ddp23 reduces them in their own buckets)")
 def test_expert_parallel_moe_logs_the_single_process_losses(single_process):
     out = pretrain_in_ranks(TINY + MOE + ["--expert-model-parallel-size", "2"], 2)[-1]
     _assert_parity(_logged(out), single_process)

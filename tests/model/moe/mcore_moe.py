@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import types
 import warnings
 
@@ -43,9 +42,9 @@ class _Stream:
 
 @contextlib.contextmanager
 def megatron_moe_on_cpu(**parallel):
-    """megatron-core's parallel_state (`parallel`: initialize_model_parallel's expert sizes) over
-    the process group the harness made, or a 1-rank gloo group made here, and the CPU patches,
-    undone after."""
+    """megatron-core's parallel_state (`parallel`: initialize_model_parallel's TP and expert
+    sizes) over the process group the harness made, or a 1-rank fake group made here, and the CPU
+    patches, undone after."""
     import pytest
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -72,6 +71,9 @@ def megatron_moe_on_cpu(**parallel):
         return exchange(group, x, as_list(output_splits), as_list(input_splits))
 
     patch = pytest.MonkeyPatch()
+    # megatron-core's jit_fuser is torch.compile: compiling costs seconds per shape, and ranks forked
+    # after inductor started in this process crash (SIGSEGV). Eager runs the same math.
+    torch.compiler.set_stance("force_eager")
     patch.setattr(router, "save_to_aux_losses_tracker", record)
     patch.setattr(mappings, "_gather_along_first_dim", gather_uneven_on_gloo)
     patch.setattr(token_dispatcher, "all_to_all", all_to_all_on_gloo)
@@ -83,37 +85,20 @@ def megatron_moe_on_cpu(**parallel):
     patch.setattr(mcore_random.get_cuda_rng_tracker(), "fork", lambda *a, **k: contextlib.nullcontext())
     own_group = not dist.is_initialized()
     if own_group:
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(**{"tensor_model_parallel_size": 1, **parallel})
+        # torch's fake backend, not gloo: ranks forked after a gloo group lived in this process hang
+        # building megatron's gloo groups. At one rank megatron-core bypasses every collective.
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(**{"tensor_model_parallel_size": 1, **parallel},
+                                             create_gloo_process_groups=not own_group)
     try:
         yield
     finally:
         parallel_state.destroy_model_parallel()
         if own_group:
-            moe_utils.get_moe_layer_wise_logging_tracker().clear()  # it keeps the groups it reduced over
-            _release_groups(parallel_state)
-            dist.destroy_process_group()
+            dist.destroy_process_group()  # the harness forks later tests from this process
         patch.undo()
-
-
-def _release_groups(module) -> None:
-    """Drop the module's references to process groups and free them now. The harness forks later
-    tests from this process; destroy_model_parallel leaves some groups in parallel_state's globals
-    (the loss tracker keeps others), and a forked child that drops the last reference to one runs
-    the group's destructor, which waits forever for gloo threads the child does not have."""
-    import torch.distributed as dist
-
-    def holds_group(value) -> bool:
-        if isinstance(value, dist.ProcessGroup):
-            return True
-        if isinstance(value, dict):
-            value = value.values()
-        values = value if isinstance(value, (list, tuple, type({}.values()))) else ()
-        return any(isinstance(v, dist.ProcessGroup) for v in values)
-
-    for name in [name for name, value in vars(module).items() if holds_group(value)]:
-        setattr(module, name, None)
-    gc.collect()
+        torch.compiler.set_stance("default")
 
 
 def model_cfg(swiglu: bool, bias: bool = False):
