@@ -42,12 +42,21 @@ def _assert_parity(ours, reference):
 
 
 def test_data_parallel_moe_logs_the_single_process_losses(tmp_path, single_process):
+    """DP 2 with the distributed optimizer (the model built on the meta device, then filled)."""
     jsonl = tmp_path / "metrics.jsonl"
-    out = pretrain_in_ranks(TINY + MOE + ["--metrics-jsonl", str(jsonl)], 2)[-1]
+    flags = ["--use-distributed-optimizer", "--metrics-jsonl", str(jsonl)]
+    out = pretrain_in_ranks(TINY + MOE + flags, 2)[-1]
     _assert_parity(_logged(out), single_process)
     records = [json.loads(line) for line in jsonl.read_text().splitlines()]
     iterations = [r for r in records if r["kind"] == "iteration"]
     assert len(iterations) == 5 and all({"load_balancing_loss", "z_loss"} <= r.keys() for r in iterations)
+
+
+def test_pipeline_parallel_moe_logs_the_single_process_losses(single_process):
+    """PP 2: the dense layer 0 on the first stage, the MoE layer 1 on the last; the losses are
+    summed over the stages and divided by the model's MoE layers, as Megatron's."""
+    out = pretrain_in_ranks(TINY + MOE + ["--pipeline-model-parallel-size", "2"], 2)[-1]
+    _assert_parity(_logged(out), single_process)
 
 
 @pytest.mark.xfail(strict=True, reason="expert gradients still average over DP, not expert-DP (the DDP "
