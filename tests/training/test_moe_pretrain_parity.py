@@ -1,7 +1,9 @@
 """pretrain_gpt.py --mock-data with a tiny MoE model (float32, 5 iterations): the iteration line
 and metrics.jsonl carry Megatron's balancing-loss names, and a parallel run logs the lm loss and
-load_balancing_loss of one process within 1e-5. z_loss is not compared across data-parallel ranks:
-Megatron logs the last rank's own value (its router log has no reduce group)."""
+load_balancing_loss of one process within 1e-5 (sigmoid routing with the aux loss, the z-loss, a
+shared expert and aux-loss-free expert biases updated from the tokens of all ranks). z_loss is not
+compared across data-parallel ranks: Megatron logs the last rank's own value (its router log has
+no reduce group)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ from tests.training.tiny_corpus import TINY
 MOE = ["--mock-data", "--train-iters", "5", "--global-batch-size", "4", "--hidden-dropout", "0",
        "--attention-dropout", "0", "--num-experts", "4", "--moe-router-topk", "2",
        "--moe-layer-freq", "([0]*1+[1]*1)", "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3",
-       "--moe-shared-expert-intermediate-size", "24"]
+       "--moe-shared-expert-intermediate-size", "24", "--moe-router-score-function", "sigmoid",
+       "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.5"]
+# (the bias rate moves the step-2 lm loss by 2e-3: the bias update over the ranks is checked too)
 BALANCING = re.compile(r"iteration\s+(\d+)/.*? load_balancing_loss: (\S+) \| z_loss: (\S+) \|")
 pytestmark = pytest.mark.slow  # ~20 s each on a loaded 2-core machine (three short runs in all)
 
