@@ -51,6 +51,7 @@ class LayerContext:
     moe: MoESettings | None = None
     ep_group: object = None  # the experts are split over it
     etp_group: object = None  # each expert's weights are split over it (expert tensor parallel)
+    tp_ep_group: object = None  # ETP x EP (megatron's expert tensor and model parallel group)
     tp_cp_group: object = None  # the other tokens of the same sequences (aux_loss token counts)
     tp_dp_cp_group: object = None  # every token of this stage's global batch (global_aux_loss, bias)
     moe_loss_scale: LossScale | None = None  # the balancing losses' backward weight, set per step
@@ -269,7 +270,8 @@ def build_mlp(cfg, ctx: LayerContext, layer_number: int, prefix: str) -> nn.Modu
     if ctx.moe is None or not ctx.moe.is_moe_layer(layer_number):
         return MLP(cfg, ctx, prefix)
     return MoELayer(ctx.moe, cfg, ctx, prefix, activation=mlp_activation(cfg), ep_group=ctx.ep_group,
-                    tp_cp_group=ctx.tp_cp_group, tp_dp_cp_group=ctx.tp_dp_cp_group,
+                    etp_group=ctx.etp_group, tp_ep_group=ctx.tp_ep_group, tp_cp_group=ctx.tp_cp_group,
+                    tp_dp_cp_group=ctx.tp_dp_cp_group,
                     loss_scale=ctx.moe_loss_scale, calculate_per_token_loss=ctx.calculate_per_token_loss)
 
 

@@ -28,7 +28,8 @@ def moe_context_fields(cfg, topo) -> dict:
     if settings is None:
         return {}
     return dict(moe=settings, ep_group=topo.group("ep"), etp_group=topo.group("etp"),
-                tp_cp_group=topo.group("tp", "cp"), tp_dp_cp_group=topo.group("tp", "dp", "cp"),
+                tp_ep_group=topo.group("etp", "ep"), tp_cp_group=topo.group("tp", "cp"),
+                tp_dp_cp_group=topo.group("tp", "dp", "cp"),
                 moe_loss_scale=LossScale(), calculate_per_token_loss=cfg.training.calculate_per_token_loss)
 
 
