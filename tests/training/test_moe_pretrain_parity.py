@@ -19,7 +19,7 @@ MOE = ["--mock-data", "--train-iters", "5", "--global-batch-size", "4", "--hidde
        "--attention-dropout", "0", "--num-experts", "4", "--moe-router-topk", "2",
        "--moe-layer-freq", "([0]*1+[1]*1)", "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3",
        "--moe-shared-expert-intermediate-size", "24", "--moe-router-score-function", "sigmoid",
-       "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.5"]
+       "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.5", "--disable-bias-linear"]
 # (the bias rate moves the step-2 lm loss by 2e-3: the bias update over the ranks is checked too)
 BALANCING = re.compile(r"iteration\s+(\d+)/.*? load_balancing_loss: (\S+) \| z_loss: (\S+) \|")
 pytestmark = pytest.mark.slow  # ~20 s each on a loaded 2-core machine (three short runs in all)
@@ -56,10 +56,14 @@ def test_data_parallel_moe_logs_the_single_process_losses(tmp_path, single_proce
     assert len(iterations) == 5 and all({"load_balancing_loss", "z_loss"} <= r.keys() for r in iterations)
 
 
-def test_pipeline_parallel_moe_logs_the_single_process_losses(single_process):
-    """PP 2: the dense layer 0 on the first stage, the MoE layer 1 on the last; the losses are
-    summed over the stages and divided by the model's MoE layers, as Megatron's."""
-    out = pretrain_in_ranks(TINY + MOE + ["--pipeline-model-parallel-size", "2"], 2)[-1]
+@pytest.mark.parametrize("layout", [
+    ["--pipeline-model-parallel-size", "2"],  # dense layer 0 on stage 0, the MoE layer 1 on stage 1
+    ["--tensor-model-parallel-size", "2", "--sequence-parallel"],  # expert TP = TP: experts sharded
+], ids=["pp2", "tp2_sp"])
+def test_model_parallel_moe_logs_the_single_process_losses(single_process, layout):
+    """The losses are summed over the stages and divided by the model's MoE layers (PP), counted
+    over the TP ranks' sequence shards (SP), as Megatron's."""
+    out = pretrain_in_ranks(TINY + MOE + layout, 2)[-1]
     _assert_parity(_logged(out), single_process)
 
 
