@@ -1,5 +1,5 @@
-"""pretrain_gpt.py --mock-data with a tiny MoE model (float32, 5 iterations): the iteration line
-and metrics.jsonl carry Megatron's balancing-loss names, and a parallel run logs the lm loss and
+"""pretrain_gpt.py --mock-data with a tiny MoE model (float32, 5 iterations): the iteration line,
+metrics.jsonl and TensorBoard carry Megatron's balancing-loss names, and a parallel run logs the lm loss and
 load_balancing_loss of one process within 1e-5 (sigmoid routing with the aux loss, the z-loss, a
 shared expert and aux-loss-free expert biases updated from the tokens of all ranks). z_loss is not
 compared across data-parallel ranks: Megatron logs the last rank's own value (its router log has
@@ -48,12 +48,23 @@ def _assert_parity(ours, reference):
 def test_data_parallel_moe_logs_the_single_process_losses(tmp_path, single_process):
     """DP 2 with the distributed optimizer (the model built on the meta device, then filled)."""
     jsonl = tmp_path / "metrics.jsonl"
-    flags = ["--use-distributed-optimizer", "--metrics-jsonl", str(jsonl)]
+    flags = ["--use-distributed-optimizer", "--metrics-jsonl", str(jsonl), "--tensorboard-dir",
+             str(tmp_path / "tb")]
     out = pretrain_in_ranks(TINY + MOE + flags, 2)[-1]
-    _assert_parity(_logged(out), single_process)
+    logged = _logged(out)
+    _assert_parity(logged, single_process)
     records = [json.loads(line) for line in jsonl.read_text().splitlines()]
-    iterations = [r for r in records if r["kind"] == "iteration"]
-    assert len(iterations) == 5 and all({"load_balancing_loss", "z_loss"} <= r.keys() for r in iterations)
+    iterations = {r["iteration"]: r for r in records if r["kind"] == "iteration"}
+    assert {it: r["load_balancing_loss"] for it, r in iterations.items()} == \
+        pytest.approx({it: v[1] for it, v in logged.items()}, rel=1e-6)
+    assert all("z_loss" in r for r in iterations.values())
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert {"load_balancing_loss", "z_loss"} <= set(events.Tags()["scalars"])
+    tb = {e.step: e.value for e in events.Scalars("load_balancing_loss")}
+    assert tb == pytest.approx({it: v[1] for it, v in logged.items()}, rel=1e-6)
 
 
 @pytest.mark.parametrize("layout", [
