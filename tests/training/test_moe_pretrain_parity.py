@@ -70,10 +70,11 @@ def test_data_parallel_moe_logs_the_single_process_losses(tmp_path, single_proce
 @pytest.mark.parametrize("layout", [
     ["--pipeline-model-parallel-size", "2"],  # dense layer 0 on stage 0, the MoE layer 1 on stage 1
     ["--tensor-model-parallel-size", "2", "--sequence-parallel"],  # expert TP = TP: experts sharded
-], ids=["pp2", "tp2_sp"])
+    ["--context-parallel-size", "2"],  # the balancing losses' backward weight carries cp
+], ids=["pp2", "tp2_sp", "cp2"])
 def test_model_parallel_moe_logs_the_single_process_losses(single_process, layout):
     """The losses are summed over the stages and divided by the model's MoE layers (PP), counted
-    over the TP ranks' sequence shards (SP), as Megatron's."""
+    over the TP / CP ranks' sequence shards (SP, CP), as Megatron's."""
     out = pretrain_in_ranks(TINY + MOE + layout, 2)[-1]
     _assert_parity(_logged(out), single_process)
 
