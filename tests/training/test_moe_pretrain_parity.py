@@ -79,8 +79,12 @@ def test_model_parallel_moe_logs_the_single_process_losses(single_process, layou
     _assert_parity(_logged(out), single_process)
 
 
-@pytest.mark.xfail(strict=True, reason="expert gradients still average over DP, not expert-DP (the DDP "
-                                       "helper's branch ddp23 reduces them in their own buckets)")
-def test_expert_parallel_moe_logs_the_single_process_losses(single_process):
-    out = pretrain_in_ranks(TINY + MOE + ["--expert-model-parallel-size", "2"], 2)[-1]
+@pytest.mark.parametrize("layout", [
+    ["--expert-model-parallel-size", "2"],
+    ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
+     "--use-distributed-optimizer"],
+], ids=["ep2_allgather", "ep2_alltoall_distopt"])
+def test_expert_parallel_moe_logs_the_single_process_losses(single_process, layout):
+    """EP 2 over the 2 DP ranks: each holds half the experts, their grads reduce over expert-DP."""
+    out = pretrain_in_ranks(TINY + MOE + layout, 2)[-1]
     _assert_parity(_logged(out), single_process)
