@@ -17,10 +17,23 @@ Transformer Engine's spec fuses the layer norms into the linears (te_name); the 
 its files mp_rank_<TP:02d>[_<PP:03d>] and its model chunks model / model0, model1, ... (rank_dir,
 chunk_key).
 
-A numbered family is `<root><N>.<rest>` (parse_index): layers under `decoder.layers.`, and so, when
-mixture-of-experts arrives, experts under `mlp.experts.local_experts.` inside a layer's suffix (a
-global expert number, renumbered to (EP rank, local expert) like layers to (stage, local layer)); a
-new parameter family is one TP_SPLITS entry.
+A numbered family is `<root><N>.<rest>` (parse_index): layers under `decoder.layers.`, and
+mixture-of-experts' sequential experts under `mlp.experts.local_experts.` inside a layer's suffix;
+a new parameter family is one TP_SPLITS entry.
+
+Mixture of experts (megatron-core 0.16.1's MoELayer names):
+
+    mlp.router.weight [E, h] (.bias [E]), mlp.router.expert_bias [E] (an fp32 buffer)
+    mlp.shared_experts.linear_fc1.weight / linear_fc2.weight / gate_weight [1, h]   (dense-like, TP)
+    mlp.experts.local_experts.<i>.linear_fc{1,2}.weight   SequentialMLP: i = this EP rank's i-th expert
+    mlp.experts.linear_fc{1,2}.weight [E_local, out, in]  grouped GEMM: the local experts stacked
+
+Checkpoints and full state dicts hold the routed experts under the grouped names with the *global*
+expert axis, `mlp.experts.linear_fc1.weight` [E, 2f, h] (experts_name): expert g is row g whatever
+the EP size, the sequential or grouped layout, so any EP/ETP/TP/PP layout reads any other (a rank
+holding experts [first, first + E_local) holds those rows: layout.ExpertPlacement). Megatron's
+torch_dist keeps the same tensor as `mlp.experts.experts.linear_fc1.weight` (dist_expert_name),
+stacked over layers to [L, E, 2f, h].
 """
 
 from __future__ import annotations
@@ -32,6 +45,12 @@ WORD_EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT_LAYER = "output_layer.weight"
 VOCAB_PADDED = (WORD_EMBEDDING, OUTPUT_LAYER)  # dim 0 is the padded vocabulary
 EXTRA_STATE = "_extra_state"
+ROUTER = "mlp.router."
+EXPERT_BIAS = ROUTER + "expert_bias"  # a buffer, the one non-parameter tensor checkpoints keep
+SHARED_EXPERTS = "mlp.shared_experts."
+EXPERTS = "mlp.experts."  # grouped (and checkpoint) names: mlp.experts.linear_fc1.weight [E, out, in]
+LOCAL_EXPERTS = EXPERTS + "local_experts."  # sequential: mlp.experts.local_experts.<i>.linear_fc1.weight
+DIST_EXPERTS = EXPERTS + "experts."  # megatron-core's torch_dist key of the grouped tensor
 
 
 # ---- numbered names -------------------------------------------------------------------------------
@@ -90,6 +109,74 @@ def layer_order(name: str) -> tuple[int, str]:
     """Sort key: non-layer names first, then layer by layer."""
     layer = layer_of(name)
     return (-1 if layer is None else layer, name)
+
+
+# ---- mixture of experts -----------------------------------------------------------------------------
+def _layer_suffix(name: str) -> tuple[int | None, str]:
+    parsed = parse_index(name)
+    return (None, name) if parsed is None else parsed
+
+
+def _with_suffix(layer: int | None, suffix: str) -> str:
+    return suffix if layer is None else layer_name(layer, suffix)
+
+
+def is_moe_name(name: str) -> bool:
+    """A router, shared-expert or routed-expert tensor (of a layer, or a layer's suffix)."""
+    return _layer_suffix(name)[1].startswith((ROUTER, SHARED_EXPERTS, EXPERTS))
+
+
+def is_routed_expert(name: str) -> bool:
+    """A routed expert's weight or bias, sequential or grouped (not the router, not shared experts)."""
+    return _layer_suffix(name)[1].startswith(EXPERTS)
+
+
+def sequential_expert(name: str) -> tuple[int, str] | None:
+    """(local expert i, the grouped name) of `...mlp.experts.local_experts.<i>.<rest>`; None otherwise."""
+    layer, suffix = _layer_suffix(name)
+    parsed = parse_index(suffix, LOCAL_EXPERTS)
+    return None if parsed is None else (parsed[0], _with_suffix(layer, EXPERTS + parsed[1]))
+
+
+def sequential_expert_name(grouped: str, expert: int) -> str:
+    """Inverse of sequential_expert: `mlp.experts.<rest>` -> `mlp.experts.local_experts.<expert>.<rest>`."""
+    layer, suffix = _layer_suffix(grouped)
+    assert suffix.startswith(EXPERTS), grouped
+    return _with_suffix(layer, layer_name(expert, suffix[len(EXPERTS):], LOCAL_EXPERTS))
+
+
+def experts_name(name: str) -> str:
+    """The checkpoint name of a routed-expert parameter (the grouped name; others unchanged)."""
+    sequential = sequential_expert(name)
+    return name if sequential is None else sequential[1]
+
+
+def dist_expert_name(name: str) -> str:
+    """The torch_dist key of a checkpoint name: routed experts `mlp.experts.experts.<rest>`."""
+    layer, suffix = _layer_suffix(name)
+    if suffix.startswith(EXPERTS) and not suffix.startswith(DIST_EXPERTS):
+        return _with_suffix(layer, DIST_EXPERTS + suffix[len(EXPERTS):])
+    return name
+
+
+def undist_expert_name(key: str) -> str:
+    """Inverse of dist_expert_name."""
+    layer, suffix = _layer_suffix(key)
+    if suffix.startswith(DIST_EXPERTS):
+        return _with_suffix(layer, EXPERTS + suffix[len(DIST_EXPERTS):])
+    return key
+
+
+def expert_extra_state_key(module: str, layer: int, num_layers: int | None, expert: int,
+                           num_experts: int) -> str:
+    """The byte object megatron-core's torch_dist keeps per (layer, expert) for a routed expert's
+    linear module (`linear_fc1`): stacked layers (num_layers given)
+    `decoder.layers.mlp.experts.experts.linear_fc1._extra_state/shard_<L>.<E>_<NL>.<NE>`, per-layer
+    keys (num_layers None) `decoder.layers.<L>.mlp.experts.experts.linear_fc1._extra_state/shard_<E>_<NE>`."""
+    name = f"{DIST_EXPERTS}{module}.{EXTRA_STATE}"
+    if num_layers is None:
+        return f"{layer_prefix(layer)}{name}/shard_{expert}_{num_experts}"
+    return f"{LAYERS}{name}/shard_{layer}.{expert}_{num_layers}.{num_experts}"
 
 
 # ---- Megatron's stacked layers (torch_dist) --------------------------------------------------------
@@ -195,17 +282,29 @@ TP_SPLITS = {
     "mlp.linear_fc1.weight": Split(COLUMN_DIM, strided_by_swiglu=True),
     "mlp.linear_fc1.bias": Split(COLUMN_DIM, strided_by_swiglu=True),
     "mlp.linear_fc2.weight": Split(ROW_DIM),
+    # shared experts: the dense MLP's splits over TP
+    SHARED_EXPERTS + "linear_fc1.weight": Split(COLUMN_DIM, strided_by_swiglu=True),
+    SHARED_EXPERTS + "linear_fc1.bias": Split(COLUMN_DIM, strided_by_swiglu=True),
+    SHARED_EXPERTS + "linear_fc2.weight": Split(ROW_DIM),
+    # routed experts (grouped names, [E, out, in]) split over expert-TP (ETP) after the expert dim;
+    # a sequential expert's [out, in] one dim lower. The router is replicated.
+    EXPERTS + "linear_fc1.weight": Split(1 + COLUMN_DIM, strided_by_swiglu=True),
+    EXPERTS + "linear_fc1.bias": Split(1 + COLUMN_DIM, strided_by_swiglu=True),
+    EXPERTS + "linear_fc2.weight": Split(1 + ROW_DIM),
 }
 
 
 def tp_partition(name: str, swiglu: bool) -> tuple[int, int] | None:
     """(partition_dim, partition_stride) of a TP-split parameter (local or TE name), None for a
     TP-replicated one."""
-    parsed = parse_index(te_to_local_name(name) or name)
-    split = TP_SPLITS.get(name if parsed is None else parsed[1])
+    local = te_to_local_name(name) or name
+    sequential = sequential_expert(local)
+    parsed = parse_index(local if sequential is None else sequential[1])
+    split = TP_SPLITS.get(local if parsed is None else parsed[1])
     if split is None:
         return None
-    return split.dim, SWIGLU_STRIDE if split.strided_by_swiglu and swiglu else 1
+    dim = split.dim - (sequential is not None)  # a sequential expert has no expert dim
+    return dim, SWIGLU_STRIDE if split.strided_by_swiglu and swiglu else 1
 
 
 def partition_stride(name: str, swiglu: bool) -> int:

@@ -11,7 +11,12 @@ not stored), named and stacked differently:
 * layer norms carry Transformer Engine names whatever the layer spec (megatron-core's local spec
   maps input_layernorm -> self_attention.linear_qkv.layer_norm_*; the table is keys.TE_NAMES);
 * SwiGLU's fc1 is one [2f, h] = [gate; up] tensor; megafab stores it as a [2, f, h] view (the same
-  bytes), so a megafab box at stride s, rows [o, o + n) is Megatron's rows [s f + o, s f + o + n).
+  bytes), so a megafab box at stride s, rows [o, o + n) is Megatron's rows [s f + o, s f + o + n)
+  (routed experts: the same on dim 1 of [E, 2, f, h]);
+* routed experts: megafab's `mlp.experts.linear_fc1.weight` [E, 2f, h] (global expert axis, see
+  keys.py) is Megatron's `mlp.experts.experts.linear_fc1.weight`, [L, E, 2f, h] stacked. Checkpoints
+  of models with dense layers between MoE ones (--moe-layer-freq other than 1) keep per-layer keys
+  (megatron-core's non_homogeneous_layers) and megafab writes them so too (stacks_layers).
 
 There is no `model.` prefix. Optimizer state is `optimizer.state.<kind>.<key>`, shaped and boxed
 like the parameter: the torch optimizer's own kinds (Adam's exp_avg, exp_avg_sq; SGD's
@@ -29,11 +34,12 @@ from megafab.checkpoint.boxes import Box
 from megafab.checkpoint.errors import CheckpointError
 from megafab.checkpoint.keys import (
     LAYERS,
+    dist_expert_name,
     local_to_te_name,
     parse_index,
-    partition_stride,
     stacked_name,
     te_to_local_name,
+    undist_expert_name,
     unstacked_name,
 )
 from megafab.checkpoint.layout import (
@@ -44,6 +50,7 @@ from megafab.checkpoint.layout import (
     model_key,
     optim_key,
     split_key,
+    strided_dim,
     strided_shape,
 )
 
@@ -59,14 +66,22 @@ EXTRA_STATE_MODULES = LINEAR_MODULES + ("self_attention.core_attention",)
 
 def megatron_name(name: str) -> tuple[str, int | None]:
     """(Megatron key, layer number or None) of megafab parameter `name` (stacked layers)."""
-    return stacked_name(local_to_te_name(name))
+    return stacked_name(dist_expert_name(local_to_te_name(name)))
 
 
 def megafab_name(key: str, layer: int | None, te_names: bool = False) -> str:
     """Inverse of megatron_name: the local-spec name (a full megafab state dict's), or the
     Transformer Engine one (te_names: a --transformer-impl transformer_engine model's)."""
-    name = unstacked_name(key, layer)
+    name = undist_expert_name(unstacked_name(key, layer))
     return name if te_names else te_to_local_name(name) or name
+
+
+def stacks_layers(model_cfg) -> bool:
+    """Whether megatron-core stacks this model's layers in torch_dist (not when MoE and dense layers
+    alternate: non_homogeneous_layers)."""
+    moe = getattr(model_cfg, "moe", None)
+    freq = getattr(moe, "moe_layer_freq", 1) if getattr(moe, "num_experts", None) else 1
+    return isinstance(freq, int) and freq == 1
 
 
 def megatron_optim_key(kind: str, key: str) -> str:
@@ -87,13 +102,16 @@ def is_stacked(stored_keys) -> bool:
 
 
 # ---- Shards: megafab keys -> Megatron keys ----------------------------------------------------------
-def _megatron_boxes(box: Box, view, layer: int | None, stacked: bool, strided_rows: int | None):
-    """(Megatron box, view) pieces of one megafab box of a layer (or non-layer) parameter."""
+def _megatron_boxes(box: Box, view, layer: int | None, stacked: bool, strided: tuple[int, int] | None):
+    """(Megatron box, view) pieces of one megafab box of a layer (or non-layer) parameter;
+    strided: (dim d, rows f) of a [..., 2, f, ...] stored view."""
     pieces = [(box, view)]
-    if strided_rows is not None:  # [2, f, ...] -> [2f, ...]: one piece per stride row in the box
-        pieces = [(Box((s * strided_rows + box.offsets[1], *box.offsets[2:]), box.sizes[1:]),
-                   view[s - box.offsets[0]])
-                  for s in range(box.offsets[0], box.offsets[0] + box.sizes[0])]
+    if strided is not None:  # [.., 2, f, ...] -> [.., 2f, ...]: one piece per stride row in the box
+        d, rows = strided
+        o, n = box.offsets, box.sizes
+        pieces = [(Box((*o[:d], s * rows + o[d + 1], *o[d + 2:]), (*n[:d], *n[d + 1:])),
+                   view.select(d, s - o[d]))
+                  for s in range(o[d], o[d] + n[d])]
     if layer is None or not stacked:
         return pieces
     return [(Box((layer, *b.offsets), (1, *b.sizes)), v.unsqueeze(0)) for b, v in pieces]
@@ -110,10 +128,10 @@ def to_megatron(shards: dict[str, Shard], model_cfg, main_kind: str = "fp32_para
         if kind == STEP:
             continue
         base, layer = megatron_name(name)
-        strided = partition_stride(name, model_cfg.swiglu) > 1
+        dim = strided_dim(name, model_cfg.swiglu)
         shape = tuple(shard.global_shape)
-        if strided:
-            shape = (shape[0] * shape[1], *shape[2:])
+        if dim is not None:
+            shape = (*shape[:dim], shape[dim] * shape[dim + 1], *shape[dim + 2:])
         if layer is not None and stacked:
             shape = (num_layers, *shape)
         elif layer is not None:
@@ -122,9 +140,9 @@ def to_megatron(shards: dict[str, Shard], model_cfg, main_kind: str = "fp32_para
             base = megatron_optim_key(main_kind if kind == MAIN_PARAM else kind, base)
         target = out.setdefault(base, Shard(shape, write=shard.write))
         assert target.global_shape == shape, (key, target.global_shape, shape)
-        rows = shard.global_shape[1] if strided else None
+        strided = None if dim is None else (dim, shard.global_shape[dim + 1])
         for box, view in zip(shard.boxes, shard.views):
-            for b, v in _megatron_boxes(box, view, layer, stacked, rows):
+            for b, v in _megatron_boxes(box, view, layer, stacked, strided):
                 target.add(b, v)
     return out
 
@@ -156,7 +174,8 @@ def megafab_view(stored: dict, model_cfg, path: str) -> dict:
             layers, size = range(size[0]), size[1:]
         for layer in layers:
             name = megafab_name(param, layer, te_names)
-            shape = strided_shape(size, 0, partition_stride(name, model_cfg.swiglu))
+            dim = strided_dim(name, model_cfg.swiglu)
+            shape = size if dim is None else strided_shape(size, dim, 2)
             fab_key = model_key(name) if kind is None else optim_key(
                 name, MAIN_PARAM if kind in MAIN_PARAM_KINDS else kind)
             out[fab_key] = TensorStorageMetadata(md.properties, torch.Size(shape), [])
