@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import os
 import sys
 import typing
@@ -28,16 +29,23 @@ from megafab.run.launch import planned_world_size
 from megafab.run.report import exit_on_user_error
 
 # The argparse group each section's flags are added to (arguments_help regroups them for display).
-SECTION_GROUPS = {"model": "model", "parallel": "parallelism", "precision": "precision",
+SECTION_GROUPS = {"model": "model", "moe": "mixture of experts", "parallel": "parallelism",
+                  "precision": "precision",
                   "optimizer": "optimizer and learning rate", "data": "data and tokenizer",
                   "training": "training", "checkpoint": "checkpointing", "logging": "logging"}
 
 # Megatron's deprecated spellings and shortcuts: flags with no field of their own, mapped onto the
 # fields they mean by _resolve_spellings, listed in the group after the field they stand for.
-SPELLINGS = {"position_embedding_type": ("--use-rotary-position-embeddings",
-                                         "deprecated Megatron spelling of --position-embedding-type rope"),
-             "recompute_granularity": ("--recompute-activations",
-                                       "shortcut for --recompute-granularity selective")}
+# Each: (flag, help, its argparse keywords).
+SPELLINGS = {"position_embedding_type": (
+                 ("--use-rotary-position-embeddings",
+                  "deprecated Megatron spelling of --position-embedding-type rope", {}),
+                 ("--no-position-embedding",
+                  "deprecated Megatron spelling of --position-embedding-type none: no learned position "
+                  "table (with rope, which has none, it changes nothing)",
+                  {"dest": "add_position_embedding", "action": "store_false"})),
+             "recompute_granularity": (
+                 ("--recompute-activations", "shortcut for --recompute-granularity selective", {}),)}
 
 
 def flag_kwargs(f: dataclasses.Field, kind: type) -> dict:
@@ -48,13 +56,29 @@ def flag_kwargs(f: dataclasses.Field, kind: type) -> dict:
     if action:
         return {**kwargs, "action": action}
     element = typing.get_args(kind)[0] if typing.get_origin(kind) is list else kind
-    if element in (int, float):
+    if meta["parse"] is not None:
+        kwargs["type"] = _argparse_type(meta["parse"])
+    elif element in (int, float):
         kwargs["type"] = element
     if meta["choices"] is not None:
         kwargs["choices"] = list(meta["choices"])
     if meta["nargs"] is not None:
         kwargs["nargs"] = meta["nargs"]
     return kwargs
+
+
+def _argparse_type(parse):
+    """A schema field's `parse` for argparse: its ValueError's own message, not "invalid value"."""
+    if isinstance(parse, type):
+        return parse
+
+    @functools.wraps(parse)
+    def convert(text):
+        try:
+            return parse(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    return convert
 
 
 def field_flags(f: dataclasses.Field) -> tuple[str, ...]:
@@ -69,9 +93,8 @@ def _schema_flags(p) -> None:
         group.add_argument(*field_flags(f), **flag_kwargs(f, field_types(SECTIONS[section])[f.name]))
         if f.metadata["negation"]:
             group.add_argument(f.metadata["negation"], action="store_false", dest=f.name)
-        if f.name in SPELLINGS:
-            flag, help_text = SPELLINGS[f.name]
-            group.add_argument(flag, action="store_true", help=help_text)
+        for flag, help_text, kwargs in SPELLINGS.get(f.name, ()):
+            group.add_argument(flag, help=help_text, **{"action": "store_true", **kwargs})
 
 
 def _config_file_flags(p):
@@ -198,6 +221,8 @@ def _resolve_spellings(args: argparse.Namespace, named: set[str]) -> None:
     dests the command line or a config file set)."""
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
+    if not args.add_position_embedding and args.position_embedding_type == "learned_absolute":
+        args.position_embedding_type = "none"  # the one rule: the model reads position_embedding_type
     if args.recompute_activations and args.recompute_granularity is None:
         args.recompute_granularity = "selective"
     if args.fp8_format and "transformer_impl" not in named:  # FP8 exists only in Transformer Engine's layers

@@ -20,10 +20,11 @@ NO_EFFECT_GROUP = "Megatron flags accepted without effect in megafab"
 GROUP_ORDER = ("transformer configuration", "network size", "regularization", "profiling", "training",
                "RNG and initialization", "learning rate and weight decay", "checkpointing",
                "mixed precision", "distributed", "validation", "data and dataloader", "tokenizer",
-               "logging", "experimental", MEGAFAB_ONLY, NO_EFFECT_GROUP)
+               "moe", "logging", "experimental", MEGAFAB_ONLY, NO_EFFECT_GROUP)
 
 # Where a flag goes by the arguments.py group that defines it ...
-GROUP_OF_SECTION = {"model": "transformer configuration", "activation recompute": "transformer configuration",
+GROUP_OF_SECTION = {"model": "transformer configuration", "mixture of experts": "transformer configuration",
+                    "activation recompute": "transformer configuration",
                     "parallelism": "distributed", "precision": "mixed precision",
                     "optimizer and learning rate": "learning rate and weight decay", "training": "training",
                     "data and tokenizer": "data and dataloader", "checkpointing": "checkpointing",
@@ -33,11 +34,13 @@ GROUP_OF_SECTION = {"model": "transformer configuration", "activation recompute"
 # ... unless Megatron puts it elsewhere.
 _MEGATRON_GROUP = {
     "network size": "--group-query-attention --max-position-embeddings --position-embedding-type "
-                    "--use-rotary-position-embeddings --rotary-base --rotary-percent --swiglu --openai-gelu "
+                    "--use-rotary-position-embeddings --no-position-embedding --rotary-base --rotary-percent "
+                    "--swiglu --openai-gelu "
                     "--squared-relu --untie-embeddings-and-output-weights --make-vocab-size-divisible-by",
     "transformer configuration": "--tensor-model-parallel-size --pipeline-model-parallel-size "
                                  "--account-for-embedding-in-pipeline-split "
-                                 "--account-for-loss-in-pipeline-split --sequence-parallel --fp16 --bf16 "
+                                 "--account-for-loss-in-pipeline-split --expert-model-parallel-size "
+                                 "--expert-tensor-parallel-size --sequence-parallel --fp16 --bf16 "
                                  "--fp8-format --fp8-recipe --fp8-margin --fp8-amax-history-len "
                                  "--fp8-amax-compute-algo --calculate-per-token-loss",
     "training": "--recompute-activations --gradient-accumulation-fusion --no-gradient-accumulation-fusion "

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 NOT_YET = "not implemented in megafab yet"
 FSDP = ("megafab runs Megatron-FSDP's sharding strategies on torch FSDP2 (--use-megatron-fsdp), "
         "which has no such buffers to tune")
-MOE = f"mixture-of-experts layers are {NOT_YET}"
+DEEPEP = "DeepEP / HybridEP kernels (the flex dispatcher) are GPU-only and not in megafab; use "\
+    "--moe-token-dispatcher-type alltoall or allgather"
 
 
 @dataclass(frozen=True)
@@ -25,11 +26,34 @@ class Refused:
 REFUSED: dict[str, Refused] = {
     "--hierarchical-context-parallel-sizes": Refused(
         f"hierarchical context parallelism (--cp-comm-type a2a+p2p) is {NOT_YET}"),
-    "--expert-model-parallel-size": Refused(MOE, off=("1",)),
-    "--expert-tensor-parallel-size": Refused(MOE),
-    "--num-experts": Refused(MOE),
-    "--moe-router-topk": Refused(MOE),
-    "--moe-grouped-gemm": Refused(MOE),
+    # megatron-core 0.16.1's MoE flags megafab has no field for (the others are cfg.moe's)
+    "--moe-use-upcycling": Refused(f"upcycling a dense checkpoint into an MoE model is {NOT_YET}"),
+    "--moe-upcycling-granularity": Refused(
+        f"upcycling a dense checkpoint into an MoE model is {NOT_YET}", off=("1",)),
+    "--moe-pad-experts-for-cuda-graph-inference": Refused(
+        "CUDA-graph inference is GPU-only and not in megafab"),
+    "--moe-enable-routing-replay": Refused(f"MoE routing replay is {NOT_YET}"),
+    "--moe-router-padding-for-quantization": Refused(
+        "routing-map padding for FP8/FP4 grouped GEMMs is a Transformer Engine GPU path not in megafab"),
+    "--moe-router-padding-for-fp8": Refused(
+        "routing-map padding for FP8/FP4 grouped GEMMs is a Transformer Engine GPU path not in megafab"),
+    "--moe-router-force-load-balancing": Refused(f"forced (benchmark-only) balanced routing is {NOT_YET}"),
+    "--moe-use-legacy-grouped-gemm": Refused(
+        "the legacy GroupedMLP needs the GPU-only grouped_gemm package; --moe-grouped-gemm uses torch's "
+        "grouped matmul"),
+    "--moe-enable-deepep": Refused(DEEPEP),
+    "--moe-flex-dispatcher-backend": Refused(DEEPEP),
+    "--moe-deepep-num-sms": Refused(DEEPEP),
+    "--moe-hybridep-num-sms": Refused(DEEPEP),
+    "--moe-per-layer-logging": Refused(f"per-layer MoE loss logging is {NOT_YET} (the losses are logged "
+                                       f"summed over layers, under Megatron's names)"),
+    "--moe-layer-recompute": Refused(f"recomputing the MoE layer is {NOT_YET} (Megatron deprecates the "
+                                     f"flag for --recompute-modules moe)"),
+    "--moe-apply-probs-on-input": Refused(f"applying routing probabilities to the expert input is {NOT_YET}"),
+    "--moe-latent-size": Refused(f"MoE latent projections are {NOT_YET}"),
+    "--overlap-moe-expert-parallel-comm": Refused(
+        f"overlapping expert-parallel communication with another micro-batch's compute (CUDA streams) "
+        f"is {NOT_YET}"),
     "--multi-latent-attention": Refused(f"multi-latent attention is {NOT_YET}"),
     "--mtp-num-layers": Refused(f"multi-token prediction is {NOT_YET}"),
     "--tp-comm-overlap": Refused(f"TP communication overlap (Transformer Engine userbuffers) is {NOT_YET}"),

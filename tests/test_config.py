@@ -77,13 +77,13 @@ def test_world_size_layers_gqa_and_seq_length_violations_are_all_reported():
 
 
 def test_unsupported_megatron_flag_is_refused_by_name():
-    with pytest.raises(ConfigError, match="--num-experts: refused, mixture-of-experts layers are not "
-                                          "implemented in megafab yet"):
-        config_from_args(BASE + ["--num-experts", "8"], world_size=1)
-    with pytest.raises(ConfigError, match="--expert-model-parallel-size"):
-        config_from_args(BASE + ["--expert-model-parallel-size", "2"], world_size=1)
+    with pytest.raises(ConfigError, match="--moe-use-upcycling: refused, upcycling a dense checkpoint into "
+                                          "an MoE model is not implemented in megafab yet"):
+        config_from_args(BASE + ["--moe-use-upcycling"], world_size=1)
+    with pytest.raises(ConfigError, match="--num-distributed-optimizer-instances"):
+        config_from_args(BASE + ["--num-distributed-optimizer-instances", "2"], world_size=1)
     # the value meaning "off" is accepted
-    config_from_args(BASE + ["--expert-model-parallel-size", "1"], world_size=1)
+    config_from_args(BASE + ["--num-distributed-optimizer-instances", "1"], world_size=1)
 
 
 def test_abbreviations_are_not_accepted():

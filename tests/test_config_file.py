@@ -99,7 +99,7 @@ def test_later_file_overrides_earlier_and_flags_override_both(tmp_path):
 def test_every_problem_names_the_file_and_key(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text('[model]\nnum_layerz = 2\nhidden_size = "wide"\nnormalization = "BatchNorm"\n'
-                   'swiglu = 1\n[nonsense]\nx = 1\n[parallel]\nexpert_model_parallel_size = 2\n'
+                   'swiglu = 1\n[nonsense]\nx = 1\n[parallel]\nnum_distributed_optimizer_instances = 2\n'
                    'context_parallel_size = 1\n')
     with pytest.raises(ConfigError) as err:
         config_from_args(["--config", str(bad), "--config", str(tmp_path / "missing.yaml"),
@@ -110,7 +110,8 @@ def test_every_problem_names_the_file_and_key(tmp_path):
     assert f"{bad}: normalization: 'BatchNorm' is not one of LayerNorm, RMSNorm" in text
     assert f"{bad}: swiglu: expected true or false, got 1" in text
     assert f"{bad}: [nonsense] is not one of the tables" in text
-    assert f"{bad}: expert_model_parallel_size: --expert-model-parallel-size: refused" in text
+    assert (f"{bad}: num_distributed_optimizer_instances: --num-distributed-optimizer-instances: "
+            f"refused") in text
     assert "context_parallel_size" not in text  # a valid value
     assert f"{tmp_path / 'missing.yaml'}: no such config file" in text
     assert "x.json: a config file must be TOML (.toml) or YAML (.yaml, .yml)" in text

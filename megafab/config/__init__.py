@@ -11,6 +11,7 @@ from megafab.config.schema import (
     DataConfig,
     LoggingConfig,
     ModelConfig,
+    MoEConfig,
     OptimizerConfig,
     ParallelConfig,
     PrecisionConfig,
@@ -19,6 +20,7 @@ from megafab.config.schema import (
 )
 
 __all__ = ["ATTENTION_BACKENDS", "CKPT_FORMATS", "CP_COMM_TYPES", "SECTIONS", "CheckpointConfig", "Config",
-           "ConfigError", "DataConfig", "LoggingConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig",
+           "ConfigError", "DataConfig", "LoggingConfig", "ModelConfig", "MoEConfig",
+           "OptimizerConfig", "ParallelConfig",
            "PrecisionConfig", "TrainingConfig", "default_bucket_size", "field_docs", "pad_vocab_size",
            "swiglu_ffn_size"]

@@ -18,6 +18,7 @@ from megafab.config.schema import (
     DataConfig,
     LoggingConfig,
     ModelConfig,
+    MoEConfig,
     OptimizerConfig,
     ParallelConfig,
     PrecisionConfig,
@@ -39,6 +40,7 @@ class ConfigError(MegafabError):
 @dataclass
 class Config(Section):
     model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)

@@ -53,6 +53,23 @@ def derive_model(m, tp: int) -> None:
         m.padded_vocab_size = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
 
 
+def derive_moe(moe, m) -> None:
+    """Megatron's MoE derivations: one-value lists become the value (its validate_args), several a
+    tuple; the experts' width defaults to --ffn-hidden-size."""
+    for name in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
+        value = getattr(moe, name)
+        if isinstance(value, (list, tuple)):
+            setattr(moe, name, value[0] if len(value) == 1 else tuple(value))
+    if isinstance(moe.moe_layer_freq, list):
+        moe.moe_layer_freq = tuple(moe.moe_layer_freq)
+    if moe.num_experts == 0:  # Megatron: 0 experts means a dense model
+        moe.num_experts = None
+    if moe.moe_expert_capacity_factor is not None and moe.moe_expert_capacity_factor < 0:
+        moe.moe_expert_capacity_factor = None  # Megatron: a negative factor means no capacity
+    if moe.num_experts is not None and moe.moe_ffn_hidden_size is None:
+        moe.moe_ffn_hidden_size = m.ffn_hidden_size
+
+
 def virtual_pipeline_size(m, p) -> int | None:
     """Model chunks per pipeline rank (vpp), None without interleaving or when the layers do not split."""
     pp = p.pipeline_model_parallel_size
@@ -98,6 +115,9 @@ def derive(cfg, world_size: int) -> None:
     p.data_parallel_size = data_parallel_size(world_size, tp, cp, pp)
     p.cp_comm_type = CP_COMM_TYPES.get(p.cp_comm_type, p.cp_comm_type)
     derive_model(m, tp)
+    derive_moe(cfg.moe, m)
+    if p.expert_tensor_parallel_size is None:  # Megatron: ETP defaults to TP
+        p.expert_tensor_parallel_size = tp
     p.virtual_pipeline_model_parallel_size = virtual_pipeline_size(m, p)
     if p.sequence_parallel and tp == 1:
         p.sequence_parallel = False

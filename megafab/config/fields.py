@@ -11,11 +11,14 @@ from dataclasses import field
 
 def option(default, *, help: str, flags: tuple[str, ...] | None = None, choices: tuple | None = None,
            nargs: str | None = None, action: str | None = None, negation: str | None = None,
-           group: str | None = None, flag_help: str | None = None):
+           group: str | None = None, flag_help: str | None = None, parse=None):
     """A field that is a command-line flag (see megafab/config/schema.py). `help` describes the field
-    (--help shows it, with the default); `flag_help` replaces that text in --help for this flag."""
+    (--help shows it, with the default); `flag_help` replaces that text in --help for this flag;
+    `parse` turns one command-line value into the field's value where the annotation alone does not
+    say how (a union such as ``int | tuple[int, ...]``)."""
     meta = {"help": " ".join(help.split()), "flags": flags, "choices": choices, "nargs": nargs,
-            "action": action, "negation": negation, "group": group, "flag_help": flag_help}
+            "action": action, "negation": negation, "group": group, "flag_help": flag_help,
+            "parse": parse}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)

@@ -22,14 +22,16 @@ DATA_PATH_FLAGS = ("data_path", "train_data_path", "valid_data_path", "test_data
 def problems(cfg) -> list[str]:
     """Every rule `cfg` (resolved, see Config.resolve) breaks, one line each."""
     return (choice_problems(cfg) + model_problems(cfg) + component_problems(cfg) + parallel_problems(cfg)
-            + context_parallel_problems(cfg) + precision_problems(cfg) + training_problems(cfg)
-            + data_problems(cfg) + checkpoint_problems(cfg) + sharding_problems(cfg))
+            + moe_problems(cfg) + context_parallel_problems(cfg) + precision_problems(cfg)
+            + training_problems(cfg) + data_problems(cfg) + checkpoint_problems(cfg) + sharding_problems(cfg))
 
 
 def choice_problems(cfg) -> list[str]:
     """A value outside its field's choices (the parser refuses them; a config built in code may not)."""
     out = []
     for name in SECTIONS:
+        if name == "moe":  # MoEConfig.problems() checks its own choices (the layer builds it in code too)
+            continue
         section = getattr(cfg, name)
         for f in dataclasses.fields(section):
             choices, value = f.metadata.get("choices"), getattr(section, f.name)
@@ -141,6 +143,43 @@ def parallel_problems(cfg) -> list[str]:
         out.append("--overlap-param-gather needs --use-distributed-optimizer")
     if not p.distributed_timeout_minutes > 0:
         out.append(f"--distributed-timeout-minutes {p.distributed_timeout_minutes} must be positive")
+    return out
+
+
+def expert_grid_problems(world: int | None, tp: int, pp: int, cp: int, ep: int, etp: int | None) -> list[str]:
+    """The expert grid ETP x EP x expert-DP x PP folded over the same ranks as TP x CP x DP x PP.
+    (To be replaced by megafab.distributed.topology.layout_problems(..., ep, etp) when that states it.)"""
+    out = [f"--{flag} {value} must be at least 1" for flag, value in
+           (("expert-model-parallel-size", ep), ("expert-tensor-parallel-size", etp))
+           if value is not None and value < 1]
+    if out or not world or etp is None or pp < 1:
+        return out
+    if world % (etp * ep * pp):
+        out.append(f"world size {world} is not divisible by the expert grid --expert-tensor-parallel-size "
+                   f"{etp} x --expert-model-parallel-size {ep} x --pipeline-model-parallel-size {pp} = "
+                   f"{etp * ep * pp}; launch a multiple of {etp * ep * pp} processes or change the sizes")
+    return out
+
+
+def moe_problems(cfg) -> list[str]:
+    """The MoE layer's own rules (MoEConfig.problems) and what Megatron asserts of MoE with the
+    parallel layout: experts over EP, the expert grid, SP under TP, biases under ETP."""
+    m, p, moe = cfg.model, cfg.parallel, cfg.moe
+    tp, ep, etp = p.tensor_model_parallel_size, p.expert_model_parallel_size, p.expert_tensor_parallel_size
+    out = moe.problems(num_layers=m.num_layers, expert_parallel_size=max(ep, 1))
+    out += expert_grid_problems(p.world_size, tp, p.pipeline_model_parallel_size, p.context_parallel_size,
+                                ep, etp)
+    if moe.num_experts is None:
+        if ep > 1:
+            out.append(f"--expert-model-parallel-size {ep} needs --num-experts (a dense model has no "
+                       f"experts to split)")
+        return out
+    if tp > 1 and not p.sequence_parallel:
+        out.append(f"MoE layers with --tensor-model-parallel-size {tp} need --sequence-parallel (Megatron "
+                   f"refuses to train MoE under TP without it)")
+    if m.add_bias_linear and etp is not None and etp > 1:
+        out.append(f"biases in MoE experts need --expert-tensor-parallel-size 1 (it is {etp}); add "
+                   f"--disable-bias-linear or set --expert-tensor-parallel-size 1")
     return out
 
 

@@ -6,9 +6,9 @@ Megatron user finds every knob under the name they know. Each field is declared 
 flag spellings, choices, nargs, action, negation flag and argparse group. megafab/arguments.py
 builds the command line from these declarations and nothing else. Adding a flag is one field:
 
-    num_experts: int | None = option(None, help="Experts per MoE layer.")
+    window_size: int | None = option(None, help="Sliding attention window.")
 
-gives `--num-experts N` (type int from the annotation, default None, the help in --help). A bool
+gives `--window-size N` (type int from the annotation, default None, the help in --help). A bool
 field with default False is a store_true flag; `flags=("--no-x",), action="store_false"` spells a
 field whose flag turns it off; `negation="--no-x"` adds a second, turning-off flag for a store_true
 field. Fields made by `derived(...)` have no flag: config/derive.py computes them in finalize.
@@ -23,6 +23,7 @@ import functools
 from dataclasses import dataclass
 
 from megafab.config.fields import Section, derived, option
+from megafab.config.moe import MoEConfig
 
 CKPT_FORMATS = ("torch_dist", "torch")  # Megatron's distributed and legacy checkpoint formats
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
@@ -152,6 +153,14 @@ class ParallelConfig(Section):
         flag_help="p2p, allgather (or all_gather) or a2a; one value for every layer",
         help="How CP attention exchanges keys/values: p2p (ring, partial results merged by log-sum-exp), "
              "allgather (all K/V gathered), a2a (DeepSpeed-Ulysses: heads scattered, sequence gathered).")
+    expert_model_parallel_size: int = option(
+        1,
+        help="EP degree: ranks that split each MoE layer's routed experts (each holds num_experts / EP), "
+             "folded over the same ranks as TP x CP x DP x PP.")
+    expert_tensor_parallel_size: int | None = option(
+        None,
+        help="ETP degree: ranks that split each routed expert's weights; default "
+             "--tensor-model-parallel-size (resolved at start-up).")
     data_parallel_size: int | None = derived(None, help="Derived: world_size / (tp * cp * pp).")
     world_size: int | None = derived(None, help="Derived: number of processes.")
     use_distributed_optimizer: bool = option(
@@ -481,9 +490,9 @@ class LoggingConfig(Section):
              "per line; default metrics.jsonl in --save, else in --tensorboard-dir, else none.")
 
 
-SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "precision": PrecisionConfig,
-            "optimizer": OptimizerConfig, "data": DataConfig, "training": TrainingConfig,
-            "checkpoint": CheckpointConfig, "logging": LoggingConfig}
+SECTIONS = {"model": ModelConfig, "moe": MoEConfig, "parallel": ParallelConfig,
+            "precision": PrecisionConfig, "optimizer": OptimizerConfig, "data": DataConfig,
+            "training": TrainingConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig}
 
 
 def flag_fields() -> list[tuple[str, dataclasses.Field]]:

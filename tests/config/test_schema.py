@@ -21,7 +21,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # Captured from pretrain_gpt.py on main before the schema existed (commit 32be7ca):
 # help_before.json: every action of the parser; help_before.txt: `COLUMNS=200 pretrain_gpt.py --help`
 # (captured at 32be7ca; since then only the --init-model-with-meta-device note changed, on purpose,
-# and the offload flags moved up inside the training group).
+# and the offload flags moved up inside the training group; issue 23 added megatron-core's MoE flags,
+# --expert-model/tensor-parallel-size and --no-position-embedding, appended to both files, and took
+# the first MoE flags off the refused list).
 BEFORE = os.path.join(HERE, "help_before.json")
 BEFORE_TEXT = os.path.join(HERE, "help_before.txt")
 # The two parser defaults that now equal the schema's (both flags carry their own help text, so
@@ -51,8 +53,11 @@ def test_every_field_parses_to_its_schema_default_and_choices():
             (list(want_choices) if want_choices is not None else None), f.name
     # what is left has no field: deprecated spellings, the config-file flag, no-effect flags
     leftover = {a.option_strings[0] for acts in by_dest.values() for a in acts}
-    assert {"--use-rotary-position-embeddings", "--recompute-activations", "--config"} <= leftover
-    assert all(a.default in (False, None) for acts in by_dest.values() for a in acts)
+    assert {"--use-rotary-position-embeddings", "--recompute-activations", "--no-position-embedding",
+            "--config"} <= leftover
+    # each switches something on (default False) or, as --no-position-embedding, off (default True)
+    assert all(a.default is isinstance(a, argparse._StoreFalseAction) or a.default is None
+               for acts in by_dest.values() for a in acts if a.nargs == 0)
 
 
 def test_parsing_nothing_gives_the_dataclass_defaults():
