@@ -197,6 +197,11 @@ def stacked_extra_state_key(module: str, layer: int, num_layers: int) -> str:
     return f"{LAYERS}{module}.{EXTRA_STATE}/shard_{layer}_{num_layers}"
 
 
+def layer_extra_state_key(module: str, layer: int) -> str:
+    """Per-layer keys (non_homogeneous_layers): `decoder.layers.<layer>.<module>._extra_state/shard_0_1`."""
+    return f"{layer_prefix(layer)}{module}.{EXTRA_STATE}/shard_0_1"
+
+
 # ---- Transformer Engine names ----------------------------------------------------------------------
 TE_NAMES = {  # local suffix -> TE suffix inside decoder.layers.N. (the norms TE fuses into the linears)
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",

@@ -59,9 +59,13 @@ MAIN_PARAM_KINDS = ("fp32_param", "param")  # plain optimizer, distributed optim
 # Megatron's linear modules carry an `_extra_state` (None for the local spec, FP8 metadata under
 # Transformer Engine, whose core attention has one too); megatron-core's torch_dist loader asks for
 # each its model has.
-LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
-                  "mlp.linear_fc2")
+ATTENTION_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj")
+LINEAR_MODULES = ATTENTION_MODULES + ("mlp.linear_fc1", "mlp.linear_fc2")
 EXTRA_STATE_MODULES = LINEAR_MODULES + ("self_attention.core_attention",)
+# An MoE layer's: its attention's, its shared experts' (SHARED_EXPERTS + linear_fc*), and one per
+# routed expert's linear_fc1 / linear_fc2 (keys.expert_extra_state_key)
+SHARED_EXPERT_MODULES = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
+EXPERT_MODULES = ("linear_fc1", "linear_fc2")
 
 
 def megatron_name(name: str) -> tuple[str, int | None]:
@@ -76,12 +80,12 @@ def megafab_name(key: str, layer: int | None, te_names: bool = False) -> str:
     return name if te_names else te_to_local_name(name) or name
 
 
-def stacks_layers(model_cfg) -> bool:
-    """Whether megatron-core stacks this model's layers in torch_dist (not when MoE and dense layers
-    alternate: non_homogeneous_layers)."""
-    moe = getattr(model_cfg, "moe", None)
-    freq = getattr(moe, "moe_layer_freq", 1) if getattr(moe, "num_experts", None) else 1
-    return isinstance(freq, int) and freq == 1
+def stacks_layers(moe) -> bool:
+    """Whether megatron-core stacks a model's layers in torch_dist: not when MoE and dense layers
+    alternate (--moe-layer-freq other than 1: its non_homogeneous_layers). moe: cfg.moe or None."""
+    if moe is None or moe.num_experts is None:
+        return True
+    return isinstance(moe.moe_layer_freq, int) and moe.moe_layer_freq == 1
 
 
 def megatron_optim_key(kind: str, key: str) -> str:

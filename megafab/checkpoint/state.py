@@ -32,9 +32,11 @@ import numpy as np
 import torch
 
 from megafab.checkpoint.boxes import Box
+from megafab.checkpoint.keys import EXPERT_BIAS, parse_index
 from megafab.checkpoint.layout import (
     MAIN_PARAM,
     STEP,
+    ExpertPlacement,
     ParamLayout,
     Shard,
     is_tied_copy,
@@ -44,6 +46,39 @@ from megafab.checkpoint.layout import (
 )
 from megafab.distributed.fsdp import is_fully_sharded, local_tensor
 from megafab.distributed.random import checkpoint_rng_state, restore_rng_state
+
+
+def expert_placement(state) -> ExpertPlacement | None:
+    """Where this rank's routed experts sit on the global expert axis (None: a dense model)."""
+    moe = getattr(state.cfg, "moe", None)
+    if moe is None or moe.num_experts is None:
+        return None
+    topo = state.topology
+    ep, etp = topo.size("ep"), topo.size("etp")
+    return ExpertPlacement(moe.num_experts, topo.coord("ep") * (moe.num_experts // ep), etp,
+                           topo.coord("etp"), state.cfg.model.swiglu)
+
+
+def _layout(state, name: str, p) -> ParamLayout:
+    topo = state.topology
+    return param_layout(name, p, topo.tp, topo.tp_rank, expert_placement(state))
+
+
+def checkpointed_buffers(state) -> list[tuple[str, torch.Tensor]]:
+    """(global name, buffer) of the buffers a checkpoint keeps: each MoE router's expert_bias (the
+    same on every rank of its stage: updated from all-reduced token counts)."""
+    out = []
+    for chunk in state.model:
+        for name, buf in getattr(chunk, "module", chunk).named_buffers():
+            parsed = parse_index(name)
+            if buf is not None and parsed is not None and parsed[1] == EXPERT_BIAS:
+                out.append((name, buf))
+    return out
+
+
+def _buffer_writer(state) -> bool:
+    topo = state.topology
+    return topo.tp_rank == 0 and topo.dp_rank == 0 and topo.cp_rank == 0
 
 
 def named_parameters(state) -> list[tuple[str, torch.nn.Parameter]]:
@@ -97,14 +132,16 @@ class Written:
     hi: int
 
 
-def write_plan(named, ranges: dict, tp: int, tp_rank: int) -> list[Written]:
+def write_plan(named, ranges: dict, tp: int, tp_rank: int,
+               experts: ExpertPlacement | None = None) -> list[Written]:
     """What a rank writes of each parameter (see the module docstring): its owned range, nothing of
-    a tied copy or of a TP-replicated block on TP rank > 0. A pure function of the layout."""
+    a tied copy or of a TP-replicated block on TP rank > 0 (an ETP-replicated one on ETP rank > 0).
+    A pure function of the layout."""
     out = []
     for name, p in named:
         if is_tied_copy(name, p) or p not in ranges:
             continue
-        layout = param_layout(name, p, tp, tp_rank)
+        layout = param_layout(name, p, tp, tp_rank, experts)
         if not layout.replica:
             out.append(Written(name, p, layout, *ranges[p]))
     return out
@@ -112,7 +149,8 @@ def write_plan(named, ranges: dict, tp: int, tp_rank: int) -> list[Written]:
 
 def _state_write_plan(state) -> list[Written]:
     topo = state.topology
-    return write_plan(named_parameters(state), dp_owned_ranges(state.model), topo.tp, topo.tp_rank)
+    return write_plan(named_parameters(state), dp_owned_ranges(state.model), topo.tp, topo.tp_rank,
+                      expert_placement(state))
 
 
 # ---- save ----------------------------------------------------------------------------------------
@@ -126,6 +164,9 @@ def model_shards_for_save(state) -> dict[str, Shard]:
         if w.param in compute:
             values = values.to(compute[w.param])
         shards[model_key(w.layout.name)] = w.layout.shard(values, w.lo, w.hi)
+    for name, buf in checkpointed_buffers(state):
+        shards[model_key(name)] = Shard.whole(buf)
+        shards[model_key(name)].write = _buffer_writer(state)
     return shards
 
 
@@ -183,7 +224,6 @@ def model_shards_for_load(state, masters_from_main: bool) -> tuple[dict[str, Sha
     """Views of the parameters to read into, and the DDP chunks to all-gather afterwards.
     masters_from_main: FSDP2 master shards are read with the optimizer state (from the checkpoint's
     fp32 main params), not from the weights."""
-    topo = state.topology
     shards, gather = {}, []
     compute = _compute_dtypes(state) if masters_from_main else {}
     for chunk in state.model:
@@ -194,11 +234,12 @@ def model_shards_for_load(state, masters_from_main: bool) -> tuple[dict[str, Sha
         for name, p in module.named_parameters():
             if p in compute:
                 continue
-            layout = param_layout(name, p, topo.tp, topo.tp_rank)
+            layout = _layout(state, name, p)
             lo, hi = ranges.get(p, (0, 0)) if sharded else (0, p.numel())
             _add(shards, model_key(layout.name), layout, owned_values(p, lo, hi), lo, hi)
         if gathered:
             gather.append(chunk)
+    shards.update({model_key(name): Shard.whole(buf) for name, buf in checkpointed_buffers(state)})
     return shards, gather
 
 
@@ -223,14 +264,14 @@ def optimizer_shards_for_load(state, with_main: bool) -> tuple[dict[str, Shard],
     """Fresh optimizer moments shaped like each entry's main param (its own shard under the
     distributed optimizer), the main params themselves (when the checkpoint has fp32 mains and this
     model copies), and a 0-d step per entry, as Shards to read into."""
-    topo, opt = state.topology, state.optimizer
+    opt = state.optimizer
     entries = _entries_by_param(opt)
     shards, targets = {}, []
     for name, p in named_parameters(state):
         e = entries.get(p)
         if e is None:
             continue
-        layout = param_layout(name, p, topo.tp, topo.tp_rank)
+        layout = _layout(state, name, p)
         lo, hi = _entry_range(e)
         moments = {k: torch.empty_like(e.main) for k in opt.state_keys}
         reads = dict(moments)

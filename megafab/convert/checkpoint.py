@@ -142,9 +142,14 @@ def _write_torch_dist(tmp, sd, cfg, record) -> None:
 
     shards = {layout.model_key(n): layout.Shard.whole(layout.to_stored(n, t.contiguous(), cfg.model))
               for n, t in sd.items()}
-    objects = megatron_dist.extra_state_objects(range(cfg.model.num_layers), cfg.model.num_layers)
+    moe = cfg.moe if cfg.moe.num_experts is not None else None
+    stacked, layers = megatron_keys.stacks_layers(moe), range(cfg.model.num_layers)
+    objects = megatron_dist.extra_state_objects(layers, cfg.model.num_layers, moe, stacked)
+    if moe is not None:
+        objects.update(megatron_dist.expert_extra_state_objects(layers, cfg.model.num_layers, moe,
+                                                                range(moe.num_experts), stacked))
     for _ in _phase([0], "writing torch_dist"):
-        dcp_io.save_shards(megatron_dist.megatron_shards(shards, cfg.model, False), tmp, objects)
+        dcp_io.save_shards(megatron_dist.megatron_shards(shards, cfg.model, False, stacked), tmp, objects)
     megatron_dist.write_common(tmp, megatron_dist.common_state(cfg, record, None, None, False))
 
 
