@@ -1,0 +1,101 @@
+"""MoE torch_dist checkpoints both ways, megatron-core 0.16.1 as the oracle (fp32): its
+dist_checkpointing.save of a MoE GPT (4 experts top-2, a gated shared expert, QK-norm, alltoall) at
+EP 1 and EP 2 reads into megafab's keys (routed experts under global indices, [E, 2f, h]) with
+every tensor exact; megafab's torch_dist written from those weights loads strictly into
+megatron-core at EP 2 and EP 1 (every key and `_extra_state` object it asks for) with the same values."""
+
+import pytest
+import torch
+
+from megafab.checkpoint import megatron_dist
+from megafab.checkpoint.layout import MODEL_PREFIX, from_stored
+from megafab.convert.checkpoint import write_checkpoint
+from tests.checkpoint import mcore
+from tests.checkpoint.mcore_moe_gpt import EXPERTS, global_name, init_parallel, megafab_config, megatron_args
+from tests.harness import run_ranks
+
+
+def _state(model, ep_rank, local):
+    return {global_name(k, ep_rank, local): v.clone() for k, v in model.state_dict().items()
+            if torch.is_tensor(v)}
+
+
+def _mcore_save(rank, world, root):
+    from megatron.core import parallel_state as ps
+
+    from tests.checkpoint.mcore_moe_gpt import gpt_model
+
+    init_parallel(ep=world)
+    model = gpt_model()
+    common = {"args": megatron_args(expert_model_parallel_size=world), "iteration": 10,
+              "checkpoint_version": 3.0}
+    mcore.save(model, root, common=common)
+    return _state(model, ps.get_expert_model_parallel_rank(), EXPERTS // world)
+
+
+def _mcore_load(rank, world, path):
+    from megatron.core import parallel_state as ps
+
+    from tests.checkpoint.mcore_moe_gpt import gpt_model
+
+    init_parallel(ep=world)
+    model = gpt_model(seed=99)  # other values: the load must overwrite every one
+    mcore.load(model, path)
+    return _state(model, ps.get_expert_model_parallel_rank(), EXPERTS // world)
+
+
+def _expected_full(ranks: list[dict]) -> dict:
+    """megatron-core names (global experts) -> tensor, merged over the EP ranks."""
+    out = {}
+    for sd in ranks:
+        out.update(sd)
+    return out
+
+
+def _megafab_full(path, cfg) -> dict:
+    source = megatron_dist.TorchDistSource(path, cfg.model)
+    stored = source.read_all(MODEL_PREFIX)
+    names = {k: k[len(MODEL_PREFIX):] for k in stored}
+    return {names[k]: from_stored(names[k], v, cfg.model) for k, v in stored.items()}
+
+
+def _as_megatron(sd: dict) -> dict:
+    """A full megafab state dict under megatron-core's SequentialMLP names (global expert numbers)."""
+    from megafab.checkpoint.keys import is_routed_expert, sequential_expert_name
+
+    out = {}
+    for name, t in sd.items():
+        if is_routed_expert(name):
+            out.update({sequential_expert_name(name, e): t[e] for e in range(t.shape[0])})
+        else:
+            out[name] = t
+    return out
+
+
+@pytest.mark.slow  # ~25 s: megatron-core ranks at EP 1 and EP 2
+def test_megatron_core_moe_checkpoints_read_exactly_at_ep1_and_ep2(tmp_path):
+    cfg = megafab_config()
+    reference = None
+    for ep in (1, 2):
+        root = str(tmp_path / f"ep{ep}")
+        expected = _expected_full(run_ranks(_mcore_save, ep, root, timeout=240))
+        reference = reference or expected
+        assert expected.keys() == reference.keys()
+        assert all(torch.equal(expected[k], reference[k]) for k in expected)  # EP does not change the model
+        ours = _as_megatron(_megafab_full(root + "/iter_0000010", cfg))
+        assert ours.keys() == expected.keys(), sorted(set(ours) ^ set(expected))
+        for k in expected:
+            assert torch.equal(ours[k], expected[k]), k
+
+
+@pytest.mark.slow  # ~25 s
+def test_megafab_moe_torch_dist_loads_into_megatron_core_at_ep2_and_ep1(tmp_path):
+    cfg = megafab_config()
+    saved = _expected_full(run_ranks(_mcore_save, 1, str(tmp_path / "src"), timeout=240))
+    sd = _megafab_full(str(tmp_path / "src" / "iter_0000010"), cfg)
+    path = write_checkpoint(str(tmp_path / "ours"), sd, cfg, iteration=3)
+    for ep in (2, 1):
+        loaded = _expected_full(run_ranks(_mcore_load, ep, path, timeout=240))
+        assert loaded.keys() == saved.keys()
+        for k in saved:
+            assert torch.equal(loaded[k], saved[k]), (ep, k)
