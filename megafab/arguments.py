@@ -21,6 +21,7 @@ from megafab.arguments_help import document
 from megafab.config import Config, ConfigError
 from megafab.config.derive import derive_model
 from megafab.config.fields import field_default, field_types
+from megafab.config.moe import NEEDS_EXPERTS
 from megafab.config.probes import start_up_problems, tokenizer_vocab_size
 from megafab.config.schema import SECTIONS, flag_fields
 from megafab.config_file import CONFIG_FLAGS, parser_defaults, split_config_files
@@ -261,6 +262,18 @@ def no_effect_flags(cfg: Config, given: set[str], argv: list[str]) -> list[str]:
     if pr.fp8_format is None:
         unused(["fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo"],
                "only with --fp8-format")
+    if cfg.moe.num_experts is None:  # a dense model: the MoE flags that are not refused then (rules.py)
+        unused([f.name for f in dataclasses.fields(cfg.moe) if f.name not in NEEDS_EXPERTS + ("num_experts",)]
+               + ["expert_tensor_parallel_size"], "only with --num-experts")
+    else:
+        moe = cfg.moe
+        if moe.moe_shared_expert_intermediate_size is None:
+            unused(["moe_shared_expert_gate", "moe_shared_expert_overlap"],
+                   "only with --moe-shared-expert-intermediate-size")
+        if not moe.moe_router_enable_expert_bias:
+            unused(["moe_router_bias_update_rate"], "only with --moe-router-enable-expert-bias")
+        if moe.moe_expert_capacity_factor is None:
+            unused(["moe_token_drop_policy"], "only with --moe-expert-capacity-factor")
     if cfg.parallel.tensor_model_parallel_size == 1 and cfg.model.cross_entropy_loss_fusion:
         out.append("--cross-entropy-loss-fusion (with one tensor-parallel rank the cross entropy makes "
                    "no all-reduce to fuse)")

@@ -96,6 +96,8 @@ REFUSED: dict[str, Refused] = {
 KERNELS = "a kernel-fusion choice of Megatron's; megafab runs these ops in eager PyTorch (--compile fuses)"
 
 NO_EFFECT: dict[str, str] = {
+    "--moe-extended-tp": "deprecated since megatron-core 0.10, which ignores it too; "
+                         "--expert-tensor-parallel-size sets the experts' TP",
     "--use-mcore-models": "megafab's model is megatron-core's GPTModel; there is no other to choose",
     "--use-flash-attn": "PyTorch SDPA uses flash attention where it can; choose with --attention-backend",
     "--no-masked-softmax-fusion": "the softmax runs inside PyTorch's SDPA kernel",

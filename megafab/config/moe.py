@@ -23,6 +23,8 @@ DISPATCHERS = ("allgather", "alltoall")
 MEGATRON_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
 MEGATRON_DISPATCHERS = ("allgather", "alltoall", "flex")
 GROUP = "moe"
+# Sizes that are an error without --num-experts (Megatron asserts); the other MoE flags then do nothing.
+NEEDS_EXPERTS = ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")
 
 
 def parse_moe_layer_freq(text) -> int | tuple[int, ...]:
@@ -144,11 +146,8 @@ class MoEConfig(Section):
     def problems(self, num_layers: int | None = None, expert_parallel_size: int = 1) -> list[str]:
         """Every rule these settings break, one line each (value, rule, fix)."""
         if self.num_experts is None:
-            set_flags = [f"--{name.replace('_', '-')}" for name, value in
-                         (("moe_ffn_hidden_size", self.moe_ffn_hidden_size),
-                          ("moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size))
-                         if value is not None]
-            return [f"{flag} needs --num-experts" for flag in set_flags]
+            return [f"--{name.replace('_', '-')} needs --num-experts" for name in NEEDS_EXPERTS
+                    if getattr(self, name) is not None]
         out: list[str] = []
         experts, topk = self.num_experts, self.moe_router_topk
         if experts < 1:

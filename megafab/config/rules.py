@@ -11,9 +11,11 @@ entry point's machine checks), not a rule.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from megafab.config.derive import CP_COMM_TYPES, scheduler_samples
 from megafab.config.schema import CKPT_FORMATS, SECTIONS
+from megafab.distributed.topology import layout_problems
 from megafab.pipeline_split import PipelineSplit
 
 DATA_PATH_FLAGS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
@@ -105,16 +107,10 @@ def parallel_problems(cfg) -> list[str]:
     m, p, t = cfg.model, cfg.parallel, cfg.training
     tp, pp, world = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.world_size
     cp = p.context_parallel_size
-    out = []
-    for name, value in (("tensor-model-parallel-size", tp), ("pipeline-model-parallel-size", pp),
-                        ("context-parallel-size", cp)):
-        if value < 1:
-            out.append(f"--{name} {value} must be at least 1")
-    if world and tp >= 1 and pp >= 1 and cp >= 1 and world % (tp * cp * pp):
-        cp_part = f"--context-parallel-size {cp} x " if cp > 1 else ""
-        out.append(f"world size {world} is not divisible by --tensor-model-parallel-size {tp} x "
-                   f"{cp_part}--pipeline-model-parallel-size {pp} = {tp * cp * pp}; launch a multiple "
-                   f"of {tp * cp * pp} processes or change the sizes")
+    ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
+    sizes = (tp, cp, pp, ep, tp if etp is None else etp)
+    # Without a known world only the sizes themselves are checked: their product divides itself.
+    out = layout_problems(world or max(1, math.prod(sizes)), tp, pp, cp, ep, etp)
     vpp = p.virtual_pipeline_model_parallel_size
     if p.num_layers_per_virtual_pipeline_stage and p.num_virtual_stages_per_pipeline_rank:
         out.append("give only one of --num-layers-per-virtual-pipeline-stage and "
@@ -146,29 +142,13 @@ def parallel_problems(cfg) -> list[str]:
     return out
 
 
-def expert_grid_problems(world: int | None, tp: int, pp: int, cp: int, ep: int, etp: int | None) -> list[str]:
-    """The expert grid ETP x EP x expert-DP x PP folded over the same ranks as TP x CP x DP x PP.
-    (To be replaced by megafab.distributed.topology.layout_problems(..., ep, etp) when that states it.)"""
-    out = [f"--{flag} {value} must be at least 1" for flag, value in
-           (("expert-model-parallel-size", ep), ("expert-tensor-parallel-size", etp))
-           if value is not None and value < 1]
-    if out or not world or etp is None or pp < 1:
-        return out
-    if world % (etp * ep * pp):
-        out.append(f"world size {world} is not divisible by the expert grid --expert-tensor-parallel-size "
-                   f"{etp} x --expert-model-parallel-size {ep} x --pipeline-model-parallel-size {pp} = "
-                   f"{etp * ep * pp}; launch a multiple of {etp * ep * pp} processes or change the sizes")
-    return out
-
-
 def moe_problems(cfg) -> list[str]:
     """The MoE layer's own rules (MoEConfig.problems) and what Megatron asserts of MoE with the
-    parallel layout: experts over EP, the expert grid, SP under TP, biases under ETP."""
+    parallel layout: experts over EP, SP under TP, biases under ETP (the expert grid itself is
+    topology.layout_problems, in parallel_problems)."""
     m, p, moe = cfg.model, cfg.parallel, cfg.moe
     tp, ep, etp = p.tensor_model_parallel_size, p.expert_model_parallel_size, p.expert_tensor_parallel_size
     out = moe.problems(num_layers=m.num_layers, expert_parallel_size=max(ep, 1))
-    out += expert_grid_problems(p.world_size, tp, p.pipeline_model_parallel_size, p.context_parallel_size,
-                                ep, etp)
     if moe.num_experts is None:
         if ep > 1:
             out.append(f"--expert-model-parallel-size {ep} needs --num-experts (a dense model has no "
@@ -180,6 +160,14 @@ def moe_problems(cfg) -> list[str]:
     if m.add_bias_linear and etp is not None and etp > 1:
         out.append(f"biases in MoE experts need --expert-tensor-parallel-size 1 (it is {etp}); add "
                    f"--disable-bias-linear or set --expert-tensor-parallel-size 1")
+    # each rank holds an equal slice of every expert's (ETP) and the shared experts' (TP) width
+    width, shared = moe.moe_ffn_hidden_size or m.ffn_hidden_size, moe.moe_shared_expert_intermediate_size
+    for flag, value, flag_of_size, size in (
+            ("--moe-ffn-hidden-size", width, "--expert-tensor-parallel-size", etp),
+            ("--moe-shared-expert-intermediate-size", shared, "--tensor-model-parallel-size", tp)):
+        if value and size and size >= 1 and value > 0 and value % size:
+            out.append(f"{flag} {value} is not divisible by {flag_of_size} {size}; each rank holds an "
+                       f"equal slice of the width")
     return out
 
 

@@ -1,4 +1,4 @@
-"""Paired autograd collectives for tensor and sequence parallelism.
+"""Paired autograd collectives for tensor, sequence and expert parallelism.
 
 Each public function applies one collective in the forward pass and its adjoint in the backward
 pass, over the process group it is given. With `group=None` or a group of one rank every function
@@ -12,6 +12,12 @@ Names follow Megatron-LM; the paper names are
     Sequence parallelism (Korthikanti et al. 2022), Fig. 5:
         g      gather_from_sequence_parallel_region          fwd all-gather    bwd reduce-scatter
         g-bar  reduce_scatter_to_sequence_parallel_region    fwd reduce-scatter bwd all-gather
+
+    Expert parallelism (megatron-core's MoE token dispatchers):
+        all_to_all                                   fwd all-to-all    bwd all-to-all reversed
+
+The two SP functions also take uneven dim-0 sizes (output_split_sizes / input_split_sizes), which
+the MoE dispatchers need: every rank holds however many rows its router sent.
 
 Neither paper names an f-bar: with SP the f before a column-parallel block becomes g and the g
 after a row-parallel block becomes g-bar. The last-dim scatter/gather and the sequence scatter have
@@ -88,6 +94,29 @@ def gather_first_dim(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+def gather_first_dim_uneven(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """All-gather along dim 0 where rank r holds sizes[r] rows (gloo's all-gather takes equal
+    sizes only, so every rank sends its rows to each rank with one uneven all-to-all)."""
+    world = group_size(group)
+    send = x.contiguous().expand(world, *x.shape).reshape(world * x.shape[0], *x.shape[1:])
+    return _exchange(send, sizes, [x.shape[0]] * world, group)
+
+
+def reduce_scatter_first_dim_uneven(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """Sum over the ranks of dim-0 chunks of `sizes`, rank r keeping chunk r."""
+    x = x.contiguous()
+    out = torch.empty((sizes[group_rank(group)], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter(out, list(x.split(sizes)), group=group)
+    return out
+
+
+def _exchange(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+    """Send input_splits[r] rows of x to rank r, receive output_splits[r] rows from it."""
+    out = torch.empty((sum(output_splits), *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+    return out
+
+
 def reduce_scatter_first_dim(x: torch.Tensor, group) -> torch.Tensor:
     world = group_size(group)
     _check_divisible(x.shape[0], world, "the sequence length (dim 0)")
@@ -152,29 +181,55 @@ class _ScatterToSequenceRegion(torch.autograd.Function):
         return gather_first_dim(grad, ctx.group), None
 
 
+def _gather_rows(x: torch.Tensor, sizes: list[int] | None, group) -> torch.Tensor:
+    return gather_first_dim(x, group) if sizes is None else gather_first_dim_uneven(x, sizes, group)
+
+
+def _reduce_scatter_rows(x: torch.Tensor, sizes: list[int] | None, group) -> torch.Tensor:
+    if sizes is None:
+        return reduce_scatter_first_dim(x, group)
+    return reduce_scatter_first_dim_uneven(x, sizes, group)
+
+
 class _GatherFromSequenceRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, tensor_parallel_output_grad):
-        ctx.group = group
+    def forward(ctx, x, group, tensor_parallel_output_grad, sizes):
+        ctx.group, ctx.sizes = group, sizes
         ctx.tensor_parallel_output_grad = tensor_parallel_output_grad
-        return gather_first_dim(x, group)
+        return _gather_rows(x, sizes, group)
 
     @staticmethod
     def backward(ctx, grad):
         if ctx.tensor_parallel_output_grad:
-            return reduce_scatter_first_dim(grad, ctx.group), None, None
-        return _split_first_dim(grad, ctx.group), None, None
+            return _reduce_scatter_rows(grad, ctx.sizes, ctx.group), None, None, None
+        if ctx.sizes is not None:
+            rank = group_rank(ctx.group)
+            start = sum(ctx.sizes[:rank])
+            return grad[start:start + ctx.sizes[rank]].clone(), None, None, None
+        return _split_first_dim(grad, ctx.group), None, None, None
 
 
 class _ReduceScatterToSequenceRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return reduce_scatter_first_dim(x, group)
+    def forward(ctx, x, group, sizes):
+        ctx.group, ctx.sizes = group, sizes
+        return _reduce_scatter_rows(x, sizes, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return gather_first_dim(grad, ctx.group), None
+        return _gather_rows(grad, ctx.sizes, ctx.group), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group):
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        return _exchange(x, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        return _exchange(grad, input_splits, output_splits, ctx.group), None, None, None
 
 
 # --- public API ------------------------------------------------------------------------------
@@ -230,25 +285,37 @@ def scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     return _ScatterToSequenceRegion.apply(x, group)
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor, group,
-                                         tensor_parallel_output_grad: bool = True) -> torch.Tensor:
+def gather_from_sequence_parallel_region(x: torch.Tensor, group, tensor_parallel_output_grad: bool = True,
+                                         output_split_sizes: list[int] | None = None) -> torch.Tensor:
     """SP paper's g: all-gather along dim 0 forward, reduce-scatter backward.
 
     [s/tp, b, h] -> [s, b, h]. Backward reduce-scatters the gradient along dim 0, because the
     consumer (a ColumnParallelLinear) leaves each rank a partial gradient of the full sequence.
     With tensor_parallel_output_grad=False the consumer's gradient is already complete and
-    identical on every rank, so backward only keeps this rank's chunk.
+    identical on every rank, so backward only keeps this rank's chunk. output_split_sizes[r]: the
+    rows of rank r when they differ (None: every rank holds x.shape[0]).
     """
     if group_size(group) == 1:
         return x
-    return _GatherFromSequenceRegion.apply(x, group, tensor_parallel_output_grad)
+    return _GatherFromSequenceRegion.apply(x, group, tensor_parallel_output_grad, output_split_sizes)
 
 
-def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group,
+                                               input_split_sizes: list[int] | None = None) -> torch.Tensor:
     """SP paper's g-bar: reduce-scatter (sum) along dim 0 forward; all-gather dim 0 backward.
 
     [s, b, h] partial sums -> [s/tp, b, h] complete. Placed after a RowParallelLinear with SP.
+    input_split_sizes[r]: the rows rank r keeps when they differ (None: equal chunks).
     """
     if group_size(group) == 1:
         return x
-    return _ReduceScatterToSequenceRegion.apply(x, group)
+    return _ReduceScatterToSequenceRegion.apply(x, group, input_split_sizes)
+
+
+def all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+    """Expert parallelism's exchange: x [sum(input_splits), ...] -> [sum(output_splits), ...],
+    input_splits[r] rows sent to rank r, output_splits[r] received from it; backward sends the
+    gradient back the same way reversed."""
+    if group_size(group) == 1:
+        return x
+    return _AllToAll.apply(x, output_splits, input_splits, group)

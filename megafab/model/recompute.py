@@ -12,11 +12,21 @@ generator and every tracker stream are snapshot before the original forward and 
 the recompute (afterwards the states of the backward are restored, so later forwards draw on).
 With TP/SP the recompute re-runs the region's collectives; every TP rank walks the same backward
 graph, so they recompute in the same order.
+
+Side effects of a forward (the MoE router's balancing-loss log, its token counts for the expert
+bias and global_aux_loss's running counts) must happen once per micro-batch. megatron-core gets
+that from its reentrant checkpoint (the first forward runs under no_grad, where the router does
+none of them; the recompute does them). Here the first forward runs with autograd (non-reentrant),
+so a module asks `recompute_phase()`: "forward" inside a checkpointed first pass (do the effect,
+keep what the recompute must see again), "recompute" while it re-runs (replay, do nothing new),
+None elsewhere. Recomputes run in backward order, which per layer is the micro-batches' forward
+order in every schedule, so a FIFO per module pairs them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -93,13 +103,39 @@ def layer_groups(num_layers: int, settings: RecomputeSettings) -> list[tuple[int
     return groups + ([(block, num_layers, False)] if block < num_layers else [])
 
 
+class _Phase(threading.local):
+    """The recompute phase of this thread (the backward of a CUDA tensor runs in a device thread;
+    a recompute enters and leaves its phase in the thread that runs it)."""
+
+    def __init__(self):
+        self.stack: list[str] = []
+
+
+_PHASE = _Phase()
+
+
+def recompute_phase() -> str | None:
+    """"forward" (a checkpointed first pass), "recompute" (its re-run) or None; see the docstring."""
+    return _PHASE.stack[-1] if _PHASE.stack else None
+
+
+@contextlib.contextmanager
+def _phase(name: str):
+    _PHASE.stack.append(name)
+    try:
+        yield
+    finally:
+        _PHASE.stack.pop()
+
+
 @contextlib.contextmanager
 def _replay_rng(snapshot: dict, tracker, device):
     """During the recompute: the forward's RNG states; afterwards: the backward's again."""
     current = checkpoint_rng_state(tracker, device)
     restore_rng_state(snapshot, tracker, device)
     try:
-        yield
+        with _phase("recompute"):
+            yield
     finally:
         restore_rng_state(current, tracker, device)
 
@@ -110,7 +146,7 @@ def recompute(fn, *args, tracker=None, device="cpu"):
         return fn(*args)
     snapshot = checkpoint_rng_state(tracker, device)
     return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False,
-                      context_fn=lambda: (contextlib.nullcontext(), _replay_rng(snapshot, tracker, device)))
+                      context_fn=lambda: (_phase("forward"), _replay_rng(snapshot, tracker, device)))
 
 
 def forward_layers(layers, x, settings: RecomputeSettings, ctx, *layer_args):

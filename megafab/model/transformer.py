@@ -22,6 +22,9 @@ from megafab.distributed.mappings import group_size
 from megafab.distributed.random import host_seed
 from megafab.model.attention_backend import sdpa_context
 from megafab.model.init import normal_init, output_layer_std
+from megafab.model.moe.balancing import LossScale
+from megafab.model.moe.layer import MoELayer
+from megafab.model.moe.settings import MoESettings
 from megafab.model.recompute import RecomputeSettings, recompute
 from megafab.model.rms_norm import RMSNorm, rms_norm
 
@@ -44,6 +47,15 @@ class LayerContext:
     cp_group: object = None  # context parallel: this rank holds 2 of 2*cp sequence chunks
     cp_comm_type: str = "p2p"
     fp8_group: object = None  # FP8 amax reductions (TP x DP x CP; model/te.py's fp8_amax_group)
+    # Mixture of experts (moe/): which layers route (None: a dense model) and the groups they use
+    moe: MoESettings | None = None
+    ep_group: object = None  # the experts are split over it
+    etp_group: object = None  # each expert's weights are split over it (expert tensor parallel)
+    tp_ep_group: object = None  # ETP x EP (megatron's expert tensor and model parallel group)
+    tp_cp_group: object = None  # the other tokens of the same sequences (aux_loss token counts)
+    tp_dp_cp_group: object = None  # every token of this stage's global batch (global_aux_loss, bias)
+    moe_loss_scale: LossScale | None = None  # the balancing losses' backward weight, set per step
+    calculate_per_token_loss: bool = False  # --calculate-per-token-loss (the balancing losses' scale)
 
     def tp_region_rng(self):
         """Dropout on tensors that differ across TP ranks draws from the per-rank stream."""
@@ -252,6 +264,17 @@ class MLP(nn.Module):
         return out
 
 
+def build_mlp(cfg, ctx: LayerContext, layer_number: int, prefix: str) -> nn.Module:
+    """The MLP of global layer `layer_number`: an MoELayer where --moe-layer-freq makes it one
+    (its input is the residual stream as it is, [s/tp, b, h] under SP), else the dense MLP."""
+    if ctx.moe is None or not ctx.moe.is_moe_layer(layer_number):
+        return MLP(cfg, ctx, prefix)
+    return MoELayer(ctx.moe, cfg, ctx, prefix, activation=mlp_activation(cfg), ep_group=ctx.ep_group,
+                    etp_group=ctx.etp_group, tp_ep_group=ctx.tp_ep_group, tp_cp_group=ctx.tp_cp_group,
+                    tp_dp_cp_group=ctx.tp_dp_cp_group,
+                    loss_scale=ctx.moe_loss_scale, calculate_per_token_loss=ctx.calculate_per_token_loss)
+
+
 class TransformerLayer(nn.Module):
     def __init__(self, cfg, ctx: LayerContext, layer_number: int):
         super().__init__()
@@ -262,7 +285,7 @@ class TransformerLayer(nn.Module):
         self.input_layernorm = build_norm(cfg, ctx)
         self.self_attention = SelfAttention(cfg, ctx, prefix + "self_attention.")
         self.pre_mlp_layernorm = build_norm(cfg, ctx)
-        self.mlp = MLP(cfg, ctx, prefix + "mlp.")
+        self.mlp = build_mlp(cfg, ctx, layer_number, prefix + "mlp.")
 
     def _dropout(self, x):
         if not self.training or self.hidden_dropout == 0.0:
@@ -276,4 +299,7 @@ class TransformerLayer(nn.Module):
         x = residual + self._dropout(self.self_attention(normed, rotary_angles, attention_mask, kv_cache))
         normed = self.pre_mlp_layernorm(x)
         residual = normed if self.residual_post_norm else x
-        return residual + self._dropout(self.mlp(normed))
+        out = self.mlp(normed)
+        if isinstance(out, tuple):  # MoELayer: (output, mlp_bias None) as megatron-core's
+            out = out[0]
+        return residual + self._dropout(out)

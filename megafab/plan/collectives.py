@@ -1,10 +1,11 @@
 """Alpha-beta times of collectives for a group as the layout places it on the machine.
 
-A group's ranks come from the topology's own rank grid (megafab.distributed.topology.Layout:
-Megatron's tp-cp-ep-dp-pp order, TP fastest), and node i holds ranks [i*G, (i+1)*G) for G GPUs per
-node. A group inside one node runs on NVLink at the node's NCCL bus bandwidth; a group across nodes
-runs its rings through the NICs of its ranks: with p of its ranks on each node, p NICs carry it
-(one per GPU, rail-aligned), bus bandwidth min(intra, p x NIC).
+A group's ranks come from the topology's own rank grids (megafab.distributed.topology.Layout:
+Megatron's tp-cp-ep-dp-pp order, TP fastest; MoE experts on the etp-ep-edp-pp grid), and node i
+holds ranks [i*G, (i+1)*G) for G GPUs per node. A group inside one node runs on NVLink at the
+node's NCCL bus bandwidth; a group across nodes runs its rings through the NICs of its ranks: with
+p of its ranks on each node, p NICs carry it (one per GPU, rail-aligned), bus bandwidth
+min(intra, p x NIC).
 
 Ring algorithms over n ranks, S the full (unsharded) message (nccl-tests' bus-bandwidth factors):
     all-reduce          2 (n-1)/n S / busbw + 2 (n-1) alpha
@@ -32,8 +33,10 @@ class Placement:
 
 
 @functools.lru_cache(maxsize=4096)
-def placement(world: int, tp: int, cp: int, pp: int, gpus_per_node: int, axes: tuple[str, ...]) -> Placement:
-    layout = Layout(world, tp=tp, cp=cp, pp=pp)
+def placement(world: int, tp: int, cp: int, pp: int, gpus_per_node: int, axes: tuple[str, ...],
+              ep: int = 1, etp: int | None = None) -> Placement:
+    """Rank 0's group over `axes`, of the dense grid or of the expert grid (etp, ep, edp)."""
+    layout = Layout(world, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp)
     spans = [range(layout.size(a)) for a in axes]
     ranks = [layout.rank(**dict(zip(axes, c))) for c in itertools.product(*spans)]  # rank 0's group
     nodes: dict[int, int] = {}
@@ -43,9 +46,11 @@ def placement(world: int, tp: int, cp: int, pp: int, gpus_per_node: int, axes: t
 
 
 def group_placement(cfg, machine, *axes: str) -> Placement:
+    """A group of the config's layout; expert axes ("etp", "ep", "edp") on its expert grid."""
     p = cfg.parallel
     return placement(p.world_size, p.tensor_model_parallel_size, p.context_parallel_size,
-                     p.pipeline_model_parallel_size, machine.gpus_per_node, tuple(sorted(axes)))
+                     p.pipeline_model_parallel_size, machine.gpus_per_node, tuple(sorted(axes)),
+                     p.expert_model_parallel_size, p.expert_tensor_parallel_size)
 
 
 _STEPS = {"all_reduce": (2.0, 2), "all_gather": (1.0, 1), "reduce_scatter": (1.0, 1), "all_to_all": (1.0, 1)}

@@ -43,6 +43,14 @@ from dataclasses import dataclass, field
 
 from megafab.pipeline_split import PipelineSplit
 from megafab.plan.collectives import collective_seconds, group_placement, p2p_seconds
+from megafab.plan.moe import (
+    expected_rows,
+    expert_data_parallel_size,
+    expert_sizes,
+    is_moe_layer,
+    router_tokens,
+    settings_of,
+)
 from megafab.plan.schedule import pipeline_time
 from megafab.training.flops import flops_per_iteration
 from megafab.training.state_memory import BYTES
@@ -65,20 +73,22 @@ class _Pass:
     memory: float = 0.0
     tp: float = 0.0
     cp: float = 0.0
+    ep: float = 0.0  # MoE token dispatch: EP all-to-all (or all-gather) and the ETP gather/scatter
 
     @property
     def total(self) -> float:
-        return self.gemm + self.attention + self.memory + self.tp + self.cp
+        return self.gemm + self.attention + self.memory + self.tp + self.cp + self.ep
 
     def __add__(self, other: _Pass) -> _Pass:
         return _Pass(self.gemm + other.gemm, self.attention + other.attention, self.memory + other.memory,
-                     self.tp + other.tp, self.cp + other.cp)
+                     self.tp + other.tp, self.cp + other.cp, self.ep + other.ep)
 
     def compute_scaled(self, k: float) -> _Pass:
-        return _Pass(self.gemm * k, self.attention * k, self.memory * k, self.tp, self.cp)
+        return _Pass(self.gemm * k, self.attention * k, self.memory * k, self.tp, self.cp, self.ep)
 
     def scaled(self, k: float) -> _Pass:
-        return _Pass(self.gemm * k, self.attention * k, self.memory * k, self.tp * k, self.cp * k)
+        return _Pass(self.gemm * k, self.attention * k, self.memory * k, self.tp * k, self.cp * k,
+                     self.ep * k)
 
 
 class _Shapes:
@@ -95,6 +105,17 @@ class _Shapes:
             m.ffn_hidden_size
         self.tp_group = group_placement(cfg, machine, "tp")
         self.cp_group = group_placement(cfg, machine, "cp")
+        self.moe = settings_of(cfg)
+        self.ep, self.etp = expert_sizes(cfg)
+        self.f_s = 0
+        if self.moe is not None:
+            self.N = router_tokens(cfg)  # tokens entering one rank's router
+            self.rows = expected_rows(cfg, self.moe)  # routed rows one rank's experts take (balanced)
+            self.f_e = self.moe.ffn_hidden_size(self.f)
+            self.f_s = self.moe.moe_shared_expert_intermediate_size or 0
+            self.ep_group = group_placement(cfg, machine, "ep")
+            self.etp_group = group_placement(cfg, machine, "etp")
+            self.ep_etp_group = group_placement(cfg, machine, "etp", "ep")
 
     def gemm(self, m: int, n: int, k: int) -> float:
         return self.machine.gemm_seconds(m, n, k, self.dtype, self.e)
@@ -103,21 +124,40 @@ class _Shapes:
         return collective_seconds(self.machine, op, nbytes, self.tp_group)
 
 
-def _linear_shapes(x: _Shapes) -> list[tuple[int, int, int]]:
-    """(m, n, k) of the layer's four forward GEMMs on one TP rank."""
-    fc1 = x.f * (2 if x.cfg.model.swiglu else 1)
-    return [(x.M, (x.a + 2 * x.g) * x.d // x.tp, x.h), (x.M, x.h, x.a * x.d // x.tp),
-            (x.M, fc1 // x.tp, x.h), (x.M, x.h, x.f // x.tp)]
+def _mlp_shapes(x: _Shapes, rows: int, f: int, parts: int) -> list[tuple[int, int, int]]:
+    """(m, n, k) of fc1 and fc2 of an MLP of width f split `parts` ways, on `rows` rows."""
+    fc1 = f * (2 if x.cfg.model.swiglu else 1)
+    return [(rows, fc1 // parts, x.h), (rows, x.h, f // parts)]
 
 
-def _elementwise_bytes(x: _Shapes) -> float:
-    """Forward bytes of the layer's memory-bound kernels on one rank."""
+def _linear_shapes(x: _Shapes, moe_layer: bool = False) -> list[tuple[int, int, int]]:
+    """(m, n, k) of the layer's forward GEMMs on one TP rank: QKV, projection, then fc1 and fc2 of the
+    dense MLP, or of an MoE layer's shared experts (if any), its router and each local expert."""
+    attention = [(x.M, (x.a + 2 * x.g) * x.d // x.tp, x.h), (x.M, x.h, x.a * x.d // x.tp)]
+    if not moe_layer:
+        return attention + _mlp_shapes(x, x.M, x.f, x.tp)
+    shared = _mlp_shapes(x, x.M, x.f_s, x.tp) if x.f_s else []
+    local = x.moe.num_experts // x.ep
+    experts = _mlp_shapes(x, x.rows // local, x.f_e, x.etp) * local
+    return attention + shared + [(x.N, x.moe.num_experts, x.h)] + experts
+
+
+def _elementwise_bytes(x: _Shapes, moe_layer: bool = False) -> float:
+    """Forward bytes of the layer's memory-bound kernels on one rank; an MoE layer's activation runs
+    on its routed rows and shared experts, plus the router's softmax/top-k over [N, E] in fp32 and
+    the permutation of the N k routed copies in dispatch and combine (read and written)."""
     m = x.cfg.model
     tokens = x.M / (x.tp if x.sp else 1)  # the norm/dropout region is sequence-sharded under SP
     mask = 1 if m.hidden_dropout > 0 else 0
     norms = 2 * 2 * x.e * tokens * x.h
     residual_adds = 2 * (3 * x.e + mask) * tokens * x.h
-    activation = (3 if m.swiglu else 2) * x.e * x.M * x.f / x.tp
+    act = (3 if m.swiglu else 2) * x.e
+    if moe_layer:
+        copies = x.N * x.moe.moe_router_topk
+        activation = act * (x.rows * x.f_e / x.etp + x.M * x.f_s / x.tp) \
+            + 4 * 4 * x.N * x.moe.num_experts + 2 * 2 * x.e * copies * x.h
+    else:
+        activation = act * x.M * x.f / x.tp
     rope = 2 * x.e * x.M * (x.a + x.g) * x.d / x.tp if m.position_embedding_type == "rope" else 0
     return norms + residual_adds + activation + rope
 
@@ -128,29 +168,49 @@ def _overlapped(comm: float, gemm: float, chunks: int) -> float:
 
 
 def _tp_comm(x: _Shapes, gemms_fwd: list[float], gemms_dgrad: list[float],
-             overlap: bool) -> tuple[float, float]:
-    """(forward, backward) exposed TP/SP collectives of one layer."""
+             overlap: bool, mlp: bool = True) -> tuple[float, float]:
+    """(forward, backward) exposed TP/SP collectives of one layer; mlp: the MLP's pair too (an MoE
+    layer has it only for its shared experts: the routed tokens travel by the dispatcher)."""
     if x.tp == 1:
         return 0.0, 0.0
     size = x.e * x.M * x.h
+    pairs = 2 if mlp else 1
     if not x.sp:
         ar = x.tp_collective("all_reduce", size)
-        return 2 * ar, 2 * ar
+        return pairs * ar, pairs * ar
     ag, rs = x.tp_collective("all_gather", size), x.tp_collective("reduce_scatter", size)
     # forward: AG before QKV and fc1, RS after projection and fc2
     # backward: RS of the QKV/fc1 input gradients, AG of the projection/fc2 output gradients, and
     # the SP input re-gathered for the QKV/fc1 weight gradients behind their data-gradient GEMMs
-    qkv, proj, fc1, fc2 = gemms_fwd
-    d_qkv, d_proj, d_fc1, d_fc2 = gemms_dgrad
-    regather = max(0.0, ag - d_qkv) + max(0.0, ag - d_fc1)
+    qkv, proj, fc1, fc2 = gemms_fwd[:4] if mlp else gemms_fwd[:2] + [0.0, 0.0]
+    d_qkv, d_proj, d_fc1, d_fc2 = gemms_dgrad[:4] if mlp else gemms_dgrad[:2] + [0.0, 0.0]
+    regather = max(0.0, ag - d_qkv) + (max(0.0, ag - d_fc1) if mlp else 0.0)
     if not overlap:
-        return 2 * ag + 2 * rs, 2 * rs + 2 * ag + regather
+        return pairs * (ag + rs), pairs * (rs + ag) + regather
     t = x.tp
-    fwd = _overlapped(ag, qkv, t) + _overlapped(rs, proj, t) + _overlapped(ag, fc1, t) \
-        + _overlapped(rs, fc2, t)
-    bwd = _overlapped(rs, d_qkv, t) + _overlapped(ag, d_proj, t) + _overlapped(rs, d_fc1, t) \
-        + _overlapped(ag, d_fc2, t) + regather
+    fwd = _overlapped(ag, qkv, t) + _overlapped(rs, proj, t)
+    bwd = _overlapped(rs, d_qkv, t) + _overlapped(ag, d_proj, t) + regather
+    if mlp:
+        fwd += _overlapped(ag, fc1, t) + _overlapped(rs, fc2, t)
+        bwd += _overlapped(rs, d_fc1, t) + _overlapped(ag, d_fc2, t)
     return fwd, bwd
+
+
+def _ep_comm(x: _Shapes) -> float:
+    """One MoE layer's token dispatch and combine, forward (backward moves the same bytes back):
+    alltoall, 2 all-to-alls over EP of the N k routed copies and, ETP > 1, the ETP all-gather and
+    reduce-scatter of the rows; allgather, the EP x ETP group's tokens (and their fp32
+    probabilities) gathered and the outputs reduce-scattered."""
+    copies = x.N * x.moe.moe_router_topk
+    if x.moe.moe_token_dispatcher_type == "alltoall":
+        a2a = collective_seconds(x.machine, "all_to_all", x.e * copies * x.h, x.ep_group)
+        rows = x.e * x.rows * x.h
+        return 2 * a2a + collective_seconds(x.machine, "all_gather", rows, x.etp_group) \
+            + collective_seconds(x.machine, "reduce_scatter", rows, x.etp_group)
+    gathered = x.N * x.ep * x.etp
+    nbytes = gathered * (x.e * x.h + 4 * x.moe.num_experts)
+    return collective_seconds(x.machine, "all_gather", nbytes, x.ep_etp_group) \
+        + collective_seconds(x.machine, "reduce_scatter", x.e * gathered * x.h, x.ep_etp_group)
 
 
 def _cp_comm(x: _Shapes, attention_fwd: float, attention_bwd: float) -> tuple[float, float]:
@@ -172,11 +232,12 @@ def _cp_comm(x: _Shapes, attention_fwd: float, attention_bwd: float) -> tuple[fl
     return a2a, a2a
 
 
-def layer_passes(cfg, machine, tp_comm_overlap: bool = False) -> tuple[_Pass, _Pass]:
-    """(forward, backward incl. recompute) of one transformer layer for one micro-batch on one rank."""
+def layer_passes(cfg, machine, tp_comm_overlap: bool = False, moe_layer: bool = False) -> tuple[_Pass, _Pass]:
+    """(forward, backward incl. recompute) of one transformer layer for one micro-batch on one rank;
+    moe_layer: one with an MoE MLP."""
     x = _Shapes(cfg, machine)
     m = cfg.model
-    shapes = _linear_shapes(x)
+    shapes = _linear_shapes(x, moe_layer)
     fwd_g = [x.gemm(*s) for s in shapes]
     dgrad = [x.gemm(mm, k, n) for mm, n, k in shapes]
     wgrad = [x.gemm(k, n, mm) for mm, n, k in shapes]
@@ -185,11 +246,12 @@ def layer_passes(cfg, machine, tp_comm_overlap: bool = False) -> tuple[_Pass, _P
     keys = x.s if cfg.parallel.cp_comm_type == "a2a" else x.s // x.cp
     att_f = machine.attention_seconds(causal_flops, keys, x.dtype, backward=False)
     att_b = machine.attention_seconds(2.5 * causal_flops, keys, x.dtype, backward=True)
-    mem = _elementwise_bytes(x)
-    tp_f, tp_b = _tp_comm(x, fwd_g, dgrad, tp_comm_overlap)
+    mem = _elementwise_bytes(x, moe_layer)
+    tp_f, tp_b = _tp_comm(x, fwd_g, dgrad, tp_comm_overlap, mlp=not moe_layer or bool(x.f_s))
     cp_f, cp_b = _cp_comm(x, att_f, att_b)
-    fwd = _Pass(sum(fwd_g), att_f, machine.memory_seconds(mem, kernels=8), tp_f, cp_f)
-    bwd = _Pass(sum(dgrad) + sum(wgrad), att_b, machine.memory_seconds(2 * mem, kernels=12), tp_b, cp_b)
+    ep = _ep_comm(x) if moe_layer else 0.0
+    fwd = _Pass(sum(fwd_g), att_f, machine.memory_seconds(mem, kernels=8), tp_f, cp_f, ep)
+    bwd = _Pass(sum(dgrad) + sum(wgrad), att_b, machine.memory_seconds(2 * mem, kernels=12), tp_b, cp_b, ep)
     if m.recompute_granularity == "selective":
         bwd = bwd + _Pass(attention=att_f)
     return fwd, bwd
@@ -230,10 +292,23 @@ def _output_pass(x: _Shapes, tp_comm_overlap: bool) -> tuple[_Pass, _Pass]:
     return fwd, bwd
 
 
-def _layer_key(cfg, x: _Shapes, tp_comm_overlap: bool) -> tuple:
-    """What one layer's passes depend on (not PP, VPP or DP)."""
-    return (repr(vars(cfg.model)), x.dtype, x.tp, x.cp, x.b, x.sp, cfg.parallel.cp_comm_type, x.tp_group,
-            x.cp_group, tp_comm_overlap)
+def _layer_key(cfg, x: _Shapes, tp_comm_overlap: bool, moe_layer: bool) -> tuple:
+    """What one layer's passes depend on (not PP, VPP or DP; an MoE layer's on its expert groups)."""
+    key = (repr(vars(cfg.model)), x.dtype, x.tp, x.cp, x.b, x.sp, cfg.parallel.cp_comm_type, x.tp_group,
+           x.cp_group, tp_comm_overlap, moe_layer)
+    if moe_layer:
+        key += (repr(x.moe), x.ep, x.etp, x.ep_group, x.etp_group, x.ep_etp_group)
+    return key
+
+
+def _cached_layer_passes(cfg, machine, x, tp_comm_overlap, memo, moe_layer):
+    key = _layer_key(cfg, x, tp_comm_overlap, moe_layer) if memo is not None else None
+    if key is not None and key in memo:
+        return memo[key]
+    passes = layer_passes(cfg, machine, tp_comm_overlap, moe_layer)
+    if key is not None:
+        memo[key] = passes
+    return passes
 
 
 def stage_passes(cfg, machine, tp_comm_overlap: bool = False,
@@ -241,23 +316,23 @@ def stage_passes(cfg, machine, tp_comm_overlap: bool = False,
     """(forward, backward) of one micro-batch through each pipeline stage (all its chunks). memo: a
     dict kept by a caller that predicts many layouts of one model on one machine."""
     x = _Shapes(cfg, machine)
-    key = _layer_key(cfg, x, tp_comm_overlap) if memo is not None else None
-    if key is not None and key in memo:
-        layer_f, layer_b = memo[key]
-    else:
-        layer_f, layer_b = layer_passes(cfg, machine, tp_comm_overlap)
-        if key is not None:
-            memo[key] = layer_f, layer_b
+    kinds = {False: _cached_layer_passes(cfg, machine, x, tp_comm_overlap, memo, False)}
+    if x.moe is not None:
+        kinds[True] = _cached_layer_passes(cfg, machine, x, tp_comm_overlap, memo, True)
     embed = _embedding_pass(x)
     output = _output_pass(x, tp_comm_overlap)
-    counts = PipelineSplit.from_config(cfg).counts()
+    split = PipelineSplit.from_config(cfg)
+    counts = split.counts()
     pp = len(counts)
     out = []
     for rank, chunks in enumerate(counts):
-        layers = sum(chunks)
-        recomputed = sum(_recomputed_layers(cfg, n) for n in chunks)
-        fwd = layer_f.scaled(layers)
-        bwd = layer_b.scaled(layers) + layer_f.scaled(recomputed)
+        fwd, bwd = _Pass(), _Pass()
+        for chunk, n in enumerate(chunks):
+            start, end = split.layer_range(rank, chunk)
+            recomputed = range(start, start + _recomputed_layers(cfg, n))  # block: the chunk's first n
+            for index in range(start, end):
+                layer_f, layer_b = kinds[is_moe_layer(x.moe, index)]
+                fwd, bwd = fwd + layer_f, bwd + layer_b + (layer_f if index in recomputed else _Pass())
         if rank == 0:
             fwd, bwd = fwd + embed[0], bwd + embed[1]
         if rank == pp - 1:
@@ -277,35 +352,50 @@ def _hidden(comm: float, cover: float, buckets: int) -> float:
     return max(comm / buckets, comm - cover)
 
 
+def _groups(cfg, machine, stage):
+    """[(parameters, their reduction group)] of a stage: the dense ones over DP x CP, an MoE model's
+    routed experts over expert-DP."""
+    groups = [(stage.params - stage.expert_params, group_placement(cfg, machine, "dp", "cp"))]
+    if stage.expert_params:
+        groups.append((stage.expert_params, group_placement(cfg, machine, "edp")))
+    return [(n, where) for n, where in groups if where.size > 1 and n > 0]
+
+
+def _over(machine, op: str, bytes_per_param: float, groups) -> float:
+    """One collective of each group's parameters, in turn."""
+    return sum(collective_seconds(machine, op, bytes_per_param * n, where) for n, where in groups)
+
+
 def data_parallel_seconds(cfg, machine, stages, passes) -> tuple[float, float]:
-    """(exposed gradient reduction + parameter gather, FSDP2's exposed per-layer gathers) per step."""
+    """(exposed gradient reduction + parameter gather, FSDP2's exposed per-layer gathers) per step;
+    an MoE stage's expert-DP reduction adds to its DP x CP one (both hide behind the same backward)."""
     p, t = cfg.parallel, cfg.training
-    where = group_placement(cfg, machine, "dp", "cp")
-    if where.size == 1:
+    if not any(_groups(cfg, machine, stage) for stage in stages):
         return 0.0, 0.0
     e = BYTES[cfg.precision.params_dtype_name]
     grad_e = 4 if p.accumulate_allreduce_grads_in_fp32 else e
     m_count = t.num_micro_batches or 1
     worst, fsdp = 0.0, 0.0
     for i, (stage, (fwd, bwd)) in enumerate(zip(stages, passes)):
-        params = stage.params
+        groups = _groups(cfg, machine, stage)
         slack = i * bwd.total  # later stages finish their last backward earlier (1F1B drain)
         if p.fully_sharded:
             layers = max(1, cfg.model.num_layers // len(stages))
-            gather = collective_seconds(machine, "all_gather", e * params, where)
+            gather = _over(machine, "all_gather", e, groups)
             per_layer_gather = gather / layers
             regather = 2 if p.fsdp_reshard_after_forward else 1
             exposed_gather = m_count * regather * layers * max(0.0, per_layer_gather - bwd.total / layers / 2)
-            reduce = collective_seconds(machine, "reduce_scatter", 4 * params, where)
+            reduce = _over(machine, "reduce_scatter", 4, groups)
             exposed = _hidden(reduce, bwd.total, layers) + per_layer_gather
             fsdp = max(fsdp, exposed_gather)
         else:
-            buckets = _buckets(cfg, params)
+            buckets = _buckets(cfg, stage.params)
             if p.use_distributed_optimizer:
-                reduce = collective_seconds(machine, "reduce_scatter", grad_e * params, where)
-                gather = collective_seconds(machine, "all_gather", e * params, where)
+                reduce = _over(machine, "reduce_scatter", grad_e, groups)
+                gather = _over(machine, "all_gather", e, groups)
             else:
-                reduce, gather = collective_seconds(machine, "all_reduce", grad_e * params, where), 0.0
+                reduce = _over(machine, "all_reduce", grad_e, groups)
+                gather = 0.0
             exposed = _hidden(reduce, bwd.total, buckets) if p.overlap_grad_reduce else reduce
             exposed += _hidden(gather, fwd.total, buckets) if p.overlap_param_gather else gather
         worst = max(worst, exposed - slack)
@@ -316,10 +406,10 @@ def optimizer_seconds(cfg, machine, stages) -> float:
     """Adam over this rank's shard: fp32 main params, grads, m, v read and written, the 16-bit copy
     written, the gradient norm read; offloaded, PCIe both ways and the CPU's Adam."""
     p, o = cfg.parallel, cfg.optimizer
-    params = max(s.params for s in stages)
-    shards = (p.data_parallel_size or 1) * p.context_parallel_size \
-        if p.use_distributed_optimizer or p.fully_sharded else 1
-    shard = params / shards
+    sharded = p.use_distributed_optimizer or p.fully_sharded
+    shards = (p.data_parallel_size or 1) * p.context_parallel_size if sharded else 1
+    expert_shards = expert_data_parallel_size(cfg) if sharded else 1
+    shard = max((s.params - s.expert_params) / shards + s.expert_params / expert_shards for s in stages)
     e = BYTES[cfg.precision.params_dtype_name]
     offload = o.optimizer_offload_fraction if o.optimizer_cpu_offload else 0.0
     device = machine.memory_seconds((1 - offload) * shard * (8 + 4 + 16 + e + 4), kernels=8)
@@ -352,7 +442,8 @@ def predict(cfg, machine, stages, tp_comm_overlap: bool = False, memo: dict | No
     f, b = passes[slowest]
     parts = (f + b).scaled(m_count)
     breakdown = {"gemm": parts.gemm, "attention": parts.attention, "memory_bound": parts.memory,
-                 "tp_comm": parts.tp, "cp_comm": parts.cp, "pp_bubble": pipe.bubble, "pp_p2p": pipe.p2p,
+                 "tp_comm": parts.tp, "cp_comm": parts.cp, "ep_comm": parts.ep, "pp_bubble": pipe.bubble,
+                 "pp_p2p": pipe.p2p,
                  "dp_comm": dp, "fsdp_gather": fsdp, "optimizer": opt,
                  "overhead": machine.iteration_overhead_s}
     flops = flops_per_iteration(cfg, t.global_batch_size)

@@ -29,6 +29,7 @@ from megafab.optim.lr_scheduler import OptimizerParamScheduler
 from megafab.optim.mixed_precision import MixedPrecisionOptimizer
 from megafab.pipeline_split import PipelineSplit
 from megafab.run.launch import device_type, read_launch_env
+from megafab.training.moe import moe_context_fields
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
@@ -57,7 +58,8 @@ def init_distributed(cfg) -> tuple[Topology, RNGStatesTracker]:
     try:
         topo = initialize(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                           p.virtual_pipeline_model_parallel_size or 1, p.distributed_backend,
-                          p.distributed_timeout_minutes, cp=p.context_parallel_size)
+                          p.distributed_timeout_minutes, cp=p.context_parallel_size,
+                          ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size)
     except dist.DistError as e:  # before the process group exists no rank can speak for the job
         launch = read_launch_env()
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
@@ -88,7 +90,8 @@ def build_model(cfg, topo: Topology, tracker, dtype: torch.dtype | None = None) 
                        gradient_accumulation_fusion=cfg.parallel.gradient_accumulation_fusion,
                        cp_group=topo.group("cp") if topo.cp > 1 else None,
                        cp_comm_type=cfg.parallel.cp_comm_type,
-                       fp8_group=fp8_amax_group(topo) if cfg.precision.fp8_format else None)
+                       fp8_group=fp8_amax_group(topo) if cfg.precision.fp8_format else None,
+                       **moe_context_fields(cfg, topo))
     p = cfg.parallel
     # FSDP2 shards a meta-built chunk; the distributed optimizer places it in its param buffer.
     # Either then fills the values one part (layer) at a time: no second copy of the model.

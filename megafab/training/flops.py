@@ -8,10 +8,15 @@ dense model FLOPs of forward + backward (backward = 2x forward) without recomput
 derived from: per layer 24 B s h^2 in the QKV/projection/MLP matmuls (ffn = 4h) plus 4 B s^2 h in
 attention scores and context, and 2 B s h V for the logits; times 3 for forward + backward.
 Here the general form counts GQA, SwiGLU and any ffn size, and reduces to the above for the
-GPT-3 shape.
+GPT-3 shape. An MoE layer's MLP counts its k routed experts and the shared experts, as Megatron's
+num_floating_point_operations does (megafab.plan.moe.mlp_flops_per_token). Attention counts the full
+s x s score and context matrices (Megatron-LM up to core 0.15; 0.16 counts the causal half, 2 s^2
+a d less per layer and sequence in forward).
 """
 
 from __future__ import annotations
+
+from megafab.plan.moe import is_moe_layer, mlp_flops_per_token, settings_of
 
 # Dense bf16 peak TFLOP/s by GPU name fragment (vendor datasheets).
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "V100": 125.0}
@@ -24,10 +29,11 @@ def flops_per_iteration(cfg, batch_samples: int) -> float:
     vocab = m.padded_vocab_size
     qkv = 2 * s * h * (heads + 2 * groups) * d
     proj = 2 * s * heads * d * h
-    attn = 2 * 2 * s * s * heads * d  # scores and context (full matrices, as Megatron counts)
-    mlp = 2 * s * h * m.ffn_hidden_size * (3 if m.swiglu else 2)
+    attn = 2 * 2 * s * s * heads * d  # scores and context (full matrices: see the docstring)
+    moe = settings_of(cfg)
+    mlp = sum(s * mlp_flops_per_token(m, moe, is_moe_layer(moe, i)) for i in range(n_layers))
     logits = 2 * s * h * vocab
-    forward = n_layers * (qkv + proj + attn + mlp) + logits
+    forward = n_layers * (qkv + proj + attn) + mlp + logits
     return 3.0 * forward * batch_samples
 
 

@@ -20,9 +20,11 @@ def format_eta(seconds: float) -> str:
     return str(datetime.timedelta(seconds=max(0, round(seconds))))
 
 
-def iteration_line(iteration: int, train_iters: int, metrics: dict, when: str | None = None) -> str:
+def iteration_line(iteration: int, train_iters: int, metrics: dict, when: str | None = None,
+                   losses: dict | None = None) -> str:
     """` [time] iteration N/ T | consumed samples: ... | ... |` in Megatron's order and format, then
-    megafab's estimate of the time left (` ETA: H:MM:SS |`, from the recent iterations' pace)."""
+    megafab's estimate of the time left (` ETA: H:MM:SS |`, from the recent iterations' pace).
+    losses: more losses after the lm loss, as Megatron prints its MoE ones (`z_loss: ... |`)."""
     parts = [f" [{when or timestamp()}] iteration {iteration:8d}/{train_iters:8d}",
              f" consumed samples: {metrics['consumed_samples']:12d}",
              f" elapsed time per iteration (ms): {metrics['elapsed_ms']:.1f}"]
@@ -35,6 +37,7 @@ def iteration_line(iteration: int, train_iters: int, metrics: dict, when: str | 
     parts.append(f" global batch size: {metrics['global_batch_size']:5d}")
     if metrics.get("lm loss") is not None:
         parts.append(f" lm loss: {metrics['lm loss']:.6E}")
+    parts += [f" {name}: {value:.6E}" for name, value in (losses or {}).items()]
     parts.append(f" loss scale: {metrics['loss_scale']:.1f}")
     if metrics.get("grad_norm") is not None:
         parts.append(f" grad norm: {metrics['grad_norm']:.3f}")

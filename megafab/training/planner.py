@@ -62,8 +62,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megafab.pipeline_split import PipelineSplit
+from megafab.plan.moe import (
+    bound_rows,
+    dense_mlp_params,
+    dispatcher_bytes,
+    expected_rows,
+    expert_data_parallel_size,
+    expert_sizes,
+    is_moe_layer,
+    moe_mlp_activation_bytes,
+    moe_mlp_params,
+    settings_of,
+    stage_state_bytes,
+)
 from megafab.training.flops import flops_per_iteration
-from megafab.training.state_memory import BYTES, state_bytes
+from megafab.training.state_memory import BYTES
 
 
 @dataclass
@@ -83,6 +96,9 @@ class StagePlan:
     fsdp_transient_bytes: int = 0  # FSDP2: gathered weights and unsharded grads while in use
     gather_transient_bytes: int = 0  # distributed optimizer: all-gather inputs after the step
     kv_exchange_bytes: int = 0  # context parallel: transient K/V exchange buffers (in the peak)
+    expert_params: int = 0  # MoE: the routed experts' part of params (reduced over expert-DP)
+    dispatcher_bytes: int = 0  # MoE: one layer's transient token-dispatch buffers (in the peak)
+    balanced_activation_peak_bytes: int = 0  # MoE: activation_peak_bytes under balanced routing
 
     @property
     def state_bytes(self) -> int:
@@ -94,6 +110,12 @@ class StagePlan:
         """Device bytes at the peak (peak_phase says where). Building the model and loading a
         checkpoint stay below it: they hold one layer unsharded at a time, and no activations."""
         return self.state_bytes + self.fsdp_transient_bytes + max(self.activation_peak_bytes,
+                                                                  self.gather_transient_bytes)
+
+    @property
+    def balanced_total_bytes(self) -> int:
+        """total_bytes with an MoE stage's routed rows at balanced routing instead of their bound."""
+        return self.state_bytes + self.fsdp_transient_bytes + max(self.balanced_activation_peak_bytes,
                                                                   self.gather_transient_bytes)
 
     @property
@@ -110,22 +132,38 @@ def _norm_params(m) -> int:
     return 2 * m.hidden_size if m.normalization == "LayerNorm" else m.hidden_size
 
 
-def layer_params(m, tp: int) -> int:
-    """Parameters of one transformer layer on one TP rank."""
-    h, d, a, g, f = m.hidden_size, m.kv_channels, m.num_attention_heads, m.num_query_groups, m.ffn_hidden_size
-    qkv, fc1 = (a + 2 * g) * d, f * (2 if m.swiglu else 1)
-    n = 2 * _norm_params(m) + h * qkv // tp + a * d * h // tp + h * fc1 // tp + f * h // tp
+def _attention_params(m, tp: int) -> int:
+    """A layer's norms and attention on one TP rank (everything but its MLP)."""
+    h, d, a, g = m.hidden_size, m.kv_channels, m.num_attention_heads, m.num_query_groups
+    qkv = (a + 2 * g) * d
+    n = 2 * _norm_params(m) + h * qkv // tp + a * d * h // tp
     if m.qk_layernorm:  # q_layernorm + k_layernorm over one head's d channels, replicated over TP
         n += 2 * _norm_params(m) * d // h
     if m.add_bias_linear or m.add_qkv_bias:
         n += qkv // tp
     if m.add_bias_linear:
-        n += h + fc1 // tp + h
+        n += h
     return n
 
 
-def chunk_params(m, tp: int, layers: int, pre_process: bool, post_process: bool) -> int:
-    n = layers * layer_params(m, tp)
+def layer_params(m, tp: int) -> int:
+    """Parameters of one dense transformer layer on one TP rank."""
+    return _attention_params(m, tp) + dense_mlp_params(m, tp)
+
+
+def layer_param_split(cfg, index: int, tp: int, etp: int = 1, ep: int = 1,
+                      experts: int | None = None) -> tuple[int, int]:
+    """(all, expert) parameters of global layer `index` on one rank; experts: see moe_mlp_params."""
+    m, moe = cfg.model, settings_of(cfg)
+    if not is_moe_layer(moe, index):
+        return layer_params(m, tp), 0
+    mlp = moe_mlp_params(m, moe, tp, etp, ep, experts)
+    return _attention_params(m, tp) + mlp.total, mlp.experts
+
+
+def _ends_params(m, tp: int, pre_process: bool, post_process: bool) -> int:
+    """A chunk's embedding (first) and final norm and output layer (last) on one TP rank."""
+    n = 0
     word = m.padded_vocab_size * m.hidden_size // tp
     if pre_process:
         n += word + (m.max_position_embeddings * m.hidden_size
@@ -138,23 +176,58 @@ def chunk_params(m, tp: int, layers: int, pre_process: bool, post_process: bool)
     return n
 
 
+def chunk_params(m, tp: int, layers: int, pre_process: bool, post_process: bool) -> int:
+    """A chunk of `layers` dense layers on one TP rank."""
+    return layers * layer_params(m, tp) + _ends_params(m, tp, pre_process, post_process)
+
+
+def stage_param_split(cfg, pp_rank: int) -> tuple[int, int]:
+    """(all, expert) parameters of pipeline stage `pp_rank` on one rank (all its chunks)."""
+    p = cfg.parallel
+    pp, tp = p.pipeline_model_parallel_size, p.tensor_model_parallel_size
+    ep, etp = expert_sizes(cfg)
+    split = PipelineSplit.from_config(cfg)
+    chunks = len(split.counts()[pp_rank])
+    total = expert = 0
+    for c in range(chunks):
+        total += _ends_params(cfg.model, tp, pp_rank == 0 and c == 0, pp_rank == pp - 1 and c == chunks - 1)
+        for index in range(*split.layer_range(pp_rank, c)):
+            n, x = layer_param_split(cfg, index, tp, etp, ep)
+            total, expert = total + n, expert + x
+    return total, expert
+
+
 def stage_params(cfg, pp_rank: int) -> int:
-    p = cfg.parallel
-    pp, tp = p.pipeline_model_parallel_size, p.tensor_model_parallel_size
-    layers = PipelineSplit.from_config(cfg).counts()[pp_rank]
-    return sum(chunk_params(cfg.model, tp, n, pp_rank == 0 and c == 0,
-                            pp_rank == pp - 1 and c == len(layers) - 1) for c, n in enumerate(layers))
+    return stage_param_split(cfg, pp_rank)[0]
 
 
-def largest_fsdp_unit(cfg, pp_rank: int) -> int:
-    """FSDP2's largest group on the stage: a transformer layer, or a chunk's root (its embedding,
-    final norm and output layer)."""
+def model_params(cfg) -> tuple[int, int]:
+    """(total, active) parameters of the whole model: active counts the k routed experts a token
+    passes through of each MoE layer (equal for a dense model)."""
+    m = cfg.model
+    moe = settings_of(cfg)
+    ends = _ends_params(m, 1, True, True)
+    total = ends + sum(layer_param_split(cfg, i, 1)[0] for i in range(m.num_layers))
+    if moe is None:
+        return total, total
+    active = ends + sum(layer_param_split(cfg, i, 1, experts=moe.moe_router_topk)[0]
+                        for i in range(m.num_layers))
+    return total, active
+
+
+def largest_fsdp_unit(cfg, pp_rank: int) -> tuple[int, int]:
+    """FSDP2's largest group on the stage, (all, expert) parameters: a transformer layer, or a
+    chunk's root (its embedding, final norm and output layer)."""
     p = cfg.parallel
     pp, tp = p.pipeline_model_parallel_size, p.tensor_model_parallel_size
-    chunks = len(PipelineSplit.from_config(cfg).counts()[pp_rank])
-    roots = [chunk_params(cfg.model, tp, 0, pp_rank == 0 and c == 0, pp_rank == pp - 1 and c == chunks - 1)
+    ep, etp = expert_sizes(cfg)
+    split = PipelineSplit.from_config(cfg)
+    chunks = len(split.counts()[pp_rank])
+    units = [(_ends_params(cfg.model, tp, pp_rank == 0 and c == 0, pp_rank == pp - 1 and c == chunks - 1), 0)
              for c in range(chunks)]
-    return max([layer_params(cfg.model, tp)] + roots)
+    units += [layer_param_split(cfg, i, tp, etp, ep) for c in range(chunks)
+              for i in range(*split.layer_range(pp_rank, c))]
+    return max(units)
 
 
 def _mask_bytes(kernels: str, e: int) -> int:
@@ -230,6 +303,15 @@ def layer_activation_bytes(cfg, kernels: str = "flash", recompute_core_attention
     return int(replicated / r + tp_region + core)
 
 
+def mlp_activation_bytes(cfg) -> int:
+    """The dense MLP's share of the TP region of layer_activation_bytes: e*s*b*(f_1 + f (+ f))/t."""
+    m, p = cfg.model, cfg.parallel
+    s, b = m.seq_length // p.context_parallel_size, cfg.training.micro_batch_size
+    f, e = m.ffn_hidden_size, BYTES[cfg.precision.params_dtype_name]
+    widths = f * (2 if m.swiglu else 1) + f + (f if m.swiglu else 0)
+    return int(e * s * b * widths / p.tensor_model_parallel_size)
+
+
 def kv_exchange_bytes(cfg) -> int:
     """Transient buffers of one layer's CP K/V exchange per rank (see the module docstring)."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
@@ -266,23 +348,39 @@ def plan(cfg, kernels: str = "flash") -> list[StagePlan]:
     granularity = m.recompute_granularity
     layer = layer_activation_bytes(cfg, kernels, recompute_core_attention=granularity == "selective")
     layer_input = e * s * b * h // r
+    moe = settings_of(cfg)
+    # an MoE layer: its MoE MLP in place of the dense one, (layer bytes, dispatcher bytes) at the
+    # routed rows' bound (the plan) and under balanced routing (shown beside it)
+    routed = {}
+    if moe is not None:
+        for kind, rows in (("bound", bound_rows(cfg, moe)), ("balanced", expected_rows(cfg, moe))):
+            routed[kind] = (layer - mlp_activation_bytes(cfg) + moe_mlp_activation_bytes(cfg, moe, rows, e),
+                            dispatcher_bytes(cfg, moe, rows, e))
 
-    def chunk_activations(per_chunk: int) -> tuple[int, int]:
-        """(kept per in-flight chunk, transient during its backward) for a chunk of per_chunk layers."""
-        if granularity != "full":
-            return per_chunk * layer, 0
-        n = m.recompute_num_layers
+    def chunk_activations(sizes: list[int]) -> tuple[int, int]:
+        """(kept per in-flight chunk, transient during its backward) for a chunk whose layers keep
+        `sizes` bytes each."""
+        if granularity != "full" or not sizes:
+            return sum(sizes), 0
+        n, per_chunk, largest = m.recompute_num_layers, len(sizes), max(sizes)
         if m.recompute_method == "uniform":
-            return -(-per_chunk // n) * layer_input, min(n, per_chunk) * layer
+            return -(-per_chunk // n) * layer_input, min(n, per_chunk) * largest
         block = min(n, per_chunk)
-        return block * layer_input + (per_chunk - block) * layer, layer if block else 0
+        return block * layer_input + sum(sizes[block:]), largest if block else 0
 
-    counts = PipelineSplit.from_config(cfg).counts()
+    split = PipelineSplit.from_config(cfg)
+    counts = split.counts()
     out = []
     for rank in range(pp):
         # the stage's largest chunk bounds what each in-flight chunk keeps
-        chunk_kept, transient = chunk_activations(max(counts[rank]))
-        params = stage_params(cfg, rank)
+        chunk_layers = [range(*split.layer_range(rank, c)) for c in range(len(counts[rank]))]
+        has_moe = any(is_moe_layer(moe, i) for layers in chunk_layers for i in layers)
+        # (kept per in-flight chunk, backward transient, dispatch buffers) with MoE layers at each kind
+        kept = {kind: max(chunk_activations([moe_layer if is_moe_layer(moe, i) else layer for i in layers])
+                          for layers in chunk_layers) + (dispatch if has_moe else 0,)
+                for kind, (moe_layer, dispatch) in (routed or {"bound": (layer, 0)}).items()}
+        chunk_kept, transient, stage_dispatch = kept["bound"]
+        params, expert_params = stage_param_split(cfg, rank)
         first, last = rank == 0, rank == pp - 1
         embed = s * b * h * _mask_bytes(kernels, e) // r if first and m.hidden_dropout > 0 else 0
         rotary = vpp * 2 * e * s * b * int(m.kv_channels * m.rotary_percent) \
@@ -294,18 +392,22 @@ def plan(cfg, kernels: str = "flash") -> list[StagePlan]:
         chunks = in_flight_chunks(pp, vpp, rank, t.num_micro_batches or 1)
         # Backward starts at the loss (logits alive, their gradient made); a recomputed group's
         # activations come later, once the logits are freed.
-        peak = chunks * chunk_kept + (embed + rotary) * min(chunks, pp if pp > 1 else 1) \
-            + max(logits + loss_backward, transient)
-        peak += kv_exchange
-        state = state_bytes(cfg, params, largest_fsdp_unit(cfg, rank), gloo=kernels == "cpu")
+        fixed = (embed + rotary) * min(chunks, pp if pp > 1 else 1) + kv_exchange
+        peaks = {kind: int(chunks * kept_ + fixed + max(logits + loss_backward, transient_) + dispatch_)
+                 for kind, (kept_, transient_, dispatch_) in kept.items()}
+        peak = peaks["bound"]
+        unit, expert_unit = largest_fsdp_unit(cfg, rank)
+        state = stage_state_bytes(cfg, params, expert_params, unit, expert_unit, gloo=kernels == "cpu")
         out.append(StagePlan(
             pp_rank=rank, params=params, weights_bytes=state.weights, grads_bytes=state.grads,
             optimizer_bytes=state.optimizer, host_bytes=state.host, fsdp_transient_bytes=state.fsdp_transient,
             gather_transient_bytes=state.gather_transient,
             activation_bytes_per_micro_batch=vpp * (chunk_kept + transient) + embed + rotary + logits,
-            layer_activation_bytes=layer, logits_bytes=logits, in_flight=chunks / vpp,
-            activation_peak_bytes=int(peak), kv_exchange_bytes=kv_exchange,
-            forward_saved_bytes=int(vpp * chunk_kept + embed + rotary + logits)))
+            layer_activation_bytes=max(layer, routed["bound"][0]) if has_moe else layer, logits_bytes=logits,
+            in_flight=chunks / vpp, activation_peak_bytes=peak, kv_exchange_bytes=kv_exchange,
+            forward_saved_bytes=int(vpp * chunk_kept + embed + rotary + logits),
+            expert_params=expert_params, dispatcher_bytes=stage_dispatch,
+            balanced_activation_peak_bytes=peaks.get("balanced", peak)))
     return out
 
 
@@ -318,6 +420,18 @@ def _sharding_summary(cfg) -> str:
     if o.optimizer_cpu_offload:
         zero += f", optimizer CPU offload {o.optimizer_offload_fraction:g}"
     return zero
+
+
+def parameters_line(cfg) -> str:
+    """The whole model's parameter count; for MoE total and active (per token) and the expert grid."""
+    total, active = model_params(cfg)
+    moe = settings_of(cfg)
+    if moe is None:
+        return f"  parameters: {total / 1e9:.2f}B"
+    ep, etp = expert_sizes(cfg)
+    return (f"  parameters: {total / 1e9:.2f}B total, {active / 1e9:.2f}B active ({moe.moe_router_topk} of "
+            f"{moe.num_experts} routed experts per MoE layer); experts on EP {ep} x ETP {etp} x expert-DP "
+            f"{expert_data_parallel_size(cfg)}, {moe.moe_token_dispatcher_type} dispatcher")
 
 
 def iteration_flops(cfg) -> tuple[float, float]:
@@ -340,14 +454,16 @@ def format_plan(cfg, stages: list[StagePlan], mfu: float = 0.4, peak_tflops: flo
              f"{p.pipeline_model_parallel_size} x DP {p.data_parallel_size}{vpp}"
              + (f" x CP {p.context_parallel_size} ({p.cp_comm_type})" if p.context_parallel_size > 1 else "")
              + f", {cfg.precision.params_dtype_name}, recompute {cfg.model.recompute_granularity or 'none'}, "
-             f"{_sharding_summary(cfg)}"]
+             f"{_sharding_summary(cfg)}", parameters_line(cfg)]
     for st in stages:
         fits = ""
         if gpu_memory_gb:
             fits = "  fits" if st.total_bytes / gib <= gpu_memory_gb else \
                 f"  DOES NOT FIT {gpu_memory_gb} GiB"
         lines.append(
-            f"  stage {st.pp_rank}: params {st.params / 1e6:.1f}M | weights {st.weights_bytes / gib:.2f} GiB"
+            f"  stage {st.pp_rank}: params {st.params / 1e6:.1f}M"
+            + (f" (routed experts {st.expert_params / 1e6:.1f}M)" if st.expert_params else "")
+            + f" | weights {st.weights_bytes / gib:.2f} GiB"
             f" | grads {st.grads_bytes / gib:.2f} GiB | optimizer {st.optimizer_bytes / gib:.2f} GiB"
             + (f" (+ host {st.host_bytes / gib:.2f} GiB)" if st.host_bytes else "")
             + (f" | FSDP2 gathered/unsharded {st.fsdp_transient_bytes / gib:.2f} GiB"
@@ -356,10 +472,13 @@ def format_plan(cfg, stages: list[StagePlan], mfu: float = 0.4, peak_tflops: flo
             f" (layer {st.layer_activation_bytes / 2**20:.1f} MiB, logits {st.logits_bytes / gib:.2f} GiB)"
             f" x {st.in_flight:g} in flight"
             + (f" + K/V exchange {st.kv_exchange_bytes / 2**20:.1f} MiB" if st.kv_exchange_bytes else "")
+            + (f" + token dispatch {st.dispatcher_bytes / 2**20:.1f} MiB" if st.dispatcher_bytes else "")
             + f" = {st.activation_peak_bytes / gib:.2f} GiB"
             + (f" | all-gather inputs {st.gather_transient_bytes / gib:.2f} GiB"
                if st.gather_transient_bytes else "")
-            + f" | total {st.total_bytes / gib:.2f} GiB at the {st.peak_phase}{fits}")
+            + f" | total {st.total_bytes / gib:.2f} GiB at the {st.peak_phase}{fits}"
+            + (f" (routed rows at their bound; balanced routing: total "
+               f"{st.balanced_total_bytes / gib:.2f} GiB)" if st.dispatcher_bytes else ""))
     model, hardware = iteration_flops(cfg)
     if step_time is not None:
         lines.append(f"  FLOPs/iteration: model {model:.3e}, with recompute {hardware:.3e}")

@@ -51,11 +51,13 @@ class StateBytes:
     gather_transient: int = 0  # the distributed optimizer's all-gather input copies
 
 
-def state_bytes(cfg, params: int, largest_unit: int, gloo: bool = False) -> StateBytes:
+def state_bytes(cfg, params: int, largest_unit: int, gloo: bool = False,
+                group_size: int | None = None) -> StateBytes:
     """StateBytes of a stage with `params` parameters whose largest FSDP2 unit has `largest_unit`;
-    gloo: the collectives run on gloo (CPU)."""
+    gloo: the collectives run on gloo (CPU); group_size: the group they are reduced and sharded
+    over, d (default DP x CP; MoE expert params: expert-DP)."""
     p, o, pr = cfg.parallel, cfg.optimizer, cfg.precision
-    dp = (p.data_parallel_size or 1) * p.context_parallel_size  # shards over DP x CP
+    dp = group_size or (p.data_parallel_size or 1) * p.context_parallel_size  # shards over DP x CP
     e = BYTES[pr.params_dtype_name]
     mixed = pr.bf16 or pr.fp16
     main = 8 if pr.params_dtype_name == "float64" else 4

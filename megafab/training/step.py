@@ -17,6 +17,13 @@ from megafab.model.gpt import masked_mean_loss
 from megafab.training import nan_check
 from megafab.training.batch_size import global_batch_size_at, num_micro_batches_at
 from megafab.training.loop_hooks import empty_unused_memory
+from megafab.training.moe import (
+    after_backward,
+    balancing_loss_scale,
+    logged_balancing_losses,
+    moe_settings,
+    set_balancing_loss_scale,
+)
 
 
 def _to_device(batch: dict, device) -> dict:
@@ -98,21 +105,29 @@ def run_schedule(state, data_iterator, forward_only: bool, num_micro_batches: in
     batches = [next(data_iterator) for _ in range(num_micro_batches)]
     iterators = [iter(batches) for _ in range(vpp)] if vpp > 1 else iter(batches)
     cp_group = topo.group("cp") if topo.cp > 1 else None
-    token_scale = None
+    moe = moe_settings(cfg)
+    scaler = getattr(state.optimizer, "grad_scaler", None)
+    token_scale = tokens = None
     if t.calculate_per_token_loss:
         # Only the last stage's training loss is scaled (the logs carry the unscaled sums), and a DP
-        # group lies within one stage, so the other stages skip the all-reduce.
+        # group lies within one stage, so the other stages skip the all-reduce (unless their MoE
+        # layers' balancing losses need the count too).
         token_scale = 1.0
-        if topo.is_last_stage and not forward_only:
+        if (topo.is_last_stage or moe is not None) and not forward_only:
             tokens = global_batch_tokens(batches, topo)  # full samples: every CP rank counts alike
+        if topo.is_last_stage and not forward_only:
             token_scale = num_micro_batches * topo.dp * topo.cp / max(tokens, 1.0)
+    if moe is not None and not forward_only:  # read by the balancing losses' backward
+        set_balancing_loss_scale(state.model, balancing_loss_scale(
+            scaler.scale if scaler is not None else 1.0, topo, num_micro_batches, tokens))
     forward_step = functools.partial(gpt_forward_step, cp_group=cp_group, timers=timers,
                                      token_scale=token_scale)
 
     def finalize(models):
         with timed(timers, "all-grads-sync", 1):
             finalize_model_grads(models, topology=topo, sequence_parallel=p.sequence_parallel)
-    scaler = getattr(state.optimizer, "grad_scaler", None)
+            if moe is not None:
+                after_backward(models, moe, topo)
     return schedule(
         forward_step_func=forward_step, data_iterator=iterators,
         model=state.model if vpp > 1 else state.model[0], num_microbatches=num_micro_batches,
@@ -146,9 +161,13 @@ def train_step(state, data_iterator, timers=None) -> dict:
     check = state.cfg.training.check_for_nan_in_loss_and_grad
     state.optimizer.zero_grad()  # zeroes every chunk's DDP grad buffer (once: it is a full memset)
     gbs = global_batch_size_at(state.cfg, state.consumed_train_samples)  # ramps with --rampup-batch-size
+    num_micro_batches = num_micro_batches_at(state.cfg, state.consumed_train_samples)
     with timed(timers, "forward-backward", 1):
         logs = run_schedule(state, data_iterator, forward_only=False, timers=timers,
-                            num_micro_batches=num_micro_batches_at(state.cfg, state.consumed_train_samples))
+                            num_micro_batches=num_micro_batches)
+    moe = moe_settings(state.cfg)
+    moe_losses = {} if moe is None else logged_balancing_losses(state.model, moe, state.cfg, state.topology,
+                                                                num_micro_batches)
     if check:
         nan_check.check_losses(state, logs)
     memory_level = state.cfg.training.empty_unused_memory_level
@@ -171,7 +190,7 @@ def train_step(state, data_iterator, timers=None) -> dict:
         state.nan_iterations += 1
     nan_check.check_skips(state)
     return {"lm loss": loss, "grad_norm": grad_norm, "num_zeros": num_zeros, "update_ok": ok,
-            "global_batch_size": gbs}
+            "global_batch_size": gbs, "moe_losses": moe_losses}
 
 
 def evaluate(state, data_iterator, eval_iters: int, counts_as_validation: bool = True) -> float | None:

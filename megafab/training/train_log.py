@@ -4,8 +4,8 @@
   values as one JSON line (--metrics-jsonl), the timers (--timing-log-level) and, after the first
   logged iterations, the memory line;
 - every --tensorboard-log-interval iterations: the scalars under Megatron's TensorBoard tags
-  (learning-rate, batch-size, lm loss, loss-scale, grad-norm, ... and each "<tag> vs samples"),
-  to wandb as well;
+  (learning-rate, batch-size, lm loss, loss-scale, grad-norm, ... and each "<tag> vs samples";
+  an MoE model's balancing losses as load_balancing_loss, z_loss, ...), to wandb as well;
 - after each evaluation: Megatron's validation line, "lm loss validation" (+ "ppl" with
   --log-validation-ppl-to-tensorboard), and its JSON line.
 """
@@ -78,6 +78,8 @@ class TrainingLog:
                   "world-size": self.topo.world_size if lg.log_world_size_to_tensorboard else None,
                   "grad-norm": metrics["grad_norm"], "num-zeros": metrics["num_zeros"]}
         self.writers.scalars(state.iteration, values, state.consumed_train_samples)
+        if metrics.get("moe_losses"):  # Megatron's track_moe_metrics: its names, by iteration only
+            self.writers.scalars(state.iteration, metrics["moe_losses"])
         if lg.log_memory_to_tensorboard:
             usage = memory_usage(self.topo.device)
             self.writers.scalars(state.iteration, {f"mem-{k.replace(' ', '-')}-bytes": v * 2**20
@@ -100,9 +102,10 @@ class TrainingLog:
                 "eta_s": (self.total - state.iteration) * elapsed}
         if log_rank(topo):
             when = timestamp()
-            print(iteration_line(state.iteration, self.total, line, when), flush=True)
+            moe = metrics.get("moe_losses") or {}
+            print(iteration_line(state.iteration, self.total, line, when, losses=moe), flush=True)
             self.jsonl.write({"kind": "iteration", "time": when, "iteration": state.iteration,
-                              "train_iters": self.total, **line})
+                              "train_iters": self.total, **line, **moe})
             if lg.log_timers_to_tensorboard:
                 self.writers.scalars(state.iteration, {"iteration-time": elapsed,
                                                        "throughput": tflops if lg.log_throughput else None})

@@ -56,7 +56,8 @@ def driver_state(cfg, dtype: torch.dtype | None = None) -> TrainState:
     e.g. float64 for parity tests; None: the config's precision)."""
     p = cfg.parallel
     topo = build_topology(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
-                          vpp=p.virtual_pipeline_model_parallel_size or 1, cp=p.context_parallel_size)
+                          vpp=p.virtual_pipeline_model_parallel_size or 1, cp=p.context_parallel_size,
+                          ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size)
     tracker = RNGStatesTracker("cpu")
     model_parallel_seed(cfg.training.seed, topo.tp_rank, topo.pp_rank, topo.device, tracker,
                         cp_rank=topo.cp_rank)

@@ -8,8 +8,18 @@ routing probabilities (applied after the activation, before fc2, as megatron-cor
                        aligned rows), else the same loop of GEMMs; the same numbers either way
 
 Each expert's weights are drawn from (seed, "<prefix>experts.<global index>.linear_fcN.weight"),
-so both classes hold the same weights and an EP rank holds exactly its experts' weights. Every
-routed-expert parameter is marked `is_expert` (its gradient is reduced over expert-DP, not DP).
+so both classes hold the same weights and an EP rank holds exactly its experts' weights.
+
+Expert tensor parallelism (etp_group, None: ETP 1) splits every expert as the dense MLP splits over
+TP: fc1 column-parallel (SwiGLU's packed [gate; up] strided, each rank [gate_r; up_r]), fc2
+row-parallel; rank r keeps exactly its partition of the one-process weight (layers.partition_of)
+and the params carry the dense layers' attributes (tensor_model_parallel, partition_dim,
+partition_stride: dims of the local layout, so the grouped weights' are one higher). The linears
+do no communication: the dispatcher hands every ETP rank the rows of all of them and sums their
+partial fc2 outputs. The fc2 bias is replicated; its value is added on ETP rank 0 only (megatron-
+core adds it on every ETP rank, so its sum counts it ETP times), its gradient taken on every rank.
+
+Every routed-expert parameter is marked `is_expert` (its gradient is reduced over expert-DP, not DP).
 """
 
 from __future__ import annotations
@@ -18,6 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megafab.checkpoint.keys import COLUMN_DIM, ROW_DIM, SWIGLU_STRIDE
+from megafab.distributed.layers import ParallelLayerError, partition_of
+from megafab.distributed.mappings import group_rank, group_size
 from megafab.model.init import normal_init, output_layer_std
 
 GROUPED_MM = getattr(F, "grouped_mm", None)
@@ -47,10 +60,43 @@ class ExpertShape:
         return (h * probs.unsqueeze(-1)).to(h.dtype)
 
 
-def _expert_weight(shape, seed: int, name: str, std: float, dtype, device) -> torch.Tensor:
-    master = torch.empty(shape, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
-    normal_init(seed, name, std)(master)
-    return master.to(device=device, dtype=dtype)
+class ExpertSplit:
+    """How one ETP rank holds an expert: its rank and size in etp_group."""
+
+    def __init__(self, shape: ExpertShape, etp_group, params_dtype: torch.dtype):
+        self.shape = shape
+        self.master_dtype = torch.float64 if params_dtype == torch.float64 else torch.float32
+        self.rank, self.size = group_rank(etp_group), group_size(etp_group)
+        if shape.ffn_hidden_size % self.size != 0:
+            raise ParallelLayerError(
+                f"the expert FFN hidden size is {shape.ffn_hidden_size}, which is not divisible by the "
+                f"expert-tensor-parallel size {self.size}; choose a multiple of {self.size}")
+        self.fc1_stride = SWIGLU_STRIDE if shape.swiglu else 1
+
+    def weights(self, seed: int, name: str, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's partitions of the expert `name`'s full fc1 [fc1_out, h] (column) and fc2
+        [h, f] (row) weights, drawn from (seed, name + "linear_fcN.weight")."""
+        shape = self.shape
+        fc1 = self._partition((shape.fc1_out, shape.hidden_size), COLUMN_DIM, self.fc1_stride, seed,
+                              name + "linear_fc1.weight", shape.fc1_std)
+        fc2 = self._partition((shape.hidden_size, shape.ffn_hidden_size), ROW_DIM, 1, seed,
+                              name + "linear_fc2.weight", shape.fc2_std)
+        return fc1.to(device=device, dtype=dtype), fc2.to(device=device, dtype=dtype)
+
+    def _partition(self, full_shape, dim: int, stride: int, seed: int, name: str, std: float) -> torch.Tensor:
+        master = torch.empty(full_shape, dtype=self.master_dtype)
+        normal_init(seed, name, std)(master)
+        return partition_of(master, dim, self.rank, self.size, stride)
+
+    def output_bias(self, bias: torch.Tensor) -> torch.Tensor:
+        """The fc2 bias this rank adds: all of it on ETP rank 0, a zero with its gradient elsewhere
+        (the combine's reduce-scatter sums the ranks' outputs; every rank sees every row's grad)."""
+        return bias if self.rank == 0 else bias - bias.detach()
+
+
+def _mark_split(param: nn.Parameter | None, dim: int, stride: int = 1) -> None:
+    if param is not None:
+        param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, stride
 
 
 def _mark_expert(module: nn.Module) -> None:
@@ -60,11 +106,12 @@ def _mark_expert(module: nn.Module) -> None:
 
 class SequentialExperts(nn.Module):
     def __init__(self, shape: ExpertShape, num_local_experts: int, first_expert: int, *, seed: int,
-                 prefix: str, params_dtype: torch.dtype, device=None):
+                 prefix: str, params_dtype: torch.dtype, device=None, etp_group=None):
         super().__init__()
         self.shape = shape
+        split = ExpertSplit(shape, etp_group, params_dtype)
         self.local_experts = nn.ModuleList(
-            _ExpertMLP(shape, f"{prefix}experts.{first_expert + i}.", seed, params_dtype, device)
+            _ExpertMLP(shape, split, f"{prefix}experts.{first_expert + i}.", seed, params_dtype, device)
             for i in range(num_local_experts))
         _mark_expert(self)
 
@@ -76,20 +123,20 @@ class SequentialExperts(nn.Module):
 
 
 class _ExpertMLP(nn.Module):
-    def __init__(self, shape: ExpertShape, name: str, seed: int, dtype, device):
+    def __init__(self, shape: ExpertShape, split: ExpertSplit, name: str, seed: int, dtype, device):
         super().__init__()
-        self.shape = shape
-        self.linear_fc1 = _Linear(_expert_weight((shape.fc1_out, shape.hidden_size), seed,
-                                                 name + "linear_fc1.weight", shape.fc1_std, dtype, device),
-                                  shape.bias)
-        self.linear_fc2 = _Linear(_expert_weight((shape.hidden_size, shape.ffn_hidden_size), seed,
-                                                 name + "linear_fc2.weight", shape.fc2_std, dtype, device),
-                                  shape.bias)
+        self.shape, self.split = shape, split
+        fc1, fc2 = split.weights(seed, name, dtype, device)
+        self.linear_fc1 = _Linear(fc1, shape.bias)  # [fc1_out/etp, h]
+        self.linear_fc2 = _Linear(fc2, shape.bias)  # [h, f/etp]
+        for p in (self.linear_fc1.weight, self.linear_fc1.bias):
+            _mark_split(p, COLUMN_DIM, split.fc1_stride)
+        _mark_split(self.linear_fc2.weight, ROW_DIM)
 
     def forward(self, x, probs):
         out = self.linear_fc2(self.shape.activate(self.linear_fc1(x), probs), add_bias=False)
         if self.linear_fc2.bias is not None:  # the output bias is weighted like the output
-            out = out + self.linear_fc2.bias * probs.unsqueeze(-1)
+            out = out + self.split.output_bias(self.linear_fc2.bias) * probs.unsqueeze(-1)
         return out
 
 
@@ -106,26 +153,25 @@ class _Linear(nn.Module):
 
 class GroupedExperts(nn.Module):
     def __init__(self, shape: ExpertShape, num_local_experts: int, first_expert: int, *, seed: int,
-                 prefix: str, params_dtype: torch.dtype, device=None):
+                 prefix: str, params_dtype: torch.dtype, device=None, etp_group=None):
         super().__init__()
         self.shape = shape
-        experts = range(first_expert, first_expert + num_local_experts)
-
-        def stacked(fc, rows, cols, std):
-            return torch.stack([_expert_weight((rows, cols), seed, f"{prefix}experts.{e}.{fc}.weight", std,
-                                               params_dtype, device) for e in experts])
-
-        self.linear_fc1 = _GroupedLinear(
-            stacked("linear_fc1", shape.fc1_out, shape.hidden_size, shape.fc1_std), shape.bias)
-        self.linear_fc2 = _GroupedLinear(
-            stacked("linear_fc2", shape.hidden_size, shape.ffn_hidden_size, shape.fc2_std), shape.bias)
+        self.split = split = ExpertSplit(shape, etp_group, params_dtype)
+        fc1, fc2 = zip(*(split.weights(seed, f"{prefix}experts.{e}.", params_dtype, device)
+                         for e in range(first_expert, first_expert + num_local_experts)))
+        self.linear_fc1 = _GroupedLinear(torch.stack(fc1), shape.bias)  # [E_local, fc1_out/etp, h]
+        self.linear_fc2 = _GroupedLinear(torch.stack(fc2), shape.bias)  # [E_local, h, f/etp]
+        for p in (self.linear_fc1.weight, self.linear_fc1.bias):  # one dim after the expert dim
+            _mark_split(p, COLUMN_DIM + 1, split.fc1_stride)
+        _mark_split(self.linear_fc2.weight, ROW_DIM + 1)
         _mark_expert(self)
 
     def forward(self, rows: torch.Tensor, tokens_per_expert: list[int], probs: torch.Tensor) -> torch.Tensor:
         h = self.shape.activate(self.linear_fc1(rows, tokens_per_expert), probs)
         out = self.linear_fc2(h, tokens_per_expert, add_bias=False)
         if self.linear_fc2.bias is not None:
-            out = out + self.linear_fc2.bias_rows(tokens_per_expert) * probs.unsqueeze(-1)
+            bias = self.split.output_bias(self.linear_fc2.bias)
+            out = out + self.linear_fc2.bias_rows(tokens_per_expert, bias) * probs.unsqueeze(-1)
         return out
 
 
@@ -138,9 +184,11 @@ class _GroupedLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(weight.shape[:2], dtype=weight.dtype, device=weight.device)) \
             if bias else None
 
-    def bias_rows(self, tokens_per_expert: list[int]) -> torch.Tensor:
-        counts = torch.tensor(tokens_per_expert, device=self.bias.device)
-        return self.bias.repeat_interleave(counts, dim=0, output_size=sum(tokens_per_expert))
+    def bias_rows(self, tokens_per_expert: list[int], bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Each row's expert bias ([E_local, out] `bias`, default this linear's) -> [M, out]."""
+        bias = self.bias if bias is None else bias
+        counts = torch.tensor(tokens_per_expert, device=bias.device)
+        return bias.repeat_interleave(counts, dim=0, output_size=sum(tokens_per_expert))
 
     def forward(self, x: torch.Tensor, tokens_per_expert: list[int], add_bias: bool = True) -> torch.Tensor:
         if grouped_mm_runs(x, self.weight):

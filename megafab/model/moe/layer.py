@@ -7,8 +7,9 @@ Parameter names are megatron-core's: router.weight (router.expert_bias buffer),
 experts.local_experts.{i}.linear_fc1.weight (sequential) or experts.linear_fc1.weight
 [E_local, ...] (grouped), shared_experts.linear_fc1.weight, shared_experts.gate_weight.
 
-Groups (None: one rank; EP 1 needs no process group): ep_group splits the experts; tp_cp_group
-and tp_dp_cp_group are the router's token-count groups (see router.py).
+Groups (None: one rank; EP 1 needs no process group): ep_group splits the experts, etp_group
+shards each expert, tp_ep_group is their product (dispatcher.py, experts.py); tp_cp_group and
+tp_dp_cp_group are the router's token-count groups (see router.py).
 
 moe_shared_expert_overlap computes the same sum (megatron-core adds the shared output inside the
 dispatcher's combine); here the shared experts simply run first, no side stream yet.
@@ -29,8 +30,8 @@ from megafab.model.moe.shared_experts import SharedExpertMLP
 
 class MoELayer(nn.Module):
     def __init__(self, settings: MoESettings, cfg, ctx, prefix: str, *, activation, ep_group=None,
-                 tp_cp_group=None, tp_dp_cp_group=None, loss_scale: LossScale | None = None,
-                 calculate_per_token_loss: bool = False):
+                 etp_group=None, tp_ep_group=None, tp_cp_group=None, tp_dp_cp_group=None,
+                 loss_scale: LossScale | None = None, calculate_per_token_loss: bool = False):
         """cfg: the model config (hidden_size, ffn_hidden_size, swiglu, add_bias_linear,
         init_method_std, num_layers); ctx: the LayerContext; prefix: this MLP's global parameter
         name prefix ("decoder.layers.L.mlp."), which keys the initialization."""
@@ -42,14 +43,16 @@ class MoELayer(nn.Module):
             bias=cfg.add_bias_linear, sequence_parallel=ctx.sequence_parallel, loss_scale=loss_scale,
             calculate_per_token_loss=calculate_per_token_loss, tp_cp_group=tp_cp_group,
             tp_dp_cp_group=tp_dp_cp_group)
-        self.dispatcher = DISPATCHERS[settings.moe_token_dispatcher_type](settings.num_experts, ep_group)
+        self.dispatcher = DISPATCHERS[settings.moe_token_dispatcher_type](
+            settings.num_experts, ep_group, etp_group, tp_ep_group)
         common = dict(swiglu=cfg.swiglu, activation=activation, init_method_std=cfg.init_method_std,
                       num_layers=cfg.num_layers)
         shape = ExpertShape(cfg.hidden_size, settings.ffn_hidden_size(cfg.ffn_hidden_size),
                             bias=cfg.add_bias_linear, **common)
         experts = GroupedExperts if settings.moe_grouped_gemm else SequentialExperts
         self.experts = experts(shape, self.dispatcher.num_local_experts, self.dispatcher.first_expert,
-                               seed=ctx.seed, prefix=prefix, params_dtype=ctx.params_dtype, device=ctx.device)
+                               seed=ctx.seed, prefix=prefix, params_dtype=ctx.params_dtype, device=ctx.device,
+                               etp_group=etp_group)
         self.shared_experts = None
         if settings.moe_shared_expert_intermediate_size is not None:
             shared = ExpertShape(cfg.hidden_size, settings.moe_shared_expert_intermediate_size, bias=False,

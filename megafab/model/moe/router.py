@@ -4,12 +4,18 @@ Megatron-core 0.16.1's order: input jitter -> gate logits (router dtype) -> z-lo
 logits -> top-k routing -> capacity dropping -> balancing losses attached to the probs (training
 only) -> tokens per expert counted for the expert bias.
 
+Under activation recompute the side effects (the losses' log, the expert-bias token counts,
+global_aux_loss's running counts) happen in the first forward only; the recompute reuses the
+running counts that forward saw (model/recompute.py's recompute_phase).
+
 Groups (None: this rank alone): `tp_cp_group` is the group whose ranks hold the other tokens of
 the same sequences (TP under SP, and CP): aux_loss and seq_aux_loss count tokens over it.
 `tp_dp_cp_group` holds all tokens of the global batch of this stage: global_aux_loss counts over it.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 import torch
 from torch import nn
@@ -19,6 +25,7 @@ from megafab.model.init import normal_init
 from megafab.model.moe import balancing
 from megafab.model.moe.routing import aux_loss_scores, drop_to_capacity, gate_logits, topk_routing
 from megafab.model.moe.settings import MoESettings
+from megafab.model.recompute import recompute_phase
 
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
@@ -65,6 +72,8 @@ class TopKRouter(nn.Module):
         # Megatron's logging name -> loss / coeff summed over the forwards since the log last read
         # it (loss_logging.moe_loss_values)
         self.logged_losses: dict[str, torch.Tensor] = {}
+        # global_aux_loss's mean counts seen by checkpointed forwards, for their recomputes
+        self._replayed_counts: deque[torch.Tensor] = deque()
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
@@ -97,7 +106,7 @@ class TopKRouter(nn.Module):
                                                   s.moe_token_drop_policy, s.moe_pad_expert_input_to_capacity)
         if training and any(s.aux_loss_coeff(kind) > 0 for kind in LOGGED_LOSSES):
             probs = self._attach_balancing_losses(probs, logits, seq_length, batch)
-        if self.expert_bias is not None and torch.is_grad_enabled():
+        if self.expert_bias is not None and torch.is_grad_enabled() and recompute_phase() != "recompute":
             with torch.no_grad():
                 self.local_tokens_per_expert += routing_map.sum(dim=0)
         return probs, routing_map
@@ -129,14 +138,24 @@ class TopKRouter(nn.Module):
                                              self.topk, self.num_experts, coeff) / batch
             else:
                 group = self.tp_dp_cp_group
-                counts = balancing.summed_over(routing_map.sum(dim=0), group)
-                self.global_tokens_per_expert += counts
-                self.global_steps += 1
-                loss = balancing.switch_loss(scores, self.global_tokens_per_expert / self.global_steps,
+                loss = balancing.switch_loss(scores, self._global_counts(routing_map, group),
                                              tokens * group_size(group), self.topk, self.num_experts, coeff)
             self._log(name, loss / coeff)
             probs = balancing.attach_loss(probs, self._per_token(loss, tokens), self.loss_scale)
         return probs
+
+    def _global_counts(self, routing_map, group):
+        """global_aux_loss's tokens per expert: the mean over the step's forwards so far of the
+        counts over `group` (this forward's included); a recompute sees its forward's value."""
+        phase = recompute_phase()
+        if phase == "recompute":
+            return self._replayed_counts.popleft()
+        self.global_tokens_per_expert += balancing.summed_over(routing_map.sum(dim=0), group)
+        self.global_steps += 1
+        counts = self.global_tokens_per_expert / self.global_steps
+        if phase == "forward":
+            self._replayed_counts.append(counts)
+        return counts
 
     def _per_token(self, loss, tokens):
         """With --calculate-per-token-loss Megatron divides every gradient by the step's token count
@@ -144,10 +163,18 @@ class TopKRouter(nn.Module):
         return loss * tokens if self.calculate_per_token_loss else loss
 
     def _log(self, name, value):
-        self.logged_losses[name] = value.detach() + self.logged_losses.get(name, 0)
+        if recompute_phase() != "recompute":
+            self.logged_losses[name] = value.detach() + self.logged_losses.get(name, 0)
 
     def reset_step_state(self) -> None:
-        """What Megatron clears after each optimizer step: global_aux_loss's token counts."""
+        """What Megatron clears after each step's backward (finalize_model_grads'
+        reset_model_temporary_tensors): global_aux_loss's token counts."""
         if self.settings.aux_loss_coeff("global_aux_loss") > 0:
             self.global_tokens_per_expert.zero_()
             self.global_steps.zero_()
+        self._replayed_counts.clear()
+
+
+def routers_of(modules) -> list[TopKRouter]:
+    """Every TopKRouter in `modules` (model chunks, possibly wrapped), in model order."""
+    return [m for module in modules for m in module.modules() if isinstance(m, TopKRouter)]

@@ -2,7 +2,9 @@
 the two.
 
 Workarounds for running megatron-core's MoE on CPU (tests only, never in megafab): its dispatchers
-and shared experts create CUDA streams/events and ask for torch.cuda.current_device(); its router
+and shared experts create CUDA streams/events and ask for torch.cuda.current_device(); on gloo its
+uneven all-gather (alltoall dispatcher at ETP > 1) runs as megafab's all-to-all form and its
+all-to-all gets its splits as lists (gloo takes no tensors there); its router
 gate calls Transformer Engine's GEMM by a module-level name that only exists with TE installed
 (set to None, its own torch fallback runs); its RNG tracker fork is a no-op (no dropout here).
 Its loss tracker keeps float32 values, so the router's calls to it are also recorded here at full
@@ -39,35 +41,55 @@ class _Stream:
 
 
 @contextlib.contextmanager
-def megatron_moe_on_cpu():
-    """A 1-rank gloo group behind megatron-core's parallel_state and the CPU patches, undone after."""
+def megatron_moe_on_cpu(**parallel):
+    """megatron-core's parallel_state (`parallel`: initialize_model_parallel's expert sizes) over
+    the process group the harness made, or a 1-rank gloo group made here, and the CPU patches,
+    undone after."""
     import pytest
     import torch.distributed as dist
     from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import mappings
     from megatron.core.tensor_parallel import random as mcore_random
-    from megatron.core.transformer.moe import moe_utils, router
+    from megatron.core.transformer.moe import moe_utils, router, token_dispatcher
 
     track = router.save_to_aux_losses_tracker
+    gather = mappings._gather_along_first_dim
+    exchange = token_dispatcher.all_to_all
 
     def record(name, loss, *args, **kwargs):
         LOGGED[name] = LOGGED.get(name, 0) + loss.detach().double()
         track(name, loss, *args, **kwargs)
 
+    def gather_uneven_on_gloo(x, group, output_split_sizes=None, *rest):  # gloo: equal all-gathers only
+        if output_split_sizes is None or group.size() == 1:
+            return gather(x, group, output_split_sizes, *rest)
+        from megafab.distributed.mappings import gather_first_dim_uneven
+        return gather_first_dim_uneven(x, list(output_split_sizes), group)
+
+    def all_to_all_on_gloo(group, x, output_splits=None, input_splits=None):  # gloo: splits as lists
+        as_list = (lambda splits: None if splits is None else [int(n) for n in splits])
+        return exchange(group, x, as_list(output_splits), as_list(input_splits))
+
     patch = pytest.MonkeyPatch()
     patch.setattr(router, "save_to_aux_losses_tracker", record)
+    patch.setattr(mappings, "_gather_along_first_dim", gather_uneven_on_gloo)
+    patch.setattr(token_dispatcher, "all_to_all", all_to_all_on_gloo)
     patch.setattr(torch.cuda, "current_device", lambda: "cpu")
     patch.setattr(torch.cuda, "Stream", _Stream)
     patch.setattr(torch.cuda, "current_stream", lambda *a, **k: _Stream())
     patch.setattr(torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext())
     patch.setattr(moe_utils, "te_general_gemm", None, raising=False)
     patch.setattr(mcore_random.get_cuda_rng_tracker(), "fork", lambda *a, **k: contextlib.nullcontext())
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1, **parallel)
     try:
         yield
     finally:
         parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()  # the harness forks later tests from this process
+        if own_group:
+            dist.destroy_process_group()  # the harness forks later tests from this process
         patch.undo()
 
 
@@ -84,8 +106,9 @@ def megafab_layer(settings: MoESettings, swiglu: bool, dtype, bias: bool = False
 
 
 def megatron_layer(settings: MoESettings, swiglu: bool, dtype, bias: bool = False, per_token: bool = False,
-                   layer_number: int = 1, fresh_logs: bool = True):
-    """megatron-core's MoELayer (local spec: SequentialMLP experts) with the same settings."""
+                   layer_number: int = 1, fresh_logs: bool = True, **parallel):
+    """megatron-core's MoELayer (local spec: SequentialMLP experts) with the same settings;
+    `parallel`: TransformerConfig's parallel sizes (those given to megatron_moe_on_cpu)."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.spec_utils import build_module
@@ -101,7 +124,7 @@ def megatron_layer(settings: MoESettings, swiglu: bool, dtype, bias: bool = Fals
             num_moe_experts=settings.num_experts, use_cpu_initialization=True, params_dtype=dtype,
             gradient_accumulation_fusion=False, add_bias_linear=bias, bias_activation_fusion=False,
             gated_linear_unit=swiglu, activation_func=F.silu if swiglu else F.gelu,
-            calculate_per_token_loss=per_token, **moe)
+            calculate_per_token_loss=per_token, **parallel, **moe)
         spec = get_moe_module_spec(use_te=False, num_experts=settings.num_experts, moe_grouped_gemm=False)
         layer = build_module(spec, config=config, layer_number=layer_number)
     layer.set_layer_number(layer_number)

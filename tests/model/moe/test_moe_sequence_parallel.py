@@ -51,8 +51,8 @@ def _sp_rank(rank, world, settings):
     errors = [(out - ref_out[rows]).abs().max().item(), (local_x.grad - ref_x.grad[rows]).abs().max().item()]
     ref_params = dict(reference.named_parameters())
     for name, p in layer.named_parameters():
-        if getattr(p, "tensor_model_parallel", False):
-            g_full = full_grad(p, group)
+        if getattr(p, "tensor_model_parallel", False) and not getattr(p, "is_expert", False):
+            g_full = full_grad(p, group)  # expert params: split over ETP (1 here), not TP
         else:
             g_full = p.grad.clone()
             dist.all_reduce(g_full, group=group)  # partial over this rank's tokens

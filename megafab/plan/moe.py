@@ -1,0 +1,181 @@
+"""Mixture-of-experts terms of the plan, from the model's sizes and the MoE settings alone.
+
+Notation as megafab.training.planner; E routed experts, k = --moe-router-topk, f_e each expert's
+width (--moe-ffn-hidden-size, default f), f_s the shared experts' width, t_e ETP, p_e EP, E_l = E/p_e
+local experts; f_1 = 2 f_e with SwiGLU, else f_e (likewise f_s1).
+
+Parameters of one MoE MLP (the layer's attention and norms are the dense layer's):
+    router          E h (+ E with --add-bias-linear)      replicated over TP; reduced over DP x CP
+    routed experts  E (h f_1 + f_e h) (+ E (f_1 + h))      expert params: / (t_e p_e) per rank,
+                                                          reduced and sharded over expert-DP
+    shared experts  h f_s1 + f_s h (+ h: the gate)         / TP like the dense MLP (the gate replicated)
+Active parameters count k of the E routed experts (what one token passes through). Megatron's
+compute_weight_and_optimizer_memory counts the same minus the router (E h per layer, < 0.1%).
+
+Routed rows on one rank (the expert input after the dispatcher), N = b s / (c r) tokens entering the
+router on each rank (r = t under SP):
+    expected        N k t_e                               (balanced routing; the step time uses it)
+    bound           N p_e t_e min(k, E_l)                 no capacity factor: every token of the EP x
+                                                          ETP group picks this rank's experts (the
+                                                          memory plan's worst case)
+                    E_l p_e t_e ceil(N k / E cf)          --moe-expert-capacity-factor cf: each source
+                                                          rank sends each expert at most its capacity
+                                                          (exactly that with padding)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from megafab.training.state_memory import StateBytes, state_bytes
+
+
+@dataclass(frozen=True)
+class MoEParams:
+    """Parameters of one MoE MLP on one rank (or, at tp = etp = ep = 1, in all)."""
+    router: int
+    shared: int  # shared experts and their gate
+    experts: int  # routed experts (param.is_expert): reduced over expert-DP, not DP x CP
+
+    @property
+    def total(self) -> int:
+        return self.router + self.shared + self.experts
+
+
+def settings_of(cfg):
+    """The config's MoE settings (cfg.moe), None for a dense model."""
+    return cfg.moe if cfg.moe.num_experts is not None else None
+
+
+def is_moe_layer(moe, index: int) -> bool:
+    """Whether global layer `index` has an MoE MLP (moe: settings_of's value)."""
+    return moe is not None and moe.is_moe_layer(index)
+
+
+def expert_sizes(cfg) -> tuple[int, int]:
+    """(EP, ETP) of the config (1, 1 for a dense model)."""
+    p = cfg.parallel
+    return p.expert_model_parallel_size, p.expert_tensor_parallel_size or p.tensor_model_parallel_size
+
+
+def moe_mlp_params(m, moe, tp: int = 1, etp: int = 1, ep: int = 1, experts: int | None = None) -> MoEParams:
+    """One MoE MLP on one (TP, ETP, EP) rank; experts: how many routed experts to count in all
+    (default E / ep: the rank's local ones; k for the active count)."""
+    h, f_e = m.hidden_size, moe.ffn_hidden_size(m.ffn_hidden_size)
+    count = moe.num_experts // ep if experts is None else experts
+    bias = m.add_bias_linear
+    fc1 = f_e * (2 if m.swiglu else 1)
+    per_expert = h * fc1 // etp + f_e // etp * h + ((fc1 // etp + h) if bias else 0)
+    router = moe.num_experts * h + (moe.num_experts if bias else 0)
+    shared = 0
+    f_s = moe.moe_shared_expert_intermediate_size
+    if f_s:
+        fs1 = f_s * (2 if m.swiglu else 1)
+        shared = h * fs1 // tp + f_s // tp * h + (h if moe.moe_shared_expert_gate else 0)
+    return MoEParams(router=router, shared=shared, experts=count * per_expert)
+
+
+def dense_mlp_params(m, tp: int = 1) -> int:
+    """The dense MLP of one layer on one TP rank (fc2's bias replicated)."""
+    fc1 = m.ffn_hidden_size * (2 if m.swiglu else 1)
+    n = m.hidden_size * fc1 // tp + m.ffn_hidden_size * m.hidden_size // tp
+    return n + ((fc1 // tp + m.hidden_size) if m.add_bias_linear else 0)
+
+
+def expert_data_parallel_size(cfg) -> int:
+    """Expert-DP: the ranks holding the same experts, world / (ETP x EP x PP) (Megatron's expert
+    grid tp-ep-dp-pp, CP folded into its DP)."""
+    ep, etp = expert_sizes(cfg)
+    p = cfg.parallel
+    return p.world_size // (etp * ep * p.pipeline_model_parallel_size)
+
+
+def stage_state_bytes(cfg, params: int, expert_params: int, unit: int, expert_unit: int,
+                      gloo: bool = False) -> StateBytes:
+    """Training state of a stage whose `params` include `expert_params` routed-expert ones: the dense
+    rest reduced and sharded over DP x CP, the experts over expert-DP (distributed optimizer and
+    FSDP2 alike); unit, expert_unit: the largest FSDP2 unit's (all, expert) parameters."""
+    dense = state_bytes(cfg, params - expert_params, unit - expert_unit, gloo=gloo)
+    if not expert_params:
+        return dense
+    experts = state_bytes(cfg, expert_params, expert_unit, gloo=gloo,
+                          group_size=expert_data_parallel_size(cfg))
+    return StateBytes(*(getattr(dense, f.name) + getattr(experts, f.name)
+                        for f in dataclasses.fields(StateBytes)))
+
+
+def router_tokens(cfg) -> int:
+    """N: tokens entering one rank's router per micro-batch (the SP shard of its CP chunk)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    r = p.tensor_model_parallel_size if p.sequence_parallel else 1
+    return t.micro_batch_size * m.seq_length // p.context_parallel_size // r
+
+
+def expected_rows(cfg, moe) -> int:
+    """Routed rows one rank's experts take per micro-batch under balanced routing."""
+    _, etp = expert_sizes(cfg)
+    return router_tokens(cfg) * moe.moe_router_topk * etp
+
+
+def bound_rows(cfg, moe) -> int:
+    """The most routed rows one rank's experts can take per micro-batch (see the module docstring)."""
+    ep, etp = expert_sizes(cfg)
+    n, k, experts = router_tokens(cfg), moe.moe_router_topk, moe.num_experts
+    local = experts // ep
+    worst = n * ep * etp * min(k, local)
+    cf = moe.moe_expert_capacity_factor
+    if cf is None:
+        return worst
+    capped = local * ep * etp * math.ceil(n * k / experts * cf)
+    return capped if moe.moe_pad_expert_input_to_capacity else min(capped, worst)
+
+
+def moe_mlp_activation_bytes(cfg, moe, rows: int, e: int) -> int:
+    """What one MoE MLP keeps for backward per micro-batch on one rank, beyond the normed input the
+    dense layer already counts (the router's and shared experts' input):
+        router          N E (4 + 4 + 1)          fp32 logits and scores, the routing map
+        routed rows     rows (e h + e (f_1 + 2 f_e + f_e with SwiGLU) / t_e + 4 + 8)
+                                                 expert input, fc1 output, activation output (for
+                                                 the probabilities' gradient), fc2 input, the
+                                                 row's probability and permutation index
+        shared experts  e s b / c (f_s1 + f_s + f_s with SwiGLU) / t    as the dense MLP
+    """
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    _, etp = expert_sizes(cfg)
+    tp = p.tensor_model_parallel_size
+    h, f_e = m.hidden_size, moe.ffn_hidden_size(m.ffn_hidden_size)
+    fc1 = f_e * (2 if m.swiglu else 1)
+    router = router_tokens(cfg) * moe.num_experts * 9
+    per_row = e * h + e * (fc1 + 2 * f_e + (f_e if m.swiglu else 0)) // etp + 12
+    shared = 0
+    f_s = moe.moe_shared_expert_intermediate_size
+    if f_s:
+        tokens = t.micro_batch_size * m.seq_length // p.context_parallel_size
+        shared = e * tokens * (f_s * (2 if m.swiglu else 1) + f_s + (f_s if m.swiglu else 0)) // tp
+    return router + rows * per_row + shared
+
+
+def dispatcher_bytes(cfg, moe, rows: int, e: int) -> int:
+    """Transient buffers of one MoE layer's dispatch (in the peak, one layer at a time): alltoall,
+    the permuted tokens sent (N k h) and the rows received before the ETP all-gather (rows / t_e);
+    allgather, the EP x ETP group's gathered tokens, their fp32 probabilities and routing map."""
+    ep, etp = expert_sizes(cfg)
+    n, h = router_tokens(cfg), cfg.model.hidden_size
+    if moe.moe_token_dispatcher_type == "alltoall":
+        return e * h * (n * moe.moe_router_topk + rows // etp)
+    gathered = n * ep * etp
+    return gathered * (e * h + 5 * moe.num_experts)
+
+
+def mlp_flops_per_token(m, moe, layer_is_moe: bool) -> float:
+    """Forward FLOPs of one layer's MLP per token, as Megatron's num_floating_point_operations counts
+    them: 2 h f (3 with SwiGLU, else 2) for the dense MLP; for an MoE MLP k routed experts of width f_e
+    plus the shared experts (f_s); the router's 2 h E and the shared gate are not counted."""
+    factor = 3 if m.swiglu else 2
+    if not layer_is_moe:
+        return 2.0 * m.hidden_size * m.ffn_hidden_size * factor
+    width = moe.ffn_hidden_size(m.ffn_hidden_size) * moe.moe_router_topk \
+        + (moe.moe_shared_expert_intermediate_size or 0)
+    return 2.0 * m.hidden_size * width * factor
