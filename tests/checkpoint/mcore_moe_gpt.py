@@ -1,13 +1,11 @@
 """megatron-core 0.16.1's MoE GPTModel (local spec, SequentialMLP experts, a gated shared expert,
 QK-norm, alltoall) on CPU as the oracle for MoE checkpoints, and the same model as megafab's Config.
-Workarounds on top of tests/checkpoint/mcore.py's: the MoE dispatcher's CUDA streams and the
-router's TE GEMM (as tests/model/moe/mcore_moe.py patches them); applied in forked ranks only."""
+The CPU workarounds are tests/model/moe/mcore_moe.py's and tests/checkpoint/mcore.py's."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import types
 import zlib
 
 import torch
@@ -34,35 +32,16 @@ def megafab_config(**moe) -> Config:
     return dataclasses.replace(Config.from_flat(flat), model=finalize_model_config(flat))
 
 
-class _Stream:
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def wait_stream(self, *args):
-        pass
-
-    def record_event(self, *args):
-        return types.SimpleNamespace(synchronize=lambda: None)
-
-
-def moe_cpu_workarounds() -> None:
-    from megatron.core.transformer.moe import moe_utils
-
+@contextlib.contextmanager
+def megatron_moe_ranks(ep: int):
+    """megatron-core's parallel state at EP `ep` over the harness's ranks, with the MoE CPU patches
+    (tests/model/moe/mcore_moe.py) and the checkpoint ones (tests/checkpoint/mcore.py)."""
     from tests.checkpoint import mcore
+    from tests.model.moe.mcore_moe import megatron_moe_on_cpu
 
-    mcore.cpu_workarounds()
-    torch.cuda.Stream = _Stream
-    torch.cuda.current_stream = lambda *a, **k: _Stream()
-    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
-    moe_utils.te_general_gemm = None
-
-
-def init_parallel(ep: int, tp: int = 1) -> None:
-    from megatron.core import parallel_state as ps
-
-    moe_cpu_workarounds()
-    ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep)
+    with megatron_moe_on_cpu(expert_model_parallel_size=ep):
+        mcore.cpu_workarounds()
+        yield
 
 
 def gpt_model(seed: int = 7):

@@ -1,8 +1,9 @@
 """MoE torch_dist checkpoints both ways, megatron-core 0.16.1 as the oracle (fp32): its
 dist_checkpointing.save of a MoE GPT (4 experts top-2, a gated shared expert, QK-norm, alltoall) at
 EP 1 and EP 2 reads into megafab's keys (routed experts under global indices, [E, 2f, h]) with
-every tensor exact; megafab's torch_dist written from those weights loads strictly into
-megatron-core at EP 2 and EP 1 (every key and `_extra_state` object it asks for) with the same values."""
+every tensor exact, and megafab.inference.load_model's MoE GPT gives its logits within 1e-5;
+megafab's torch_dist written from those weights loads strictly into megatron-core at EP 2 and EP 1
+(every key and `_extra_state` object it asks for) with the same values."""
 
 import pytest
 import torch
@@ -10,9 +11,18 @@ import torch
 from megafab.checkpoint import megatron_dist
 from megafab.checkpoint.layout import MODEL_PREFIX, from_stored
 from megafab.convert.checkpoint import write_checkpoint
+from megafab.inference.load import load_model
 from tests.checkpoint import mcore
-from tests.checkpoint.mcore_moe_gpt import EXPERTS, global_name, init_parallel, megafab_config, megatron_args
+from tests.checkpoint.mcore_moe_gpt import (
+    EXPERTS,
+    global_name,
+    megafab_config,
+    megatron_args,
+    megatron_moe_ranks,
+)
 from tests.harness import run_ranks
+
+TOKENS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
 
 
 def _state(model, ep_rank, local):
@@ -25,12 +35,13 @@ def _mcore_save(rank, world, root):
 
     from tests.checkpoint.mcore_moe_gpt import gpt_model
 
-    init_parallel(ep=world)
-    model = gpt_model()
-    common = {"args": megatron_args(expert_model_parallel_size=world), "iteration": 10,
-              "checkpoint_version": 3.0}
-    mcore.save(model, root, common=common)
-    return _state(model, ps.get_expert_model_parallel_rank(), EXPERTS // world)
+    with megatron_moe_ranks(ep=world):
+        model = gpt_model()
+        common = {"args": megatron_args(expert_model_parallel_size=world), "iteration": 10,
+                  "checkpoint_version": 3.0}
+        mcore.save(model, root, common=common)
+        logits = mcore.logits(model, TOKENS)
+        return _state(model, ps.get_expert_model_parallel_rank(), EXPERTS // world), logits
 
 
 def _mcore_load(rank, world, path):
@@ -38,17 +49,17 @@ def _mcore_load(rank, world, path):
 
     from tests.checkpoint.mcore_moe_gpt import gpt_model
 
-    init_parallel(ep=world)
-    model = gpt_model(seed=99)  # other values: the load must overwrite every one
-    mcore.load(model, path)
-    return _state(model, ps.get_expert_model_parallel_rank(), EXPERTS // world)
+    with megatron_moe_ranks(ep=world):
+        model = gpt_model(seed=99)  # other values: the load must overwrite every one
+        mcore.load(model, path)
+        return _state(model, ps.get_expert_model_parallel_rank(), EXPERTS // world)
 
 
-def _expected_full(ranks: list[dict]) -> dict:
+def _expected_full(ranks: list) -> dict:
     """megatron-core names (global experts) -> tensor, merged over the EP ranks."""
     out = {}
     for sd in ranks:
-        out.update(sd)
+        out.update(sd[0] if isinstance(sd, tuple) else sd)
     return out
 
 
@@ -78,7 +89,8 @@ def test_megatron_core_moe_checkpoints_read_exactly_at_ep1_and_ep2(tmp_path):
     reference = None
     for ep in (1, 2):
         root = str(tmp_path / f"ep{ep}")
-        expected = _expected_full(run_ranks(_mcore_save, ep, root, timeout=240))
+        results = run_ranks(_mcore_save, ep, root, timeout=240)
+        expected = _expected_full(results)
         reference = reference or expected
         assert expected.keys() == reference.keys()
         assert all(torch.equal(expected[k], reference[k]) for k in expected)  # EP does not change the model
@@ -86,6 +98,11 @@ def test_megatron_core_moe_checkpoints_read_exactly_at_ep1_and_ep2(tmp_path):
         assert ours.keys() == expected.keys(), sorted(set(ours) ^ set(expected))
         for k in expected:
             assert torch.equal(ours[k], expected[k]), k
+        model, _ = load_model(root)  # megafab.inference: the whole MoE GPT, logits as megatron-core's
+        with torch.no_grad():
+            logits = model(TOKENS).transpose(0, 1)
+        err = (logits - results[0][1]).abs().max().item()
+        assert err < 1e-5, (ep, err)
 
 
 @pytest.mark.slow  # ~25 s
