@@ -153,6 +153,12 @@ def _state_write_plan(state) -> list[Written]:
                       expert_placement(state))
 
 
+def _add(shards: dict[str, Shard], key: str, layout: ParamLayout, flat: torch.Tensor, lo: int, hi: int):
+    """Boxes of several local tensors of one key (a tied copy on the embedding's rank, the
+    sequential experts of one layer) share a Shard."""
+    shards[key] = layout.shard(flat, lo, hi, into=shards.get(key))
+
+
 # ---- save ----------------------------------------------------------------------------------------
 def model_shards_for_save(state) -> dict[str, Shard]:
     """model.<name> -> this rank's owned boxes, views of the parameter (a model-dtype copy of an
@@ -163,7 +169,7 @@ def model_shards_for_save(state) -> dict[str, Shard]:
         values = owned_values(w.param, w.lo, w.hi)
         if w.param in compute:
             values = values.to(compute[w.param])
-        shards[model_key(w.layout.name)] = w.layout.shard(values, w.lo, w.hi)
+        _add(shards, model_key(w.layout.name), w.layout, values, w.lo, w.hi)
     for name, buf in checkpointed_buffers(state):
         shards[model_key(name)] = Shard.whole(buf)
         shards[model_key(name)].write = _buffer_writer(state)
@@ -208,18 +214,13 @@ def optimizer_shards_for_save(state) -> dict[str, Shard]:
             tensors[MAIN_PARAM] = e.main
         for kind, t in tensors.items():
             flat = t.view(-1)[w.lo - e_lo:w.hi - e_lo]
-            shards[optim_key(w.layout.name, kind)] = w.layout.shard(flat, w.lo, w.hi)
+            _add(shards, optim_key(w.layout.name, kind), w.layout, flat, w.lo, w.hi)
         if w.lo == 0:
             shards[optim_key(w.layout.name, STEP)] = Shard.whole(step)
     return shards
 
 
 # ---- load ----------------------------------------------------------------------------------------
-def _add(shards: dict[str, Shard], key: str, layout: ParamLayout, flat: torch.Tensor, lo: int, hi: int):
-    """Boxes of several local tensors of one key (a tied copy on the embedding's rank) share a Shard."""
-    shards[key] = layout.shard(flat, lo, hi, into=shards.get(key))
-
-
 def model_shards_for_load(state, masters_from_main: bool) -> tuple[dict[str, Shard], list]:
     """Views of the parameters to read into, and the DDP chunks to all-gather afterwards.
     masters_from_main: FSDP2 master shards are read with the optimizer state (from the checkpoint's
