@@ -1,13 +1,17 @@
 """megafab's torch_dist save and resume of a MoE GPT (4 experts top-2, sigmoid scores with the
 aux-loss-free expert bias, a shared expert, alltoall; float64): the checkpoint holds the routed
 experts under global indices and the routers' expert_bias; a resumed run continues the
-uninterrupted run's losses within 1e-10 with the distributed optimizer DP 2 -> plain DP 1 and back;
-every weight and expert bias is restored exactly."""
+uninterrupted run's losses within 1e-10 with the distributed optimizer DP 2 -> plain DP 1 and back,
+and EP 2 x DP 2 (distributed optimizer) -> EP 1 -> EP 4 x DP 4; every weight and expert bias is
+restored exactly."""
+
+import inspect
 
 import pytest
 import torch
 
 from megafab.checkpoint import checkpointing
+from megafab.distributed.data_parallel import DistributedDataParallel
 from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
 from megafab.distributed.topology import build_topology
 from megafab.training.build import TrainState, build_model, build_optimizer, build_scheduler
@@ -107,3 +111,30 @@ def test_moe_resume_distributed_optimizer_dp2_to_plain_dp1_and_back(tmp_path):
     _check(expected, got_dp1, 1, 1)
     got_dp2 = run_ranks(_resume, 2, b, 1, True, timeout=180)
     _check(got_dp1, got_dp2, 1, 1)
+
+
+def _straight_ep(rank, world, path, ep):
+    state = moe_state(dp=world, dist_opt=True, ep=ep, save=path)
+    train(state, 3)
+    checkpointing.save_checkpoint(state)
+    return _snapshot(state), train(state, 2)
+
+
+def _resume_ep(rank, world, src, ep, dst):
+    state = moe_state(dp=world, dist_opt=ep > 1, ep=ep, load=src, save=dst)
+    assert checkpointing.load_checkpoint(state) == 3
+    loaded = _snapshot(state)
+    checkpointing.save_checkpoint(state)
+    return loaded, train(state, 2)
+
+
+@pytest.mark.slow  # ~80 s on a loaded 2-core machine: EP 2 x DP 2, EP 1, EP 4 x DP 4 runs
+@pytest.mark.skipif("expert_dp_group" not in inspect.signature(DistributedDataParallel).parameters,
+                    reason="expert params reduce (and are owned) over expert-DP only with branch ddp23's DDP")
+def test_moe_reshards_ep2_dp2_to_ep1_to_ep4_with_the_same_weights_and_losses(tmp_path):
+    a, b, c = (str(tmp_path / n) for n in ("ep2", "ep1", "ep4"))
+    expected = run_ranks(_straight_ep, 2, a, 2, timeout=180)  # EP 2 (expert-DP 1), distributed optimizer
+    got_ep1 = run_ranks(_resume_ep, 1, a, 1, b, timeout=180)  # EP 1, plain optimizer
+    _check(expected, got_ep1, 2, 1)
+    got_ep4 = run_ranks(_resume_ep, 4, b, 4, c, timeout=240)  # EP 4 x DP 4, distributed optimizer
+    _check(got_ep1, got_ep4, 1, 4)
