@@ -230,9 +230,28 @@ def te_to_local_name(name: str) -> str | None:
 
 
 # ---- Megatron's legacy per-rank files --------------------------------------------------------------
-def rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:
-    """mp_rank_<TP:02d> (PP 1) or mp_rank_<TP:02d>_<PP:03d>."""
-    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+def rank_dir(tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1) -> str:
+    """mp_rank_<TP:02d> (PP 1) or mp_rank_<TP:02d>_<PP:03d>, then _<EP:03d> when expert-parallel
+    (Megatron-LM's get_checkpoint_name)."""
+    name = f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    return name if ep == 1 else f"{name}_{ep_rank:03d}"
+
+
+def rank_dir_ranks(name: str, pp: int, ep: int) -> tuple[int, int, int] | None:
+    """(TP, PP, EP rank) of a rank directory of a checkpoint saved at PP `pp`, EP `ep` (with one of
+    them > 1, mp_rank_XX_YYY names a PP or an EP rank); None for another name."""
+    parsed = parse_rank_dir(name)
+    if parsed is None:
+        return None
+    numbers = [int(p) for p in name.split("_")[2:]]
+    if len(numbers) != 1 + (pp > 1) + (ep > 1):
+        return None
+    return numbers[0], numbers[1] if pp > 1 else 0, numbers[-1] if ep > 1 else 0
+
+
+def is_first_rank_dir(name: str) -> bool:
+    """mp_rank_00, mp_rank_00_000 or mp_rank_00_000_000: the file that holds TP, PP and EP rank 0."""
+    return parse_rank_dir(name) is not None and all(int(p) == 0 for p in name.split("_")[2:])
 
 
 def parse_rank_dir(name: str) -> tuple[int, int, bool] | None:

@@ -3,7 +3,8 @@ dist_checkpointing.save of a MoE GPT (4 experts top-2, a gated shared expert, QK
 EP 1 and EP 2 reads into megafab's keys (routed experts under global indices, [E, 2f, h]) with
 every tensor exact, and megafab.inference.load_model's MoE GPT gives its logits within 1e-5;
 megafab's torch_dist written from those weights loads strictly into megatron-core at EP 2 and EP 1
-(every key and `_extra_state` object it asks for) with the same values."""
+(every key and `_extra_state` object it asks for) with the same values. The legacy torch format's
+expert-rank files (mp_rank_00_<EP>) read and write both ways too."""
 
 import pytest
 import torch
@@ -116,3 +117,62 @@ def test_megafab_moe_torch_dist_loads_into_megatron_core_at_ep2_and_ep1(tmp_path
         assert loaded.keys() == saved.keys()
         for k in saved:
             assert torch.equal(loaded[k], saved[k]), (ep, k)
+
+
+# ---- the legacy torch format: one file per TP x (PP x) EP rank ------------------------------------
+def _mcore_legacy_save(rank, world, root):
+    """Megatron-LM's legacy save of each rank's state_dict_for_save_checkpoint, named by EP rank."""
+    import os
+
+    from megatron.core import parallel_state as ps
+
+    from megafab.checkpoint.keys import rank_dir
+    from tests.checkpoint.mcore_moe_gpt import gpt_model
+
+    with megatron_moe_ranks(ep=world):
+        model = gpt_model()
+        ep_rank = ps.get_expert_model_parallel_rank()
+        directory = os.path.join(root, "iter_0000010", rank_dir(0, 0, 1, ep_rank, world))
+        os.makedirs(directory, exist_ok=True)
+        torch.save({"args": megatron_args(expert_model_parallel_size=world), "iteration": 10,
+                    "checkpoint_version": 3.0, "model": model.state_dict_for_save_checkpoint()},
+                   os.path.join(directory, "model_optim_rng.pt"))
+        if rank == 0:
+            with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write("10")
+        return _state(model, ep_rank, EXPERTS // world)
+
+
+def _mcore_legacy_load(rank, world, path):
+    import os
+
+    from megatron.core import parallel_state as ps
+
+    from megafab.checkpoint.keys import rank_dir
+    from tests.checkpoint.mcore_moe_gpt import gpt_model
+
+    with megatron_moe_ranks(ep=world):
+        model = gpt_model(seed=99)
+        ep_rank = ps.get_expert_model_parallel_rank()
+        file = os.path.join(path, rank_dir(0, 0, 1, ep_rank, world), "model_optim_rng.pt")
+        model.load_state_dict(torch.load(file, weights_only=False)["model"], strict=True)
+        return _state(model, ep_rank, EXPERTS // world)
+
+
+@pytest.mark.slow  # ~25 s: megatron-core ranks
+def test_legacy_expert_rank_files_both_ways(tmp_path):
+    from megafab.checkpoint.megatron_legacy import LegacySource
+
+    cfg = megafab_config()
+    saved = _expected_full(run_ranks(_mcore_legacy_save, 2, str(tmp_path / "mcore"), timeout=240))
+    source = LegacySource(str(tmp_path / "mcore" / "iter_0000010"))
+    assert (source.ep, source.pp) == (2, 1)  # mp_rank_00_001 names EP rank 1 here, not a stage
+    sd = {k[len(MODEL_PREFIX):]: source.full_tensor(k[len(MODEL_PREFIX):]) for k in source.stored}
+    ours = _as_megatron(sd)
+    assert ours.keys() == saved.keys(), sorted(set(ours) ^ set(saved))
+    for k in saved:
+        assert torch.equal(ours[k], saved[k]), k
+    path = write_checkpoint(str(tmp_path / "ours"), sd, cfg, iteration=3, ckpt_format="torch", ep=2)
+    loaded = _expected_full(run_ranks(_mcore_legacy_load, 2, path, timeout=240))
+    for k in saved:
+        assert torch.equal(loaded[k], saved[k]), k
