@@ -5,7 +5,8 @@ every tensor exact, and megafab.inference.load_model's MoE GPT gives its logits 
 megafab's torch_dist written from those weights loads strictly into megatron-core at EP 2 and EP 1
 (every key and `_extra_state` object it asks for) with the same values. The legacy torch format's
 expert-rank files (mp_rank_00_<EP>) read and write both ways too, and megatron-core's EP 2 checkpoint
-loads into a megafab training state (--load --finetune) at EP 1 and EP 2 with its logits (1e-5)."""
+loads into a megafab training state (--load --finetune) at EP 1, EP 2 and TP 2 x EP 2 with its
+logits (1e-5)."""
 
 import pytest
 import torch
@@ -179,7 +180,7 @@ def test_legacy_expert_rank_files_both_ways(tmp_path):
         assert torch.equal(loaded[k], saved[k]), k
 
 
-def _megafab_finetune_logits(rank, world, root, ep):
+def _megafab_finetune_logits(rank, world, root, ep, save=None, tp=1):
     from megafab.checkpoint import checkpointing
     from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
     from megafab.distributed.topology import build_topology
@@ -188,24 +189,33 @@ def _megafab_finetune_logits(rank, world, root, ep):
     from tests.checkpoint.util import full_logits
     from tests.model.tiny import tiny_config
 
-    cfg = tiny_config(style={}, **{**MODEL, **MOE}, dp=world, expert_model_parallel_size=ep,
-                      micro_batch_size=1, global_batch_size=world, load=root, finetune=True)
-    topo = build_topology(ep=ep)
+    cfg = tiny_config(tp=tp, style={}, **{**MODEL, **MOE}, dp=world // tp, expert_model_parallel_size=ep,
+                      micro_batch_size=1, global_batch_size=world // tp, load=root, finetune=True, save=save,
+                      sequence_parallel=tp > 1)
+    topo = build_topology(tp=tp, ep=ep)
     tracker = RNGStatesTracker("cpu")
     model_parallel_seed(1234, topo.tp_rank, topo.pp_rank, topo.device, tracker)
     model = build_model(cfg, topo, tracker, dtype=torch.float32)
     optimizer = build_optimizer(cfg, topo, model)
     state = TrainState(cfg, topo, tracker, model, optimizer, build_scheduler(cfg, optimizer))
     checkpointing.load_checkpoint(state)
+    if save is not None:  # megafab's training save (torch_dist, experts and their extra states)
+        checkpointing.save_checkpoint(state)
     return full_logits(state, TOKENS)
 
 
-@pytest.mark.slow  # ~30 s
+@pytest.mark.slow  # ~50 s
 def test_megatron_core_moe_checkpoint_finetunes_in_megafab_at_ep1_and_ep2(tmp_path):
     root = str(tmp_path / "mcore")
-    expected = run_ranks(_mcore_save, 2, root, timeout=240)[0][1]  # saved at EP 2
-    for ep in (1, 2):
-        got = run_ranks(_megafab_finetune_logits, ep, root, ep, timeout=240)
+    results = run_ranks(_mcore_save, 2, root, timeout=240)  # saved at EP 2
+    expected, saved = results[0][1], _expected_full(results)
+    for tp, ep in ((1, 1), (1, 2), (2, 2)):  # TP 2 x EP 2: every expert split over expert-TP 2 as well
+        ours = str(tmp_path / "ours1") if ep == 1 else None
+        got = run_ranks(_megafab_finetune_logits, tp * ep, root, ep, ours, tp, timeout=240)
         for logits in got:
             err = (logits[..., :128] - expected).abs().max().item()
-            assert err < 1e-5, (ep, err)
+            assert err < 1e-5, (tp, ep, err)
+    # megafab's training save at EP 1 loads strictly into megatron-core at EP 2, every value exact
+    loaded = _expected_full(run_ranks(_mcore_load, 2, str(tmp_path / "ours1" / "iter_0000000"), timeout=240))
+    for k in saved:
+        assert torch.equal(loaded[k], saved[k]), k
