@@ -175,6 +175,7 @@ class TorchDistSource(CheckpointSource):
         metadata = dcp_io().read_metadata(path)
         dcp_io().check_files(path, metadata)
         self.model_cfg, self.stacked = model_cfg, mk.is_stacked(metadata.state_dict_metadata)
+        self.parameter_keys = mk.parameter_keys(metadata.state_dict_metadata)
         view = mk.megafab_view(metadata.state_dict_metadata, model_cfg, path)
         if not mk.model_names(view):
             raise CheckpointError(f"{path} is a torch_dist checkpoint without model weights (its DCP "
@@ -202,7 +203,7 @@ class TorchDistSource(CheckpointSource):
             if split_key(key)[1] == STEP:
                 for view in shard.views:
                     view.fill_(self.step or 0.0)  # SGD keeps no step
-        megatron = mk.to_megatron(shards, self.model_cfg, self.main_kind, self.stacked)
+        megatron = mk.to_megatron(shards, self.model_cfg, self.main_kind, self.stacked, self.parameter_keys)
         dcp_io().load_shards(megatron, self.path)
 
     def read_all(self, prefix: str = "") -> dict[str, torch.Tensor]:

@@ -100,6 +100,11 @@ def _split_megatron_key(key: str) -> tuple[str, str | None]:
     return key, None
 
 
+def parameter_keys(stored_keys) -> set[str]:
+    """The parameter keys a checkpoint's tensors are stored under (optimizer kinds stripped)."""
+    return {_split_megatron_key(k)[0] for k in stored_keys}
+
+
 def is_stacked(stored_keys) -> bool:
     """False for a checkpoint saved with non_homogeneous_layers (per-layer keys)."""
     return not any(parse_index(_split_megatron_key(k)[0]) for k in stored_keys)
@@ -121,17 +126,30 @@ def _megatron_boxes(box: Box, view, layer: int | None, stacked: bool, strided: t
     return [(Box((layer, *b.offsets), (1, *b.sizes)), v.unsqueeze(0)) for b, v in pieces]
 
 
+def _stored_name(name: str, stored_keys) -> tuple[str, int | None]:
+    """megatron_name, or, reading a checkpoint that keeps the layer norm unfused (Transformer
+    Engine's spec of an MoE layer: `pre_mlp_layernorm.weight`, there being no linear_fc1 to fuse it
+    into), that name."""
+    base, layer = megatron_name(name)
+    if stored_keys is not None and base not in stored_keys:
+        unfused = stacked_name(dist_expert_name(name))
+        if unfused[0] in stored_keys:
+            return unfused
+    return base, layer
+
+
 def to_megatron(shards: dict[str, Shard], model_cfg, main_kind: str = "fp32_param",
-                stacked: bool = True) -> dict[str, Shard]:
+                stacked: bool = True, stored_keys=None) -> dict[str, Shard]:
     """The Shards of megafab keys (model.* / optim.*) as Shards of Megatron keys, the same views.
-    `step` entries are left out (Megatron keeps Adam's step in common.pt)."""
+    `step` entries are left out (Megatron keeps Adam's step in common.pt). stored_keys (reading): the
+    checkpoint's parameter keys (optimizer kinds stripped), for the names a spec may keep unfused."""
     num_layers = model_cfg.num_layers
     out: dict[str, Shard] = {}
     for key, shard in shards.items():
         name, kind = split_key(key)
         if kind == STEP:
             continue
-        base, layer = megatron_name(name)
+        base, layer = _stored_name(name, stored_keys)
         dim = strided_dim(name, model_cfg.swiglu)
         shape = tuple(shard.global_shape)
         if dim is not None:

@@ -124,3 +124,18 @@ def test_expert_boxes_become_megatrons_stacked_tensor_rows():
     assert {k: tuple(v.size) for k, v in view.items()} == {
         f"model.decoder.layers.{i}.mlp.experts.linear_fc1.weight": (E, 2, F_, H) for i in range(L)}
     assert isinstance(Shard.whole(stored), Shard)
+
+
+def test_an_unfused_pre_mlp_norm_is_read_where_the_checkpoint_keeps_it():
+    """megatron-core's local spec stores an MoE layer's pre-MLP norm fused-named
+    (`mlp.linear_fc1.layer_norm_weight`, what megafab writes); Transformer Engine's spec keeps
+    `pre_mlp_layernorm.weight` (no linear_fc1 in an MoE layer): reading follows the checkpoint."""
+    cfg = types.SimpleNamespace(num_layers=L, swiglu=True, transformer_impl="local")
+    norm = torch.ones(H)
+    shards = {"model.decoder.layers.1.pre_mlp_layernorm.weight": Shard.whole(norm),
+              "optim.decoder.layers.1.pre_mlp_layernorm.weight.exp_avg": Shard.whole(norm)}
+    fused = "decoder.layers.mlp.linear_fc1.layer_norm_weight"
+    assert set(to_megatron(shards, cfg)) == {fused, "optimizer.state.exp_avg." + fused}
+    te_spec = {"decoder.layers.pre_mlp_layernorm.weight", "decoder.layers.self_attention.linear_qkv.weight"}
+    unfused = "decoder.layers.pre_mlp_layernorm.weight"
+    assert set(to_megatron(shards, cfg, stored_keys=te_spec)) == {unfused, "optimizer.state.exp_avg." + unfused}
