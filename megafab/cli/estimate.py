@@ -8,6 +8,9 @@
     megafab-estimate <model and batch flags> --num-gpus 1024 --gpu h100-sxm-80gb --search --top 10
     megafab-estimate --profile machine.json        (measure this machine; then --machine machine.json)
 
+MoE models (--num-experts): the plan prints total and active parameters and the expert grid, counts
+expert state per EP x ETP rank over expert-DP, and --search also ranks EP and ETP.
+
 Memory: megafab/training/planner.py. Step time: megafab/plan/step_time.py. Search: megafab/plan/search.py.
 Also: python -m megafab.cli.estimate, python tools/estimate_memory.py.
 """
@@ -23,7 +26,7 @@ from megafab.plan.machines import BUILTIN, MachineError, machine
 from megafab.plan.report import HEADER, candidate_row, prediction_line
 from megafab.plan.search import candidate_from_flags, search
 from megafab.run.report import exit_on_user_error
-from megafab.training.planner import format_plan, plan
+from megafab.training.planner import ROUTING, format_plan, plan
 
 
 def own_parser() -> argparse.ArgumentParser:
@@ -50,6 +53,10 @@ def own_parser() -> argparse.ArgumentParser:
     own.add_argument("--gpu-memory-gb", type=float, help="flag stages that would not fit in this much")
     own.add_argument("--mfu", type=float, default=0.4, help="assumed MFU without --gpu/--machine")
     own.add_argument("--peak-tflops", type=float, default=989.0, help="per-GPU dense bf16 peak, with --mfu")
+    own.add_argument("--moe-routing", choices=ROUTING, default="bound",
+                     help="MoE: the routed rows the activation memory counts: their bound (the capacity, "
+                          "or every token of the EP x ETP group without --moe-expert-capacity-factor) or "
+                          "balanced (the expected count, which dropless routing can exceed)")
     own.add_argument("--attention-kernels", choices=["flash", "unfused", "cpu"], default="flash",
                      help="the attention kernels whose activation memory to count")
     return own
@@ -65,14 +72,14 @@ def _evaluated(own, megatron_argv, target):
 
     try:
         return candidate_from_flags(megatron_argv, own.world_size, target, own.tp_comm_overlap,
-                                    own.attention_kernels)
+                                    own.attention_kernels, own.moe_routing)
     except ConfigError:
         return None
 
 
 def _run_search(own, megatron_argv, target) -> int:
     result = search(megatron_argv, own.world_size, target, top=own.top, tp_comm_overlap=own.tp_comm_overlap,
-                    kernels=own.attention_kernels)
+                    kernels=own.attention_kernels, routing=own.moe_routing)
     evaluated = _evaluated(own, megatron_argv, target)
     print(f"megafab-estimate --search: {own.world_size} devices of {target.name}: "
           f"{result.considered} configs built, {result.valid} valid, {result.fitting} fit in "
@@ -116,12 +123,12 @@ def main(argv=None) -> int:
     if "--dry-run" not in megatron_argv:
         megatron_argv.append("--dry-run")  # training-only requirements (--lr, --train-iters, data) off
     cfg = config_or_exit(megatron_argv, world_size=own.world_size)
-    stages = plan(cfg, own.attention_kernels)
+    stages = plan(cfg, own.attention_kernels, own.moe_routing)
     memory_limit = own.gpu_memory_gb or (target.device_memory_gib if target else None)
     print(format_plan(cfg, stages, mfu=own.mfu, peak_tflops=own.peak_tflops, gpu_memory_gb=memory_limit))
     if target is not None:
         cand = candidate_from_flags(megatron_argv, own.world_size, target, own.tp_comm_overlap,
-                                    own.attention_kernels)
+                                    own.attention_kernels, own.moe_routing)
         print(prediction_line(cand.prediction, target))
         if own.json:
             with open(own.json, "w") as f:

@@ -27,6 +27,23 @@ With the distributed optimizer the parameters also live in one contiguous buffer
 with the same layout (`param.data` is a view into it), so the updated shards can be all-gathered
 bucket by bucket (param_gather.py: all at once, or with `--overlap-param-gather` each bucket
 waited for by a forward pre-hook of the first module that needs it).
+
+Expert parameters (`param.is_expert = True`, the routed experts of MoE layers) are distinct across
+expert-parallel ranks and replicated only across expert-DP (megatron-core's expert grid: ETP x EP x
+expert-DP x PP over the same ranks, CP folded into expert-DP). They get buckets of their own after
+the dense ones in the same buffers (megatron-core's expert_parallel_buffers), each padded to a
+multiple of expert-DP and reduced over the expert-DP group; under the distributed optimizer each
+expert-DP rank owns the matching shard of them. Each bucket carries its group, so the reduction,
+the ownership and the parameter gather read the group off the bucket.
+
+Scaling (megatron-core's gradient_scaling_factor), so that every gradient is the average over the
+DP x CP ranks' losses, the gradient of one process over the global batch:
+  * dense: x 1/DP before a sum over DP (or ReduceOp.AVG over DP);
+  * expert: x 1/DP before a sum over expert-DP (or x expert-DP/DP before ReduceOp.AVG over
+    expert-DP). The expert-parallel token exchange already summed, into each EP rank's experts,
+    the contributions of the DP ranks of its EP group; the sum over expert-DP adds the rest, so
+    the total covers all DP ranks once and 1/DP averages it, also when expert-DP is 1 (no
+    collective, the scaling still applies).
 """
 
 from __future__ import annotations
@@ -81,15 +98,27 @@ def main_grad_dtype(params: list[nn.Parameter], grad_dtype: torch.dtype | None) 
     return torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
 
 
-class Bucket:
-    """A contiguous [start, end) range of the buffers and the parameters it holds."""
+def is_expert_param(param: nn.Parameter) -> bool:
+    """A routed-expert parameter: reduced (and sharded) over expert-DP, not DP."""
+    return getattr(param, "is_expert", False)
 
-    def __init__(self, index: int, params: list[nn.Parameter], start: int, end: int, dp: int):
+
+class Bucket:
+    """A contiguous [start, end) range of the buffers, the parameters it holds, and the group it
+    is reduced over (DP for dense params, expert-DP for expert params; `dp` ranks, this rank
+    `dp_rank` of them)."""
+
+    def __init__(self, index: int, params: list[nn.Parameter], start: int, end: int, dp: int,
+                 group=None, dp_rank: int = 0, expert: bool = False):
         self.index = index
         self.params = params
         self.start = start
         self.end = end
+        self.dp = dp
         self.shard_size = (end - start) // dp
+        self.group = group
+        self.dp_rank = dp_rank
+        self.expert = expert
         self.pending: set[int] = set()
         self.handle = None
         self.grad_data: torch.Tensor | None = None
@@ -99,25 +128,28 @@ class Bucket:
     def numel(self) -> int:
         return self.end - self.start
 
-    def shard_range(self, dp_rank: int) -> tuple[int, int]:
-        """The buffer range [start, end) DP rank `dp_rank` owns under the distributed optimizer."""
-        lo = self.start + dp_rank * self.shard_size
+    def shard_range(self, dp_rank: int | None = None) -> tuple[int, int]:
+        """The buffer range [start, end) rank `dp_rank` of the bucket's group (default: this
+        rank) owns under the distributed optimizer."""
+        lo = self.start + (self.dp_rank if dp_rank is None else dp_rank) * self.shard_size
         return lo, lo + self.shard_size
 
 
 def plan_buckets(ordered: list[nn.Parameter], dp: int, bucket_size: int | None,
-                 use_distributed_optimizer: bool) -> tuple[list[Bucket], dict[nn.Parameter, int]]:
-    """Buckets over `ordered` params and each param's buffer offset (a pure function of the sizes).
+                 use_distributed_optimizer: bool, start: int = 0, first_index: int = 0
+                 ) -> tuple[list[Bucket], dict[nn.Parameter, int]]:
+    """Buckets over `ordered` params and each param's buffer offset (a pure function of the sizes),
+    the first at buffer offset `start` with index `first_index`.
 
     Greedy: close a bucket once it holds bucket_size elements; pad it to a multiple of DP.
     """
-    buckets, current, start, filled = [], [], 0, 0
+    buckets, current, filled = [], [], 0
     offsets: dict[nn.Parameter, int] = {}
 
     def close():
         nonlocal start, filled, current
         end = start + math.ceil(filled / dp) * dp
-        buckets.append(Bucket(len(buckets), current, start, end, dp))
+        buckets.append(Bucket(first_index + len(buckets), current, start, end, dp))
         start, filled, current = end, 0, []
 
     def alone(p):
@@ -139,10 +171,11 @@ def plan_buckets(ordered: list[nn.Parameter], dp: int, bucket_size: int | None,
     return buckets, offsets
 
 
-def owned_ranges(buckets: list[Bucket], offsets: dict[nn.Parameter, int], dp_rank: int
+def owned_ranges(buckets: list[Bucket], offsets: dict[nn.Parameter, int], dp_rank: int | None = None
                  ) -> dict[nn.Parameter, tuple[int, int]]:
-    """Per param, the flat param-local range [lo, hi) inside DP rank `dp_rank`'s shard of every
-    bucket (params it owns nothing of are absent). The ranges of all DP ranks tile each param once."""
+    """Per param, the flat param-local range [lo, hi) inside rank `dp_rank`'s shard of every bucket
+    (rank in each bucket's own group; default this rank; params it owns nothing of are absent). The
+    ranges of all ranks of a bucket's group tile each of its params once."""
     owned = {}
     for bucket in buckets:
         shard_lo, shard_hi = bucket.shard_range(dp_rank)
@@ -159,7 +192,10 @@ class DistributedDataParallel(nn.Module):
 
     Arguments:
         module: the model chunk; its trainable parameters get `.main_grad`.
-        dp_group: the data-parallel group the buckets are reduced over.
+        dp_group: the data-parallel group the dense buckets are reduced over (DP x CP); its size
+            is the DP every gradient is averaged over.
+        expert_dp_group: the expert-DP group the expert params' buckets are reduced over
+            (`topo.group("edp")`); None = dp_group (right only at expert-parallel size 1).
         grad_dtype: dtype of the main grads; None = fp32 (fp64 if the model is fp64).
         bucket_size: elements per bucket; None = one bucket, or Megatron's max(40M, 1M x DP)
             when overlapping (one bucket cannot overlap anything).
@@ -172,7 +208,8 @@ class DistributedDataParallel(nn.Module):
             param buffer, to be filled (megafab.distributed.fsdp.fill_shards).
     """
 
-    def __init__(self, module: nn.Module, *, dp_group, grad_dtype: torch.dtype | None = None,
+    def __init__(self, module: nn.Module, *, dp_group, expert_dp_group=None,
+                 grad_dtype: torch.dtype | None = None,
                  bucket_size: int | None = None, overlap_grad_reduce: bool = False,
                  use_distributed_optimizer: bool = False, average_in_collective: bool = False,
                  device: torch.device | None = None):
@@ -181,6 +218,7 @@ class DistributedDataParallel(nn.Module):
         self.dp_group = dp_group
         self.dp = dist.get_world_size(dp_group)
         self.dp_rank = dist.get_rank(dp_group)
+        self.expert_dp_group = dp_group if expert_dp_group is None else expert_dp_group
         self.overlap_grad_reduce = overlap_grad_reduce
         self.use_distributed_optimizer = use_distributed_optimizer
         self.average_in_collective = average_in_collective
@@ -198,8 +236,7 @@ class DistributedDataParallel(nn.Module):
                                           "parameters; wrap the model chunk that holds the weights")
         self.grad_dtype = main_grad_dtype(params, grad_dtype)
         self.params = params
-        self.buckets, self._offsets = plan_buckets(list(reversed(params)), self.dp, bucket_size,
-                                                   use_distributed_optimizer)
+        self.buckets, self._offsets = self._plan(params)
         self.numel = self.buckets[-1].end
         device = device or params[0].device
         self.grad_buffer = torch.zeros(self.numel, dtype=self.grad_dtype, device=device)
@@ -219,12 +256,29 @@ class DistributedDataParallel(nn.Module):
         self._place_params()
         self.param_gather = None
         if use_distributed_optimizer:
-            self.param_gather = ParamGather(module, self.buckets, self.param_to_bucket, dp_group,
-                                            self.dp, self.dp_rank)
+            self.param_gather = ParamGather(module, self.buckets, self.param_to_bucket)
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook()) for p in params]
         self.reset_bucket_state()
 
     # ---- layout -----------------------------------------------------------------------------
+    def _plan(self, params: list[nn.Parameter]) -> tuple[list[Bucket], dict[nn.Parameter, int]]:
+        """Dense buckets (over DP), then expert buckets (over expert-DP), in one buffer."""
+        buckets, offsets = [], {}
+        for expert, group in ((False, self.dp_group), (True, self.expert_dp_group)):
+            mine = [p for p in params if is_expert_param(p) == expert]
+            if not mine:
+                continue
+            size, rank = dist.get_world_size(group), dist.get_rank(group)
+            planned, placed = plan_buckets(list(reversed(mine)), size, self.bucket_size,
+                                           self.use_distributed_optimizer,
+                                           start=buckets[-1].end if buckets else 0,
+                                           first_index=len(buckets))
+            for bucket in planned:
+                bucket.group, bucket.dp_rank, bucket.expert = group, rank, expert
+            buckets += planned
+            offsets.update(placed)
+        return buckets, offsets
+
     def _place_params(self):
         for bucket in self.buckets:
             for p in bucket.params:
@@ -247,8 +301,9 @@ class DistributedDataParallel(nn.Module):
                     p.data = self.param_buffer[lo:hi].view(p.shape)
 
     def owned_param_ranges(self, dp_rank: int | None = None) -> dict[nn.Parameter, tuple[int, int]]:
-        """owned_ranges of this chunk's buckets for `dp_rank` (default: this rank)."""
-        return owned_ranges(self.buckets, self._offsets, self.dp_rank if dp_rank is None else dp_rank)
+        """owned_ranges of this chunk's buckets for `dp_rank` (the rank in each bucket's group:
+        DP for dense params, expert-DP for expert params; default: this rank)."""
+        return owned_ranges(self.buckets, self._offsets, dp_rank)
 
     # ---- backward hooks -----------------------------------------------------------------------
     def _make_hook(self):
@@ -275,20 +330,20 @@ class DistributedDataParallel(nn.Module):
 
     def _start_bucket_sync(self, bucket: Bucket, async_op: bool):
         data = bucket.grad_data
-        op = dist.ReduceOp.SUM
+        op, factor = dist.ReduceOp.SUM, 1.0 / self.dp  # the average over DP (module docstring)
         if self.average_in_collective and self._use_avg_op():
-            op = dist.ReduceOp.AVG
-        elif self.dp > 1:
-            data.mul_(1.0 / self.dp)
-        if self.dp == 1:
+            op, factor = dist.ReduceOp.AVG, bucket.dp / self.dp  # AVG divides by the bucket's group
+        if factor != 1.0:
+            data.mul_(factor)
+        if bucket.dp == 1:
             bucket.handle = Done()
             return
         if self.use_distributed_optimizer:
-            lo, hi = bucket.shard_range(self.dp_rank)
+            lo, hi = bucket.shard_range()
             shard = self.grad_buffer[lo:hi]
-            bucket.handle = reduce_scatter_bucket(shard, data, op, self.dp_group, async_op)
+            bucket.handle = reduce_scatter_bucket(shard, data, op, bucket.group, async_op)
         else:
-            bucket.handle = dist.all_reduce(data, op=op, group=self.dp_group, async_op=async_op)
+            bucket.handle = dist.all_reduce(data, op=op, group=bucket.group, async_op=async_op)
         if bucket.handle is None:
             bucket.handle = Done()
 
@@ -300,10 +355,11 @@ class DistributedDataParallel(nn.Module):
 
     def finish_grad_sync(self):
         """Wait until every bucket is reduced; after this main_grad holds the DP-averaged gradient
-        (only the local shard of each bucket with the distributed optimizer)."""
+        (only this rank's shard of each bucket, in the bucket's group, with the distributed
+        optimizer)."""
         self.start_grad_sync()
         for bucket in self.buckets:
-            faults.wait(bucket.handle, "gradient reduction (data parallel)", self.dp_group)
+            faults.wait(bucket.handle, "gradient reduction (data parallel)", bucket.group)
         self.reset_bucket_state()
 
     def start_param_sync(self, async_op: bool = False):

@@ -7,14 +7,18 @@ after the last micro-batch's backward and before the optimizer step. It does, in
   1. Data parallel, over the DP x CP group (the DDP wrapper's group; CP ranks hold the same
      parameters and saw different tokens of the same samples, Megatron's dp-cp group): wait for
      (or run) every bucket's all-reduce / reduce-scatter (`DistributedDataParallel
-     .finish_grad_sync`), averaging over DP x CP. FSDP2 chunks (megafab.distributed.fsdp, sharded
-     over the same group) reduce-scattered during the last backward already.
+     .finish_grad_sync`), averaging over DP x CP. Expert params (`param.is_expert`) are reduced
+     over the expert-DP group instead, still averaged over DP x CP (data_parallel.py). FSDP2
+     chunks (megafab.distributed.fsdp, sharded over the same groups) reduce-scattered during the
+     last backward already.
   2. TP-replicated params with partial grads, over the TP group. Under sequence parallelism each
      TP rank sees only its slice of the sequence, so the gradient of a parameter that is replicated
      across TP (norm weights/biases, RowParallelLinear bias: `param.sequence_parallel = True`) is
      a partial sum; so is, with or without SP, that of a replicated param applied to this rank's
      heads only (q/k layernorms: `param.grad_sum_over_tp = True`). All-reduce them over
-     `topology.group("tp")`.
+     `topology.group("tp")`. Expert params are not among them: the token dispatcher hands every
+     expert-TP rank all the tokens of its experts, so a replicated expert param's gradient is
+     whole on each (the router and shared experts are dense params and are summed).
   3. Tied word embeddings, over the embedding group. With PP > 1 the first stage's input embedding
      and the last stage's output layer hold two copies of one weight (`param.shared_embedding =
      True`); all-reduce their gradients over `topology.embedding_group()` so both copies take the
@@ -35,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megafab.distributed.data_parallel import is_expert_param
 from megafab.distributed.fsdp import local_tensor
 
 
@@ -73,9 +78,9 @@ def allreduce_tp_partial_grads(model_chunks: list[nn.Module], tp_group, sequence
     """Step 2: sum over TP the grads of TP-replicated params that are partial on each TP rank:
     `sequence_parallel` params under SP, and `grad_sum_over_tp` params (e.g. q/k layernorms,
     which see only their rank's heads) always."""
-    grads = [grad_of(p) for p in _params(model_chunks)
-             if getattr(p, "grad_sum_over_tp", False)
-             or (sequence_parallel and getattr(p, "sequence_parallel", False))]
+    grads = [grad_of(p) for p in _params(model_chunks) if not is_expert_param(p) and (
+             getattr(p, "grad_sum_over_tp", False)
+             or (sequence_parallel and getattr(p, "sequence_parallel", False)))]
     _all_reduce_coalesced([g for g in grads if g is not None], tp_group)
 
 

@@ -41,6 +41,17 @@ The mesh is the DP x CP group (`data_parallel_mesh`, Megatron's dp-cp group: con
 ranks hold the same parameters and see other tokens of the same samples), as DistributedDataParallel
 reduces over; at CP 1 it is the DP group.
 
+Expert parameters (`param.is_expert`: a MoE layer's routed experts, distinct on every
+expert-parallel rank) are replicated only across expert-DP, so each outermost submodule whose
+parameters are all expert params (`expert_units`: `mlp.experts`) is an FSDP2 group of its own over
+the expert-DP mesh (`expert_data_parallel_mesh`, CP folded in as megatron-core's expert grid),
+sharded before the layer that holds it, so the layer's group leaves those parameters to it. Its
+gradients are reduce-scattered over expert-DP, where FSDP2 averages them over expert-DP;
+`finish_grad_sync` then scales those shards by expert-DP / (DP x CP), so they are averaged over DP
+x CP as megatron-core's expert gradient scaling does (see data_parallel.py: the expert-parallel
+token exchange already summed the EP group's contributions into each expert). (FSDP2's own
+set_gradient_divide_factor divides twice on a 1-rank mesh in torch 2.13, expert-DP 1 included.)
+
 torch.distributed.tensor costs seconds to import, so only runs that shard import it (a DTensor
 exists only once it is imported, which is how `local_tensor` tells without importing it).
 """
@@ -55,9 +66,12 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from megafab.distributed.data_parallel import is_expert_param
+
 # Megatron's per-parameter attributes that the rest of megafab reads off the parameters.
 PARAM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel",
-                    "grad_sum_over_tp", "shared_embedding", "is_embedding_or_output_parameter")
+                    "grad_sum_over_tp", "shared_embedding", "is_embedding_or_output_parameter",
+                    "is_expert")
 
 
 def data_parallel_mesh(topology):
@@ -67,6 +81,39 @@ def data_parallel_mesh(topology):
 
     return DeviceMesh.from_group(topology.group("dp", "cp"), device_type=topology.device.type,
                                  mesh_dim_names=("dp",))
+
+
+def expert_data_parallel_mesh(topology):
+    """The 1-D DeviceMesh expert params shard over: expert-DP (CP folded in), from the group
+    megafab already built."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(topology.group("edp"), device_type=topology.device.type,
+                                 mesh_dim_names=("edp",))
+
+
+def expert_units(module: nn.Module) -> list[nn.Module]:
+    """The outermost submodules of `module` whose trainable parameters are all expert params (the
+    routed experts of each MoE layer; inside a ModuleList, each member), in module order. An
+    expert param outside them (one held by a module that also holds dense params) cannot be
+    sharded over its own mesh: refused."""
+    units: list[nn.Module] = []
+
+    def visit(m: nn.Module) -> None:
+        params = [p for p in m.parameters() if p.requires_grad]
+        container = isinstance(m, (nn.ModuleList, nn.ModuleDict))  # no forward of its own to hook
+        if params and not container and all(is_expert_param(p) for p in params):
+            units.append(m)
+            return
+        for child in m.children():
+            visit(child)
+
+    visit(module)
+    inside = {id(p) for unit in units for p in unit.parameters()}
+    stray = [n for n, p in module.named_parameters()
+             if is_expert_param(p) and id(p) not in inside]
+    assert not stray, f"expert params held beside dense params cannot shard over expert-DP: {stray}"
+    return units
 
 
 def is_dtensor(t) -> bool:
@@ -149,6 +196,8 @@ class FullyShardedDataParallel(nn.Module):
             rank the same full TP block: tests and small models).
         mesh: the DP DeviceMesh (data_parallel_mesh(topology)).
         units: submodules that each become one FSDP2 group (the transformer layers).
+        expert_mesh: the expert-DP DeviceMesh (expert_data_parallel_mesh(topology)) the expert
+            units shard over; None = `mesh` (right only at expert-parallel size 1).
         main_dtype: dtype the shards are stored in: fp32 masters for a bf16/fp16 model, the model
             dtype with optimizer offload (the host keeps the masters).
         reshard_after_forward: free each group's gathered parameters after its forward and gather
@@ -164,7 +213,7 @@ class FullyShardedDataParallel(nn.Module):
 
     is_fully_sharded = True
 
-    def __init__(self, module: nn.Module, *, mesh, units: list[nn.Module],
+    def __init__(self, module: nn.Module, *, mesh, units: list[nn.Module], expert_mesh=None,
                  main_dtype: torch.dtype | None = None, reshard_after_forward: bool = True,
                  reduce_dtype: torch.dtype | None = None, device: torch.device | None = None,
                  initialized_parts: Callable[[], Iterable[tuple[str, nn.Module]]] | None = None):
@@ -179,6 +228,8 @@ class FullyShardedDataParallel(nn.Module):
         self.mesh = mesh
         self.dp_group = mesh.get_group()
         self.dp = mesh.size()
+        self.expert_mesh = mesh if expert_mesh is None else expert_mesh
+        self.expert_dp_group = self.expert_mesh.get_group()
         attributes = {name: {a: getattr(p, a) for a in PARAM_ATTRIBUTES if hasattr(p, a)}
                       for name, p in module.named_parameters()}
         on_meta = any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
@@ -188,6 +239,9 @@ class FullyShardedDataParallel(nn.Module):
             for p in params:  # free on the meta device; a whole-model copy otherwise
                 p.data = p.data.to(self.main_dtype)
         policy = _mixed_precision(self.compute_dtype, self.main_dtype, reduce_dtype)
+        for unit in expert_units(module):  # before the layers: theirs are the params left over
+            fully_shard(unit, mesh=self.expert_mesh, mp_policy=policy,
+                        reshard_after_forward=reshard_after_forward)
         for unit in units:
             fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
         fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
@@ -199,6 +253,8 @@ class FullyShardedDataParallel(nn.Module):
                 setattr(p, attr, value)
         self.module = module
         self.params = [p for p in module.parameters() if p.requires_grad]
+        self.expert_params = [p for p in self.params if is_expert_param(p)]
+        self.expert_grad_scale = self.expert_mesh.size() / self.dp  # FSDP2's average -> DP x CP's
 
     # ---- what each rank holds ---------------------------------------------------------------------
     def owned_param_ranges(self) -> dict[nn.Parameter, tuple[int, int]]:
@@ -217,8 +273,14 @@ class FullyShardedDataParallel(nn.Module):
         finally:
             self.module.set_requires_gradient_sync(True)
 
+    @torch.no_grad()
     def finish_grad_sync(self):
-        """FSDP2 waits for its reduce-scatters at the end of backward; nothing is left to do."""
+        """FSDP2 waits for its reduce-scatters at the end of backward; what is left is the expert
+        shards' scaling from FSDP2's average over expert-DP to the average over DP x CP."""
+        if self.expert_grad_scale != 1.0:
+            for p in self.expert_params:
+                if p.grad is not None:
+                    local_tensor(p.grad).mul_(self.expert_grad_scale)
 
     def zero_grad_buffer(self):
         self.module.zero_grad(set_to_none=True)

@@ -1,7 +1,10 @@
 """The distributed optimizer's parameter all-gather, bucket by bucket (`--overlap-param-gather`).
 
 After an optimizer step each DP rank holds fresh values only in its own shard of every bucket of
-the parameter buffer (data_parallel.py); an all-gather per bucket over DP brings the rest.
+the parameter buffer (data_parallel.py); an all-gather per bucket over the bucket's group brings the
+rest: DP for dense buckets, expert-DP for the expert params' buckets (each expert-DP rank owns a
+shard of its EP rank's experts). Dense and expert buckets share one forward order, so either kind
+travels while the other computes.
 
 Without overlap, `sync()` gathers every bucket before step() returns.
 
@@ -47,8 +50,9 @@ class Done:
 class ParamGather:
     """Per-bucket all-gather state of one model chunk's parameter buffer.
 
-    buckets: data_parallel.Bucket list (bucket.param_data views the buffer); a bucket is synced,
-    stale (this rank's shard is new, the others are not gathered yet) or in flight.
+    buckets: data_parallel.Bucket list (bucket.param_data views the buffer; bucket.group, .dp,
+    .dp_rank: the group it is gathered over); a bucket is synced, stale (this rank's shard is new,
+    the others are not gathered yet) or in flight.
 
     Which module waits for which bucket is learnt from the chunk's first forward (always before
     the first step, so nothing is stale then): a parameter's bucket is waited for by its owner's
@@ -57,13 +61,11 @@ class ParamGather:
     order those modules first ran.
     """
 
-    def __init__(self, module: nn.Module, buckets: list, param_to_bucket: dict, dp_group, dp: int,
-                 dp_rank: int):
+    def __init__(self, module: nn.Module, buckets: list, param_to_bucket: dict):
         self.module = module
         self.buckets = buckets
         self.forward_order = list(reversed(buckets))  # until the first forward says otherwise
         self.param_to_bucket = param_to_bucket
-        self.dp_group, self.dp, self.dp_rank = dp_group, dp, dp_rank
         self.stale: set[int] = set()  # bucket indices to gather, not dispatched
         self.in_flight: dict[int, tuple] = {}  # bucket index -> (handle, input copy)
         self._ran: dict[nn.Module, int] = {}  # module -> when its forward first ran
@@ -80,13 +82,13 @@ class ParamGather:
     def dispatch(self, bucket, async_op: bool = True) -> None:
         """Start the all-gather of a stale bucket."""
         self.stale.discard(bucket.index)
-        if self.dp == 1:
+        if bucket.dp == 1:
             self.in_flight[bucket.index] = (Done(), None)
             return
-        lo = bucket.shard_size * self.dp_rank
+        lo = bucket.shard_size * bucket.dp_rank
         # The input is a view of the output; copy it so the collective never reads what it writes.
         shard = bucket.param_data[lo:lo + bucket.shard_size].clone()
-        handle = all_gather_single(bucket.param_data, shard, group=self.dp_group, async_op=async_op)
+        handle = all_gather_single(bucket.param_data, shard, group=bucket.group, async_op=async_op)
         self.in_flight[bucket.index] = (handle or Done(), shard)
 
     def wait(self, bucket) -> None:
@@ -94,7 +96,7 @@ class ParamGather:
         if bucket.index in self.stale:
             self.dispatch(bucket)
         handle, _ = self.in_flight.pop(bucket.index)
-        faults.wait(handle, "parameter all-gather (data parallel)", self.dp_group)
+        faults.wait(handle, "parameter all-gather (data parallel)", bucket.group)
 
     def _consume(self, bucket, position: int) -> None:
         """A module of `bucket` is about to run: send the next bucket on, then wait for this one."""

@@ -12,6 +12,12 @@ DP x CP group, d = dp * cp, as Megatron's: CP ranks hold the same parameters):
     5. the main shards are written into the param buffer (model dtype) and every bucket is
        all-gathered over DP, so every rank again holds all parameters
 
+Expert params (`is_expert`, a MoE layer's routed experts) sit in buckets of their own that are
+reduce-scattered and all-gathered over expert-DP instead (data_parallel.py): expert-DP rank r owns
+shard s_r of each expert bucket, so their main params and Adam state are sharded over expert-DP
+(megatron-core's expert optimizer over intra_expt_dp_group); steps 2-5 are the same for them, and
+the norm of step 3 counts every rank's owned slices of either kind once (optim/clip_grads.py).
+
 Memory per parameter (bf16 model, fp32 grads), Megatron's table: weights 2 + grads 4 bytes,
 unsharded; fp32 main param 4 + Adam exp_avg 4 + exp_avg_sq 4 = 12 bytes sharded over d:
 6 + 12/d bytes per parameter (18 without the distributed optimizer). For fp32 models the main

@@ -12,7 +12,8 @@ its local gradient shard (already reduce-scattered and averaged over DP):
                       masters and Adam state (megafab.optim.cpu_offload) and writes the weights back
 
 Norm, clipping, inf checks and the fp16 loss scaler are MixedPrecisionOptimizer's; shards are
-disjoint across DP, so the norm sums over DP and model parallel.
+disjoint across DP, so the norm sums over DP and model parallel. Expert params are sharded over
+expert-DP instead (megafab.distributed.fsdp), their shards disjoint across the world as well.
 
 Memory per parameter per rank (bf16 model, Adam): fp32 shard 4 + fp32 grad shard 4 + exp_avg 4 +
 exp_avg_sq 4 = 16/d bytes at rest; the gathered 16-bit weights and the unsharded fp32 gradients of

@@ -5,7 +5,8 @@ One step (`step()`), Megatron's order:
      cast to the main dtype if needed;
   2. fp16 only: unscale by 1/loss_scale, look for inf/nan on every rank; if found, update the scaler
      and skip the step (model and main params untouched) -> (False, None, None);
-  3. global L2 norm over all TP/PP(/DP) shards, each value counted once; clip to `clip_grad`;
+  3. global L2 norm over all TP/PP(/DP) shards, each value counted once (expert params' over
+     their own groups, megafab.optim.clip_grads); clip to `clip_grad`;
      a non-finite norm without a loss scaler (bf16/fp32) raises NonFiniteGradError naming the
      iteration (parameters untouched), unless `raise_on_non_finite=False`, then the step is skipped;
   4. optional count of zeros;
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from megafab.distributed.data_parallel import is_expert_param
 from megafab.errors import MegafabError
 from megafab.optim import clip_grads
 from megafab.optim.cpu_offload import HostOptimizer, OffloadConfig, split_for_offload
@@ -214,14 +216,32 @@ class MixedPrecisionOptimizer:
             entries.append(MainParam(name, p, main, not no_weight_decay(name, p)))
         return entries
 
-    def _norm_groups(self) -> list:
-        """Groups over which ranks hold disjoint grads: model parallel (TP x PP), and the sharding
-        group (DP x CP, Megatron's dp-cp group) too when every rank of it steps its own shard."""
+    def _norm_groups(self, expert: bool = False) -> list:
+        """Groups over which ranks hold disjoint grads (megafab.optim.clip_grads): model parallel
+        (TP x PP; for expert params ETP x EP x PP), or, when every rank steps its own shard, the
+        sharding group (DP x CP) then TP x PP: the whole world, for either kind."""
         if self.topology is None:
             return [self.model_chunks[0].dp_group] if self.shards_across_dp else []
         if self.shards_across_dp:
             return [self.topology.group("dp", "cp"), self.topology.group("tp", "pp")]
+        if expert:
+            return [self.topology.group("etp", "ep", "pp")]
         return [self.topology.group("tp", "pp")]
+
+    def _grad_sets(self, entries: list[MainParam], grads: list[torch.Tensor],
+                   host_entries: list[MainParam] = (), host_grads: list[torch.Tensor] = ()
+                   ) -> list[clip_grads.GradSet]:
+        """The grads by the groups their statistics reduce over: dense, and expert params when
+        their groups differ (the same groups on every rank, so every rank takes part in each
+        set's reductions, also one that holds no expert params: a pipeline stage without MoE)."""
+        dense, expert = self._norm_groups(), self._norm_groups(expert=True)
+        sets = {False: clip_grads.GradSet([], dense), True: clip_grads.GradSet([], expert)}
+        split = expert != dense
+        for e, g in zip(entries, grads):
+            sets[split and is_expert_param(e.model_param)].grads.append(g)
+        for e, g in zip(host_entries, host_grads):
+            sets[split and is_expert_param(e.model_param)].scaled.append(g)
+        return [sets[False], sets[True]] if split else [sets[False]]
 
     @property
     def torch_optimizers(self) -> list[torch.optim.Optimizer]:
@@ -266,8 +286,11 @@ class MixedPrecisionOptimizer:
                 if e.is_copy:
                     e.model_values().copy_(e.main)
 
-    def _counted(self, entries: list[MainParam], grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [g for e, g in zip(entries, grads) if clip_grads.counts_for_norm(e.model_param, self.topology)]
+    def _counted(self, entries: list[MainParam], grads: list[torch.Tensor]
+                 ) -> tuple[list[MainParam], list[torch.Tensor]]:
+        kept = [(e, g) for e, g in zip(entries, grads)
+                if clip_grads.counts_for_norm(e.model_param, self.topology)]
+        return [e for e, _ in kept], [g for _, g in kept]
 
     @torch.no_grad()
     def step(self) -> tuple[bool, float | None, int | None]:
@@ -276,21 +299,21 @@ class MixedPrecisionOptimizer:
         grads = self._load_main_grads()
         # Offloaded entries: their gradients where backward left them, still loss-scaled.
         host_grads = self.host.device_grads() if self.host is not None else []
-        groups = self._norm_groups()
+        host_entries = self.host.entries if self.host is not None else []
         inv_scale = 1.0
         if self.grad_scaler is not None:
             inv_scale = 1.0 / self.grad_scaler.scale
             for g in grads:
                 g.mul_(inv_scale)
-            found_inf = clip_grads.found_non_finite(grads + host_grads, groups, self.device)
+            every = self._grad_sets(self.device_entries, grads, host_entries, host_grads)
+            found_inf = clip_grads.found_non_finite(every, self.device)
             self.grad_scaler.update(found_inf)
             if found_inf:
                 self._drop_main_grads()
                 return False, None, None
-        counted = self._counted(self.device_entries, grads)
-        counted_host = self._counted(self.host.entries, host_grads) if self.host is not None else []
-        grad_norm = clip_grads.global_grad_norm(counted, groups, self.device, scaled=counted_host,
-                                                scale=inv_scale)
+        counted = self._grad_sets(*self._counted(self.device_entries, grads),
+                                  *self._counted(host_entries, host_grads))
+        grad_norm = clip_grads.global_grad_norm(counted, self.device, scale=inv_scale)
         if not math.isfinite(grad_norm):
             self._drop_main_grads()
             if self.raise_on_non_finite:
@@ -304,7 +327,7 @@ class MixedPrecisionOptimizer:
             clip = clip_grads.clip_grads_by_norm(grads, self.clip_grad, grad_norm)
         num_zeros = None
         if self.log_num_zeros_in_grad:
-            num_zeros = clip_grads.count_zeros(counted + counted_host, groups, self.device)
+            num_zeros = clip_grads.count_zeros(counted, self.device)
         if self.optimizer is not None:
             self.optimizer.step()
         if self.host is not None:

@@ -6,4 +6,5 @@ step_time.py     one iteration's time from the FLOPs and bytes of a finalized Co
 schedule.py      how the pipeline schedule turns per-micro-batch stage times into a step
 search.py        every valid layout for a model, batch and device count, ranked by predicted time
 profile.py       measuring this machine (megafab-estimate --profile)
+moe.py           mixture-of-experts terms: parameters (total, active, per rank), routed rows, FLOPs
 """

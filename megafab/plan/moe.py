@@ -135,11 +135,13 @@ def bound_rows(cfg, moe) -> int:
 def moe_mlp_activation_bytes(cfg, moe, rows: int, e: int) -> int:
     """What one MoE MLP keeps for backward per micro-batch on one rank, beyond the normed input the
     dense layer already counts (the router's and shared experts' input):
-        router          N E (4 + 4 + 1)          fp32 logits and scores, the routing map
-        routed rows     rows (e h + e (f_1 + 2 f_e + f_e with SwiGLU) / t_e + 4 + 8)
-                                                 expert input, fc1 output, activation output (for
-                                                 the probabilities' gradient), fc2 input, the
-                                                 row's probability and permutation index
+        router          N (12 k + E (1 + e))      the chosen experts (int64) and their fp32 softmax,
+                                                 the routing map (bool) and probabilities [E, N]
+        routed rows     rows (2 e h + e (f_1 + 2 f_e + f_e with SwiGLU) / t_e + 8 + e)
+                                                 expert input, the experts' output kept by the
+                                                 combine, fc1 output, activation output (for the
+                                                 probabilities' gradient), fc2 input; the row's
+                                                 permutation index and probability
         shared experts  e s b / c (f_s1 + f_s + f_s with SwiGLU) / t    as the dense MLP
     """
     m, p, t = cfg.model, cfg.parallel, cfg.training
@@ -147,8 +149,8 @@ def moe_mlp_activation_bytes(cfg, moe, rows: int, e: int) -> int:
     tp = p.tensor_model_parallel_size
     h, f_e = m.hidden_size, moe.ffn_hidden_size(m.ffn_hidden_size)
     fc1 = f_e * (2 if m.swiglu else 1)
-    router = router_tokens(cfg) * moe.num_experts * 9
-    per_row = e * h + e * (fc1 + 2 * f_e + (f_e if m.swiglu else 0)) // etp + 12
+    router = router_tokens(cfg) * (12 * moe.moe_router_topk + moe.num_experts * (1 + e))
+    per_row = 2 * e * h + e * (fc1 + 2 * f_e + (f_e if m.swiglu else 0)) // etp + 8 + e
     shared = 0
     f_s = moe.moe_shared_expert_intermediate_size
     if f_s:

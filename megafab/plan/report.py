@@ -19,7 +19,8 @@ def prediction_line(pred, machine: Machine) -> str:
 def candidate_row(rank: int | str, cand) -> str:
     p = cand.prediction
     layout = f"TP{cand.tp} PP{cand.pp}" + (f" VPP{cand.vpp}" if cand.vpp > 1 else "") \
-        + (f" CP{cand.cp}" if cand.cp > 1 else "") + f" DP{cand.dp}" \
+        + (f" CP{cand.cp}" if cand.cp > 1 else "") + (f" EP{cand.ep}" if cand.ep > 1 else "") \
+        + (f" ETP{cand.etp}" if cand.etp != cand.tp else "") + f" DP{cand.dp}" \
         + (" SP" if cand.sequence_parallel else "")
     return (f"{rank:>4} {layout:<26} mbs {cand.micro_batch_size:<2} {cand.recompute:<9} {cand.sharding:<21} "
             f"{cand.memory_gib:7.1f} GiB {p.step_time_s:9.3f} s {p.tokens_per_s:12,.0f} "

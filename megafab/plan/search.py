@@ -15,7 +15,8 @@ Pruning, none of which drops a candidate that could rank first:
   - without sharding is the distributed optimizer's communication with more memory and a longer
     optimizer step: tried only at DP x CP = 1, where both are the same;
   - TP stays inside one node (TP's per-layer collectives across nodes are never competitive).
-Ranking keeps each rank grid's (TP, PP, CP, EP, DP) best setting (VPP, micro-batch, recompute, sharding,
+An MoE model's candidates also vary EP (dividing the experts) and ETP (TP or 1).
+Ranking keeps each rank grid's (TP, PP, CP, EP, ETP, DP) best setting (VPP, micro-batch, recompute, sharding,
 SP), so the top K are K different grids.
 """
 
@@ -39,7 +40,8 @@ LAYOUT_FLAGS = {"--tensor-model-parallel-size": 1, "--pipeline-model-parallel-si
                 "--num-virtual-stages-per-pipeline-rank": 1, "--micro-batch-size": 1,
                 "--recompute-granularity": 1, "--recompute-method": 1, "--recompute-num-layers": 1,
                 "--recompute-modules": "*", "--sequence-parallel": 0, "--use-distributed-optimizer": 0,
-                "--use-torch-fsdp2": 0, "--overlap-param-gather": 0, "--dry-run": 0}
+                "--use-torch-fsdp2": 0, "--overlap-param-gather": 0, "--dry-run": 0,
+                "--expert-model-parallel-size": 1, "--expert-tensor-parallel-size": 1}
 RECOMPUTE = {"none": [], "selective": ["--recompute-granularity", "selective"],
              "full": ["--recompute-granularity", "full", "--recompute-method", "uniform",
                       "--recompute-num-layers", "1"]}
@@ -56,6 +58,7 @@ class Candidate:
     cp: int
     ep: int
     dp: int
+    etp: int
     micro_batch_size: int
     recompute: str
     sharding: str
@@ -67,12 +70,12 @@ class Candidate:
     @property
     def layout_key(self) -> tuple:
         """The rank grid; VPP, like the micro-batch size, is a setting of a grid's schedule."""
-        return self.tp, self.pp, self.cp, self.ep, self.dp
+        return self.tp, self.pp, self.cp, self.ep, self.etp, self.dp
 
     def to_json(self) -> dict:
         p = self.prediction
         return {"flags": self.flags, "tp": self.tp, "pp": self.pp, "vpp": self.vpp, "cp": self.cp,
-                "ep": self.ep, "dp": self.dp, "micro_batch_size": self.micro_batch_size,
+                "ep": self.ep, "etp": self.etp, "dp": self.dp, "micro_batch_size": self.micro_batch_size,
                 "recompute": self.recompute, "sharding": self.sharding,
                 "sequence_parallel": self.sequence_parallel, "memory_gib": round(self.memory_gib, 3),
                 "host_gib": round(self.host_gib, 3), "step_time_s": p.step_time_s,
@@ -110,16 +113,17 @@ def _describe(cfg) -> tuple[str, str]:
 
 
 def evaluate(cfg, machine, flags: list[str], tp_comm_overlap: bool = False, kernels: str = "flash",
-             stages=None, memo: dict | None = None) -> Candidate:
+             stages=None, memo: dict | None = None, routing: str = "bound") -> Candidate:
     """Memory and step time of one finalized, valid config (stages: its plan, if made already;
     memo: step_time.stage_passes's)."""
-    stages = stages or plan(cfg, kernels)
+    stages = stages or plan(cfg, kernels, routing)
     p = cfg.parallel
     recompute, sharding = _describe(cfg)
     return Candidate(
         flags=list(flags), tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
-        vpp=p.virtual_pipeline_model_parallel_size or 1, cp=p.context_parallel_size, ep=1,
-        dp=p.data_parallel_size, micro_batch_size=cfg.training.micro_batch_size, recompute=recompute,
+        vpp=p.virtual_pipeline_model_parallel_size or 1, cp=p.context_parallel_size,
+        ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size, dp=p.data_parallel_size,
+        micro_batch_size=cfg.training.micro_batch_size, recompute=recompute,
         sharding=sharding, sequence_parallel=p.sequence_parallel,
         memory_gib=_device_gib(stages), host_gib=_host_gib(stages),
         prediction=predict(cfg, machine, stages, tp_comm_overlap, memo))
@@ -141,12 +145,28 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _layout_flags(tp, pp, vpp, cp, mbs, sp, sharding, recompute, overlap_param_gather) -> list[str]:
+def _expert_layouts(base: Config, world: int, tp: int, pp: int) -> list[tuple[int, int]]:
+    """(EP, ETP) of an MoE model's candidates at (TP, PP): EP dividing the experts, ETP = TP or 1,
+    where the expert grid ETP x EP x PP divides the world (the rules judge each one); a dense model
+    has (1, TP) only."""
+    experts = base.moe.num_experts
+    if experts is None:
+        return [(1, tp)]
+    return [(ep, etp) for etp in sorted({tp, 1}, reverse=True) for ep in _divisors(experts)
+            if world % (etp * ep * pp) == 0]
+
+
+def _layout_flags(tp, pp, vpp, cp, mbs, sp, sharding, recompute, overlap_param_gather, ep=1,
+                  etp=None) -> list[str]:
     flags = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
     if vpp > 1:
         flags += ["--num-virtual-stages-per-pipeline-rank", str(vpp)]
     if cp > 1:
         flags += ["--context-parallel-size", str(cp)]
+    if ep > 1:
+        flags += ["--expert-model-parallel-size", str(ep)]
+    if etp is not None and etp != tp:
+        flags += ["--expert-tensor-parallel-size", str(etp)]
     flags += ["--micro-batch-size", str(mbs)]
     if sp:
         flags.append("--sequence-parallel")
@@ -163,8 +183,8 @@ class _Builder:
     DERIVED = ("data_parallel_size", "world_size", "num_micro_batches",
                "virtual_pipeline_model_parallel_size", "padded_vocab_size", "fully_sharded")
 
-    def __init__(self, base: Config, user_flags: list[str], world: int):
-        self.base, self.world = base, world
+    def __init__(self, base: Config, user_flags: list[str], world: int, routing: str = "bound"):
+        self.base, self.world, self.routing = base, world, routing
         self.memo: dict = {}  # layer passes shared by the layouts of this one model
         self.section = {f.name: section.name for section in dataclasses.fields(Config)
                         if dataclasses.is_dataclass(section.type if not isinstance(section.type, str)
@@ -174,10 +194,12 @@ class _Builder:
         if not any(f.split("=")[0] == "--ddp-bucket-size" for f in user_flags):
             self.reset["ddp_bucket_size"] = None
 
-    def build(self, tp, pp, vpp, cp, mbs, sp, sharding, recompute, overlap_param_gather) -> Config | None:
+    def build(self, tp, pp, vpp, cp, mbs, sp, sharding, recompute, overlap_param_gather, ep=1,
+              etp=None) -> Config | None:
         values = dict(self.reset)
         values.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                      context_parallel_size=cp,
+                      context_parallel_size=cp, expert_model_parallel_size=ep,
+                      expert_tensor_parallel_size=tp if etp is None else etp,
                       num_virtual_stages_per_pipeline_rank=vpp if vpp > 1 else None,
                       num_layers_per_virtual_pipeline_stage=None, micro_batch_size=mbs, sequence_parallel=sp,
                       use_distributed_optimizer=sharding == "distributed_optimizer",
@@ -202,7 +224,7 @@ def _best_micro_batch(builder, machine, layout, dp, gbs, micro_batch_sizes, over
     """((built, valid, fitting), fastest fitting candidate) over micro-batch sizes and recompute for one
     layout and sharding. Full recompute is planned first: where even it does not fit, nothing does,
     nor at any larger micro-batch."""
-    tp, pp, vpp, cp, sp, sharding = layout
+    tp, pp, vpp, cp, sp, sharding, ep, etp = layout
     built = valid = fitting = 0
     best = None
     for mbs in micro_batch_sizes:
@@ -211,11 +233,11 @@ def _best_micro_batch(builder, machine, layout, dp, gbs, micro_batch_sizes, over
         planned, valid_here = {}, 0
         for recompute in ("full", "none", "selective"):
             built += 1
-            cfg = builder.build(tp, pp, vpp, cp, mbs, sp, sharding, recompute, overlap_param_gather)
+            cfg = builder.build(tp, pp, vpp, cp, mbs, sp, sharding, recompute, overlap_param_gather, ep, etp)
             if cfg is None:
                 continue
             valid, valid_here = valid + 1, valid_here + 1
-            stages = plan(cfg, kernels)
+            stages = plan(cfg, kernels, builder.routing)
             if not fits(stages, machine):
                 if recompute == "full":
                     break
@@ -231,8 +253,8 @@ def _best_micro_batch(builder, machine, layout, dp, gbs, micro_batch_sizes, over
         cfg, stages = planned[recompute]
         fitting += 1
         cand = evaluate(cfg, machine, _layout_flags(tp, pp, vpp, cp, mbs, sp, sharding, recompute,
-                                                    overlap_param_gather), tp_comm_overlap, kernels, stages,
-                         builder.memo)
+                                                    overlap_param_gather, ep, etp), tp_comm_overlap, kernels,
+                        stages, builder.memo, builder.routing)
         if best is None or cand.prediction.step_time_s < best.prediction.step_time_s:
             best = cand
     return (built, valid, fitting), best
@@ -248,13 +270,14 @@ class SearchResult:
 
 
 def search(user_argv: list[str], num_gpus: int, machine, top: int = 10, tp_comm_overlap: bool = False,
-           kernels: str = "flash", micro_batch_sizes=(1, 2, 4, 8)) -> SearchResult:
+           kernels: str = "flash", micro_batch_sizes=(1, 2, 4, 8), routing: str = "bound") -> SearchResult:
+    """routing: an MoE model's routed rows in the memory that must fit (planner.plan)."""
     start = time.perf_counter()
     user = strip_layout_flags(user_argv)
     # the model and training flags, checked once (at world 1 every layout rule holds)
     base = config_from_args(user + ["--micro-batch-size", "1", "--dry-run"], world_size=1)
     overlap_param_gather = "--overlap-param-gather" in user_argv
-    builder = _Builder(base, user, num_gpus)
+    builder = _Builder(base, user, num_gpus, routing)
     m, t = base.model, base.training
     gbs = t.global_batch_size
     best: dict[tuple, Candidate] = {}
@@ -268,12 +291,12 @@ def search(user_argv: list[str], num_gpus: int, machine, top: int = 10, tp_comm_
                     continue
                 vpps = [1] + ([v for v in _divisors(m.num_layers // pp) if v > 1] if pp > 1 and
                               m.num_layers % pp == 0 else [])
-                for vpp in vpps:
+                for vpp, (ep, etp) in itertools.product(vpps, _expert_layouts(base, num_gpus, tp, pp)):
                     for sharding in ("distributed_optimizer", "fsdp2", "none"):
                         if sharding == "none" and dp * cp > 1:
                             continue
                         for sp in ([True, False] if tp > 1 else [False]):
-                            layout = (tp, pp, vpp, cp, sp, sharding)
+                            layout = (tp, pp, vpp, cp, sp, sharding, ep, etp)
                             counts, cand = _best_micro_batch(
                                 builder, machine, layout, dp, gbs, micro_batch_sizes, overlap_param_gather,
                                 tp_comm_overlap, kernels)
@@ -296,7 +319,7 @@ def search(user_argv: list[str], num_gpus: int, machine, top: int = 10, tp_comm_
             cfg = config_from_args(user + cand.flags + ["--dry-run"], world_size=num_gpus)
         except ConfigError:
             continue
-        shown.append(evaluate(cfg, machine, user + cand.flags, tp_comm_overlap, kernels))
+        shown.append(evaluate(cfg, machine, user + cand.flags, tp_comm_overlap, kernels, routing=routing))
     return SearchResult(shown, considered, valid, fitting, time.perf_counter() - start)
 
 
@@ -314,18 +337,20 @@ def every_valid_layout(user_argv: list[str], num_gpus: int, micro_batch_sizes=(1
             for pp in _divisors(num_gpus // (tp * cp)):
                 vpps = [1] + ([v for v in _divisors(layers // pp) if v > 1 and pp > 1]
                               if layers % pp == 0 else [])
-                for vpp, mbs, sharding, recompute, sp in itertools.product(
-                        vpps, micro_batch_sizes, shardings, recomputes, [False, True] if tp > 1 else [False]):
-                    cfg = builder.build(tp, pp, vpp, cp, mbs, sp, sharding, recompute, False)
+                for vpp, mbs, sharding, recompute, sp, (ep, etp) in itertools.product(
+                        vpps, micro_batch_sizes, shardings, recomputes, [False, True] if tp > 1 else [False],
+                        _expert_layouts(base, num_gpus, tp, pp)):
+                    cfg = builder.build(tp, pp, vpp, cp, mbs, sp, sharding, recompute, False, ep, etp)
                     if cfg is not None:
-                        flags = user + _layout_flags(tp, pp, vpp, cp, mbs, sp, sharding, recompute, False)
+                        flags = user + _layout_flags(tp, pp, vpp, cp, mbs, sp, sharding, recompute, False, ep,
+                                                     etp)
                         out.append((flags, cfg))
     return out
 
 
 def candidate_from_flags(user_argv: list[str], num_gpus: int, machine, tp_comm_overlap: bool = False,
-                         kernels: str = "flash") -> Candidate:
+                         kernels: str = "flash", routing: str = "bound") -> Candidate:
     """The layout the user's flags give, evaluated."""
     cfg = config_from_args(list(user_argv) + ["--dry-run"], world_size=num_gpus)
     flags = [f for f in user_argv if f != "--dry-run"]
-    return evaluate(cfg, machine, flags, tp_comm_overlap, kernels)
+    return evaluate(cfg, machine, flags, tp_comm_overlap, kernels, routing=routing)

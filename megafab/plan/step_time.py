@@ -22,15 +22,22 @@ Per layer and micro-batch, on one rank:
             q, k, v and the output re-sharded between sequence and heads.
   recompute full: the layer's forward again in backward (with its TP collectives); selective: the
             attention forward again.
+  MoE       an MoE layer's MLP (megafab.plan.moe): the router [N, h] x [h, E], each local expert's
+            fc1/fc2 on its share of the balanced routed rows (N k t_e / E_l), the shared experts as
+            a dense MLP (with its TP pair of collectives; without shared experts the MLP has none);
+            dispatch + combine: alltoall, 2 all-to-alls of e N k h over EP and the ETP all-gather /
+            reduce-scatter of the rows; allgather, the EP x ETP group's tokens gathered and the
+            outputs reduce-scattered; the same again in backward (not overlapped).
 First stage: the embedding (memory-bound); last stage: final norm, output layer [M, h] x [h, V/t]
 and the fp32 cross entropy over [M, V/t].
 
 Per step: the pipeline schedule (schedule.py) over m micro-batches; data-parallel reductions over
-the dp-cp group (all-reduce, or reduce-scatter + parameter all-gather with the distributed
-optimizer; FSDP2 gathers each layer in forward and again in backward and reduce-scatters once),
-hidden by --overlap-grad-reduce behind the last micro-batch's backward and by
---overlap-param-gather behind the first one's forward, except one bucket; the optimizer step,
-memory-bound (bytes of state / HBM bandwidth) and, offloaded, PCIe copies plus the CPU's Adam.
+the dp-cp group, and an MoE model's routed-expert parameters over expert-DP (all-reduce, or
+reduce-scatter + parameter all-gather with the distributed optimizer; FSDP2 gathers each layer in
+forward and again in backward and reduce-scatters once), hidden by --overlap-grad-reduce behind the
+last micro-batch's backward and by --overlap-param-gather behind the first one's forward, except
+one bucket; the optimizer step, memory-bound (bytes of state / HBM bandwidth) and, offloaded, PCIe
+copies plus the CPU's Adam.
 
 Throughput is reported as Megatron does: model FLOPs (megafab.training.flops, no recompute) per
 second per GPU, and MFU = that / the machine's peak for the model dtype.

@@ -52,6 +52,14 @@ p2p kv*(2e + 8) (K/V being sent and received, dK/dV in fp32 travelling with them
 allgather cp*kv*(2e + 8) (gathered and reordered K/V, their fp32 gradients), a2a
 2*e*b*(a + 2g)/t*d*s/cp (one all-to-all's send and receive buffers for q, k, v).
 
+Mixture of experts (megafab.plan.moe, which states each term): an MoE layer's MLP is its router,
+routed experts and shared experts. Parameters: the routed experts' split over ETP x EP (their
+weights, grads and optimizer state reduced and sharded over expert-DP = world / (ETP EP PP), the
+rest over DP x CP); totals, and active ones (k routed experts), over the whole model. Activations:
+the dense MLP's TP-region term is replaced by the MoE MLP's, with the routed rows at their bound
+(the capacity, or every token of the EP x ETP group without a capacity factor); each stage's line
+also gives the total under balanced routing. One layer's dispatcher buffers add to the peak.
+
 In flight (micro-batches whose activations are alive at once): 1F1B stage i holds min(pp - i, M);
 interleaved: min(2*(pp - i - 1) + (vpp - 1)*pp + 1, M*vpp) chunk-micro-batches (Megatron's warmup
 + 1); without pipelining one.
@@ -99,6 +107,7 @@ class StagePlan:
     expert_params: int = 0  # MoE: the routed experts' part of params (reduced over expert-DP)
     dispatcher_bytes: int = 0  # MoE: one layer's transient token-dispatch buffers (in the peak)
     balanced_activation_peak_bytes: int = 0  # MoE: activation_peak_bytes under balanced routing
+    routing: str = "bound"  # MoE: the routed rows in activation_peak_bytes (plan's routing)
 
     @property
     def state_bytes(self) -> int:
@@ -334,9 +343,14 @@ def in_flight_chunks(pp: int, vpp: int, pp_rank: int, micro_batches: int) -> int
     return min(2 * (pp - pp_rank - 1) + (vpp - 1) * pp + 1, micro_batches * vpp)
 
 
-def plan(cfg, kernels: str = "flash") -> list[StagePlan]:
+ROUTING = ("bound", "balanced")
+
+
+def plan(cfg, kernels: str = "flash", routing: str = "bound") -> list[StagePlan]:
     """One StagePlan per pipeline stage (every TP/DP rank of a stage holds the same amounts);
-    kernels="cpu": PyTorch's CPU kernels and gloo's collectives (state_memory)."""
+    kernels="cpu": PyTorch's CPU kernels and gloo's collectives (state_memory); routing: an MoE
+    model's routed rows at their bound, or balanced (the expected count; dropless routing can
+    exceed it), in the activations and the peak (balanced_activation_peak_bytes has the latter)."""
     m, p, t, pr = cfg.model, cfg.parallel, cfg.training, cfg.precision
     pp, vpp, tp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1, \
         p.tensor_model_parallel_size
@@ -379,7 +393,7 @@ def plan(cfg, kernels: str = "flash") -> list[StagePlan]:
         kept = {kind: max(chunk_activations([moe_layer if is_moe_layer(moe, i) else layer for i in layers])
                           for layers in chunk_layers) + (dispatch if has_moe else 0,)
                 for kind, (moe_layer, dispatch) in (routed or {"bound": (layer, 0)}).items()}
-        chunk_kept, transient, stage_dispatch = kept["bound"]
+        chunk_kept, transient, stage_dispatch = kept[routing if routed else "bound"]
         params, expert_params = stage_param_split(cfg, rank)
         first, last = rank == 0, rank == pp - 1
         embed = s * b * h * _mask_bytes(kernels, e) // r if first and m.hidden_dropout > 0 else 0
@@ -395,7 +409,7 @@ def plan(cfg, kernels: str = "flash") -> list[StagePlan]:
         fixed = (embed + rotary) * min(chunks, pp if pp > 1 else 1) + kv_exchange
         peaks = {kind: int(chunks * kept_ + fixed + max(logits + loss_backward, transient_) + dispatch_)
                  for kind, (kept_, transient_, dispatch_) in kept.items()}
-        peak = peaks["bound"]
+        peak = peaks[routing if routed else "bound"]
         unit, expert_unit = largest_fsdp_unit(cfg, rank)
         state = stage_state_bytes(cfg, params, expert_params, unit, expert_unit, gloo=kernels == "cpu")
         out.append(StagePlan(
@@ -403,11 +417,11 @@ def plan(cfg, kernels: str = "flash") -> list[StagePlan]:
             optimizer_bytes=state.optimizer, host_bytes=state.host, fsdp_transient_bytes=state.fsdp_transient,
             gather_transient_bytes=state.gather_transient,
             activation_bytes_per_micro_batch=vpp * (chunk_kept + transient) + embed + rotary + logits,
-            layer_activation_bytes=max(layer, routed["bound"][0]) if has_moe else layer, logits_bytes=logits,
+            layer_activation_bytes=max(layer, routed[routing][0]) if has_moe else layer, logits_bytes=logits,
             in_flight=chunks / vpp, activation_peak_bytes=peak, kv_exchange_bytes=kv_exchange,
             forward_saved_bytes=int(vpp * chunk_kept + embed + rotary + logits),
             expert_params=expert_params, dispatcher_bytes=stage_dispatch,
-            balanced_activation_peak_bytes=peaks.get("balanced", peak)))
+            balanced_activation_peak_bytes=peaks.get("balanced", peak), routing=routing))
     return out
 
 
@@ -422,14 +436,27 @@ def _sharding_summary(cfg) -> str:
     return zero
 
 
+def _routing_note(st: StagePlan) -> str:
+    if not st.dispatcher_bytes:
+        return ""
+    if st.routing == "balanced":
+        return " (routed rows balanced: dropless routing can exceed them)"
+    balanced = st.balanced_total_bytes / 2.0**30
+    return f" (routed rows at their bound; balanced routing: total {balanced:.2f} GiB)"
+
+
 def parameters_line(cfg) -> str:
     """The whole model's parameter count; for MoE total and active (per token) and the expert grid."""
     total, active = model_params(cfg)
     moe = settings_of(cfg)
+
+    def count(n: int) -> str:
+        return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
     if moe is None:
-        return f"  parameters: {total / 1e9:.2f}B"
+        return f"  parameters: {count(total)}"
     ep, etp = expert_sizes(cfg)
-    return (f"  parameters: {total / 1e9:.2f}B total, {active / 1e9:.2f}B active ({moe.moe_router_topk} of "
+    return (f"  parameters: {count(total)} total, {count(active)} active ({moe.moe_router_topk} of "
             f"{moe.num_experts} routed experts per MoE layer); experts on EP {ep} x ETP {etp} x expert-DP "
             f"{expert_data_parallel_size(cfg)}, {moe.moe_token_dispatcher_type} dispatcher")
 
@@ -476,9 +503,8 @@ def format_plan(cfg, stages: list[StagePlan], mfu: float = 0.4, peak_tflops: flo
             + f" = {st.activation_peak_bytes / gib:.2f} GiB"
             + (f" | all-gather inputs {st.gather_transient_bytes / gib:.2f} GiB"
                if st.gather_transient_bytes else "")
-            + f" | total {st.total_bytes / gib:.2f} GiB at the {st.peak_phase}{fits}"
-            + (f" (routed rows at their bound; balanced routing: total "
-               f"{st.balanced_total_bytes / gib:.2f} GiB)" if st.dispatcher_bytes else ""))
+            + f" | total {st.total_bytes / gib:.2f} GiB at the {st.peak_phase}"
+            + _routing_note(st) + fits)
     model, hardware = iteration_flops(cfg)
     if step_time is not None:
         lines.append(f"  FLOPs/iteration: model {model:.3e}, with recompute {hardware:.3e}")

@@ -71,6 +71,9 @@ def megatron_moe_on_cpu(**parallel):
         return exchange(group, x, as_list(output_splits), as_list(input_splits))
 
     patch = pytest.MonkeyPatch()
+    # megatron-core's jit_fuser is torch.compile: compiling costs seconds per shape, and ranks forked
+    # after inductor started in this process crash (SIGSEGV). Eager runs the same math.
+    torch.compiler.set_stance("force_eager")
     patch.setattr(router, "save_to_aux_losses_tracker", record)
     patch.setattr(mappings, "_gather_along_first_dim", gather_uneven_on_gloo)
     patch.setattr(token_dispatcher, "all_to_all", all_to_all_on_gloo)
@@ -82,8 +85,11 @@ def megatron_moe_on_cpu(**parallel):
     patch.setattr(mcore_random.get_cuda_rng_tracker(), "fork", lambda *a, **k: contextlib.nullcontext())
     own_group = not dist.is_initialized()
     if own_group:
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1, **parallel)
+        # torch's fake backend, not gloo: ranks forked after a gloo group lived in this process hang
+        # building megatron's gloo groups. At one rank megatron-core bypasses every collective.
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1, **parallel, create_gloo_process_groups=not own_group)
     try:
         yield
     finally:
@@ -91,6 +97,7 @@ def megatron_moe_on_cpu(**parallel):
         if own_group:
             dist.destroy_process_group()  # the harness forks later tests from this process
         patch.undo()
+        torch.compiler.set_stance("default")
 
 
 def model_cfg(swiglu: bool, bias: bool = False):
