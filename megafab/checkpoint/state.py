@@ -9,6 +9,12 @@ parameter is written by TP rank 0 only, a tied output layer not at all (layout.p
 is the same for every parameter (they all step together), so no collective is needed: whoever
 writes element 0 of a TP block writes it (SGD keeps no step: 0 is stored).
 
+Experts. A routed expert's parameter is laid out on the global expert axis (layout.ExpertPlacement:
+this rank's EP position gives its experts' rows, its expert-TP rank the block within them) and its
+owned range is the expert-DP one (DDP's expert buckets carry that group); an ETP-replicated block
+is written by ETP rank 0. Each MoE router's expert_bias (a buffer, identical on every rank of its
+stage) is written by TP/DP/CP rank 0 and read whole by every rank.
+
 Who reads what. The distributed optimizer's main params and Adam moments are read straight into
 the rank's own flat shard tensors (a few boxes each); the plain optimizer's are parameter-shaped
 (one box). Model weights: with the distributed optimizer each rank reads its own range into DDP's

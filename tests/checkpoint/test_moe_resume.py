@@ -129,8 +129,10 @@ def _resume_ep(rank, world, src, ep, dst):
 
 
 @pytest.mark.slow  # ~80 s on a loaded 2-core machine: EP 2 x DP 2, EP 1, EP 4 x DP 4 runs
-@pytest.mark.skipif("expert_dp_group" not in inspect.signature(DistributedDataParallel).parameters,
-                    reason="expert params reduce (and are owned) over expert-DP only with branch ddp23's DDP")
+@pytest.mark.skipif("expert_dp_group" not in inspect.signature(DistributedDataParallel).parameters
+                    or "expert_dp_group" not in inspect.getsource(build_model),
+                    reason="expert params reduce (and are owned) over expert-DP only once build_model gives "
+                           "DDP the expert-DP group (ddp23's buckets; model23 wires them)")
 def test_moe_reshards_ep2_dp2_to_ep1_to_ep4_with_the_same_weights_and_losses(tmp_path):
     a, b, c = (str(tmp_path / n) for n in ("ep2", "ep1", "ep4"))
     expected = run_ranks(_straight_ep, 2, a, 2, timeout=180)  # EP 2 (expert-DP 1), distributed optimizer
