@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megafab.checkpoint import formats, megatron_dist
+from megafab.checkpoint import formats, megatron_dist, megatron_keys
 from megafab.checkpoint import state as cs
 from megafab.checkpoint.directory import (  # noqa: F401
     FORMAT_VERSION,
@@ -31,6 +31,7 @@ from megafab.checkpoint.errors import CheckpointError
 from megafab.checkpoint.keys import layer_of
 from megafab.checkpoint.layout import STEP, split_key
 from megafab.checkpoint.megatron_args import check_model_args
+from megafab.checkpoint.moe_check import check_moe_matches
 from megafab.checkpoint.source import RNG_DIR, CommonRecord, Counters, MegafabSource, rng_file, run_layout
 from megafab.checkpoint.vocab import adapt_padded_vocab
 from megafab.distributed.param_gather import finish_param_syncs
@@ -111,10 +112,17 @@ def _save_torch_dist(state, tmp: str, with_optim: bool) -> None:
     shards = cs.model_shards_for_save(state)
     if with_optim:
         shards.update(cs.optimizer_shards_for_save(state))
-    objects = {}
+    moe = cfg.moe if cfg.moe.num_experts is not None else None
+    stacked = megatron_keys.stacks_layers(moe)
+    layers, objects = _held_layers(state), {}
     if topo.tp_rank == 0 and topo.dp_rank == 0:
-        objects = megatron_dist.extra_state_objects(_held_layers(state), cfg.model.num_layers)
-    dcp_io().save_shards(megatron_dist.megatron_shards(shards, cfg.model, dist_opt), tmp, objects)
+        objects = megatron_dist.extra_state_objects(layers, cfg.model.num_layers, moe, stacked)
+    experts = cs.expert_placement(state)
+    if experts is not None and topo.coord("etp") == 0 and topo.coord("edp") == 0:  # each expert's once
+        local = range(experts.first, experts.first + moe.num_experts // topo.size("ep"))
+        objects.update(megatron_dist.expert_extra_state_objects(layers, cfg.model.num_layers, moe, local,
+                                                                stacked))
+    dcp_io().save_shards(megatron_dist.megatron_shards(shards, cfg.model, dist_opt, stacked), tmp, objects)
     if topo.rank == 0:
         step = float(cs.common_step(state.optimizer)) if with_optim else None
         megatron_dist.write_common(tmp, megatron_dist.common_state(
@@ -179,7 +187,7 @@ def load_checkpoint(state) -> int | None:
     path, iteration = found.path, found.iteration
     finetune = finetune or found.release  # Megatron: a release checkpoint is always fine-tuned from
     if source.saved_args is not None:
-        check_model_args(source.saved_args, cfg.model, path)
+        check_model_args(source.saved_args, cfg.model, path, cfg.moe)
     else:
         _print0(topo, f"megafab: note: {path} records no args; the model flags are checked against its "
                       f"tensor shapes only")
@@ -211,6 +219,7 @@ def load_checkpoint(state) -> int | None:
         note, fill = adapt_padded_vocab(shards, stored, vocab, cfg.model, source.path)
         notes.extend([note] if note else [])
         padding.extend([fill] if fill else [])
+        check_moe_matches(stored, {k: s.global_shape for k, s in shards.items()}, source.path)
         # Megatron keeps Adam's step in common.pt, not as tensors
         dcp_io().check_shards({k: s for k, s in shards.items() if k in stored or split_key(k)[1] != STEP},
                               stored, source.path)

@@ -17,10 +17,23 @@ Transformer Engine's spec fuses the layer norms into the linears (te_name); the 
 its files mp_rank_<TP:02d>[_<PP:03d>] and its model chunks model / model0, model1, ... (rank_dir,
 chunk_key).
 
-A numbered family is `<root><N>.<rest>` (parse_index): layers under `decoder.layers.`, and so, when
-mixture-of-experts arrives, experts under `mlp.experts.local_experts.` inside a layer's suffix (a
-global expert number, renumbered to (EP rank, local expert) like layers to (stage, local layer)); a
-new parameter family is one TP_SPLITS entry.
+A numbered family is `<root><N>.<rest>` (parse_index): layers under `decoder.layers.`, and
+mixture-of-experts' sequential experts under `mlp.experts.local_experts.` inside a layer's suffix;
+a new parameter family is one TP_SPLITS entry.
+
+Mixture of experts (megatron-core 0.16.1's MoELayer names):
+
+    mlp.router.weight [E, h] (.bias [E]), mlp.router.expert_bias [E] (an fp32 buffer)
+    mlp.shared_experts.linear_fc1.weight / linear_fc2.weight / gate_weight [1, h]   (dense-like, TP)
+    mlp.experts.local_experts.<i>.linear_fc{1,2}.weight   SequentialMLP: i = this EP rank's i-th expert
+    mlp.experts.linear_fc{1,2}.weight [E_local, out, in]  grouped GEMM: the local experts stacked
+
+Checkpoints and full state dicts hold the routed experts under the grouped names with the *global*
+expert axis, `mlp.experts.linear_fc1.weight` [E, 2f, h] (experts_name): expert g is row g whatever
+the EP size, the sequential or grouped layout, so any EP/ETP/TP/PP layout reads any other (a rank
+holding experts [first, first + E_local) holds those rows: layout.ExpertPlacement). Megatron's
+torch_dist keeps the same tensor as `mlp.experts.experts.linear_fc1.weight` (dist_expert_name),
+stacked over layers to [L, E, 2f, h].
 """
 
 from __future__ import annotations
@@ -32,6 +45,12 @@ WORD_EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT_LAYER = "output_layer.weight"
 VOCAB_PADDED = (WORD_EMBEDDING, OUTPUT_LAYER)  # dim 0 is the padded vocabulary
 EXTRA_STATE = "_extra_state"
+ROUTER = "mlp.router."
+EXPERT_BIAS = ROUTER + "expert_bias"  # a buffer, the one non-parameter tensor checkpoints keep
+SHARED_EXPERTS = "mlp.shared_experts."
+EXPERTS = "mlp.experts."  # grouped (and checkpoint) names: mlp.experts.linear_fc1.weight [E, out, in]
+LOCAL_EXPERTS = EXPERTS + "local_experts."  # sequential: mlp.experts.local_experts.<i>.linear_fc1.weight
+DIST_EXPERTS = EXPERTS + "experts."  # megatron-core's torch_dist key of the grouped tensor
 
 
 # ---- numbered names -------------------------------------------------------------------------------
@@ -92,6 +111,74 @@ def layer_order(name: str) -> tuple[int, str]:
     return (-1 if layer is None else layer, name)
 
 
+# ---- mixture of experts -----------------------------------------------------------------------------
+def _layer_suffix(name: str) -> tuple[int | None, str]:
+    parsed = parse_index(name)
+    return (None, name) if parsed is None else parsed
+
+
+def _with_suffix(layer: int | None, suffix: str) -> str:
+    return suffix if layer is None else layer_name(layer, suffix)
+
+
+def is_moe_name(name: str) -> bool:
+    """A router, shared-expert or routed-expert tensor (of a layer, or a layer's suffix)."""
+    return _layer_suffix(name)[1].startswith((ROUTER, SHARED_EXPERTS, EXPERTS))
+
+
+def is_routed_expert(name: str) -> bool:
+    """A routed expert's weight or bias, sequential or grouped (not the router, not shared experts)."""
+    return _layer_suffix(name)[1].startswith(EXPERTS)
+
+
+def sequential_expert(name: str) -> tuple[int, str] | None:
+    """(local expert i, the grouped name) of `...mlp.experts.local_experts.<i>.<rest>`; None otherwise."""
+    layer, suffix = _layer_suffix(name)
+    parsed = parse_index(suffix, LOCAL_EXPERTS)
+    return None if parsed is None else (parsed[0], _with_suffix(layer, EXPERTS + parsed[1]))
+
+
+def sequential_expert_name(grouped: str, expert: int) -> str:
+    """Inverse of sequential_expert: `mlp.experts.<rest>` -> `mlp.experts.local_experts.<expert>.<rest>`."""
+    layer, suffix = _layer_suffix(grouped)
+    assert suffix.startswith(EXPERTS), grouped
+    return _with_suffix(layer, layer_name(expert, suffix[len(EXPERTS):], LOCAL_EXPERTS))
+
+
+def experts_name(name: str) -> str:
+    """The checkpoint name of a routed-expert parameter (the grouped name; others unchanged)."""
+    sequential = sequential_expert(name)
+    return name if sequential is None else sequential[1]
+
+
+def dist_expert_name(name: str) -> str:
+    """The torch_dist key of a checkpoint name: routed experts `mlp.experts.experts.<rest>`."""
+    layer, suffix = _layer_suffix(name)
+    if suffix.startswith(EXPERTS) and not suffix.startswith(DIST_EXPERTS):
+        return _with_suffix(layer, DIST_EXPERTS + suffix[len(EXPERTS):])
+    return name
+
+
+def undist_expert_name(key: str) -> str:
+    """Inverse of dist_expert_name."""
+    layer, suffix = _layer_suffix(key)
+    if suffix.startswith(DIST_EXPERTS):
+        return _with_suffix(layer, EXPERTS + suffix[len(DIST_EXPERTS):])
+    return key
+
+
+def expert_extra_state_key(module: str, layer: int, num_layers: int | None, expert: int,
+                           num_experts: int) -> str:
+    """The byte object megatron-core's torch_dist keeps per (layer, expert) for a routed expert's
+    linear module (`linear_fc1`): stacked layers (num_layers given)
+    `decoder.layers.mlp.experts.experts.linear_fc1._extra_state/shard_<L>.<E>_<NL>.<NE>`, per-layer
+    keys (num_layers None) `decoder.layers.<L>.mlp.experts.experts.linear_fc1._extra_state/shard_<E>_<NE>`."""
+    name = f"{DIST_EXPERTS}{module}.{EXTRA_STATE}"
+    if num_layers is None:
+        return f"{layer_prefix(layer)}{name}/shard_{expert}_{num_experts}"
+    return f"{LAYERS}{name}/shard_{layer}.{expert}_{num_layers}.{num_experts}"
+
+
 # ---- Megatron's stacked layers (torch_dist) --------------------------------------------------------
 def stacked_name(name: str) -> tuple[str, int | None]:
     """(`decoder.layers.<suffix>`, N) of `decoder.layers.N.<suffix>`; (name, None) otherwise."""
@@ -108,6 +195,11 @@ def stacked_extra_state_key(module: str, layer: int, num_layers: int) -> str:
     """The byte object megatron-core's torch_dist keeps per stacked layer for a module's
     `_extra_state`: `decoder.layers.<module>._extra_state/shard_<layer>_<num_layers>`."""
     return f"{LAYERS}{module}.{EXTRA_STATE}/shard_{layer}_{num_layers}"
+
+
+def layer_extra_state_key(module: str, layer: int) -> str:
+    """Per-layer keys (non_homogeneous_layers): `decoder.layers.<layer>.<module>._extra_state/shard_0_1`."""
+    return f"{layer_prefix(layer)}{module}.{EXTRA_STATE}/shard_0_1"
 
 
 # ---- Transformer Engine names ----------------------------------------------------------------------
@@ -138,9 +230,28 @@ def te_to_local_name(name: str) -> str | None:
 
 
 # ---- Megatron's legacy per-rank files --------------------------------------------------------------
-def rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:
-    """mp_rank_<TP:02d> (PP 1) or mp_rank_<TP:02d>_<PP:03d>."""
-    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+def rank_dir(tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1) -> str:
+    """mp_rank_<TP:02d> (PP 1) or mp_rank_<TP:02d>_<PP:03d>, then _<EP:03d> when expert-parallel
+    (Megatron-LM's get_checkpoint_name)."""
+    name = f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    return name if ep == 1 else f"{name}_{ep_rank:03d}"
+
+
+def rank_dir_ranks(name: str, pp: int, ep: int) -> tuple[int, int, int] | None:
+    """(TP, PP, EP rank) of a rank directory of a checkpoint saved at PP `pp`, EP `ep` (with one of
+    them > 1, mp_rank_XX_YYY names a PP or an EP rank); None for another name."""
+    parsed = parse_rank_dir(name)
+    if parsed is None:
+        return None
+    numbers = [int(p) for p in name.split("_")[2:]]
+    if len(numbers) != 1 + (pp > 1) + (ep > 1):
+        return None
+    return numbers[0], numbers[1] if pp > 1 else 0, numbers[-1] if ep > 1 else 0
+
+
+def is_first_rank_dir(name: str) -> bool:
+    """mp_rank_00, mp_rank_00_000 or mp_rank_00_000_000: the file that holds TP, PP and EP rank 0."""
+    return parse_rank_dir(name) is not None and all(int(p) == 0 for p in name.split("_")[2:])
 
 
 def parse_rank_dir(name: str) -> tuple[int, int, bool] | None:
@@ -195,17 +306,29 @@ TP_SPLITS = {
     "mlp.linear_fc1.weight": Split(COLUMN_DIM, strided_by_swiglu=True),
     "mlp.linear_fc1.bias": Split(COLUMN_DIM, strided_by_swiglu=True),
     "mlp.linear_fc2.weight": Split(ROW_DIM),
+    # shared experts: the dense MLP's splits over TP
+    SHARED_EXPERTS + "linear_fc1.weight": Split(COLUMN_DIM, strided_by_swiglu=True),
+    SHARED_EXPERTS + "linear_fc1.bias": Split(COLUMN_DIM, strided_by_swiglu=True),
+    SHARED_EXPERTS + "linear_fc2.weight": Split(ROW_DIM),
+    # routed experts (grouped names, [E, out, in]) split over expert-TP (ETP) after the expert dim;
+    # a sequential expert's [out, in] one dim lower. The router is replicated.
+    EXPERTS + "linear_fc1.weight": Split(1 + COLUMN_DIM, strided_by_swiglu=True),
+    EXPERTS + "linear_fc1.bias": Split(1 + COLUMN_DIM, strided_by_swiglu=True),
+    EXPERTS + "linear_fc2.weight": Split(1 + ROW_DIM),
 }
 
 
 def tp_partition(name: str, swiglu: bool) -> tuple[int, int] | None:
     """(partition_dim, partition_stride) of a TP-split parameter (local or TE name), None for a
     TP-replicated one."""
-    parsed = parse_index(te_to_local_name(name) or name)
-    split = TP_SPLITS.get(name if parsed is None else parsed[1])
+    local = te_to_local_name(name) or name
+    sequential = sequential_expert(local)
+    parsed = parse_index(local if sequential is None else sequential[1])
+    split = TP_SPLITS.get(local if parsed is None else parsed[1])
     if split is None:
         return None
-    return split.dim, SWIGLU_STRIDE if split.strided_by_swiglu and swiglu else 1
+    dim = split.dim - (sequential is not None)  # a sequential expert has no expert dim
+    return dim, SWIGLU_STRIDE if split.strided_by_swiglu and swiglu else 1
 
 
 def partition_stride(name: str, swiglu: bool) -> int:

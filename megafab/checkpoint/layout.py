@@ -15,6 +15,9 @@ under its *global* shape, that of the TP=1 parameter, with two rules:
 * Strided parameters (Megatron's partition_stride s > 1: SwiGLU's packed fc1 [gate; up], whose TP
   rank r holds [gate_r; up_r]) are stored with the s blocks on a leading axis, [2f, h] -> [2, f, h],
   so each rank's TP block is one rectangle (offset r * f / tp on dim 1).
+* Routed experts are stored under their grouped names with the global expert axis first,
+  `mlp.experts.linear_fc1.weight` [E, 2, f, h] (keys.experts_name): a rank holds the rows of its
+  experts (ExpertPlacement), its expert-TP block inside them.
 * The tied output layer (`output_layer.weight` of a last stage whose embedding is shared) is not
   stored: it is the word embedding, gets the same gradient and so the same Adam state, and reads
   `embedding.word_embeddings.weight`.
@@ -42,7 +45,14 @@ from dataclasses import dataclass, field
 import torch
 
 from megafab.checkpoint.boxes import Box, flat_range_boxes
-from megafab.checkpoint.keys import OUTPUT_LAYER, WORD_EMBEDDING, partition_stride
+from megafab.checkpoint.keys import (
+    OUTPUT_LAYER,
+    WORD_EMBEDDING,
+    experts_name,
+    is_routed_expert,
+    sequential_expert,
+    tp_partition,
+)
 
 MODEL_PREFIX = "model."
 OPTIM_PREFIX = "optim."
@@ -84,14 +94,23 @@ def strided_shape(shape: tuple[int, ...], dim: int, stride: int) -> tuple[int, .
 
 
 # ---- full tensors (conversion, generation: one process, TP = 1; splits: keys.TP_SPLITS) ----------
+def strided_dim(name: str, swiglu: bool) -> int | None:
+    """The dim a strided parameter's blocks split (0; 1 for grouped experts [E, 2f, h]), None when
+    it is not strided."""
+    split = tp_partition(name, swiglu)
+    return split[0] if split is not None and split[1] > 1 else None
+
+
 def to_stored(name: str, full: torch.Tensor, model_cfg) -> torch.Tensor:
     """A full (TP=1) parameter as the checkpoint stores it (a view)."""
-    return full.view(strided_shape(tuple(full.shape), 0, partition_stride(name, model_cfg.swiglu)))
+    dim = strided_dim(name, model_cfg.swiglu)
+    return full if dim is None else full.view(strided_shape(tuple(full.shape), dim, 2))
 
 
 def from_stored(name: str, stored: torch.Tensor, model_cfg) -> torch.Tensor:
-    """Inverse of to_stored: [2, f, h] -> [2f, h] for strided parameters."""
-    return stored.flatten(0, 1) if partition_stride(name, model_cfg.swiglu) > 1 else stored
+    """Inverse of to_stored: [2, f, h] -> [2f, h] ([E, 2, f, h] -> [E, 2f, h]) for strided parameters."""
+    dim = strided_dim(name, model_cfg.swiglu)
+    return stored if dim is None else stored.flatten(dim, dim + 1)
 
 
 # ---- what a rank holds --------------------------------------------------------------------------
@@ -163,9 +182,45 @@ class ParamLayout:
         return self.shard(tensor.view(-1), 0, self.block_numel, into)
 
 
-def param_layout(name: str, param: torch.nn.Parameter, tp: int, tp_rank: int) -> ParamLayout:
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """This rank's routed experts: global experts [first, first + E_local) of `total` (EP rank r
+    holds first = r * total / EP), each split over expert-TP (etp, etp_rank); swiglu: fc1 is
+    [gate; up] (strided)."""
+
+    total: int
+    first: int = 0
+    etp: int = 1
+    etp_rank: int = 0
+    swiglu: bool = False
+
+
+def expert_layout(name: str, param: torch.nn.Parameter, experts: ExpertPlacement) -> ParamLayout:
+    """The layout of a routed-expert parameter (sequential [out, in] or grouped [E_local, out, in]):
+    rows of the global expert axis, its ETP block (keys.TP_SPLITS) within them."""
+    key, sequential = experts_name(name), sequential_expert(name)
+    shape = (1, *param.shape) if sequential is not None else tuple(param.shape)
+    first = experts.first + (sequential[0] if sequential is not None else 0)
+    split = tp_partition(key, experts.swiglu)
+    if split is None:
+        return ParamLayout(key, (experts.total, *shape[1:]), (first,) + (0,) * (len(shape) - 1), shape,
+                           replica=experts.etp_rank > 0)
+    dim, stride = split
+    block = strided_shape(shape, dim, stride)
+    dim += stride > 1
+    global_shape = (experts.total, *block[1:dim], block[dim] * experts.etp, *block[dim + 1:])
+    offsets = tuple(first if d == 0 else experts.etp_rank * block[d] if d == dim else 0
+                    for d in range(len(block)))
+    return ParamLayout(key, global_shape, offsets, block)
+
+
+def param_layout(name: str, param: torch.nn.Parameter, tp: int, tp_rank: int,
+                 experts: ExpertPlacement | None = None) -> ParamLayout:
     """The layout of this rank's `param` (megafab's TP attributes: tensor_model_parallel,
-    partition_dim, partition_stride, shared_embedding)."""
+    partition_dim, partition_stride, shared_embedding; routed experts by `experts`)."""
+    if is_routed_expert(name):
+        assert experts is not None, f"{name}: a routed expert needs its ExpertPlacement"
+        return expert_layout(name, param, experts)
     shape = tuple(param.shape)
     key = stored_name(name, param)
     if not getattr(param, "tensor_model_parallel", False):

@@ -24,8 +24,15 @@ MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_hea
               "apply_residual_connection_post_layernorm", "add_bias_linear", "add_qkv_bias",
               "untie_embeddings_and_output_weights")
 # Megatron model options megafab does not implement (once ModelConfig has the field, it is compared).
-MEGATRON_ONLY_ARGS = ("qk_l2_norm", "num_experts", "multi_latent_attention", "mtp_num_layers",
+MEGATRON_ONLY_ARGS = ("qk_l2_norm", "multi_latent_attention", "mtp_num_layers",
                       "rotary_interleaved", "use_rope_scaling", "window_size")
+
+# cfg.moe fields that define a mixture-of-experts model's weights or routing (compared when the
+# checkpoint records them; the rest only when both models have experts).
+MOE_ARGS = ("num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_shared_expert_intermediate_size",
+            "moe_shared_expert_gate", "moe_router_enable_expert_bias", "moe_router_topk",
+            "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
+            "moe_router_num_groups", "moe_router_group_topk")
 
 
 def flag(name: str) -> str:
@@ -45,11 +52,40 @@ def _effective(name: str, args) -> object:
     return value
 
 
-def model_arg_mismatches(args, model_cfg) -> list[str]:
-    """One line per model argument the checkpoint's `args` (Namespace or dict) has otherwise than
-    this run's ModelConfig; arguments the checkpoint does not record are not compared."""
-    args = argparse.Namespace(**args) if isinstance(args, dict) else args
+def _moe_value(name: str, values, ffn_hidden_size) -> object:
+    value = getattr(values, name, None)
+    if name == "moe_ffn_hidden_size" and value is None:  # Megatron's validate_args: ffn_hidden_size
+        return ffn_hidden_size
+    return list(value) if isinstance(value, (list, tuple)) else value
+
+
+def _moe_mismatches(args, model_cfg, moe) -> list[str]:
+    if not hasattr(args, "num_experts"):
+        return []
+    saved_experts, here_experts = args.num_experts, getattr(moe, "num_experts", None)
+    if saved_experts != here_experts:
+        kind = {True: "a mixture-of-experts model", False: "a dense model"}
+        return [f"--num-experts: checkpoint {saved_experts!r} ({kind[bool(saved_experts)]}), this run "
+                f"{here_experts!r} ({kind[bool(here_experts)]})"]
+    if saved_experts is None:
+        return []
     lines = []
+    for name in MOE_ARGS[1:]:
+        if not hasattr(args, name):
+            continue
+        saved = _moe_value(name, args, getattr(args, "ffn_hidden_size", None))
+        here = _moe_value(name, moe, model_cfg.ffn_hidden_size)
+        if saved != here:
+            lines.append(f"{flag(name)}: checkpoint {saved!r}, this run {here!r}")
+    return lines
+
+
+def model_arg_mismatches(args, model_cfg, moe=None) -> list[str]:
+    """One line per model argument the checkpoint's `args` (Namespace or dict) has otherwise than
+    this run's ModelConfig (and MoE section `moe`, cfg.moe; None: a dense model); arguments the
+    checkpoint does not record are not compared."""
+    args = argparse.Namespace(**args) if isinstance(args, dict) else args
+    lines = _moe_mismatches(args, model_cfg, moe)
     for name in MODEL_ARGS:
         if not hasattr(args, name):
             continue
@@ -70,8 +106,8 @@ def model_arg_mismatches(args, model_cfg) -> list[str]:
     return lines
 
 
-def check_model_args(args, model_cfg, path: str) -> None:
-    lines = model_arg_mismatches(args, model_cfg)
+def check_model_args(args, model_cfg, path: str, moe=None) -> None:
+    lines = model_arg_mismatches(args, model_cfg, moe)
     if lines:
         raise CheckpointError(
             f"{path} was saved from a different model than this run builds:\n  " + "\n  ".join(lines)

@@ -34,7 +34,7 @@ import torch
 from megafab.checkpoint import megatron_keys as mk
 from megafab.checkpoint.errors import CheckpointError
 from megafab.checkpoint.formats import METADATA_JSON
-from megafab.checkpoint.keys import stacked_extra_state_key
+from megafab.checkpoint.keys import expert_extra_state_key, layer_extra_state_key, stacked_extra_state_key
 from megafab.checkpoint.layout import MODEL_PREFIX, STEP, Shard, split_key
 from megafab.checkpoint.megatron_args import flat_from_args, megatron_namespace, unknown_model
 from megafab.checkpoint.source import (
@@ -175,6 +175,7 @@ class TorchDistSource(CheckpointSource):
         metadata = dcp_io().read_metadata(path)
         dcp_io().check_files(path, metadata)
         self.model_cfg, self.stacked = model_cfg, mk.is_stacked(metadata.state_dict_metadata)
+        self.parameter_keys = mk.parameter_keys(metadata.state_dict_metadata)
         view = mk.megafab_view(metadata.state_dict_metadata, model_cfg, path)
         if not mk.model_names(view):
             raise CheckpointError(f"{path} is a torch_dist checkpoint without model weights (its DCP "
@@ -202,7 +203,7 @@ class TorchDistSource(CheckpointSource):
             if split_key(key)[1] == STEP:
                 for view in shard.views:
                     view.fill_(self.step or 0.0)  # SGD keeps no step
-        megatron = mk.to_megatron(shards, self.model_cfg, self.main_kind, self.stacked)
+        megatron = mk.to_megatron(shards, self.model_cfg, self.main_kind, self.stacked, self.parameter_keys)
         dcp_io().load_shards(megatron, self.path)
 
     def read_all(self, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -215,11 +216,31 @@ class TorchDistSource(CheckpointSource):
 
 
 # ---- writing -------------------------------------------------------------------------------------
-def extra_state_objects(layers, num_layers: int) -> dict[str, list]:
-    """The `_extra_state` byte objects of `layers` (global numbers) megatron-core's loader asks for:
-    [None] each, as its local-spec linear layers save (Transformer Engine layers accept None too)."""
-    return {stacked_extra_state_key(module, layer, num_layers): [None]
-            for layer in layers for module in mk.EXTRA_STATE_MODULES}
+def _layer_modules(layer: int, moe) -> tuple[str, ...]:
+    if moe is None or not moe.is_moe_layer(layer):
+        return mk.EXTRA_STATE_MODULES
+    shared = mk.SHARED_EXPERT_MODULES if moe.moe_shared_expert_intermediate_size is not None else ()
+    return mk.ATTENTION_MODULES + shared
+
+
+def extra_state_objects(layers, num_layers: int, moe=None, stacked: bool = True) -> dict[str, list]:
+    """The `_extra_state` byte objects of `layers` (global numbers) megatron-core's loader asks for,
+    but the routed experts' (expert_extra_state_objects): [None] each, as its local-spec linear
+    layers save (Transformer Engine layers accept None too). moe: the MoE settings (cfg.moe)."""
+    def key(module, layer):
+        return stacked_extra_state_key(module, layer, num_layers) if stacked else \
+            layer_extra_state_key(module, layer)
+    return {key(module, layer): [None] for layer in layers for module in _layer_modules(layer, moe)}
+
+
+def expert_extra_state_objects(layers, num_layers: int, moe, experts,
+                               stacked: bool = True) -> dict[str, list]:
+    """The routed experts' `_extra_state` objects: one per (MoE layer of `layers`, global expert in
+    `experts`, linear module)."""
+    if moe is None or moe.num_experts is None:
+        return {}
+    return {expert_extra_state_key(module, layer, num_layers if stacked else None, e, moe.num_experts): [None]
+            for layer in layers if moe.is_moe_layer(layer) for e in experts for module in mk.EXPERT_MODULES}
 
 
 def megatron_scheduler_state(scheduler_state: dict) -> dict:
@@ -260,11 +281,13 @@ def write_common(path: str, common: dict) -> None:
         os.fsync(f.fileno())
 
 
-def megatron_shards(shards: dict[str, Shard], model_cfg, distributed_optimizer: bool) -> dict[str, Shard]:
-    """A save's megafab-keyed Shards as torch_dist's (see the module docstring for the optimizer)."""
+def megatron_shards(shards: dict[str, Shard], model_cfg, distributed_optimizer: bool,
+                    stacked: bool = True) -> dict[str, Shard]:
+    """A save's megafab-keyed Shards as torch_dist's (see the module docstring for the optimizer);
+    stacked: mk.stacks_layers."""
     if not distributed_optimizer:
-        return mk.to_megatron(shards, model_cfg, "fp32_param")
-    out = mk.to_megatron(shards, model_cfg, "param")
+        return mk.to_megatron(shards, model_cfg, "fp32_param", stacked)
+    out = mk.to_megatron(shards, model_cfg, "param", stacked)
     has_optim = any(k.startswith(mk.OPTIM_STATE) for k in out)
     if has_optim:  # fp32 models keep no main copy; megatron-core's fully_reshardable has `param` always
         for key in [k for k in out if not k.startswith(mk.OPTIM_STATE)]:

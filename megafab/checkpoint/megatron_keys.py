@@ -11,7 +11,12 @@ not stored), named and stacked differently:
 * layer norms carry Transformer Engine names whatever the layer spec (megatron-core's local spec
   maps input_layernorm -> self_attention.linear_qkv.layer_norm_*; the table is keys.TE_NAMES);
 * SwiGLU's fc1 is one [2f, h] = [gate; up] tensor; megafab stores it as a [2, f, h] view (the same
-  bytes), so a megafab box at stride s, rows [o, o + n) is Megatron's rows [s f + o, s f + o + n).
+  bytes), so a megafab box at stride s, rows [o, o + n) is Megatron's rows [s f + o, s f + o + n)
+  (routed experts: the same on dim 1 of [E, 2, f, h]);
+* routed experts: megafab's `mlp.experts.linear_fc1.weight` [E, 2f, h] (global expert axis, see
+  keys.py) is Megatron's `mlp.experts.experts.linear_fc1.weight`, [L, E, 2f, h] stacked. Checkpoints
+  of models with dense layers between MoE ones (--moe-layer-freq other than 1) keep per-layer keys
+  (megatron-core's non_homogeneous_layers) and megafab writes them so too (stacks_layers).
 
 There is no `model.` prefix. Optimizer state is `optimizer.state.<kind>.<key>`, shaped and boxed
 like the parameter: the torch optimizer's own kinds (Adam's exp_avg, exp_avg_sq; SGD's
@@ -29,11 +34,12 @@ from megafab.checkpoint.boxes import Box
 from megafab.checkpoint.errors import CheckpointError
 from megafab.checkpoint.keys import (
     LAYERS,
+    dist_expert_name,
     local_to_te_name,
     parse_index,
-    partition_stride,
     stacked_name,
     te_to_local_name,
+    undist_expert_name,
     unstacked_name,
 )
 from megafab.checkpoint.layout import (
@@ -44,6 +50,7 @@ from megafab.checkpoint.layout import (
     model_key,
     optim_key,
     split_key,
+    strided_dim,
     strided_shape,
 )
 
@@ -52,21 +59,33 @@ MAIN_PARAM_KINDS = ("fp32_param", "param")  # plain optimizer, distributed optim
 # Megatron's linear modules carry an `_extra_state` (None for the local spec, FP8 metadata under
 # Transformer Engine, whose core attention has one too); megatron-core's torch_dist loader asks for
 # each its model has.
-LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
-                  "mlp.linear_fc2")
+ATTENTION_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj")
+LINEAR_MODULES = ATTENTION_MODULES + ("mlp.linear_fc1", "mlp.linear_fc2")
 EXTRA_STATE_MODULES = LINEAR_MODULES + ("self_attention.core_attention",)
+# An MoE layer's: its attention's, its shared experts' (SHARED_EXPERTS + linear_fc*), and one per
+# routed expert's linear_fc1 / linear_fc2 (keys.expert_extra_state_key)
+SHARED_EXPERT_MODULES = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
+EXPERT_MODULES = ("linear_fc1", "linear_fc2")
 
 
 def megatron_name(name: str) -> tuple[str, int | None]:
     """(Megatron key, layer number or None) of megafab parameter `name` (stacked layers)."""
-    return stacked_name(local_to_te_name(name))
+    return stacked_name(dist_expert_name(local_to_te_name(name)))
 
 
 def megafab_name(key: str, layer: int | None, te_names: bool = False) -> str:
     """Inverse of megatron_name: the local-spec name (a full megafab state dict's), or the
     Transformer Engine one (te_names: a --transformer-impl transformer_engine model's)."""
-    name = unstacked_name(key, layer)
+    name = undist_expert_name(unstacked_name(key, layer))
     return name if te_names else te_to_local_name(name) or name
+
+
+def stacks_layers(moe) -> bool:
+    """Whether megatron-core stacks a model's layers in torch_dist: not when MoE and dense layers
+    alternate (--moe-layer-freq other than 1: its non_homogeneous_layers). moe: cfg.moe or None."""
+    if moe is None or moe.num_experts is None:
+        return True
+    return isinstance(moe.moe_layer_freq, int) and moe.moe_layer_freq == 1
 
 
 def megatron_optim_key(kind: str, key: str) -> str:
@@ -81,39 +100,60 @@ def _split_megatron_key(key: str) -> tuple[str, str | None]:
     return key, None
 
 
+def parameter_keys(stored_keys) -> set[str]:
+    """The parameter keys a checkpoint's tensors are stored under (optimizer kinds stripped)."""
+    return {_split_megatron_key(k)[0] for k in stored_keys}
+
+
 def is_stacked(stored_keys) -> bool:
     """False for a checkpoint saved with non_homogeneous_layers (per-layer keys)."""
     return not any(parse_index(_split_megatron_key(k)[0]) for k in stored_keys)
 
 
 # ---- Shards: megafab keys -> Megatron keys ----------------------------------------------------------
-def _megatron_boxes(box: Box, view, layer: int | None, stacked: bool, strided_rows: int | None):
-    """(Megatron box, view) pieces of one megafab box of a layer (or non-layer) parameter."""
+def _megatron_boxes(box: Box, view, layer: int | None, stacked: bool, strided: tuple[int, int] | None):
+    """(Megatron box, view) pieces of one megafab box of a layer (or non-layer) parameter;
+    strided: (dim d, rows f) of a [..., 2, f, ...] stored view."""
     pieces = [(box, view)]
-    if strided_rows is not None:  # [2, f, ...] -> [2f, ...]: one piece per stride row in the box
-        pieces = [(Box((s * strided_rows + box.offsets[1], *box.offsets[2:]), box.sizes[1:]),
-                   view[s - box.offsets[0]])
-                  for s in range(box.offsets[0], box.offsets[0] + box.sizes[0])]
+    if strided is not None:  # [.., 2, f, ...] -> [.., 2f, ...]: one piece per stride row in the box
+        d, rows = strided
+        o, n = box.offsets, box.sizes
+        pieces = [(Box((*o[:d], s * rows + o[d + 1], *o[d + 2:]), (*n[:d], *n[d + 1:])),
+                   view.select(d, s - o[d]))
+                  for s in range(o[d], o[d] + n[d])]
     if layer is None or not stacked:
         return pieces
     return [(Box((layer, *b.offsets), (1, *b.sizes)), v.unsqueeze(0)) for b, v in pieces]
 
 
+def _stored_name(name: str, stored_keys) -> tuple[str, int | None]:
+    """megatron_name, or, reading a checkpoint that keeps the layer norm unfused (Transformer
+    Engine's spec of an MoE layer: `pre_mlp_layernorm.weight`, there being no linear_fc1 to fuse it
+    into), that name."""
+    base, layer = megatron_name(name)
+    if stored_keys is not None and base not in stored_keys:
+        unfused = stacked_name(dist_expert_name(name))
+        if unfused[0] in stored_keys:
+            return unfused
+    return base, layer
+
+
 def to_megatron(shards: dict[str, Shard], model_cfg, main_kind: str = "fp32_param",
-                stacked: bool = True) -> dict[str, Shard]:
+                stacked: bool = True, stored_keys=None) -> dict[str, Shard]:
     """The Shards of megafab keys (model.* / optim.*) as Shards of Megatron keys, the same views.
-    `step` entries are left out (Megatron keeps Adam's step in common.pt)."""
+    `step` entries are left out (Megatron keeps Adam's step in common.pt). stored_keys (reading): the
+    checkpoint's parameter keys (optimizer kinds stripped), for the names a spec may keep unfused."""
     num_layers = model_cfg.num_layers
     out: dict[str, Shard] = {}
     for key, shard in shards.items():
         name, kind = split_key(key)
         if kind == STEP:
             continue
-        base, layer = megatron_name(name)
-        strided = partition_stride(name, model_cfg.swiglu) > 1
+        base, layer = _stored_name(name, stored_keys)
+        dim = strided_dim(name, model_cfg.swiglu)
         shape = tuple(shard.global_shape)
-        if strided:
-            shape = (shape[0] * shape[1], *shape[2:])
+        if dim is not None:
+            shape = (*shape[:dim], shape[dim] * shape[dim + 1], *shape[dim + 2:])
         if layer is not None and stacked:
             shape = (num_layers, *shape)
         elif layer is not None:
@@ -122,9 +162,9 @@ def to_megatron(shards: dict[str, Shard], model_cfg, main_kind: str = "fp32_para
             base = megatron_optim_key(main_kind if kind == MAIN_PARAM else kind, base)
         target = out.setdefault(base, Shard(shape, write=shard.write))
         assert target.global_shape == shape, (key, target.global_shape, shape)
-        rows = shard.global_shape[1] if strided else None
+        strided = None if dim is None else (dim, shard.global_shape[dim + 1])
         for box, view in zip(shard.boxes, shard.views):
-            for b, v in _megatron_boxes(box, view, layer, stacked, rows):
+            for b, v in _megatron_boxes(box, view, layer, stacked, strided):
                 target.add(b, v)
     return out
 
@@ -156,7 +196,8 @@ def megafab_view(stored: dict, model_cfg, path: str) -> dict:
             layers, size = range(size[0]), size[1:]
         for layer in layers:
             name = megafab_name(param, layer, te_names)
-            shape = strided_shape(size, 0, partition_stride(name, model_cfg.swiglu))
+            dim = strided_dim(name, model_cfg.swiglu)
+            shape = size if dim is None else strided_shape(size, dim, 2)
             fab_key = model_key(name) if kind is None else optim_key(
                 name, MAIN_PARAM if kind in MAIN_PARAM_KINDS else kind)
             out[fab_key] = TensorStorageMetadata(md.properties, torch.Size(shape), [])

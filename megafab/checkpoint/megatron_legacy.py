@@ -3,7 +3,13 @@
     iter_0000100/
         mp_rank_00/model_optim_rng.pt          PP 1: mp_rank_<TP rank:02d>/
         mp_rank_00_000/model_optim_rng.pt      PP > 1: mp_rank_<TP rank:02d>_<PP rank:03d>/
+        mp_rank_00_000_001/model_optim_rng.pt  expert-parallel: _<EP rank:03d> appended (PP 1 too)
         mp_rank_00_000/distrib_optim.pt        the distributed optimizer's flat buffers
+
+An EP rank's file holds the dense weights (each EP rank's copy) and its own experts as
+megatron-core's SequentialMLP names them, local_experts.<i> = global expert EP rank x E/EP + i;
+megafab stacks them on the global expert axis (keys.py). Grouped-GEMM experts (GroupedMLP's
+weight1/weight2, TEGroupedMLP's weight<i>) are refused by name; expert-TP must equal TP.
 
 Each model_optim_rng.pt is a torch.save'd dict (megatron/training/checkpointing.py,
 generate_state_dict): args (argparse.Namespace), checkpoint_version (3.0), iteration, model (model0,
@@ -32,17 +38,22 @@ from megafab.checkpoint.keys import (
     WORD_EMBEDDING,
     chunk_key,
     chunk_keys,
+    is_first_rank_dir,
+    is_routed_expert,
     layer_name,
     layer_of,
     local_to_te_name,
     parse_rank_dir,
     rank_dir,
+    rank_dir_ranks,
+    sequential_expert,
+    sequential_expert_name,
     te_to_local_name,
     to_global,
     to_stage,
     tp_partition,
 )
-from megafab.checkpoint.layout import MODEL_PREFIX, Shard, split_key, strided_shape, to_stored
+from megafab.checkpoint.layout import MODEL_PREFIX, Shard, split_key, strided_dim, strided_shape, to_stored
 from megafab.checkpoint.megatron_args import flat_from_args, unknown_model
 from megafab.checkpoint.megatron_dist import MEGAFAB, MEGATRON_RNG, SCHEDULER_FIELDS
 from megafab.checkpoint.megatron_keys import LINEAR_MODULES
@@ -56,17 +67,18 @@ OPTIMIZER_PROBLEM = ("the legacy torch format keeps the optimizer state in Megat
                      "flat buffers of the saving job's layout, which megafab does not reshard")
 
 
-def _rank_files(path: str) -> dict[tuple[int, int], str]:
+def _first_file(path: str) -> str | None:
+    """The file of TP rank 0, PP rank 0, EP rank 0 (whichever of PP/EP the names carry)."""
+    firsts = sorted(n for n in os.listdir(path) if is_first_rank_dir(n))
+    return os.path.join(path, firsts[0], FILE) if firsts else None
+
+
+def _rank_files(path: str, pp: int, ep: int) -> dict[tuple[int, int, int], str]:
     files = {}
     for name in sorted(os.listdir(path)):
-        parsed = parse_rank_dir(name)
-        if parsed is None:
-            continue
-        tp_rank, pp_rank, expert = parsed
-        if expert:
-            raise CheckpointError(f"{path}/{name} is an expert-parallel rank's file; megafab has no "
-                                  f"mixture of experts: convert a dense model's checkpoint")
-        files[(tp_rank, pp_rank)] = os.path.join(path, name, FILE)
+        ranks = rank_dir_ranks(name, pp, ep)
+        if ranks is not None:
+            files[ranks] = os.path.join(path, name, FILE)
     return files
 
 
@@ -83,18 +95,31 @@ class LegacySource(CheckpointSource):
     args record."""
 
     def __init__(self, path: str, model_cfg=None, release: bool = False):
-        files = _rank_files(path)
-        if (0, 0) not in files or not os.path.isfile(files[(0, 0)]):
+        first_file = _first_file(path)
+        if first_file is None or not os.path.isfile(first_file):
             raise CheckpointError(f"{path} has no {rank_dir(0, 0, 1)}[_000]/{FILE}: the legacy checkpoint is "
                                   f"incomplete; copy the whole iteration directory")
-        first = safe_pickle.load(files[(0, 0)], mmap=True)
+        first = safe_pickle.load(first_file, mmap=True)
         args = flat_from_args(first.get("args"))
-        self.tp = args.get("tensor_model_parallel_size") or 1 + max(t for t, _ in files)
-        self.pp = args.get("pipeline_model_parallel_size") or 1 + max(p for _, p in files)
-        missing = [rank_dir(t, p, self.pp) for t in range(self.tp) for p in range(self.pp)
-                   if not os.path.isfile(files.get((t, p), ""))]
+        names = [parse_rank_dir(n) for n in os.listdir(path) if parse_rank_dir(n) is not None]
+        self.ep = args.get("expert_model_parallel_size") or (2 if any(e for _, _, e in names) else 1)
+        self.pp = args.get("pipeline_model_parallel_size") or 1 + max(p for _, p, _ in names)
+        files = _rank_files(path, self.pp, self.ep)
+        if self.ep > 1 and not args.get("expert_model_parallel_size"):
+            self.ep = 1 + max(e for _, _, e in files)
+        self.tp = args.get("tensor_model_parallel_size") or 1 + max(t for t, _, _ in files)
+        self.num_experts = args.get("num_experts")
+        etp = args.get("expert_tensor_parallel_size")
+        if self.num_experts and etp not in (None, self.tp):
+            raise CheckpointError(f"{path} is a legacy checkpoint saved with --expert-tensor-parallel-size "
+                                  f"{etp} under TP {self.tp}; megafab reads legacy expert files at ETP = TP "
+                                  f"only: convert it with Megatron to torch_dist")
+        everyone = [(t, p, e) for t in range(self.tp) for p in range(self.pp) for e in range(self.ep)]
+        missing = [rank_dir(t, p, self.pp, e, self.ep) for t, p, e in everyone
+                   if not os.path.isfile(files.get((t, p, e), ""))]
         if missing:
-            raise CheckpointError(f"{path} is a legacy checkpoint saved at TP {self.tp} x PP {self.pp} but "
+            raise CheckpointError(f"{path} is a legacy checkpoint saved at TP {self.tp} x PP {self.pp}"
+                                  f"{f' x EP {self.ep}' if self.ep > 1 else ''} but "
                                   f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''} (/{FILE}) "
                                   f"are missing; copy the whole iteration directory")
         if model_cfg is None:
@@ -103,18 +128,18 @@ class LegacySource(CheckpointSource):
             if not args.get("num_layers"):
                 raise unknown_model(path)
             model_cfg = Config.from_flat(args).model
-        self.model_cfg, self.files, self._cache = model_cfg, files, {(0, 0): first}
-        self.vpp = len(_model_keys(first, files[(0, 0)]))
+        self.model_cfg, self.files, self._cache = model_cfg, files, {(0, 0, 0): first}
+        self.vpp = len(_model_keys(first, first_file))
         saved = args.get  # the saving run's layers per stage (uneven first/last stages too)
         self.split = PipelineSplit(
             model_cfg.num_layers, self.pp, self.vpp, saved("decoder_first_pipeline_num_layers"),
             saved("decoder_last_pipeline_num_layers"), bool(saved("account_for_embedding_in_pipeline_split")),
             bool(saved("account_for_loss_in_pipeline_split")))
-        self.index = self._index()
+        self.index = self._index(path)
         stored = {}
         for name, pieces in self.index.items():
             stored[MODEL_PREFIX + name] = _metadata(self._stored_shape(name, pieces), pieces[0][-1].dtype)
-        has_optimizer = "optimizer" in first or os.path.exists(os.path.join(os.path.dirname(files[(0, 0)]),
+        has_optimizer = "optimizer" in first or os.path.exists(os.path.join(os.path.dirname(first_file),
                                                                             DIST_OPTIM_FILE))
         ours = first.get(MEGAFAB)  # megafab-written: its counters and per-rank RNG files
         rng_layout = ours["layout"] if ours and ours["has_rng"] else None
@@ -122,41 +147,66 @@ class LegacySource(CheckpointSource):
                          None if release else _counters(first, args), has_optimizer, OPTIMIZER_PROBLEM,
                          rng_layout, None if ours else MEGATRON_RNG)
 
-    def _file(self, tp_rank: int, pp_rank: int) -> dict:
-        key = (tp_rank, pp_rank)
-        if key not in self._cache:
-            self._cache[key] = safe_pickle.load(self.files[key], mmap=True)
-        return self._cache[key]
+    def _file(self, ranks: tuple[int, int, int]) -> dict:
+        if ranks not in self._cache:
+            self._cache[ranks] = safe_pickle.load(self.files[ranks], mmap=True)
+        return self._cache[ranks]
 
-    def _index(self) -> dict[str, list]:
-        """megafab (local-spec) name -> [(tp_rank, tensor)] in TP order, every stage's file read."""
+    def _index(self, path: str) -> dict[str, list]:
+        """megafab (local-spec) name -> [(tp_rank, global expert or None, tensor)] in TP order, every
+        stage's (and EP rank's) file read; routed experts under their stacked (grouped) name."""
         index: dict[str, list] = {}
         tied = not self.model_cfg.untie_embeddings_and_output_weights
-        for (t, p) in sorted(self.files, key=lambda tp: (tp[1], tp[0])):
-            state = self._file(t, p)
-            for chunk, key in enumerate(_model_keys(state, self.files[(t, p)])):
+        local_experts = (self.num_experts or 0) // self.ep
+        for (t, p, e) in sorted(self.files, key=lambda r: (r[1], r[2], r[0])):
+            state = self._file((t, p, e))
+            for chunk, key in enumerate(_model_keys(state, self.files[(t, p, e)])):
                 first_layer, _ = self.split.layer_range(p, chunk)
                 for local_name, tensor in state[key].items():
                     name = te_to_local_name(local_name)
                     if name is None or not torch.is_tensor(tensor) or (tied and name == OUTPUT_LAYER):
                         continue  # _extra_state; the last stage's copy of a tied embedding
-                    index.setdefault(to_global(name, first_layer), []).append((t, tensor))
+                    name = to_global(name, first_layer)
+                    sequential = sequential_expert(name)
+                    if sequential is not None:
+                        expert = e * local_experts + sequential[0]
+                        index.setdefault(sequential[1], []).append((t, expert, tensor))
+                    elif is_routed_expert(name):
+                        raise CheckpointError(f"{self.files[(t, p, e)]}: {local_name!r} is a grouped-GEMM "
+                                              f"expert weight (GroupedMLP / TEGroupedMLP); megafab reads "
+                                              f"legacy MoE files of SequentialMLP experts: convert it with "
+                                              f"Megatron to torch_dist (its expert keys suit every layout)")
+                    elif e == 0:  # the dense weights: every EP rank keeps a copy
+                        index.setdefault(name, []).append((t, None, tensor))
         return index
 
+    def _split(self, name: str):
+        """TP split of `name`'s pieces: a routed expert's as its sequential name (one expert) has it."""
+        piece_name = sequential_expert_name(name, 0) if is_routed_expert(name) else name
+        return tp_partition(piece_name, self.model_cfg.swiglu)
+
     def _stored_shape(self, name: str, pieces) -> tuple[int, ...]:
-        shape = list(pieces[0][1].shape)
-        split = tp_partition(name, self.model_cfg.swiglu)
+        shape = list(pieces[0][-1].shape)
+        split = self._split(name)
         if split is not None:
             shape[split[0]] *= self.tp
-        return strided_shape(tuple(shape), 0, split[1] if split else 1)
+        if is_routed_expert(name):
+            shape = [len({g for _, g, _ in pieces}), *shape]
+        dim = strided_dim(name, self.model_cfg.swiglu)
+        return tuple(shape) if dim is None else strided_shape(tuple(shape), dim, 2)
 
     def full_tensor(self, name: str) -> torch.Tensor:
-        """The TP=1 tensor of megafab parameter `name` (local-spec name), joined from the TP files."""
+        """The TP=1 tensor of megafab parameter `name` (local-spec name), joined from the TP files;
+        routed experts stacked on the global expert axis."""
         pieces = self.index[name]
-        split = tp_partition(name, self.model_cfg.swiglu)
-        if split is None:
-            return pieces[0][1]
-        return join_partitions([tensor for _, tensor in pieces], *split)
+        split = self._split(name)
+
+        def joined(parts):
+            return parts[0] if split is None else join_partitions(parts, *split)
+        if not is_routed_expert(name):
+            return joined([tensor for _, _, tensor in pieces])
+        experts = sorted({g for _, g, _ in pieces})
+        return torch.stack([joined([tensor for _, g, tensor in pieces if g == e]) for e in experts])
 
     def read(self, shards: dict[str, Shard]) -> None:
         for key, shard in shards.items():
@@ -191,26 +241,45 @@ def _counters(state: dict, args: dict) -> Counters | None:
 
 # ---- writing -------------------------------------------------------------------------------------
 def _with_extra_states(out: dict) -> dict:
-    """A None `_extra_state` per linear module of each layer, as megatron-core's local layers save."""
-    layers = {layer_of(n) for n in out} - {None}
-    for layer in sorted(layers):
-        for module in LINEAR_MODULES:
-            out[layer_name(layer, f"{module}.{EXTRA_STATE}")] = None
+    """A None `_extra_state` per linear module of each layer, as megatron-core's local layers save:
+    the dense MLP's or, in an MoE layer, each local expert's and the shared experts' linears."""
+    modules = set()
+    for name in out:
+        layer = layer_of(name)
+        module, _, leaf = name.rpartition(".")
+        if layer is not None and leaf == "weight" and module.rpartition(".")[2].startswith("linear_"):
+            modules.add(module)
+    for layer in sorted({layer_of(n) for n in out} - {None}):
+        modules.update(layer_name(layer, m) for m in LINEAR_MODULES[:2])  # attention's, always
+    for module in sorted(modules):
+        out[f"{module}.{EXTRA_STATE}"] = None
     return out
+
+
+def _as_sequential(name: str, tensor: torch.Tensor, first_expert: int = 0, count: int | None = None) -> dict:
+    """A stacked routed-expert tensor (grouped names) as SequentialMLP's local_experts.<i> entries:
+    experts [first_expert, first_expert + count) numbered from 0; other tensors as they are."""
+    if not is_routed_expert(name) or sequential_expert(name) is not None:
+        return {name: tensor}
+    count = tensor.shape[0] - first_expert if count is None else count
+    return {sequential_expert_name(name, i): tensor[first_expert + i] for i in range(count)}
 
 
 def local_state_dict(chunk, first_layer: int, te_names: bool) -> dict:
     """A megafab model chunk's parameters as Megatron's legacy state dict (layers numbered from 0
-    within the stage; a tied last stage's output_layer copy included, as Megatron keeps it)."""
+    within the stage; a tied last stage's output_layer copy included, as Megatron keeps it; grouped
+    experts as SequentialMLP's local experts)."""
     out = {}
     for name, p in chunk.named_parameters():
-        name = to_stage(name, first_layer)
-        out[local_to_te_name(name) if te_names else name] = p.detach().cpu().clone()
+        for n, t in _as_sequential(to_stage(name, first_layer), p.detach()).items():
+            out[local_to_te_name(n) if te_names else n] = t.cpu().clone()
     return _with_extra_states(out)
 
 
-def rank_state_dict(sd: dict, model_cfg, tp: int, tp_rank: int, pp: int, pp_rank: int) -> dict:
-    """The legacy state dict of TP rank tp_rank, stage pp_rank, cut from a full megafab state dict."""
+def rank_state_dict(sd: dict, model_cfg, tp: int, tp_rank: int, pp: int, pp_rank: int, ep: int = 1,
+                    ep_rank: int = 0) -> dict:
+    """The legacy state dict of TP rank tp_rank, stage pp_rank, EP rank ep_rank (its E/EP experts
+    as local_experts.<i>, expert-TP = TP), cut from a full megafab state dict."""
     first, last = PipelineSplit(model_cfg.num_layers, pp).layer_range(pp_rank, 0)
     tied = not model_cfg.untie_embeddings_and_output_weights
     stage = {}
@@ -225,26 +294,32 @@ def rank_state_dict(sd: dict, model_cfg, tp: int, tp_rank: int, pp: int, pp_rank
     if tied and pp > 1 and pp_rank == pp - 1:  # the last stage's copy of the tied embedding
         stage[OUTPUT_LAYER] = sd[WORD_EMBEDDING]
     out = {}
-    for name, full in stage.items():
-        split = tp_partition(name, model_cfg.swiglu)
-        local = partition_of(full, split[0], tp_rank, tp, split[1]) if split else full
-        out[to_stage(name, first)] = local.contiguous().clone()
+    for stacked, tensor in stage.items():
+        local_experts = tensor.shape[0] // ep if is_routed_expert(stacked) else None
+        first_expert = ep_rank * (local_experts or 0)
+        for name, full in _as_sequential(stacked, tensor, first_expert, local_experts).items():
+            split = tp_partition(name, model_cfg.swiglu)
+            local = partition_of(full, split[0], tp_rank, tp, split[1]) if split else full
+            out[to_stage(name, first)] = local.contiguous().clone()
     return _with_extra_states(out)
 
 
-def write_rank_file(tmp: str, tp_rank: int, pp_rank: int, pp: int, common: dict, models: dict) -> None:
+def write_rank_file(tmp: str, tp_rank: int, pp_rank: int, pp: int, common: dict, models: dict,
+                    ep_rank: int = 0, ep: int = 1) -> None:
     """The one writer of a legacy model_optim_rng.pt: `common` (megatron_dist.megatron_common) and
     this rank's model chunks (chunk_key -> local state dict), without optimizer state."""
-    directory = os.path.join(tmp, rank_dir(tp_rank, pp_rank, pp))
+    directory = os.path.join(tmp, rank_dir(tp_rank, pp_rank, pp, ep_rank, ep))
     os.makedirs(directory, exist_ok=True)
     torch.save({**common, **models}, os.path.join(directory, FILE))
 
 
 def save_rank_file(state, tmp: str, common: dict) -> None:
     """This rank's model_optim_rng.pt of a training run, without optimizer state (config.py refuses
-    --ckpt-format torch with it); DP rank 0 of each TP x PP position writes."""
+    --ckpt-format torch with it); DP rank 0 of each TP x PP position writes (with experts, expert-DP
+    rank 0 of each TP x EP x PP position, named by its EP rank too)."""
     cfg, topo = state.cfg, state.topology
-    if topo.dp_rank != 0:
+    moe = cfg.moe.num_experts is not None
+    if (topo.coord("edp") if moe else topo.dp_rank) != 0:
         return
     vpp = cfg.parallel.virtual_pipeline_model_parallel_size or 1
     te = cfg.model.transformer_impl == "transformer_engine"
@@ -254,4 +329,6 @@ def save_rank_file(state, tmp: str, common: dict) -> None:
         first, _ = split.layer_range(topo.pp_rank, c)
         module = getattr(chunk, "module", chunk)
         models[chunk_key(c, vpp)] = local_state_dict(module, first, te)
-    write_rank_file(tmp, topo.tp_rank, topo.pp_rank, topo.pp, common, models)
+    ep = topo.size("ep") if moe else 1
+    write_rank_file(tmp, topo.tp_rank, topo.pp_rank, topo.pp, common, models,
+                    topo.coord("ep") if moe else 0, ep)

@@ -9,6 +9,12 @@ parameter is written by TP rank 0 only, a tied output layer not at all (layout.p
 is the same for every parameter (they all step together), so no collective is needed: whoever
 writes element 0 of a TP block writes it (SGD keeps no step: 0 is stored).
 
+Experts. A routed expert's parameter is laid out on the global expert axis (layout.ExpertPlacement:
+this rank's EP position gives its experts' rows, its expert-TP rank the block within them) and its
+owned range is the expert-DP one (DDP's expert buckets carry that group); an ETP-replicated block
+is written by ETP rank 0. Each MoE router's expert_bias (a buffer, identical on every rank of its
+stage) is written by TP/DP/CP rank 0 and read whole by every rank.
+
 Who reads what. The distributed optimizer's main params and Adam moments are read straight into
 the rank's own flat shard tensors (a few boxes each); the plain optimizer's are parameter-shaped
 (one box). Model weights: with the distributed optimizer each rank reads its own range into DDP's
@@ -32,9 +38,11 @@ import numpy as np
 import torch
 
 from megafab.checkpoint.boxes import Box
+from megafab.checkpoint.keys import EXPERT_BIAS, parse_index
 from megafab.checkpoint.layout import (
     MAIN_PARAM,
     STEP,
+    ExpertPlacement,
     ParamLayout,
     Shard,
     is_tied_copy,
@@ -44,6 +52,39 @@ from megafab.checkpoint.layout import (
 )
 from megafab.distributed.fsdp import is_fully_sharded, local_tensor
 from megafab.distributed.random import checkpoint_rng_state, restore_rng_state
+
+
+def expert_placement(state) -> ExpertPlacement | None:
+    """Where this rank's routed experts sit on the global expert axis (None: a dense model)."""
+    moe = getattr(state.cfg, "moe", None)
+    if moe is None or moe.num_experts is None:
+        return None
+    topo = state.topology
+    ep, etp = topo.size("ep"), topo.size("etp")
+    return ExpertPlacement(moe.num_experts, topo.coord("ep") * (moe.num_experts // ep), etp,
+                           topo.coord("etp"), state.cfg.model.swiglu)
+
+
+def _layout(state, name: str, p) -> ParamLayout:
+    topo = state.topology
+    return param_layout(name, p, topo.tp, topo.tp_rank, expert_placement(state))
+
+
+def checkpointed_buffers(state) -> list[tuple[str, torch.Tensor]]:
+    """(global name, buffer) of the buffers a checkpoint keeps: each MoE router's expert_bias (the
+    same on every rank of its stage: updated from all-reduced token counts)."""
+    out = []
+    for chunk in state.model:
+        for name, buf in getattr(chunk, "module", chunk).named_buffers():
+            parsed = parse_index(name)
+            if buf is not None and parsed is not None and parsed[1] == EXPERT_BIAS:
+                out.append((name, buf))
+    return out
+
+
+def _buffer_writer(state) -> bool:
+    topo = state.topology
+    return topo.tp_rank == 0 and topo.dp_rank == 0 and topo.cp_rank == 0
 
 
 def named_parameters(state) -> list[tuple[str, torch.nn.Parameter]]:
@@ -97,14 +138,16 @@ class Written:
     hi: int
 
 
-def write_plan(named, ranges: dict, tp: int, tp_rank: int) -> list[Written]:
+def write_plan(named, ranges: dict, tp: int, tp_rank: int,
+               experts: ExpertPlacement | None = None) -> list[Written]:
     """What a rank writes of each parameter (see the module docstring): its owned range, nothing of
-    a tied copy or of a TP-replicated block on TP rank > 0. A pure function of the layout."""
+    a tied copy or of a TP-replicated block on TP rank > 0 (an ETP-replicated one on ETP rank > 0).
+    A pure function of the layout."""
     out = []
     for name, p in named:
         if is_tied_copy(name, p) or p not in ranges:
             continue
-        layout = param_layout(name, p, tp, tp_rank)
+        layout = param_layout(name, p, tp, tp_rank, experts)
         if not layout.replica:
             out.append(Written(name, p, layout, *ranges[p]))
     return out
@@ -112,7 +155,14 @@ def write_plan(named, ranges: dict, tp: int, tp_rank: int) -> list[Written]:
 
 def _state_write_plan(state) -> list[Written]:
     topo = state.topology
-    return write_plan(named_parameters(state), dp_owned_ranges(state.model), topo.tp, topo.tp_rank)
+    return write_plan(named_parameters(state), dp_owned_ranges(state.model), topo.tp, topo.tp_rank,
+                      expert_placement(state))
+
+
+def _add(shards: dict[str, Shard], key: str, layout: ParamLayout, flat: torch.Tensor, lo: int, hi: int):
+    """Boxes of several local tensors of one key (a tied copy on the embedding's rank, the
+    sequential experts of one layer) share a Shard."""
+    shards[key] = layout.shard(flat, lo, hi, into=shards.get(key))
 
 
 # ---- save ----------------------------------------------------------------------------------------
@@ -125,7 +175,10 @@ def model_shards_for_save(state) -> dict[str, Shard]:
         values = owned_values(w.param, w.lo, w.hi)
         if w.param in compute:
             values = values.to(compute[w.param])
-        shards[model_key(w.layout.name)] = w.layout.shard(values, w.lo, w.hi)
+        _add(shards, model_key(w.layout.name), w.layout, values, w.lo, w.hi)
+    for name, buf in checkpointed_buffers(state):
+        shards[model_key(name)] = Shard.whole(buf)
+        shards[model_key(name)].write = _buffer_writer(state)
     return shards
 
 
@@ -167,23 +220,17 @@ def optimizer_shards_for_save(state) -> dict[str, Shard]:
             tensors[MAIN_PARAM] = e.main
         for kind, t in tensors.items():
             flat = t.view(-1)[w.lo - e_lo:w.hi - e_lo]
-            shards[optim_key(w.layout.name, kind)] = w.layout.shard(flat, w.lo, w.hi)
+            _add(shards, optim_key(w.layout.name, kind), w.layout, flat, w.lo, w.hi)
         if w.lo == 0:
             shards[optim_key(w.layout.name, STEP)] = Shard.whole(step)
     return shards
 
 
 # ---- load ----------------------------------------------------------------------------------------
-def _add(shards: dict[str, Shard], key: str, layout: ParamLayout, flat: torch.Tensor, lo: int, hi: int):
-    """Boxes of several local tensors of one key (a tied copy on the embedding's rank) share a Shard."""
-    shards[key] = layout.shard(flat, lo, hi, into=shards.get(key))
-
-
 def model_shards_for_load(state, masters_from_main: bool) -> tuple[dict[str, Shard], list]:
     """Views of the parameters to read into, and the DDP chunks to all-gather afterwards.
     masters_from_main: FSDP2 master shards are read with the optimizer state (from the checkpoint's
     fp32 main params), not from the weights."""
-    topo = state.topology
     shards, gather = {}, []
     compute = _compute_dtypes(state) if masters_from_main else {}
     for chunk in state.model:
@@ -194,11 +241,12 @@ def model_shards_for_load(state, masters_from_main: bool) -> tuple[dict[str, Sha
         for name, p in module.named_parameters():
             if p in compute:
                 continue
-            layout = param_layout(name, p, topo.tp, topo.tp_rank)
+            layout = _layout(state, name, p)
             lo, hi = ranges.get(p, (0, 0)) if sharded else (0, p.numel())
             _add(shards, model_key(layout.name), layout, owned_values(p, lo, hi), lo, hi)
         if gathered:
             gather.append(chunk)
+    shards.update({model_key(name): Shard.whole(buf) for name, buf in checkpointed_buffers(state)})
     return shards, gather
 
 
@@ -223,14 +271,14 @@ def optimizer_shards_for_load(state, with_main: bool) -> tuple[dict[str, Shard],
     """Fresh optimizer moments shaped like each entry's main param (its own shard under the
     distributed optimizer), the main params themselves (when the checkpoint has fp32 mains and this
     model copies), and a 0-d step per entry, as Shards to read into."""
-    topo, opt = state.topology, state.optimizer
+    opt = state.optimizer
     entries = _entries_by_param(opt)
     shards, targets = {}, []
     for name, p in named_parameters(state):
         e = entries.get(p)
         if e is None:
             continue
-        layout = param_layout(name, p, topo.tp, topo.tp_rank)
+        layout = _layout(state, name, p)
         lo, hi = _entry_range(e)
         moments = {k: torch.empty_like(e.main) for k in opt.state_keys}
         reads = dict(moments)

@@ -53,6 +53,8 @@ def parse(argv=None) -> argparse.Namespace:
                            "input's")
     conv.add_argument("--target-pipeline-parallel-size", type=int, default=None,
                       help="PP of legacy torch output (recorded in its args otherwise); default: the input's")
+    conv.add_argument("--target-expert-parallel-size", type=int, default=None,
+                      help="EP of legacy torch output's expert files (MoE models); default: the input's")
     conv.add_argument("--make-vocab-size-divisible-by", type=int, default=128, help="with --hf-dir")
     conv.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: as stored")
 
@@ -73,12 +75,14 @@ def parse(argv=None) -> argparse.Namespace:
         args = argparse.Namespace(command="convert", load_dir=None, hf_dir=args.hf_dir, iteration=None,
                                   save_dir=args.save, saver="torch_dist",
                                   target_tensor_parallel_size=args.tensor_model_parallel_size,
-                                  target_pipeline_parallel_size=None, dtype=args.dtype,
+                                  target_pipeline_parallel_size=None, target_expert_parallel_size=None,
+                                  dtype=args.dtype,
                                   make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
     elif args.command == "export-hf":
         args = argparse.Namespace(command="convert", load_dir=args.load, hf_dir=None,
                                   iteration=args.iteration, save_dir=args.hf_dir, saver="hf",
                                   target_tensor_parallel_size=None, target_pipeline_parallel_size=None,
+                                  target_expert_parallel_size=None,
                                   dtype=args.dtype,
                                   make_vocab_size_divisible_by=128)
     return args
@@ -98,7 +102,8 @@ def convert(args) -> str:
     if args.saver == "hf":
         arch = export_hf(sd, cfg, args.save_dir, dtype)
         return f"converted {what} to HF {arch} in {args.save_dir}"
-    path = write_checkpoint(args.save_dir, sd, cfg, ckpt_format=args.saver, tp=tp, pp=pp)
+    path = write_checkpoint(args.save_dir, sd, cfg, ckpt_format=args.saver, tp=tp, pp=pp,
+                            ep=args.target_expert_parallel_size)
     p = cfg.parallel
     return (f"converted {what} ({sum(t.numel() for t in sd.values()):,} parameters, vocabulary "
             f"{cfg.model.vocab_size} padded to {cfg.model.padded_vocab_size}) to {args.saver} for TP "

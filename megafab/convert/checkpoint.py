@@ -109,17 +109,24 @@ def _check_layout(m, tp: int, pp: int) -> None:
 
 def write_checkpoint(save_dir: str, sd: dict[str, torch.Tensor], cfg: Config, iteration: int = 0,
                      ckpt_format: str = formats.TORCH_DIST, tp: int | None = None,
-                     pp: int | None = None) -> str:
+                     pp: int | None = None, ep: int | None = None) -> str:
     """Write `sd` (full megafab state dict) as a weights-only checkpoint of iteration `iteration`,
-    recorded as saved at TP `tp` x PP `pp` (default: the config's), the vocabulary padded for `tp`;
-    see the module docstring."""
+    recorded as saved at TP `tp` x PP `pp` x EP `ep` (default: the config's; EP names the legacy
+    format's expert files, torch_dist is the same at any EP), the vocabulary padded for `tp`; see
+    the module docstring."""
     p, m = cfg.parallel, cfg.model
     tp = tp or p.tensor_model_parallel_size or 1
     pp = pp or p.pipeline_model_parallel_size or 1
+    ep = ep or p.expert_model_parallel_size or 1
     _check_layout(m, tp, pp)
+    if ep > 1 and (cfg.moe.num_experts or 1) % ep:
+        raise ConversionError(f"--num-experts {cfg.moe.num_experts} is not divisible by the target "
+                              f"expert-parallel size {ep}; choose one that divides it")
     padded = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
+    layout = dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                  expert_model_parallel_size=ep, expert_tensor_parallel_size=tp)
     cfg = dataclasses.replace(  # the caller's config stays as it is; this one records the target layout
-        cfg, parallel=dataclasses.replace(p, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
+        cfg, parallel=dataclasses.replace(p, **layout),
         model=dataclasses.replace(m, padded_vocab_size=padded))
     sd = repad_vocab(sd, padded)
     final = iteration_dir(save_dir, iteration)
@@ -142,9 +149,14 @@ def _write_torch_dist(tmp, sd, cfg, record) -> None:
 
     shards = {layout.model_key(n): layout.Shard.whole(layout.to_stored(n, t.contiguous(), cfg.model))
               for n, t in sd.items()}
-    objects = megatron_dist.extra_state_objects(range(cfg.model.num_layers), cfg.model.num_layers)
+    moe = cfg.moe if cfg.moe.num_experts is not None else None
+    stacked, layers = megatron_keys.stacks_layers(moe), range(cfg.model.num_layers)
+    objects = megatron_dist.extra_state_objects(layers, cfg.model.num_layers, moe, stacked)
+    if moe is not None:
+        objects.update(megatron_dist.expert_extra_state_objects(layers, cfg.model.num_layers, moe,
+                                                                range(moe.num_experts), stacked))
     for _ in _phase([0], "writing torch_dist"):
-        dcp_io.save_shards(megatron_dist.megatron_shards(shards, cfg.model, False), tmp, objects)
+        dcp_io.save_shards(megatron_dist.megatron_shards(shards, cfg.model, False, stacked), tmp, objects)
     megatron_dist.write_common(tmp, megatron_dist.common_state(cfg, record, None, None, False))
 
 
@@ -152,9 +164,12 @@ def _write_legacy(tmp, sd, cfg, record, tp, pp) -> None:
     from megafab.checkpoint import megatron_legacy
 
     common = megatron_dist.megatron_common(cfg, record, formats.TORCH, None)
-    for tp_rank, pp_rank in _phase([(t, p) for p in range(pp) for t in range(tp)], "writing torch"):
-        model = megatron_legacy.rank_state_dict(sd, cfg.model, tp, tp_rank, pp, pp_rank)
-        megatron_legacy.write_rank_file(tmp, tp_rank, pp_rank, pp, common, {keys.chunk_key(0, 1): model})
+    ep = cfg.parallel.expert_model_parallel_size if cfg.moe.num_experts is not None else 1
+    ranks = [(t, p, e) for p in range(pp) for e in range(ep) for t in range(tp)]
+    for tp_rank, pp_rank, ep_rank in _phase(ranks, "writing torch"):
+        model = megatron_legacy.rank_state_dict(sd, cfg.model, tp, tp_rank, pp, pp_rank, ep, ep_rank)
+        megatron_legacy.write_rank_file(tmp, tp_rank, pp_rank, pp, common, {keys.chunk_key(0, 1): model},
+                                        ep_rank, ep)
 
 
 __all__ = ["CheckpointError", "ConversionError", "open_checkpoint", "read_checkpoint", "write_checkpoint"]

@@ -13,16 +13,21 @@ import os
 import torch
 
 from megafab.config import Config, ModelConfig
-from megafab.convert import hf_gpt2, hf_llama
+from megafab.convert import hf_gpt2, hf_llama, hf_mixtral, hf_qwen3_moe
 from megafab.convert.state_dict import ConversionError, finalize_model_config
 from megafab.convert.tokenizer_files import save_tokenizer_files, tokenizer_special_ids
 
-ARCHITECTURES = {"gpt2": hf_gpt2, "llama": hf_llama}
+ARCHITECTURES = {"gpt2": hf_gpt2, "llama": hf_llama, "mixtral": hf_mixtral, "qwen3_moe": hf_qwen3_moe}
+MOE_ARCHITECTURES = ("mixtral", "qwen3_moe")  # their converters take cfg.moe as `moe`
 WEIGHTS = "model.safetensors"
 
 
-def architecture_of(m: ModelConfig) -> str:
-    """gpt2 (learned positions, LayerNorm, GELU, biases) or llama (RoPE, RMSNorm, SwiGLU, no biases)."""
+def architecture_of(m: ModelConfig, moe=None) -> str:
+    """gpt2 (learned positions, LayerNorm, GELU, biases) or llama (RoPE, RMSNorm, SwiGLU, no biases);
+    a mixture of experts (moe: cfg.moe) of the Llama architecture: qwen3_moe with --qk-layernorm,
+    else mixtral."""
+    if moe is not None and moe.num_experts is not None:
+        return "qwen3_moe" if m.qk_layernorm else "mixtral"
     gpt2 = dict(position_embedding_type="learned_absolute", normalization="LayerNorm", swiglu=False,
                 add_bias_linear=True)
     llama = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False)
@@ -40,12 +45,13 @@ def export_hf(sd: dict[str, torch.Tensor], cfg: Config, out_dir: str,
     files of the megafab model `sd` with training config `cfg`; returns the architecture name."""
     from safetensors.torch import save_file
 
-    arch = architecture_of(cfg.model)
+    arch = architecture_of(cfg.model, cfg.moe)
     module = ARCHITECTURES[arch]
     ids = tokenizer_special_ids(cfg.data)
-    extra = {"bos": ids["bos"]} if arch == "llama" and "bos" in ids else {}
-    hf_config = module.to_hf_config(cfg.model, eod=ids.get("eod"), **extra)
-    hf_sd = module.to_hf_state_dict(sd, cfg.model)
+    extra = {"bos": ids["bos"]} if arch != "gpt2" and "bos" in ids else {}
+    moe = _moe_args(arch, cfg)
+    hf_config = module.to_hf_config(cfg.model, **moe, eod=ids.get("eod"), **extra)
+    hf_sd = module.to_hf_state_dict(sd, cfg.model, **moe)
     if dtype is not None:
         hf_sd = {k: v.to(dtype) for k, v in hf_sd.items()}
         hf_config.dtype = str(dtype).removeprefix("torch.")
@@ -55,6 +61,10 @@ def export_hf(sd: dict[str, torch.Tensor], cfg: Config, out_dir: str,
               metadata={"format": "pt"})
     save_tokenizer_files(cfg.data, out_dir)
     return arch
+
+
+def _moe_args(arch: str, cfg: Config) -> dict:
+    return {"moe": cfg.moe} if arch in MOE_ARCHITECTURES else {}
 
 
 def _read(path: str, load):
@@ -102,15 +112,16 @@ def read_hf_config(hf_dir: str) -> dict:
     if not isinstance(c, dict) or c.get("model_type") not in ARCHITECTURES:
         kind = c.get("model_type") if isinstance(c, dict) else None
         raise ConversionError(f"{path}: model_type {kind!r} is not one of "
-                              f"{sorted(ARCHITECTURES)}; megafab converts GPT-2 and Llama models")
+                              f"{sorted(ARCHITECTURES)}; megafab converts GPT-2, Llama, Mixtral and "
+                              f"Qwen3-MoE models")
     return c
 
 
 def import_hf(hf_dir: str, tp: int = 1, make_vocab_size_divisible_by: int = 128,
               dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], Config]:
-    """(full megafab state dict, Config) of a HF GPT-2/Llama directory. The vocabulary is padded for
-    tensor-parallel size `tp` as training with --make-vocab-size-divisible-by will pad it; the
-    tokenizer directory is recorded as HuggingFaceTokenizer when it has tokenizer files."""
+    """(full megafab state dict, Config) of a HF GPT-2/Llama/Mixtral/Qwen3-MoE directory. The
+    vocabulary is padded for tensor-parallel size `tp` as training with --make-vocab-size-divisible-by
+    will pad it; the tokenizer directory is recorded as HuggingFaceTokenizer when it has tokenizer files."""
     c = read_hf_config(hf_dir)
     module = ARCHITECTURES[c["model_type"]]
     flat = module.from_hf_config(c)
@@ -119,7 +130,8 @@ def import_hf(hf_dir: str, tp: int = 1, make_vocab_size_divisible_by: int = 128,
     if any(os.path.exists(os.path.join(hf_dir, n)) for n in ("tokenizer.json", "tokenizer.model")):
         flat.update(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=os.path.abspath(hf_dir))
     cfg = dataclasses.replace(Config.from_flat(flat), model=finalize_model_config(flat, tp))
-    sd = module.from_hf_state_dict(read_hf_weights(hf_dir), cfg.model)
+    weights = read_hf_weights(hf_dir)
+    sd = module.from_hf_state_dict(weights, cfg.model, **_moe_args(c["model_type"], cfg))
     if dtype is not None:
         sd = {k: v.to(dtype) for k, v in sd.items()}
     return sd, cfg

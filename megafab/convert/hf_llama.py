@@ -29,17 +29,22 @@ from megafab.convert.state_dict import (
 )
 from megafab.progress import progress
 
-_SAME = {"self_attn.o_proj.weight": "self_attention.linear_proj.weight",
-         "mlp.down_proj.weight": "mlp.linear_fc2.weight",
-         "input_layernorm.weight": "input_layernorm.weight",
-         "post_attention_layernorm.weight": "pre_mlp_layernorm.weight"}
+_ATTENTION_SAME = {"self_attn.o_proj.weight": "self_attention.linear_proj.weight",
+                   "input_layernorm.weight": "input_layernorm.weight",
+                   "post_attention_layernorm.weight": "pre_mlp_layernorm.weight"}
+_QK_NORMS = {"self_attn.q_norm.weight": "self_attention.q_layernorm.weight",  # Qwen3's QK-norm
+             "self_attn.k_norm.weight": "self_attention.k_layernorm.weight"}
+_QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+DENSE_MLP = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer some old checkpoints saved
 
 HF_LAYERS = "model.layers."  # HF's numbered layers: model.layers.<i>.<name>
 
 
-def check_exportable(m: ModelConfig) -> None:
-    problems = hf_variant_problems(m, "Llama")
+def check_exportable(m: ModelConfig, allow_qk_layernorm: bool = False) -> None:
+    """allow_qk_layernorm: for Qwen3's Llama-family attention, which has q/k norms."""
+    problems = [p for p in hf_variant_problems(m, "Llama")
+                if not (allow_qk_layernorm and p.startswith("--qk-layernorm"))]
     if problems:
         raise ConversionError(f"HF Llama cannot express {', '.join(problems)}; this model cannot be exported")
     if m.rotary_percent != 1.0:
@@ -105,52 +110,97 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, t
     check_exportable(m)
     check_keys(sd, expected_keys(m), "the megafab state dict")
     sd = plain_norm_weights(sd, m)
+    out = base_to_hf(sd, m)
+    for i in progress(range(m.num_layers), desc="export to HF Llama", unit="layer"):
+        src, dst = layer_prefix(i), layer_prefix(i, HF_LAYERS)
+        out.update(attention_to_hf(sd, src, dst, m))
+        out.update(dense_mlp_to_hf(sd, src, dst))
+    return out
+
+
+def base_to_hf(sd: dict, m: ModelConfig) -> dict:
+    """Embedding, final norm and untied lm_head (true vocabulary rows)."""
     out = {"model.embed_tokens.weight": unpad_vocab(sd[WORD_EMBEDDING], m.vocab_size),
            "model.norm.weight": sd[FINAL_NORM + ".weight"]}
     if m.untie_embeddings_and_output_weights:
         out["lm_head.weight"] = unpad_vocab(sd[OUTPUT_LAYER], m.vocab_size)
-    for i in progress(range(m.num_layers), desc="export to HF Llama", unit="layer"):
-        src, dst = layer_prefix(i), layer_prefix(i, HF_LAYERS)
-        q, k, v = unpack_qkv(sd[src + "self_attention.linear_qkv.weight"], m.num_attention_heads,
-                             m.num_query_groups)
-        out.update({dst + "self_attn.q_proj.weight": q, dst + "self_attn.k_proj.weight": k,
-                    dst + "self_attn.v_proj.weight": v})
-        gate, up = sd[src + "mlp.linear_fc1.weight"].chunk(2, dim=0)
-        out[dst + "mlp.gate_proj.weight"] = gate.contiguous()
-        out[dst + "mlp.up_proj.weight"] = up.contiguous()
-        for hf_name, mf in _SAME.items():
-            out[dst + hf_name] = sd[src + mf]
     return out
 
 
+def base_from_hf(hf: dict, m: ModelConfig) -> dict:
+    """Inverse of base_to_hf (the vocabulary padded)."""
+    sd = {WORD_EMBEDDING: pad_vocab(hf["model.embed_tokens.weight"], m.padded_vocab_size),
+          FINAL_NORM + ".weight": hf["model.norm.weight"]}
+    if m.untie_embeddings_and_output_weights:
+        sd[OUTPUT_LAYER] = pad_vocab(hf["lm_head.weight"], m.padded_vocab_size)
+    return sd
+
+
+def hf_weights(hf: dict, m: ModelConfig) -> dict:
+    """The HF tensors a conversion reads: without buffers old checkpoints saved and a tied lm_head."""
+    hf = {k: v for k, v in hf.items() if not k.endswith(_IGNORED_SUFFIXES)}
+    if not m.untie_embeddings_and_output_weights:
+        hf.pop("lm_head.weight", None)
+    return hf
+
+
+def attention_to_hf(sd: dict, src: str, dst: str, m: ModelConfig) -> dict:
+    """One layer's attention and norms, megafab (prefix src) -> HF Llama-family names (prefix dst);
+    Qwen3's q_norm / k_norm with --qk-layernorm."""
+    q, k, v = unpack_qkv(sd[src + "self_attention.linear_qkv.weight"], m.num_attention_heads,
+                         m.num_query_groups)
+    out = {dst + name: t for name, t in zip(_QKV, (q, k, v))}
+    same = {**_ATTENTION_SAME, **(_QK_NORMS if m.qk_layernorm else {})}
+    out.update({dst + hf_name: sd[src + mf] for hf_name, mf in same.items()})
+    return out
+
+
+def dense_mlp_to_hf(sd: dict, src: str, dst: str) -> dict:
+    gate, up = sd[src + "mlp.linear_fc1.weight"].chunk(2, dim=0)
+    return {dst + DENSE_MLP[0]: gate.contiguous(), dst + DENSE_MLP[1]: up.contiguous(),
+            dst + DENSE_MLP[2]: sd[src + "mlp.linear_fc2.weight"]}
+
+
+def attention_hf_names(m: ModelConfig) -> list[str]:
+    return [*_QKV, *_ATTENTION_SAME, *(_QK_NORMS if m.qk_layernorm else ())]
+
+
+def attention_from_hf(hf: dict, src: str, dst: str, m: ModelConfig) -> dict:
+    """Inverse of attention_to_hf."""
+    q, k, v = (hf[src + name] for name in _QKV)
+    out = {dst + "self_attention.linear_qkv.weight": pack_qkv(q, k, v, m.num_query_groups).contiguous()}
+    same = {**_ATTENTION_SAME, **(_QK_NORMS if m.qk_layernorm else {})}
+    out.update({dst + mf: hf[src + hf_name] for hf_name, mf in same.items()})
+    return out
+
+
+def dense_mlp_from_hf(hf: dict, src: str, dst: str) -> dict:
+    gate, up, down = (hf[src + name] for name in DENSE_MLP)
+    return {dst + "mlp.linear_fc1.weight": torch.cat([gate, up]), dst + "mlp.linear_fc2.weight": down}
+
+
 def hf_expected_keys(m: ModelConfig) -> set[str]:
+    keys = hf_base_keys(m)
+    for i in range(m.num_layers):
+        keys.update(layer_prefix(i, HF_LAYERS) + n for n in [*attention_hf_names(m), *DENSE_MLP])
+    return keys
+
+
+def hf_base_keys(m: ModelConfig) -> set[str]:
+    """The keys outside the layers: embedding, final norm, the untied lm_head."""
     keys = {"model.embed_tokens.weight", "model.norm.weight"}
     if m.untie_embeddings_and_output_weights:
         keys.add("lm_head.weight")
-    for i in range(m.num_layers):
-        names = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                 "mlp.gate_proj.weight", "mlp.up_proj.weight", *_SAME]
-        keys.update(layer_prefix(i, HF_LAYERS) + n for n in names)
     return keys
 
 
 def from_hf_state_dict(hf: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
     """LlamaForCausalLM state dict -> full megafab state dict (vocabulary padded)."""
-    hf = {k: v for k, v in hf.items() if not k.endswith(_IGNORED_SUFFIXES)}
-    if not m.untie_embeddings_and_output_weights:
-        hf.pop("lm_head.weight", None)
+    hf = hf_weights(hf, m)
     check_keys(hf, hf_expected_keys(m), "the HF Llama weights")
-    sd = {WORD_EMBEDDING: pad_vocab(hf["model.embed_tokens.weight"], m.padded_vocab_size),
-          FINAL_NORM + ".weight": hf["model.norm.weight"]}
-    if m.untie_embeddings_and_output_weights:
-        sd[OUTPUT_LAYER] = pad_vocab(hf["lm_head.weight"], m.padded_vocab_size)
+    sd = base_from_hf(hf, m)
     for i in progress(range(m.num_layers), desc="import from HF Llama", unit="layer"):
         src, dst = layer_prefix(i, HF_LAYERS), layer_prefix(i)
-        sd[dst + "self_attention.linear_qkv.weight"] = pack_qkv(
-            hf[src + "self_attn.q_proj.weight"], hf[src + "self_attn.k_proj.weight"],
-            hf[src + "self_attn.v_proj.weight"], m.num_query_groups).contiguous()
-        sd[dst + "mlp.linear_fc1.weight"] = torch.cat([hf[src + "mlp.gate_proj.weight"],
-                                                       hf[src + "mlp.up_proj.weight"]])
-        for hf_name, mf in _SAME.items():
-            sd[dst + mf] = hf[src + hf_name]
+        sd.update(attention_from_hf(hf, src, dst, m))
+        sd.update(dense_mlp_from_hf(hf, src, dst))
     return sd

@@ -3,14 +3,26 @@
 A *full megafab state dict* maps megatron-core names with global layer numbers
 (`decoder.layers.3.mlp.linear_fc1.weight`) to unsharded tensors shaped like the TP=1 GPTModel's
 parameters: word embedding [V_padded, h], linear_qkv packed per key/value group, SwiGLU fc1
-[2f, h] = [gate; up]. A tied output layer has no entry (it is the word embedding).
+[2f, h] = [gate; up]. A tied output layer has no entry (it is the word embedding). Mixture-of-experts
+layers hold their routed experts as one tensor per linear with the global expert axis first
+(`mlp.experts.linear_fc1.weight` [E, 2f, h], the checkpoint's names: megafab.checkpoint.keys),
+whatever layout the model computes with.
 """
 
 from __future__ import annotations
 
 import torch
 
-from megafab.checkpoint.keys import OUTPUT_LAYER, WORD_EMBEDDING, layer_prefix
+from megafab.checkpoint.keys import (
+    EXPERT_BIAS,
+    EXPERTS,
+    OUTPUT_LAYER,
+    ROUTER,
+    SHARED_EXPERTS,
+    WORD_EMBEDDING,
+    layer_prefix,
+    sequential_expert,
+)
 from megafab.checkpoint.vocab import padded_rows
 from megafab.config import Config, ModelConfig
 from megafab.config.derive import derive_model
@@ -71,8 +83,9 @@ def finalize_model_config(flat: dict, tp: int = 1) -> ModelConfig:
     return m
 
 
-def expected_keys(m: ModelConfig) -> set[str]:
-    """Every key a full megafab state dict of this model has."""
+def expected_keys(m: ModelConfig, moe=None) -> set[str]:
+    """Every key a full megafab state dict of this model has (moe: cfg.moe of a mixture-of-experts
+    model; its MoE layers hold moe_keys instead of the dense MLP)."""
     keys = {WORD_EMBEDDING, FINAL_NORM + ".weight"}
     if m.position_embedding_type == "learned_absolute":
         keys.add(POSITION_EMBEDDING)
@@ -84,6 +97,9 @@ def expected_keys(m: ModelConfig) -> set[str]:
         p = layer_prefix(i)
         linears = ["self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
                    "mlp.linear_fc2"]
+        if moe is not None and moe.is_moe_layer(i):
+            linears = linears[:2]
+            keys.update(p + n for n in moe_keys(m, moe))
         keys.update(p + n + ".weight" for n in linears)
         if m.add_bias_linear:
             keys.update(p + n + ".bias" for n in linears)
@@ -94,6 +110,32 @@ def expected_keys(m: ModelConfig) -> set[str]:
             if m.normalization == "LayerNorm":
                 keys.add(p + norm + ".bias")
     return keys
+
+
+def moe_keys(m: ModelConfig, moe) -> list[str]:
+    """The layer-relative keys of an MoE layer's MLP in a full state dict: the router, the routed
+    experts under their grouped names [E, out, in] (keys.py), the shared experts."""
+    out = [ROUTER + "weight", EXPERTS + "linear_fc1.weight", EXPERTS + "linear_fc2.weight"]
+    if m.add_bias_linear:
+        out += [ROUTER + "bias", EXPERTS + "linear_fc1.bias", EXPERTS + "linear_fc2.bias"]
+    if moe.moe_router_enable_expert_bias:
+        out.append(EXPERT_BIAS)
+    if moe.moe_shared_expert_intermediate_size is not None:
+        out += [SHARED_EXPERTS + "linear_fc1.weight", SHARED_EXPERTS + "linear_fc2.weight"]
+        if moe.moe_shared_expert_gate:
+            out.append(SHARED_EXPERTS + "gate_weight")
+    return out
+
+
+def module_state_dict(sd: dict[str, torch.Tensor], names) -> dict[str, torch.Tensor]:
+    """The full state dict under a one-process module's own names `names` (its state_dict keys):
+    a SequentialMLP expert `...local_experts.<i>.linear_fc1.weight` takes row i of the stacked
+    `...experts.linear_fc1.weight`; every other name is its own key (views, no copies)."""
+    out = {}
+    for name in names:
+        sequential = sequential_expert(name)
+        out[name] = sd[name] if sequential is None else sd[sequential[1]][sequential[0]]
+    return out
 
 
 def layer_norm_names(m: ModelConfig) -> list[str]:
