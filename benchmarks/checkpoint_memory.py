@@ -5,7 +5,7 @@ time at DP 1 / 2 / 4. The real driver (pretrain_gpt.py under torchrun, gloo, fp3
     python benchmarks/checkpoint_memory.py [--layers 12 --hidden 512 --heads 8 --seq 128
                                             --vocab 32000 --iters 4 --bucket 500000]
 
-Runs (DP 4 unless stated, --use-distributed-optimizer, --ddp-bucket-size below the size of the
+Runs (DP 4 unless stated (--dp), --use-distributed-optimizer, --ddp-bucket-size below the size of the
 large matrices, so every rank owns a slice of each):
     no saves          --train-iters N
     save every iter   the same with --save DIR --save-interval 1
@@ -15,9 +15,10 @@ Per rank: the resident-set high-water mark (VmHWM, /proc/self/status) of the run
 seconds of each save_checkpoint, bytes of the boxes it hands to DCP, and measure_memory's
 weights + grads + optimizer bytes next to planner.plan(cfg).state_bytes.
 
-Peak RSS is the larger of two phases: start-up (imports, model, optimizer, and the load in the
-load run) and training (steps and saves). The mock-data index build between them is left out: its
-transient is the same in every run and larger than either phase at small sizes (it is printed).
+Peak RSS is the larger of two phases: start-up (imports, configuration) and training (model,
+optimizer, the load in the load run, steps and saves). The mock-data index build between them (pretrain
+builds the datasets before the model) is left out: its transient is the same in every run and larger
+than either phase at small sizes (it is printed).
 The high-water mark is reset after it by writing 5 to /proc/self/clear_refs.
 """
 
@@ -60,7 +61,7 @@ def rank_entry(argv: list[str]) -> int:
     record = {"rank": int(os.environ.get("RANK", "0")), "save_s": [], "save_cpu_s": [], "written": 0,
               "state_bytes": None}
     save, write, step = checkpointing.save_checkpoint, dcp_io.save_shards, pretrain.train_step
-    build_data = pretrain.build_data_iterators
+    build_data = pretrain.build_datasets  # the mock-data index build (pretrain builds the datasets first)
 
     def data_then_reset(*args, **kwargs):
         record["hwm_setup_kib"] = _vm_kib("VmHWM")
@@ -88,7 +89,7 @@ def rank_entry(argv: list[str]) -> int:
 
     checkpointing.save_checkpoint, dcp_io.save_shards, pretrain.train_step = timed_save, counted_write, \
         measured_step
-    pretrain.build_data_iterators = data_then_reset
+    pretrain.build_datasets = data_then_reset
 
     def report():
         record["hwm_train_kib"] = _vm_kib("VmHWM")
@@ -109,7 +110,8 @@ def model_flags(args) -> list[str]:
             "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", str(args.iters),
             "--lr", "1e-4", "--lr-warmup-iters", "1", "--mock-data", "--num-workers", "0",
             "--log-interval", "1", "--eval-interval", "100000", "--eval-iters", "0",
-            "--use-distributed-optimizer", "--ddp-bucket-size", str(args.bucket)]
+            "--use-distributed-optimizer", "--ddp-bucket-size", str(args.bucket)] + (
+                ["--data-cache-path", args.data_cache_path] if args.data_cache_path else [])
 
 
 def launch(nproc: int, flags: list[str], cwd: str, timeout: float) -> tuple[dict[int, float], list[dict]]:
@@ -131,20 +133,20 @@ def launch(nproc: int, flags: list[str], cwd: str, timeout: float) -> tuple[dict
 
 
 def memory_rows(args, flags, stage, work: str, ckpt: str) -> list[dict]:
-    """The DP 4 table; returns the records of the run that saves every iteration."""
+    """The DP --dp table; returns the records of the run that saves every iteration."""
     from megafab.checkpoint.directory import TRACKER
 
     mib = 1024 * 1024
     saving = flags + ["--save", ckpt, "--save-interval", "1"]
-    runs = {"no saves": launch(4, flags, work, args.timeout),
-            "save every iter": launch(4, saving, work, args.timeout)}
+    runs = {"no saves": launch(args.dp, flags, work, args.timeout),
+            "save every iter": launch(args.dp, saving, work, args.timeout)}
     half = args.iters // 2
     with open(os.path.join(ckpt, TRACKER), "w") as f:
         f.write(str(half))
-    runs["load + continue"] = launch(4, flags + ["--load", ckpt], work, args.timeout)
+    runs["load + continue"] = launch(args.dp, flags + ["--load", ckpt], work, args.timeout)
     base_losses, base = runs["no saves"]
     base_hwm = max(r["hwm_kib"] for r in base)
-    print(f"{'DP 4 run':<18}{'peak RSS MiB (max rank)':>24}{'vs no saves':>13}{'state MiB':>11}"
+    print(f"{f'DP {args.dp} run':<18}{'peak RSS MiB (max rank)':>24}{'vs no saves':>13}{'state MiB':>11}"
           f"{'plan state':>12}  losses equal")
     for name, (got, records) in runs.items():
         hwm = max(r["hwm_kib"] for r in records)
@@ -162,13 +164,13 @@ def memory_rows(args, flags, stage, work: str, ckpt: str) -> list[dict]:
     return runs["save every iter"][1]
 
 
-def save_time_rows(args, flags, work: str, ckpt: str, dp4_records: list[dict] | None) -> None:
+def save_time_rows(args, flags, work: str, ckpt: str, table_records: list[dict] | None) -> None:
     mib = 1024 * 1024
     print(f"{'DP':<4}{'save wall s/rank':>18}{'save CPU s/rank':>17}{'MiB written/rank':>18}"
           f"{'peak RSS MiB':>14}   (checkpoints in {os.path.dirname(ckpt)})")
     for dp in [int(d) for d in args.dp_sizes.split(",")]:
-        if dp == 4 and dp4_records is not None:
-            records = dp4_records
+        if dp == args.dp and table_records is not None:
+            records = table_records
         else:
             shutil.rmtree(ckpt, ignore_errors=True)
             records = launch(dp, flags + ["--save", ckpt, "--save-interval", "1"], work, args.timeout)[1]
@@ -188,11 +190,15 @@ def main(argv=None):
                     vocab_help="padded vocabulary (tokens + eod)")
     ap.add_argument("--iters", type=int, default=4, help="even; the load run resumes at iters / 2")
     ap.add_argument("--bucket", type=int, default=500_000, help="--ddp-bucket-size (elements)")
+    ap.add_argument("--dp", type=int, default=4, help="DP size of the memory table (global batch 4)")
     ap.add_argument("--dp-sizes", default="1,2,4", help="DP sizes of the save-time rows")
     ap.add_argument("--rows", choices=["all", "memory", "save-time"], default="all")
     ap.add_argument("--save-dir", default=None,
                     help="where checkpoints go (default: a temporary directory; /dev/shm takes the disk "
                          "out of the save times)")
+    ap.add_argument("--data-cache-path", default=None,
+                    help="passed to every run: the mock-data indices are built once, not by every rank of "
+                         "every run (smoke runs; the build is left out of the table either way)")
     ap.add_argument("--timeout", type=float, default=1800.0)
     args = ap.parse_args(argv)
 
@@ -200,7 +206,7 @@ def main(argv=None):
     from megafab.training.planner import plan
 
     flags = model_flags(args)
-    stage = plan(config_from_args(flags, world_size=4), kernels="cpu")[0]
+    stage = plan(config_from_args(flags, world_size=args.dp), kernels="cpu")[0]
     work = tempfile.mkdtemp(prefix="megafab_ckpt_bench_")
     saves = tempfile.mkdtemp(prefix="megafab_ckpt_bench_", dir=args.save_dir) if args.save_dir else work
     ckpt = os.path.join(saves, "ckpt")
@@ -208,9 +214,9 @@ def main(argv=None):
           f"hidden {args.hidden}, seq {args.seq}, vocab {args.vocab}, global batch 4, distributed optimizer, "
           f"--ddp-bucket-size {args.bucket}, {args.iters} iterations; {load_average()}", flush=True)
     try:
-        dp4 = memory_rows(args, flags, stage, work, ckpt) if args.rows in ("all", "memory") else None
+        table = memory_rows(args, flags, stage, work, ckpt) if args.rows in ("all", "memory") else None
         if args.rows in ("all", "save-time"):
-            save_time_rows(args, flags, work, ckpt, dp4)
+            save_time_rows(args, flags, work, ckpt, table)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(saves, ignore_errors=True)

@@ -115,6 +115,8 @@ def _convert(action: argparse.Action, value):
 
 
 def _scalar(action: argparse.Action, value):
+    if isinstance(value, list) and action.nargs is None and action.type not in (None, int, float, str):
+        value = str(value)  # a field's own parser reads a list as its text (--moe-layer-freq "[0, 1, 1]")
     if isinstance(value, (dict, list)) or isinstance(value, bool) and action.type is not None:
         raise ValueError(f"expected one {getattr(action.type, '__name__', 'str')}, got {value!r}")
     kind = action.type or str

@@ -1,6 +1,10 @@
-"""Fixtures every test directory may use; shared helper code lives in tests/helpers/."""
+"""Fixtures every test directory may use; shared helper code lives in tests/helpers/.
+
+torch._dynamo is imported here, before any test forks ranks: torch.optim imports it when a rank builds
+its first optimizer otherwise, about 1.5 s of CPU in every forked rank of every multi-rank test."""
 
 import pytest
+import torch._dynamo  # noqa: F401 - once per session: each rank forked by tests/harness.py would import it
 
 from tests.helpers.child_hooks import startup_hook_env
 
@@ -9,3 +13,11 @@ from tests.helpers.child_hooks import startup_hook_env
 def startup_hook(tmp_path):
     """startup_hook(code) -> an environment whose Python processes run `code` at start-up."""
     return lambda code, env=None: startup_hook_env(tmp_path / "startup_hook", code, env)
+
+
+@pytest.fixture(scope="session")
+def mock_data_cache(tmp_path_factory) -> list[str]:
+    """--data-cache-path flags for --mock-data runs: the sample indices of the 100,000 mock documents
+    (seconds per rank at short sequences) are built once per size and split by one rank for the whole
+    session, then memory-mapped by every other rank and run (the same arrays either way)."""
+    return ["--data-cache-path", str(tmp_path_factory.mktemp("mock_data_cache"))]

@@ -130,3 +130,13 @@ def test_no_effect_flags_in_a_file_are_announced(tmp_path):
     (tmp_path / "a.toml").write_text(text)
     cfg = config_from_args(["--config", str(tmp_path / "a.toml")], world_size=4)
     assert any(n.startswith("--use-mcore-models (") and str(tmp_path / "a.toml") in n for n in cfg.no_effect)
+
+
+def test_moe_layer_pattern_round_trips_through_a_file(tmp_path):
+    """A pattern is written back as a TOML list (run_record's resolved config) and read as one."""
+    flags = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+             "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "1", "--mock-data",
+             "--vocab-size", "128", "--lr", "1e-3", "--num-experts", "4", "--moe-layer-freq", "([0]*1+[1]*3)"]
+    assert resolved(flags)["moe_layer_freq"] == (0, 1, 1, 1)
+    (tmp_path / "moe.toml").write_text("moe_layer_freq = [0, 1, 1, 1]\n")
+    assert resolved(flags[:-2] + ["--config", str(tmp_path / "moe.toml")])["moe_layer_freq"] == (0, 1, 1, 1)

@@ -136,7 +136,9 @@ def megatron_namespace(cfg, record, ckpt_format: str) -> argparse.Namespace:
         ckpt_format=ckpt_format, use_dist_ckpt=ckpt_format == "torch_dist",
         no_save_optim=not record.has_optimizer, no_save_rng=not record.has_rng, use_mcore_models=True,
         transformer_impl=m.transformer_impl, rank=0)
-    return argparse.Namespace(**{k: v for k, v in flat.items() if _plain(v)})
+    # argparse gives Megatron lists where megafab's frozen config holds tuples (--moe-layer-freq)
+    return argparse.Namespace(**{k: list(v) if isinstance(v, tuple) else v for k, v in flat.items()
+                                 if _plain(v)})
 
 
 def _plain(value) -> bool:

@@ -5,7 +5,8 @@
   logged iterations, the memory line;
 - every --tensorboard-log-interval iterations: the scalars under Megatron's TensorBoard tags
   (learning-rate, batch-size, lm loss, loss-scale, grad-norm, ... and each "<tag> vs samples";
-  an MoE model's balancing losses as load_balancing_loss, z_loss, ...), to wandb as well;
+  an MoE model's balancing losses every iteration as load_balancing_loss, z_loss, ...; in the
+  line and JSON averaged over the logged iterations, as Megatron's), to wandb as well;
 - after each evaluation: Megatron's validation line, "lm loss validation" (+ "ppl" with
   --log-validation-ppl-to-tensorboard), and its JSON line.
 """
@@ -55,12 +56,18 @@ class TrainingLog:
 
     def _window(self, now: float) -> None:
         self.window_start, self.window_iters, self.window_samples = now, 0, 0
+        self.window_moe: dict[str, float] = {}  # balancing-loss sums since the last line
 
     def after_step(self, state, metrics: dict) -> None:
         """Called by every rank after each training step."""
         self.window_iters += 1
         self.window_samples += metrics["global_batch_size"]
+        moe = metrics.get("moe_losses") or {}
+        for name, value in moe.items():
+            self.window_moe[name] = self.window_moe.get(name, 0.0) + value
         lg = self.cfg.logging
+        if log_rank(self.topo) and moe:  # Megatron's track_moe_metrics: every iteration, its names
+            self.writers.scalars(state.iteration, moe)
         if log_rank(self.topo) and state.iteration % lg.tensorboard_log_interval == 0:
             self._step_scalars(state, metrics)
         if state.iteration % lg.log_interval == 0:
@@ -78,8 +85,6 @@ class TrainingLog:
                   "world-size": self.topo.world_size if lg.log_world_size_to_tensorboard else None,
                   "grad-norm": metrics["grad_norm"], "num-zeros": metrics["num_zeros"]}
         self.writers.scalars(state.iteration, values, state.consumed_train_samples)
-        if metrics.get("moe_losses"):  # Megatron's track_moe_metrics: its names, by iteration only
-            self.writers.scalars(state.iteration, metrics["moe_losses"])
         if lg.log_memory_to_tensorboard:
             usage = memory_usage(self.topo.device)
             self.writers.scalars(state.iteration, {f"mem-{k.replace(' ', '-')}-bytes": v * 2**20
@@ -102,7 +107,8 @@ class TrainingLog:
                 "eta_s": (self.total - state.iteration) * elapsed}
         if log_rank(topo):
             when = timestamp()
-            moe = metrics.get("moe_losses") or {}
+            # as Megatron's total_loss_dict: the balancing losses averaged over the logged iterations
+            moe = {name: total / self.window_iters for name, total in self.window_moe.items()}
             print(iteration_line(state.iteration, self.total, line, when, losses=moe), flush=True)
             self.jsonl.write({"kind": "iteration", "time": when, "iteration": state.iteration,
                               "train_iters": self.total, **line, **moe})

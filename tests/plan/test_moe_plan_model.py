@@ -78,10 +78,6 @@ def test_weight_grad_optimizer_bytes_under_ep_match_measured():
     _assert_within_one_percent(run_ranks(_state_bytes, 2, [(1, True), (2, False)], timeout=240)[0])
 
 
-@pytest.mark.slow  # 15-30 s on the shared 2 cores, for a known gap (xfail)
-@pytest.mark.xfail(reason="the distributed optimizer shards expert state over DP, not expert-DP, until "
-                          "ddp23 lands (Megatron: each expert over its expert-DP ranks; planned so)",
-                   strict=False)
 def test_distributed_optimizer_shards_expert_state_over_expert_dp():
     _assert_within_one_percent(run_ranks(_state_bytes, 2, [(2, True)], timeout=240)[0])
 

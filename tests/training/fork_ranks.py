@@ -162,6 +162,14 @@ def run_ranks_main(nproc: int, argv: list[str], workdir, env: dict | None = None
     return start_ranks(nproc, argv, workdir, env, before_main).wait(timeout)
 
 
+def main_stdout(nproc: int, argv: list[str], workdir, timeout: float = 240) -> str:
+    """What torchrun would print of pretrain_gpt.py's main() on `nproc` ranks (every rank's stdout,
+    in rank order), each rank forked and working in `workdir`; asserts that every rank exits 0."""
+    result = run_ranks_main(nproc, argv, workdir, timeout=timeout, before_main=lambda rank: os.chdir(workdir))
+    assert result.codes == [0] * nproc, result.describe()
+    return "".join(result.out)
+
+
 def wait_for_text(job: Ranks, rank: int, text: str, timeout: float = 120) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

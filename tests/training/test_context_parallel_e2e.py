@@ -1,11 +1,13 @@
 """pretrain_gpt.py with --context-parallel-size end to end: the lm loss of one process, and a CP 2
-checkpoint continuing in one process (CP changes activations only, never parameters)."""
+checkpoint continuing in one process (CP changes activations only, never parameters); main() on
+forked ranks (the imports are paid once for the test process, not per rank)."""
 
 import os
 
 import pytest
 
-from tests.training.launch import losses, torchrun
+from tests.training.fork_ranks import main_stdout
+from tests.training.launch import losses
 
 # Llama-like (RoPE on half of each head, GQA, RMSNorm, SwiGLU); 127 + eod pads to 128 at TP 1 and 2.
 MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -24,36 +26,32 @@ def _close(got: dict, expected: dict, iterations) -> None:
 
 
 @pytest.mark.slow
-def test_cp2_and_cp2_tp2_pp2_log_the_single_process_losses(tmp_path):
-    single = torchrun(1, MODEL, cwd=tmp_path)
-    assert single.returncode == 0, single.stderr[-3000:]
-    expected = losses(single.stdout)
+def test_cp2_and_cp2_tp2_pp2_log_the_single_process_losses(tmp_path, mock_data_cache):
+    single = main_stdout(1, MODEL + mock_data_cache, tmp_path / "single")
+    expected = losses(single)
     assert expected[5] < expected[1]  # it trains
-    cp2 = torchrun(2, MODEL + ["--context-parallel-size", "2"], cwd=tmp_path)
-    assert cp2.returncode == 0, cp2.stderr[-3000:]
-    assert "tp 1 cp 2 pp 1 dp 1" in cp2.stdout
-    _close(losses(cp2.stdout), expected, [1, 2, 3, 4, 5])
-    grid = torchrun(8, MODEL + ["--context-parallel-size", "2", "--cp-comm-type", "allgather",
-                                "--tensor-model-parallel-size", "2", "--sequence-parallel",
-                                "--pipeline-model-parallel-size", "2"], cwd=tmp_path)
-    assert grid.returncode == 0, grid.stderr[-3000:]
-    assert "tp 2 cp 2 pp 2 dp 1" in grid.stdout
-    _close(losses(grid.stdout), expected, [1, 2, 3, 4, 5])
+    cp2 = main_stdout(2, MODEL + mock_data_cache + ["--context-parallel-size", "2"], tmp_path / "cp2")
+    assert "tp 1 cp 2 pp 1 dp 1" in cp2
+    _close(losses(cp2), expected, [1, 2, 3, 4, 5])
+    grid = main_stdout(8, MODEL + mock_data_cache + [
+        "--context-parallel-size", "2", "--cp-comm-type", "allgather", "--tensor-model-parallel-size", "2",
+        "--sequence-parallel", "--pipeline-model-parallel-size", "2"], tmp_path / "grid")
+    assert "tp 2 cp 2 pp 2 dp 1" in grid
+    _close(losses(grid), expected, [1, 2, 3, 4, 5])
 
 
 @pytest.mark.slow
-def test_checkpoint_saved_at_cp2_continues_in_one_process(tmp_path):
+def test_checkpoint_saved_at_cp2_continues_in_one_process(tmp_path, mock_data_cache):
     """CP 2 x DP 2 with the distributed optimizer (sharded over DP x CP) saves at iteration 3;
     one process loads it and logs the original run's losses for 4 (weights) and 5 (Adam state)."""
     ckpt = str(tmp_path / "ckpt")
-    original = torchrun(4, MODEL + ["--context-parallel-size", "2", "--use-distributed-optimizer",
-                                    "--save", ckpt, "--save-interval", "3"], cwd=tmp_path)
-    assert original.returncode == 0, original.stdout[-3000:] + original.stderr[-3000:]
-    assert "tp 1 cp 2 pp 1 dp 2" in original.stdout
-    expected = losses(original.stdout)
+    original = main_stdout(4, MODEL + mock_data_cache + [
+        "--context-parallel-size", "2", "--use-distributed-optimizer", "--save", ckpt,
+        "--save-interval", "3"], tmp_path / "cp2dp2")
+    assert "tp 1 cp 2 pp 1 dp 2" in original
+    expected = losses(original)
     with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write("3")  # the run also saved iteration 5 at its end
-    single = torchrun(1, MODEL + ["--load", ckpt], cwd=tmp_path)
-    assert single.returncode == 0, single.stdout[-3000:] + single.stderr[-3000:]
-    assert "RNG states are per rank, so they are not restored" in single.stdout
-    _close(losses(single.stdout), expected, [4, 5])
+    single = main_stdout(1, MODEL + mock_data_cache + ["--load", ckpt], tmp_path / "single")
+    assert "RNG states are per rank, so they are not restored" in single
+    _close(losses(single), expected, [4, 5])

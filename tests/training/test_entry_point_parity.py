@@ -1,8 +1,10 @@
-"""pretrain_gpt.py end to end: the 3D layout logs the same lm loss as one process."""
+"""pretrain_gpt.py end to end: the 3D layout logs the same lm loss as one process (main() on forked
+ranks: torchrun's worker start-up is paid once for the test process, not per rank)."""
 
 import pytest
 
-from tests.training.launch import losses, torchrun
+from tests.training.fork_ranks import main_stdout
+from tests.training.launch import losses
 
 # NullTokenizer adds an eod id: 127 + 1 = 128 pads to 128 at TP 1 and TP 2 alike.
 MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -16,14 +18,12 @@ LAYOUT = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
 
 
 @pytest.mark.slow
-def test_3d_layout_logs_the_single_process_losses(tmp_path):
-    single = torchrun(1, MODEL, cwd=tmp_path)
-    assert single.returncode == 0, single.stderr[-3000:]
-    parallel = torchrun(8, MODEL + LAYOUT, cwd=tmp_path)
-    assert parallel.returncode == 0, parallel.stderr[-3000:]
-    expected, got = losses(single.stdout), losses(parallel.stdout)
+def test_3d_layout_logs_the_single_process_losses(tmp_path, mock_data_cache):
+    single = main_stdout(1, MODEL + mock_data_cache, tmp_path / "single")
+    parallel = main_stdout(8, MODEL + mock_data_cache + LAYOUT, tmp_path / "3d")
+    expected, got = losses(single), losses(parallel)
     assert sorted(expected) == sorted(got) == [1, 2, 3, 4, 5]
     for it in expected:
         assert abs(got[it] - expected[it]) <= 1e-5 * abs(expected[it]), (it, got[it], expected[it])
     assert expected[5] < expected[1]  # it trains
-    assert "tp 2 pp 2 dp 2" in parallel.stdout
+    assert "tp 2 pp 2 dp 2" in parallel

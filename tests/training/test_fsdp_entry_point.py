@@ -1,11 +1,13 @@
 """pretrain_gpt.py with --use-torch-fsdp2 and --optimizer-cpu-offload, fp32 end to end: the lm loss of
 every iteration equals one process's (rel 1e-5), and checkpoints move between FSDP2 and the other
 layouts (DP 2 distributed optimizer -> FSDP2 DP 4 with offload -> DP 2 plain DDP) with the
-uninterrupted run's losses."""
+uninterrupted run's losses. main() runs on forked ranks (the imports are paid once for the test
+process, not per rank)."""
 
 import pytest
 
-from tests.training.launch import losses, torchrun
+from tests.training.fork_ranks import main_stdout
+from tests.training.launch import losses
 
 # NullTokenizer adds an eod id: 127 + 1 = 128 pads to 128 at TP 1 and TP 2 alike.
 MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -17,10 +19,9 @@ FSDP = ["--use-torch-fsdp2"]
 OFFLOAD = ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5"]
 
 
-def _run(nproc, args, cwd):
-    result = torchrun(nproc, MODEL + args, cwd=cwd)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result, losses(result.stdout)
+def _run(nproc, args, workdir, cache):
+    out = main_stdout(nproc, MODEL + cache + args, workdir)
+    return out, losses(out)
 
 
 def _same(got: dict, expected: dict, iterations):
@@ -30,18 +31,20 @@ def _same(got: dict, expected: dict, iterations):
 
 
 @pytest.mark.slow
-def test_fsdp2_and_offload_log_the_single_process_losses_and_reshard_checkpoints(tmp_path):
-    _, expected = _run(1, ["--train-iters", "7"], tmp_path)
+def test_fsdp2_and_offload_log_the_single_process_losses_and_reshard_checkpoints(tmp_path, mock_data_cache):
+    _, expected = _run(1, ["--train-iters", "7"], tmp_path / "single", mock_data_cache)
     assert expected[7] < expected[1]  # it trains
     out, fsdp_tp2 = _run(4, FSDP + OFFLOAD + ["--train-iters", "5", "--tensor-model-parallel-size", "2",
-                                              "--sequence-parallel"], tmp_path)
-    assert "tp 2 pp 1 dp 2" in out.stdout
+                                              "--sequence-parallel"], tmp_path / "fsdp_tp2", mock_data_cache)
+    assert "tp 2 pp 1 dp 2" in out
     _same(fsdp_tp2, expected, range(1, 6))
 
     a, b = str(tmp_path / "distopt2"), str(tmp_path / "fsdp4")
-    _, dist_opt = _run(2, ["--use-distributed-optimizer", "--train-iters", "3", "--save", a], tmp_path)
+    _, dist_opt = _run(2, ["--use-distributed-optimizer", "--train-iters", "3", "--save", a],
+                       tmp_path / "distopt2_run", mock_data_cache)
     _same(dist_opt, expected, range(1, 4))
-    _, fsdp4 = _run(4, FSDP + OFFLOAD + ["--train-iters", "5", "--load", a, "--save", b], tmp_path)
+    _, fsdp4 = _run(4, FSDP + OFFLOAD + ["--train-iters", "5", "--load", a, "--save", b],
+                    tmp_path / "fsdp4_run", mock_data_cache)
     _same(fsdp4, expected, range(4, 6))
-    _, plain = _run(2, ["--train-iters", "7", "--load", b], tmp_path)
+    _, plain = _run(2, ["--train-iters", "7", "--load", b], tmp_path / "plain_run", mock_data_cache)
     _same(plain, expected, range(6, 8))

@@ -1,7 +1,9 @@
-"""pretrain_gpt.py --mock-data with a tiny MoE model (float32, 5 iterations): the iteration line
-and metrics.jsonl carry Megatron's balancing-loss names, and a parallel run logs the lm loss and
-load_balancing_loss of one process within 1e-5. z_loss is not compared across data-parallel ranks:
-Megatron logs the last rank's own value (its router log has no reduce group)."""
+"""pretrain_gpt.py --mock-data with a tiny MoE model (float32, 5 iterations): the iteration line,
+metrics.jsonl and TensorBoard carry Megatron's balancing-loss names, and a parallel run logs the lm loss and
+load_balancing_loss of one process within 1e-5 (sigmoid routing with the aux loss, the z-loss, a
+shared expert and aux-loss-free expert biases updated from the tokens of all ranks). z_loss is not
+compared across data-parallel ranks: Megatron logs the last rank's own value (its router log has
+no reduce group)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ from tests.training.tiny_corpus import TINY
 MOE = ["--mock-data", "--train-iters", "5", "--global-batch-size", "4", "--hidden-dropout", "0",
        "--attention-dropout", "0", "--num-experts", "4", "--moe-router-topk", "2",
        "--moe-layer-freq", "([0]*1+[1]*1)", "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3",
-       "--moe-shared-expert-intermediate-size", "24"]
+       "--moe-shared-expert-intermediate-size", "24", "--moe-router-score-function", "sigmoid",
+       "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.5", "--disable-bias-linear"]
+# (the bias rate moves the step-2 lm loss by 2e-3: the bias update over the ranks is checked too)
 BALANCING = re.compile(r"iteration\s+(\d+)/.*? load_balancing_loss: (\S+) \| z_loss: (\S+) \|")
 pytestmark = pytest.mark.slow  # ~20 s each on a loaded 2-core machine (three short runs in all)
 
@@ -42,16 +46,45 @@ def _assert_parity(ours, reference):
 
 
 def test_data_parallel_moe_logs_the_single_process_losses(tmp_path, single_process):
+    """DP 2 with the distributed optimizer (the model built on the meta device, then filled)."""
     jsonl = tmp_path / "metrics.jsonl"
-    out = pretrain_in_ranks(TINY + MOE + ["--metrics-jsonl", str(jsonl)], 2)[-1]
-    _assert_parity(_logged(out), single_process)
+    flags = ["--use-distributed-optimizer", "--metrics-jsonl", str(jsonl), "--tensorboard-dir",
+             str(tmp_path / "tb")]
+    out = pretrain_in_ranks(TINY + MOE + flags, 2)[-1]
+    logged = _logged(out)
+    _assert_parity(logged, single_process)
     records = [json.loads(line) for line in jsonl.read_text().splitlines()]
-    iterations = [r for r in records if r["kind"] == "iteration"]
-    assert len(iterations) == 5 and all({"load_balancing_loss", "z_loss"} <= r.keys() for r in iterations)
+    iterations = {r["iteration"]: r for r in records if r["kind"] == "iteration"}
+    assert {it: r["load_balancing_loss"] for it, r in iterations.items()} == \
+        pytest.approx({it: v[1] for it, v in logged.items()}, rel=1e-6)
+    assert all("z_loss" in r for r in iterations.values())
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert {"load_balancing_loss", "z_loss"} <= set(events.Tags()["scalars"])
+    tb = {e.step: e.value for e in events.Scalars("load_balancing_loss")}
+    assert tb == pytest.approx({it: v[1] for it, v in logged.items()}, rel=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason="expert gradients still average over DP, not expert-DP (the DDP "
-                                       "helper's branch ddp23 reduces them in their own buckets)")
-def test_expert_parallel_moe_logs_the_single_process_losses(single_process):
-    out = pretrain_in_ranks(TINY + MOE + ["--expert-model-parallel-size", "2"], 2)[-1]
+@pytest.mark.parametrize("layout", [
+    ["--pipeline-model-parallel-size", "2"],  # dense layer 0 on stage 0, the MoE layer 1 on stage 1
+    ["--tensor-model-parallel-size", "2", "--sequence-parallel"],  # expert TP = TP: experts sharded
+    ["--context-parallel-size", "2"],  # the balancing losses' backward weight carries cp
+], ids=["pp2", "tp2_sp", "cp2"])
+def test_model_parallel_moe_logs_the_single_process_losses(single_process, layout):
+    """The losses are summed over the stages and divided by the model's MoE layers (PP), counted
+    over the TP / CP ranks' sequence shards (SP, CP), as Megatron's."""
+    out = pretrain_in_ranks(TINY + MOE + layout, 2)[-1]
+    _assert_parity(_logged(out), single_process)
+
+
+@pytest.mark.parametrize("layout", [
+    ["--expert-model-parallel-size", "2"],
+    ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
+     "--use-distributed-optimizer"],
+], ids=["ep2_allgather", "ep2_alltoall_distopt"])
+def test_expert_parallel_moe_logs_the_single_process_losses(single_process, layout):
+    """EP 2 over the 2 DP ranks: each holds half the experts, their grads reduce over expert-DP."""
+    out = pretrain_in_ranks(TINY + MOE + layout, 2)[-1]
     _assert_parity(_logged(out), single_process)

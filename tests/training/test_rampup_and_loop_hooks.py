@@ -52,10 +52,10 @@ def test_ramp_iteration_count_and_rules():
     assert "START 3 is not divisible by --micro-batch-size x data-parallel size = 4" in text
 
 
-def test_ramp_drives_the_steps_consumed_samples_and_lr(tmp_path):
+def test_ramp_drives_the_steps_consumed_samples_and_lr(tmp_path, mock_data_cache):
     from tests.training.launch import pretrain_in_ranks
 
-    flags = FLAGS + ["--global-batch-size", "8", "--rampup-batch-size", "2", "2", "12",
+    flags = FLAGS + mock_data_cache + ["--global-batch-size", "8", "--rampup-batch-size", "2", "2", "12",
                      "--train-samples", "40",
                      "--lr-decay-style", "linear", "--lr-decay-samples", "40", "--log-interval", "1",
                      "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0"]

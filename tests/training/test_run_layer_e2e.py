@@ -68,8 +68,9 @@ def _slow_data_on_rank_1(rank):
     torch.utils.data.DataLoader = TimingOut
 
 
-def test_a_dataloader_timeout_is_this_ranks_error_not_a_peers_fault(tmp_path):
-    flags = TINY + ["--mock-data", "--train-iters", "6", "--num-workers", "1", "--eval-iters", "0"]
+def test_a_dataloader_timeout_is_this_ranks_error_not_a_peers_fault(tmp_path, mock_data_cache):
+    flags = TINY + mock_data_cache + ["--mock-data", "--train-iters", "6", "--num-workers", "1",
+                                      "--eval-iters", "0"]
     result = run_ranks_main(2, flags, tmp_path, timeout=90, before_main=_slow_data_on_rank_1)
     assert "DataLoader timed out after 2 seconds" in result.err[1], result.describe()
     assert "Traceback" in result.err[1]  # not a user error: its traceback, on the rank that had it

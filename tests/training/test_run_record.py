@@ -22,9 +22,9 @@ FIELDS = re.compile(r"\| ([^|:]+): ([^|]+?) (?=\|)")
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, mock_data_cache):
     save = tmp_path_factory.mktemp("run")
-    flags = FLAGS + ["--save", str(save), "--tensorboard-dir", str(save / "tb")]
+    flags = FLAGS + mock_data_cache + ["--save", str(save), "--tensorboard-dir", str(save / "tb")]
     first, last = pretrain_in_ranks(flags, world_size=2)
     return save, flags, first, last
 

@@ -13,11 +13,16 @@ so both classes hold the same weights and an EP rank holds exactly its experts' 
 Expert tensor parallelism (etp_group, None: ETP 1) splits every expert as the dense MLP splits over
 TP: fc1 column-parallel (SwiGLU's packed [gate; up] strided, each rank [gate_r; up_r]), fc2
 row-parallel; rank r keeps exactly its partition of the one-process weight (layers.partition_of)
-and the params carry the dense layers' attributes (tensor_model_parallel, partition_dim,
-partition_stride: dims of the local layout, so the grouped weights' are one higher). The linears
+and at ETP > 1 the split params carry the dense layers' attributes (tensor_model_parallel,
+partition_dim, partition_stride: dims of the local layout, so the grouped weights' are one higher),
+read as "split over etp_group". At ETP 1 they carry none (megatron-core sets them at any size):
+readers that know only the attention TP group (checkpoint layout, grad-norm) then see expert
+params as TP-replicated, which they are at ETP 1, instead of split over TP, which they are not. The linears
 do no communication: the dispatcher hands every ETP rank the rows of all of them and sums their
-partial fc2 outputs. The fc2 bias is replicated; its value is added on ETP rank 0 only (megatron-
-core adds it on every ETP rank, so its sum counts it ETP times), its gradient taken on every rank.
+partial fc2 outputs. Expert biases under ETP > 1 are refused by megatron-core's config (and
+megafab's, config/rules.py); the layer still takes them: the fc2 bias is replicated, its value
+added on ETP rank 0 only (the reduce-scatter sums the ranks' outputs), its gradient taken on every
+rank.
 
 Every routed-expert parameter is marked `is_expert` (its gradient is reduced over expert-DP, not DP).
 """
@@ -94,8 +99,8 @@ class ExpertSplit:
         return bias if self.rank == 0 else bias - bias.detach()
 
 
-def _mark_split(param: nn.Parameter | None, dim: int, stride: int = 1) -> None:
-    if param is not None:
+def _mark_split(split: ExpertSplit, param: nn.Parameter | None, dim: int, stride: int = 1) -> None:
+    if param is not None and split.size > 1:
         param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, stride
 
 
@@ -130,8 +135,8 @@ class _ExpertMLP(nn.Module):
         self.linear_fc1 = _Linear(fc1, shape.bias)  # [fc1_out/etp, h]
         self.linear_fc2 = _Linear(fc2, shape.bias)  # [h, f/etp]
         for p in (self.linear_fc1.weight, self.linear_fc1.bias):
-            _mark_split(p, COLUMN_DIM, split.fc1_stride)
-        _mark_split(self.linear_fc2.weight, ROW_DIM)
+            _mark_split(split, p, COLUMN_DIM, split.fc1_stride)
+        _mark_split(split, self.linear_fc2.weight, ROW_DIM)
 
     def forward(self, x, probs):
         out = self.linear_fc2(self.shape.activate(self.linear_fc1(x), probs), add_bias=False)
@@ -162,8 +167,8 @@ class GroupedExperts(nn.Module):
         self.linear_fc1 = _GroupedLinear(torch.stack(fc1), shape.bias)  # [E_local, fc1_out/etp, h]
         self.linear_fc2 = _GroupedLinear(torch.stack(fc2), shape.bias)  # [E_local, h, f/etp]
         for p in (self.linear_fc1.weight, self.linear_fc1.bias):  # one dim after the expert dim
-            _mark_split(p, COLUMN_DIM + 1, split.fc1_stride)
-        _mark_split(self.linear_fc2.weight, ROW_DIM + 1)
+            _mark_split(split, p, COLUMN_DIM + 1, split.fc1_stride)
+        _mark_split(split, self.linear_fc2.weight, ROW_DIM + 1)
         _mark_expert(self)
 
     def forward(self, rows: torch.Tensor, tokens_per_expert: list[int], probs: torch.Tensor) -> torch.Tensor:

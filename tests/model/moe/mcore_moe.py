@@ -42,9 +42,9 @@ class _Stream:
 
 @contextlib.contextmanager
 def megatron_moe_on_cpu(**parallel):
-    """megatron-core's parallel_state (`parallel`: initialize_model_parallel's expert sizes) over
-    the process group the harness made, or a 1-rank gloo group made here, and the CPU patches,
-    undone after."""
+    """megatron-core's parallel_state (`parallel`: initialize_model_parallel's TP and expert
+    sizes) over the process group the harness made, or a 1-rank fake group made here, and the CPU
+    patches, undone after."""
     import pytest
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -89,7 +89,8 @@ def megatron_moe_on_cpu(**parallel):
         # building megatron's gloo groups. At one rank megatron-core bypasses every collective.
         from torch.testing._internal.distributed.fake_pg import FakeStore
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1, **parallel, create_gloo_process_groups=not own_group)
+    parallel_state.initialize_model_parallel(**{"tensor_model_parallel_size": 1, **parallel},
+                                             create_gloo_process_groups=not own_group)
     try:
         yield
     finally:

@@ -2,8 +2,8 @@
 (float64, gloo, within 1e-10): output, input gradient and every parameter gradient, for both
 dispatchers, sequential and grouped experts, SwiGLU (strided fc1) and GELU with biases.
 
-Rank layout as Megatron's (no CP/PP): dense grid tp fastest (tp rank r % TP, DP rank r // TP);
-expert grid etp fastest, then ep, then expert-DP. Every rank's [s/tp, b, h] tokens are distinct:
+Groups from megafab's topology (Megatron's rank layout, no CP/PP): dense grid tp fastest, expert
+grid etp fastest, then ep, then expert-DP. Every rank's [s/tp, b, h] tokens are distinct:
 TP ranks hold sequence slices, DP ranks micro-batch columns. The 1-rank layer runs each DP
 micro-batch (full sequence) and accumulates its gradients. Both layers come from the same seed (no
 weight copying), so the sharded experts must hold exactly the 1-rank weights' partitions (checked
@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 
 from megafab.distributed.layers import join_partitions, partition_of
+from megafab.distributed.mappings import group_rank, group_size
+from megafab.distributed.topology import build_topology
 from megafab.model.moe.settings import MoESettings
 from tests.harness import run_ranks
 from tests.model.moe.mcore_moe import HIDDEN, megafab_layer
@@ -36,24 +38,11 @@ LAYOUTS = {  # name: (world, tp, ep, etp)
 VARIANTS = [(grouped, swiglu) for grouped in (False, True) for swiglu in (True, False)]  # GELU with biases
 
 
-def _axis_groups(rank: int, world: int, stride: int, size: int):
-    """This rank's group among those of ranks differing only in the coordinate of `stride` and
-    `size` (every rank creates every group, in the same order)."""
-    blocks: dict[int, list[int]] = {}
-    for r in range(world):
-        blocks.setdefault(r - (r // stride) % size * stride, []).append(r)
-    mine = None
-    for ranks in sorted(blocks.values()):
-        group = dist.new_group(ranks)
-        mine = group if rank in ranks else mine
-    return mine
-
-
-def _groups(rank, world, tp, ep, etp):
-    return dict(tp=_axis_groups(rank, world, 1, tp), dp=_axis_groups(rank, world, tp, world // tp),
-                etp=_axis_groups(rank, world, 1, etp), ep=_axis_groups(rank, world, etp, ep),
-                edp=_axis_groups(rank, world, etp * ep, world // (etp * ep)),
-                tp_ep=_axis_groups(rank, world, 1, etp * ep), world=dist.new_group(list(range(world))))
+def _groups(tp, ep, etp):
+    """The groups the training loop gives the layer (megafab.training.moe) and the reductions."""
+    topo = build_topology(tp=tp, ep=ep, etp=etp)
+    names = ("tp", "dp", "etp", "ep", "edp", "etp-ep", "tp-dp-cp")
+    return topo, {name: topo.group(*name.split("-")) for name in names}
 
 
 def _batch(dp: int, seed: int = 3):
@@ -83,20 +72,25 @@ def _summed(tensor, group):
     return tensor
 
 
-def _compare(rank, world, layout, dispatcher, grouped, swiglu, groups):
-    _, tp, ep, etp = layout
-    dp = world // tp
-    settings = MoESettings(**BASE, moe_grouped_gemm=grouped, moe_token_dispatcher_type=dispatcher)
-    bias = not swiglu
+def _compare(topo, layout, dispatcher, grouped, swiglu, groups, case=None, idle=False):
+    tp = layout[1]
+    dp = topo.size("dp")
+    settings = MoESettings(**{**BASE, **(case or {})}, moe_grouped_gemm=grouped,
+                           moe_token_dispatcher_type=dispatcher)
+    bias = idle or not swiglu  # idle: the router's bias keeps every token off the last EP rank's experts
     reference = megafab_layer(settings, swiglu, torch.float64, bias=bias)
     layer = megafab_layer(settings, swiglu, torch.float64, bias=bias, tp_group=groups["tp"],
                           sequence_parallel=tp > 1, ep_group=groups["ep"], etp_group=groups["etp"],
-                          tp_ep_group=groups["tp_ep"] if ep > 1 and etp > 1 else None,
-                          tp_cp_group=groups["tp"], tp_dp_cp_group=groups["world"])
+                          tp_ep_group=groups["etp-ep"],
+                          tp_cp_group=groups["tp"], tp_dp_cp_group=groups["tp-dp-cp"])
     if bias:
         _give_biases(reference, layer, grouped, groups["etp"])
+    if idle:
+        with torch.no_grad():
+            for router in (reference.router, layer.router):
+                router.bias[settings.num_experts - layer.dispatcher.num_local_experts:] = -100.0
     x, grad = _batch(dp)
-    tp_rank, dp_rank = rank % tp, rank // tp
+    tp_rank, dp_rank = topo.coord("tp"), topo.coord("dp")
     rows = slice(tp_rank * SEQ // tp, (tp_rank + 1) * SEQ // tp)
     cols = slice(dp_rank * BATCH, (dp_rank + 1) * BATCH)
     for shard in range(dp):  # the 1-rank layer sees every micro-batch
@@ -122,11 +116,12 @@ def _compare(rank, world, layout, dispatcher, grouped, swiglu, groups):
         elif getattr(p, "tensor_model_parallel", False):
             g, ref_grad = _summed(full_grad(p, groups["tp"]), groups["dp"]), ref_params[name].grad
         else:
-            g, ref_grad = _summed(p.grad, groups["world"]), ref_params[name].grad
+            g, ref_grad = _summed(p.grad, groups["tp-dp-cp"]), ref_params[name].grad
         errors.append((g - ref_grad).abs().max().item())
     expert_params = dict(layer.experts.named_parameters())
-    marked = all(getattr(p, "is_expert", False) for p in expert_params.values()) and all(
-        getattr(p, "tensor_model_parallel", False) for n, p in expert_params.items() if n.endswith("weight"))
+    split = {getattr(p, "tensor_model_parallel", False) for n, p in expert_params.items() if "weight" in n}
+    marked = all(getattr(p, "is_expert", False) for p in expert_params.values()) and split == {
+        group_size(groups["etp"]) > 1}  # split over ETP: the TP attributes at ETP > 1 only
     return max(errors), init_error, marked, sum(_count_rows(layer, x[rows, cols]))
 
 
@@ -139,7 +134,7 @@ def _give_biases(reference, layer, grouped, etp_group):
     for name, p in ref_params.items():
         if name.startswith("experts.") and name.endswith("bias"):
             p.add_(torch.randn_like(p) * 0.05)
-    rank, size = dist.get_rank(etp_group), dist.get_world_size(etp_group)
+    rank, size = group_rank(etp_group), group_size(etp_group)
     for name, p in layer.experts.named_parameters(prefix="experts"):
         if name.endswith("bias"):
             ref_name, index = _reference_name(name, first, grouped)
@@ -151,9 +146,9 @@ def _give_biases(reference, layer, grouped, etp_group):
 
 def _joined(tensor, param, group):
     """A tensor of an ETP-split parameter (its value or gradient) joined over the ETP group."""
-    if not getattr(param, "tensor_model_parallel", False):
+    if not getattr(param, "tensor_model_parallel", False) or group_size(group) == 1:
         return tensor
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    parts = [torch.empty_like(tensor) for _ in range(group_size(group))]
     dist.all_gather(parts, tensor.contiguous(), group=group)
     return join_partitions(parts, param.partition_dim, param.partition_stride)
 
@@ -164,9 +159,9 @@ def _count_rows(layer, x):
         return layer.dispatcher.dispatch(x.reshape(-1, x.shape[-1]), probs, routing_map)[1]
 
 
-def _rank(rank, world, layout, dispatcher):
-    groups = _groups(rank, world, *layout[1:])
-    return [_compare(rank, world, layout, dispatcher, *variant, groups) for variant in VARIANTS]
+def _rank(rank, world, layout, dispatcher, case=None, idle=False):
+    topo, groups = _groups(*layout[1:])
+    return [_compare(topo, layout, dispatcher, *variant, groups, case, idle) for variant in VARIANTS]
 
 
 @pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
@@ -178,3 +173,30 @@ def test_expert_tensor_parallel_equals_one_rank(layout, dispatcher):
             assert error <= 1e-10
             assert init_error == 0.0
             assert marked and received > 0
+
+
+CAPACITY = {"capacity_drop": dict(moe_expert_capacity_factor=0.75),
+            "capacity_pad": dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)}
+
+
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+@pytest.mark.parametrize("case", list(CAPACITY))
+def test_expert_tensor_parallel_with_capacity(case, dispatcher):
+    """Dropping (and padding) to capacity under ETP 2. TP 1: every rank routes one whole micro-batch,
+    as the 1-rank layer does (under SP each rank would drop to the capacity of its s/tp tokens)."""
+    layout = LAYOUTS["etp2"]
+    for results in run_ranks(_rank, layout[0], layout, dispatcher, CAPACITY[case], timeout=60):
+        for error, init_error, marked, received in results:
+            assert error <= 1e-10 and init_error == 0.0 and marked and received > 0
+
+
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+def test_expert_tensor_parallel_with_an_idle_expert_block(dispatcher):
+    """EP 2 x ETP 2 (x TP 2 + SP): the last EP rank's experts get no token, so both of its ETP ranks
+    gather, compute and reduce-scatter empty rows; everything still equals the 1-rank layer."""
+    layout = LAYOUTS["ep2_tp2_sp_etp2"]
+    results = run_ranks(_rank, layout[0], layout, dispatcher, idle=True, timeout=60)
+    assert [{received > 0 for *_, received in rank} for rank in results] == [{True}, {True}, {False}, {False}]
+    for rank in results:
+        for error, init_error, marked, _ in rank:
+            assert error <= 1e-10 and init_error == 0.0 and marked

@@ -1,10 +1,10 @@
-"""megafab's MoELayer equals megatron-core 0.16.1's with expert tensor parallelism 2 (and EP 2) on 2
-gloo ranks (TP 1, each rank its own micro-batch): every rank's output, input gradient and every
-parameter gradient within 1e-12 in float64, for both dispatchers and megafab's sequential and
+"""megafab's MoELayer equals megatron-core 0.16.1's with expert tensor parallelism 2 or EP 2, alone
+or under attention TP 2 + SP, on 2 gloo ranks (each rank its own tokens: a micro-batch at TP 1, a
+sequence slice under SP): every rank's output, input gradient and every parameter gradient
+within 1e-12 in float64 (measured: bit-equal), for both dispatchers and megafab's sequential and
 grouped experts (against megatron's SequentialMLP). The weights are megatron's shards copied into
 megafab's, so this checks the layouts agree (SwiGLU fc1 [gate_r; up_r], fc2 row shards) and the
-dispatch/combine collectives. No expert biases: megatron-core adds the fc2 bias on every ETP rank
-before the reduce-scatter (counting it ETP times); megafab adds it once (experts.py)."""
+dispatch/combine collectives. No expert biases: megatron-core refuses them with ETP > 1."""
 
 from __future__ import annotations
 
@@ -27,7 +27,13 @@ from tests.model.moe.mcore_moe import (
 )
 
 BASE = dict(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3)
-LAYOUTS = {"etp2": dict(expert_tensor_parallel_size=2), "ep2": dict(expert_model_parallel_size=2)}
+LAYOUTS = {  # megatron-core's parallel sizes (ETP defaults to TP)
+    "etp2": dict(expert_tensor_parallel_size=2),
+    "ep2": dict(expert_model_parallel_size=2),
+    "tp2_sp_etp2": dict(tensor_model_parallel_size=2, expert_tensor_parallel_size=2),
+    "tp2_sp_ep2": dict(tensor_model_parallel_size=2, expert_model_parallel_size=2,
+                       expert_tensor_parallel_size=1),
+}
 
 
 def _step(layer, x, grad):
@@ -42,14 +48,18 @@ def _rank(rank, world, parallel, dispatcher):
     x = torch.randn(8, 2, HIDDEN, generator=g, dtype=torch.float64)
     grad = torch.randn(8, 2, HIDDEN, generator=g, dtype=torch.float64)
     group = dist.new_group(list(range(world)))
-    etp, ep = (group, None) if "expert_tensor_parallel_size" in parallel else (None, group)
+    tp = group if parallel.get("tensor_model_parallel_size", 1) > 1 else None
+    etp = group if parallel.get("expert_tensor_parallel_size", 1) > 1 else None
+    ep = group if parallel.get("expert_model_parallel_size", 1) > 1 else None
+    config = dict(parallel, sequence_parallel=tp is not None)
     errors = []
     with megatron_moe_on_cpu(**parallel):
         set_megatron_loss_scale(1.0)
         for grouped in (False, True):
             settings = MoESettings(**BASE, moe_grouped_gemm=grouped, moe_token_dispatcher_type=dispatcher)
-            ref_layer = megatron_layer(settings, True, torch.float64, **parallel)
-            layer = megafab_layer(settings, True, torch.float64, ep_group=ep, etp_group=etp)
+            ref_layer = megatron_layer(settings, True, torch.float64, **config)
+            layer = megafab_layer(settings, True, torch.float64, tp_group=tp, sequence_parallel=config[
+                "sequence_parallel"], tp_cp_group=tp, ep_group=ep, etp_group=etp)
             copy_weights(ref_layer, layer, grouped)
             ref, ours = _step(ref_layer, x, grad), _step(layer, x, grad)
             errors += [(a - b).abs().max().item() for a, b in zip(ref, ours)]
