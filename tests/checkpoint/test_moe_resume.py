@@ -25,12 +25,12 @@ MOE = dict(num_experts=4, moe_router_topk=2, moe_router_score_function="sigmoid"
            moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=1e-2, moe_layer_freq=(0, 1, 1, 1))
 
 
-def moe_state(dp, dist_opt, ep=1, save=None, load=None, **overrides):
+def moe_state(dp, dist_opt, ep=1, save=None, load=None, tp=1, **overrides):
     flat = dict(style=LLAMA_STYLE, dp=dp, vocab_size=101, make_vocab_size_divisible_by=8, micro_batch_size=1,
                 global_batch_size=GLOBAL_BATCH, use_distributed_optimizer=dist_opt, ddp_bucket_size=700,
                 lr=1e-2, train_iters=10, save=save, load=load, expert_model_parallel_size=ep, **MOE)
-    cfg = tiny_config(**{**flat, **overrides})
-    topo = build_topology(ep=ep)
+    cfg = tiny_config(tp=tp, sequence_parallel=tp > 1, **{**flat, **overrides})
+    topo = build_topology(tp=tp, ep=ep)
     tracker = RNGStatesTracker("cpu")
     model_parallel_seed(1234, topo.tp_rank, topo.pp_rank, topo.device, tracker)
     model = build_model(cfg, topo, tracker, dtype=torch.float64)
@@ -113,26 +113,30 @@ def test_moe_resume_distributed_optimizer_dp2_to_plain_dp1_and_back(tmp_path):
     _check(got_dp1, got_dp2, 1, 1)
 
 
-def _straight_ep(rank, world, path, ep):
-    state = moe_state(dp=world, dist_opt=True, ep=ep, save=path)
+def _straight_ep(rank, world, path, ep, tp=1, **overrides):
+    state = moe_state(dp=world // tp, dist_opt=True, ep=ep, save=path, tp=tp, **overrides)
     train(state, 3)
     checkpointing.save_checkpoint(state)
     return _snapshot(state), train(state, 2)
 
 
-def _resume_ep(rank, world, src, ep, dst):
-    state = moe_state(dp=world, dist_opt=ep > 1, ep=ep, load=src, save=dst)
+def _resume_ep(rank, world, src, ep, dst, tp=1, **overrides):
+    state = moe_state(dp=world // tp, dist_opt=ep > 1, ep=ep, load=src, save=dst, tp=tp, **overrides)
     assert checkpointing.load_checkpoint(state) == 3
     loaded = _snapshot(state)
     checkpointing.save_checkpoint(state)
     return loaded, train(state, 2)
 
 
+NEEDS_EXPERT_DP = pytest.mark.skipif(
+    "expert_dp_group" not in inspect.signature(DistributedDataParallel).parameters
+    or "expert_dp_group" not in inspect.getsource(build_model),
+    reason="expert params reduce (and are owned) over expert-DP only once build_model gives DDP the "
+           "expert-DP group (ddp23's buckets; model23 wires them)")
+
+
 @pytest.mark.slow  # ~80 s on a loaded 2-core machine: EP 2 x DP 2, EP 1, EP 4 x DP 4 runs
-@pytest.mark.skipif("expert_dp_group" not in inspect.signature(DistributedDataParallel).parameters
-                    or "expert_dp_group" not in inspect.getsource(build_model),
-                    reason="expert params reduce (and are owned) over expert-DP only once build_model gives "
-                           "DDP the expert-DP group (ddp23's buckets; model23 wires them)")
+@NEEDS_EXPERT_DP
 def test_moe_reshards_ep2_dp2_to_ep1_to_ep4_with_the_same_weights_and_losses(tmp_path):
     a, b, c = (str(tmp_path / n) for n in ("ep2", "ep1", "ep4"))
     expected = run_ranks(_straight_ep, 2, a, 2, timeout=180)  # EP 2 (expert-DP 1), distributed optimizer
@@ -140,3 +144,17 @@ def test_moe_reshards_ep2_dp2_to_ep1_to_ep4_with_the_same_weights_and_losses(tmp
     _check(expected, got_ep1, 2, 1)
     got_ep4 = run_ranks(_resume_ep, 4, b, 4, c, timeout=240)  # EP 4 x DP 4, distributed optimizer
     _check(got_ep1, got_ep4, 1, 4)
+
+
+@pytest.mark.slow  # ~60 s: TP 2 (+SP) x EP 2 on 4 ranks, one rank, 4 ranks again
+@NEEDS_EXPERT_DP
+def test_moe_reshards_tp2_ep2_to_tp1_ep1_and_back(tmp_path):
+    a, b, c = (str(tmp_path / n) for n in ("tp2ep2", "tp1ep1", "again"))
+    vocab = dict(vocab_size=128)  # padded alike at TP 1 and TP 2 (the loss covers the padded rows)
+    expected = run_ranks(_straight_ep, 4, a, 2, 2, timeout=240, **vocab)
+    got_tp1 = run_ranks(_resume_ep, 1, a, 1, b, 1, timeout=180, **vocab)
+    want, have = expected[0][1], got_tp1[0][1]
+    assert max(abs(x - y) for x, y in zip(want, have)) < 1e-10, (want, have)
+    got_back = run_ranks(_resume_ep, 4, b, 2, c, 2, timeout=240, **vocab)
+    want, have = got_tp1[0][1], got_back[0][1]
+    assert max(abs(x - y) for x, y in zip(want, have)) < 1e-10, (want, have)
