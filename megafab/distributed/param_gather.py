@@ -52,19 +52,30 @@ def all_gather_bucket(data: torch.Tensor, dp: int, dp_rank: int, group, async_op
     """All-gather the dp equal shards of `data` (rank r holds the r-th) in place; returns (handle,
     the input copy the collective reads until it is done). gloo gathers into a flat copy of the
     whole output before copying it out (a transient of the bucket's size: 153 MiB for a 40M-element
-    fp32 bucket), so there a large bucket is gathered in slices of GLOO_SLICE elements per rank
-    straight into the rank rows, each finished before the next: the copy stays at dp x GLOO_SLICE
-    elements, the bytes sent are the same, and the result is returned done."""
+    fp32 bucket), so there a large bucket is gathered in slices (all_gather_in_slices) and the
+    result is returned done."""
     rows = data.view(dp, -1)  # row r: rank r's shard
-    per_rank = rows.shape[1]
-    if per_rank <= GLOO_SLICE or dist.get_backend(group) != "gloo":
-        # The input is a view of the output; copy it so the collective never reads what it writes.
-        shard = rows[dp_rank].clone()
-        return all_gather_single(data, shard, group=group, async_op=async_op) or Done(), shard
-    for lo in range(0, per_rank, GLOO_SLICE):
-        hi = min(lo + GLOO_SLICE, per_rank)
+    if sliced_on_gloo(rows.shape[1], group):
+        all_gather_in_slices(data, dp, dp_rank, group)
+        return Done(), None
+    # The input is a view of the output; copy it so the collective never reads what it writes.
+    shard = rows[dp_rank].clone()
+    return all_gather_single(data, shard, group=group, async_op=async_op) or Done(), shard
+
+
+def sliced_on_gloo(per_rank: int, group) -> bool:
+    """A collective of `per_rank` elements per rank over `group` goes in GLOO_SLICE slices."""
+    return per_rank > GLOO_SLICE and dist.get_backend(group) == "gloo"
+
+
+def all_gather_in_slices(data: torch.Tensor, dp: int, dp_rank: int, group) -> None:
+    """all_gather_bucket's gloo path: GLOO_SLICE elements per rank at a time, straight into the
+    rank rows of `data`, each finished before the next; gloo's flat copy stays at dp x GLOO_SLICE
+    elements and the bytes sent are the same."""
+    rows = data.view(dp, -1)
+    for lo in range(0, rows.shape[1], GLOO_SLICE):
+        hi = min(lo + GLOO_SLICE, rows.shape[1])
         dist.all_gather(list(rows[:, lo:hi].unbind(0)), rows[dp_rank, lo:hi].clone(), group=group)
-    return Done(), None
 
 
 class ParamGather:

@@ -45,3 +45,24 @@ def _freed_after_del(rank, world):
 
 def test_dropped_ddp_chunk_is_freed():
     assert run_ranks(_freed_after_del, 2, timeout=60) == [[True, True]] * 2
+
+
+def _fsdp2_sliced_equals_whole(rank, world):
+    from megafab.distributed import data_parallel
+    from megafab.distributed.fsdp import local_tensor
+    from tests.checkpoint.util import make_state, train
+
+    gathers, runs = [], []
+    in_slices = param_gather.all_gather_in_slices
+    param_gather.all_gather_in_slices = lambda *a: gathers.append(1) or in_slices(*a)
+    for slice_elements in (1 << 20, 256):  # whole, then several slices for most units
+        param_gather.GLOO_SLICE = data_parallel.GLOO_SLICE = slice_elements
+        state = make_state(tp=1, dp=2, dist_opt=False, use_torch_fsdp2=True, ddp_bucket_size=None)
+        losses = train(state, 2)
+        runs.append((losses, [local_tensor(p).clone() for p in state.model[0].parameters()]))
+    (whole_losses, whole), (sliced_losses, sliced) = runs
+    return bool(gathers), whole_losses == sliced_losses and all(map(torch.equal, whole, sliced))
+
+
+def test_fsdp2_gloo_collectives_in_slices_train_as_whole_ones():
+    assert run_ranks(_fsdp2_sliced_equals_whole, 2, timeout=120) == [(True, True)] * 2
