@@ -37,6 +37,7 @@ import argparse
 import gc
 import os
 import sys
+import weakref
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -237,8 +238,13 @@ def _phase_peaks(rank, world, flags, steps):
     _reset_resident_peak()
     save_checkpoint(state)
     peaks["save"] = _resident_peak_kib()
-    del state  # a resume: a fresh build (no optimizer state yet) that loads the checkpoint
+    # a resume: a fresh build (no optimizer state yet) that loads the checkpoint, after the first
+    # state is really gone (a leaked one would be counted in the load row)
+    model = weakref.ref(state.model[0])
+    del state
     gc.collect()
+    if model() is not None:
+        raise RuntimeError("the dropped training state is still alive: the resume would hold two")
     _reset_resident_peak()
     load_checkpoint(build_state(flags, world_size=world))
     peaks["load"] = _resident_peak_kib()

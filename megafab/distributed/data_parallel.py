@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -57,11 +58,9 @@ from torch import nn
 
 from megafab.config import default_bucket_size
 from megafab.distributed.mappings import reduce_scatter_single
-from megafab.distributed.param_gather import Done, ParamGather
+from megafab.distributed.param_gather import GLOO_SLICE, Done, ParamGather
 from megafab.errors import MegafabError
 from megafab.run import faults
-
-GLOO_SLICE = 1 << 20  # elements of each rank's shard per gloo reduce-scatter (4 MiB in fp32)
 
 
 def reduce_scatter_bucket(shard: torch.Tensor, data: torch.Tensor, op, group, async_op: bool):
@@ -307,7 +306,13 @@ class DistributedDataParallel(nn.Module):
 
     # ---- backward hooks -----------------------------------------------------------------------
     def _make_hook(self):
+        # The hook lives in the parameter's C++ autograd metadata, where Python's cycle collector
+        # cannot see it: a closure over `self` would keep this chunk and its buffers alive for good
+        # once it is dropped (measured: a freed 91M-parameter state kept 700 MiB per rank).
+        chunk = weakref.ref(self)
+
         def hook(param: nn.Parameter):
+            self = chunk()
             # grad is None when the linear core already added it into main_grad (accumulation fusion)
             if param.grad is not None:
                 param.main_grad.add_(param.grad)

@@ -245,6 +245,11 @@ class FullyShardedDataParallel(nn.Module):
         for unit in units:
             fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
         fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        if torch.distributed.get_backend(self.dp_group) == "gloo":
+            all_gather, reduce_scatter = _gloo_comms()
+            for unit in [*units, module]:
+                unit.set_custom_all_gather(all_gather)
+                unit.set_custom_reduce_scatter(reduce_scatter)
         if on_meta:
             module.to_empty(device=device)  # this rank's shards (and the buffers), uninitialized
             fill_shards(module, initialized_parts())
@@ -290,6 +295,41 @@ class FullyShardedDataParallel(nn.Module):
 
     def set_input_tensor(self, tensor) -> None:
         self.module.set_input_tensor(tensor)
+
+
+def _gloo_comms():
+    """FSDP2's unit all-gather and reduce-scatter for gloo: gloo gathers into a flat copy of the
+    whole output and copies a reduce-scatter's whole input, one more unit each on top of FSDP2's
+    own buffers; a unit of more than GLOO_SLICE elements per rank goes in slices instead
+    (param_gather.all_gather_in_slices, data_parallel.reduce_scatter_bucket), smaller ones as
+    FSDP2 sends them."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+    from megafab.distributed.data_parallel import reduce_scatter_bucket
+    from megafab.distributed.param_gather import all_gather_in_slices, sliced_on_gloo
+
+    class Allocate:
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+    class SlicedAllGather(Allocate, AllGather):
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            if not sliced_on_gloo(input_tensor.numel(), group):
+                return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group,
+                                                   async_op=async_op)
+            all_gather_in_slices(output_tensor, dist.get_world_size(group), dist.get_rank(group), group)
+            return None
+
+    class SlicedReduceScatter(Allocate, ReduceScatter):
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            if not sliced_on_gloo(output_tensor.numel(), group):
+                return dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op,
+                                                  async_op=async_op)
+            reduce_scatter_bucket(output_tensor, input_tensor, op, group, async_op=False)
+            return None
+
+    return SlicedAllGather(), SlicedReduceScatter()
 
 
 def is_fully_sharded(chunk) -> bool:

@@ -34,10 +34,14 @@ weights outside a forward (checkpoint save) calls `sync()` first (`finish_param_
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from megafab.distributed.mappings import all_gather_single
 from megafab.run import faults
+
+GLOO_SLICE = 1 << 20  # elements of each rank's shard per gloo bucket collective (4 MiB in fp32)
 
 
 class Done:
@@ -45,6 +49,36 @@ class Done:
 
     def wait(self):
         return True
+
+
+def all_gather_bucket(data: torch.Tensor, dp: int, dp_rank: int, group, async_op: bool):
+    """All-gather the dp equal shards of `data` (rank r holds the r-th) in place; returns (handle,
+    the input copy the collective reads until it is done). gloo gathers into a flat copy of the
+    whole output before copying it out (a transient of the bucket's size: 153 MiB for a 40M-element
+    fp32 bucket), so there a large bucket is gathered in slices (all_gather_in_slices) and the
+    result is returned done."""
+    rows = data.view(dp, -1)  # row r: rank r's shard
+    if sliced_on_gloo(rows.shape[1], group):
+        all_gather_in_slices(data, dp, dp_rank, group)
+        return Done(), None
+    # The input is a view of the output; copy it so the collective never reads what it writes.
+    shard = rows[dp_rank].clone()
+    return all_gather_single(data, shard, group=group, async_op=async_op) or Done(), shard
+
+
+def sliced_on_gloo(per_rank: int, group) -> bool:
+    """A collective of `per_rank` elements per rank over `group` goes in GLOO_SLICE slices."""
+    return per_rank > GLOO_SLICE and dist.get_backend(group) == "gloo"
+
+
+def all_gather_in_slices(data: torch.Tensor, dp: int, dp_rank: int, group) -> None:
+    """all_gather_bucket's gloo path: GLOO_SLICE elements per rank at a time, straight into the
+    rank rows of `data`, each finished before the next; gloo's flat copy stays at dp x GLOO_SLICE
+    elements and the bytes sent are the same."""
+    rows = data.view(dp, -1)
+    for lo in range(0, rows.shape[1], GLOO_SLICE):
+        hi = min(lo + GLOO_SLICE, rows.shape[1])
+        dist.all_gather(list(rows[:, lo:hi].unbind(0)), rows[dp_rank, lo:hi].clone(), group=group)
 
 
 class ParamGather:
@@ -85,11 +119,8 @@ class ParamGather:
         if bucket.dp == 1:
             self.in_flight[bucket.index] = (Done(), None)
             return
-        lo = bucket.shard_size * bucket.dp_rank
-        # The input is a view of the output; copy it so the collective never reads what it writes.
-        shard = bucket.param_data[lo:lo + bucket.shard_size].clone()
-        handle = all_gather_single(bucket.param_data, shard, group=bucket.group, async_op=async_op)
-        self.in_flight[bucket.index] = (handle or Done(), shard)
+        self.in_flight[bucket.index] = all_gather_bucket(bucket.param_data, bucket.dp, bucket.dp_rank,
+                                                         bucket.group, async_op)
 
     def wait(self, bucket) -> None:
         """Bucket's gather complete: dispatch it first if it is still stale."""
