@@ -15,8 +15,8 @@ from tests.training.launch import losses, pretrain_in_ranks
 from tests.training.tiny_corpus import TINY
 
 MOE = ["--mock-data", "--train-iters", "5", "--global-batch-size", "4", "--hidden-dropout", "0",
-       "--attention-dropout", "0", "--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "1",
-       "--moe-aux-loss-coeff", "1e-2", "--moe-shared-expert-intermediate-size", "24"]
+       "--attention-dropout", "0", "--disable-bias-linear", "--num-experts", "4", "--moe-router-topk", "2",
+       "--moe-layer-freq", "1", "--moe-aux-loss-coeff", "1e-2", "--moe-shared-expert-intermediate-size", "24"]
 VARIANTS = {
     "plain": [],
     # Capacity 1.0 of 4 experts top-2 over 16 tokens: 8 slots an expert, so some tokens drop.
@@ -26,7 +26,11 @@ VARIANTS = {
     # rate so that it changes routing within the 5 steps).
     "expert_bias": ["--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid",
                     "--moe-router-bias-update-rate", "1e-1"],
+    "sigmoid": ["--moe-router-score-function", "sigmoid"],
 }
+# A variant's control: the same flags without what the variant adds, so the variant must change
+# the losses (tokens really drop; the bias really moves after step 1).
+CONTROL = {"capacity": "plain", "expert_bias": "sigmoid"}
 EP2 = ["--expert-model-parallel-size", "2"]
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
@@ -81,3 +85,6 @@ def test_moe_layout_logs_the_single_process_losses(case, single_process):
         assert abs(balancing - ref_balancing) < 1e-5, (case, it, ours[it], reference[it])
         assert abs(norm - ref_norm) < 1e-5 * max(1.0, ref_norm), (case, it, ours[it], reference[it])
         assert balancing > 0.5 and norm > 0  # logged, not zeros
+    if variant in CONTROL:
+        control = single_process(CONTROL[variant])
+        assert any(abs(reference[it][0] - control[it][0]) > 1e-4 for it in (2, 3, 4, 5)), (reference, control)
