@@ -51,7 +51,7 @@ LAYOUTS = {
 }
 BALANCING = re.compile(r"iteration\s+(\d+)/.*? load_balancing_loss: (\S+) \|")
 GRAD_NORM = re.compile(r"iteration\s+(\d+)/.*? grad norm: (\S+) \|")
-pytestmark = pytest.mark.slow  # 10-40 s a case on a loaded 2-core machine
+pytestmark = pytest.mark.slow  # 8-36 s a case on a loaded 2-core machine (3.5 min for all 11)
 
 
 def _logged(output: str) -> dict[int, tuple[float, float, float]]:
