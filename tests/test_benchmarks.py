@@ -91,3 +91,18 @@ def test_context_parallel_prints_memory_per_layout_and_cp2_efficiency():
     assert float(rows["CP2 p2p"][0]) < float(rows["CP1"][0]), out  # CP 2 saves less per rank
     row = next(line for line in speed.splitlines() if line.startswith("CP2 p2p"))
     assert float(row.split()[-2]) > 0, out  # efficiency median
+
+
+@pytest.mark.timeout(300)
+def test_moe_prints_speed_parts_ep_efficiency_and_expert_bytes():
+    out = run_script("moe.py", *TINY_GPT, "--batch", "2", "--steps", "1", "--warmup", "1", "--rounds", "1",
+                     "--part-reps", "1", "--layouts", "alltoall", "--memory-worlds", "1,2")
+    rows = {line[:18].strip(): line[18:].split() for line in out.splitlines() if line.startswith("EP")}
+    assert {"EP1", "EP2", "EP2 alltoall"} <= set(rows), out
+    assert float(rows["EP2"][5]) < float(rows["EP1"][5]), out  # expert bytes per rank shrink with EP
+    assert rows["EP2"][7] == "1.000" and rows["EP1"][7] == "1.000", out  # measured = the planner's
+    assert float(rows["EP2 alltoall"][-4]) > 0, out  # efficiency median (then [min-max], vs 1t/2)
+    speed = {line[:14].strip(): line[14:].split() for line in out.splitlines()
+             if line.startswith(("dense ", "MoE "))}
+    assert speed["dense"][2] == "1.00" and float(speed["MoE"][2]) > 0, out  # vs dense, wall
+    assert "MoE: dispatch + combine" in out and "MoE grouped: experts" in out, out
