@@ -62,7 +62,8 @@ def build_state(flags: list[str], world_size: int = 1, topo=None) -> TrainState:
     p = cfg.parallel
     if topo is None:
         topo = build_topology(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                              cp=p.context_parallel_size)
+                              cp=p.context_parallel_size, ep=p.expert_model_parallel_size,
+                              etp=p.expert_tensor_parallel_size)
     return state_of(cfg, topo)
 
 

@@ -154,6 +154,9 @@ def moe_problems(cfg) -> list[str]:
             out.append(f"--expert-model-parallel-size {ep} needs --num-experts (a dense model has no "
                        f"experts to split)")
         return out
+    if m.transformer_impl == "transformer_engine":
+        out.append("--num-experts builds megafab's own MoE layers inside the local transformer layer; "
+                   "use --transformer-impl local (Transformer Engine's layer has no MoE MLP here)")
     if tp > 1 and not p.sequence_parallel:
         out.append(f"MoE layers with --tensor-model-parallel-size {tp} need --sequence-parallel (Megatron "
                    f"refuses to train MoE under TP without it)")

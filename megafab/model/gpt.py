@@ -24,7 +24,7 @@ from megafab.distributed.linear import linear_with_grad_accumulation_and_async_a
 from megafab.distributed.mappings import group_size, scatter_to_sequence_parallel_region
 from megafab.model.init import normal_init
 from megafab.model.recompute import RecomputeSettings, forward_layers
-from megafab.model.te import TransformerEngineError, fp8_chunk_context, transformer_layer_class
+from megafab.model.te import fp8_chunk_context, transformer_layer_class
 from megafab.model.transformer import LayerContext, RotaryEmbedding, build_norm
 from megafab.pipeline_split import PipelineSplit
 
@@ -120,9 +120,8 @@ class GPTModel(nn.Module):
             return RotaryEmbedding(cfg.kv_channels, cfg.rotary_percent, cfg.rotary_base, ctx.device)
         layer = keys.module_layer(name)
         if layer is not None:  # local TransformerLayer or Transformer Engine's
-            if ctx.moe is not None and cfg.transformer_impl == "transformer_engine":
-                raise TransformerEngineError("--num-experts builds megafab's own MoE layers inside the "
-                                             "local transformer layer; use --transformer-impl local")
+            assert ctx.moe is None or cfg.transformer_impl != "transformer_engine", \
+                "config rule moe_problems refuses MoE with Transformer Engine's layer"
             return transformer_layer_class(cfg)(cfg, ctx, layer)
         if name == "decoder.final_layernorm":
             return build_norm(cfg, ctx)
