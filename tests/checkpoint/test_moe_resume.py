@@ -5,13 +5,11 @@ uninterrupted run's losses within 1e-10 with the distributed optimizer DP 2 -> p
 and EP 2 x DP 2 (distributed optimizer) -> EP 1 -> EP 4 x DP 4; every weight and expert bias is
 restored exactly."""
 
-import inspect
 
 import pytest
 import torch
 
 from megafab.checkpoint import checkpointing
-from megafab.distributed.data_parallel import DistributedDataParallel
 from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
 from megafab.distributed.topology import build_topology
 from megafab.training.build import TrainState, build_model, build_optimizer, build_scheduler
@@ -128,15 +126,8 @@ def _resume_ep(rank, world, src, ep, dst, tp=1, **overrides):
     return loaded, train(state, 2)
 
 
-NEEDS_EXPERT_DP = pytest.mark.skipif(
-    "expert_dp_group" not in inspect.signature(DistributedDataParallel).parameters
-    or "expert_dp_group" not in inspect.getsource(build_model),
-    reason="expert params reduce (and are owned) over expert-DP only once build_model gives DDP the "
-           "expert-DP group (ddp23's buckets; model23 wires them)")
-
 
 @pytest.mark.slow  # ~80 s on a loaded 2-core machine: EP 2 x DP 2, EP 1, EP 4 x DP 4 runs
-@NEEDS_EXPERT_DP
 def test_moe_reshards_ep2_dp2_to_ep1_to_ep4_with_the_same_weights_and_losses(tmp_path):
     a, b, c = (str(tmp_path / n) for n in ("ep2", "ep1", "ep4"))
     expected = run_ranks(_straight_ep, 2, a, 2, timeout=180)  # EP 2 (expert-DP 1), distributed optimizer
@@ -147,7 +138,6 @@ def test_moe_reshards_ep2_dp2_to_ep1_to_ep4_with_the_same_weights_and_losses(tmp
 
 
 @pytest.mark.slow  # ~60 s: TP 2 (+SP) x EP 2 on 4 ranks, one rank, 4 ranks again
-@NEEDS_EXPERT_DP
 def test_moe_reshards_tp2_ep2_to_tp1_ep1_and_back(tmp_path):
     a, b, c = (str(tmp_path / n) for n in ("tp2ep2", "tp1ep1", "again"))
     vocab = dict(vocab_size=128)  # padded alike at TP 1 and TP 2 (the loss covers the padded rows)
