@@ -34,6 +34,7 @@ from megafab.checkpoint.megatron_args import check_model_args
 from megafab.checkpoint.moe_check import check_moe_matches
 from megafab.checkpoint.source import RNG_DIR, CommonRecord, Counters, MegafabSource, rng_file, run_layout
 from megafab.checkpoint.vocab import adapt_padded_vocab
+from megafab.config.moe import moe_settings
 from megafab.distributed.param_gather import finish_param_syncs
 from megafab.errors import ReportedElsewhere
 
@@ -112,7 +113,7 @@ def _save_torch_dist(state, tmp: str, with_optim: bool) -> None:
     shards = cs.model_shards_for_save(state)
     if with_optim:
         shards.update(cs.optimizer_shards_for_save(state))
-    moe = cfg.moe if cfg.moe.num_experts is not None else None
+    moe = moe_settings(cfg)
     stacked = megatron_keys.stacks_layers(moe)
     layers, objects = _held_layers(state), {}
     if topo.tp_rank == 0 and topo.dp_rank == 0:

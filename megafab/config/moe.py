@@ -262,3 +262,8 @@ def _pattern_value(node):
         if isinstance(node.op, ast.Mult) and {type(left), type(right)} == {list, int}:
             return left * right if isinstance(left, list) else right * left
     raise ValueError("not a layer pattern")
+
+
+def moe_settings(cfg) -> MoEConfig | None:
+    """The config's MoE settings (its moe section), None for a dense model."""
+    return cfg.moe if cfg.moe.num_experts is not None else None

@@ -27,6 +27,7 @@ from megafab.checkpoint.megatron_args import unknown_model
 from megafab.checkpoint.source import CommonRecord, run_layout
 from megafab.checkpoint.vocab import padded_rows
 from megafab.config import Config, pad_vocab_size
+from megafab.config.moe import moe_settings
 from megafab.convert.state_dict import ConversionError, finalize_model_config
 from megafab.progress import progress
 
@@ -149,7 +150,7 @@ def _write_torch_dist(tmp, sd, cfg, record) -> None:
 
     shards = {layout.model_key(n): layout.Shard.whole(layout.to_stored(n, t.contiguous(), cfg.model))
               for n, t in sd.items()}
-    moe = cfg.moe if cfg.moe.num_experts is not None else None
+    moe = moe_settings(cfg)
     stacked, layers = megatron_keys.stacks_layers(moe), range(cfg.model.num_layers)
     objects = megatron_dist.extra_state_objects(layers, cfg.model.num_layers, moe, stacked)
     if moe is not None:

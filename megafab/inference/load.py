@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from megafab.config.moe import moe_settings
 from megafab.convert.checkpoint import read_checkpoint
 from megafab.convert.state_dict import module_state_dict
 from megafab.model.gpt import GPTModel
@@ -18,7 +19,7 @@ def load_model(load_dir: str, iteration: int | None = None, dtype: torch.dtype =
     m = cfg.model
     m.hidden_dropout = m.attention_dropout = 0.0
     device = torch.device(device)
-    moe = cfg.moe if cfg.moe.num_experts is not None else None
+    moe = moe_settings(cfg)
     ctx = LayerContext(None, False, dtype, device, cfg.training.seed, moe=moe,
                        moe_loss_scale=LossScale() if moe is not None else None)
     model = GPTModel(m, ctx).eval()

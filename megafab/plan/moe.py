@@ -44,13 +44,8 @@ class MoEParams:
         return self.router + self.shared + self.experts
 
 
-def settings_of(cfg):
-    """The config's MoE settings (cfg.moe), None for a dense model."""
-    return cfg.moe if cfg.moe.num_experts is not None else None
-
-
 def is_moe_layer(moe, index: int) -> bool:
-    """Whether global layer `index` has an MoE MLP (moe: settings_of's value)."""
+    """Whether global layer `index` has an MoE MLP (moe: config.moe.moe_settings's value)."""
     return moe is not None and moe.is_moe_layer(index)
 
 

@@ -48,6 +48,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from megafab.config.moe import moe_settings
 from megafab.pipeline_split import PipelineSplit
 from megafab.plan.collectives import collective_seconds, group_placement, p2p_seconds
 from megafab.plan.moe import (
@@ -56,7 +57,6 @@ from megafab.plan.moe import (
     expert_sizes,
     is_moe_layer,
     router_tokens,
-    settings_of,
 )
 from megafab.plan.schedule import pipeline_time
 from megafab.training.flops import flops_per_iteration
@@ -112,7 +112,7 @@ class _Shapes:
             m.ffn_hidden_size
         self.tp_group = group_placement(cfg, machine, "tp")
         self.cp_group = group_placement(cfg, machine, "cp")
-        self.moe = settings_of(cfg)
+        self.moe = moe_settings(cfg)
         self.ep, self.etp = expert_sizes(cfg)
         self.f_s = 0
         if self.moe is not None:

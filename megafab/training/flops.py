@@ -16,7 +16,8 @@ a d less per layer and sequence in forward).
 
 from __future__ import annotations
 
-from megafab.plan.moe import is_moe_layer, mlp_flops_per_token, settings_of
+from megafab.config.moe import moe_settings
+from megafab.plan.moe import is_moe_layer, mlp_flops_per_token
 
 # Dense bf16 peak TFLOP/s by GPU name fragment (vendor datasheets).
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "V100": 125.0}
@@ -30,7 +31,7 @@ def flops_per_iteration(cfg, batch_samples: int) -> float:
     qkv = 2 * s * h * (heads + 2 * groups) * d
     proj = 2 * s * heads * d * h
     attn = 2 * 2 * s * s * heads * d  # scores and context (full matrices: see the docstring)
-    moe = settings_of(cfg)
+    moe = moe_settings(cfg)
     mlp = sum(s * mlp_flops_per_token(m, moe, is_moe_layer(moe, i)) for i in range(n_layers))
     logits = 2 * s * h * vocab
     forward = n_layers * (qkv + proj + attn) + mlp + logits

@@ -11,15 +11,11 @@
 
 from __future__ import annotations
 
+from megafab.config.moe import moe_settings
 from megafab.model.moe.balancing import LossScale, update_expert_biases
 from megafab.model.moe.loss_logging import moe_loss_values
 from megafab.model.moe.router import routers_of
 from megafab.model.moe.settings import MoESettings
-
-
-def moe_settings(cfg) -> MoESettings | None:
-    """The model's MoE settings (the config's moe section), None for a dense model."""
-    return cfg.moe if cfg.moe.num_experts is not None else None
 
 
 def moe_context_fields(cfg, topo) -> dict:

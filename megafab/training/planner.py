@@ -69,6 +69,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megafab.config.moe import moe_settings
 from megafab.pipeline_split import PipelineSplit
 from megafab.plan.moe import (
     bound_rows,
@@ -80,7 +81,6 @@ from megafab.plan.moe import (
     is_moe_layer,
     moe_mlp_activation_bytes,
     moe_mlp_params,
-    settings_of,
     stage_state_bytes,
 )
 from megafab.training.flops import flops_per_iteration
@@ -163,7 +163,7 @@ def layer_params(m, tp: int) -> int:
 def layer_param_split(cfg, index: int, tp: int, etp: int = 1, ep: int = 1,
                       experts: int | None = None) -> tuple[int, int]:
     """(all, expert) parameters of global layer `index` on one rank; experts: see moe_mlp_params."""
-    m, moe = cfg.model, settings_of(cfg)
+    m, moe = cfg.model, moe_settings(cfg)
     if not is_moe_layer(moe, index):
         return layer_params(m, tp), 0
     mlp = moe_mlp_params(m, moe, tp, etp, ep, experts)
@@ -214,7 +214,7 @@ def model_params(cfg) -> tuple[int, int]:
     """(total, active) parameters of the whole model: active counts the k routed experts a token
     passes through of each MoE layer (equal for a dense model)."""
     m = cfg.model
-    moe = settings_of(cfg)
+    moe = moe_settings(cfg)
     ends = _ends_params(m, 1, True, True)
     total = ends + sum(layer_param_split(cfg, i, 1)[0] for i in range(m.num_layers))
     if moe is None:
@@ -362,7 +362,7 @@ def plan(cfg, kernels: str = "flash", routing: str = "bound") -> list[StagePlan]
     granularity = m.recompute_granularity
     layer = layer_activation_bytes(cfg, kernels, recompute_core_attention=granularity == "selective")
     layer_input = e * s * b * h // r
-    moe = settings_of(cfg)
+    moe = moe_settings(cfg)
     # an MoE layer: its MoE MLP in place of the dense one, (layer bytes, dispatcher bytes) at the
     # routed rows' bound (the plan) and under balanced routing (shown beside it)
     routed = {}
@@ -448,7 +448,7 @@ def _routing_note(st: StagePlan) -> str:
 def parameters_line(cfg) -> str:
     """The whole model's parameter count; for MoE total and active (per token) and the expert grid."""
     total, active = model_params(cfg)
-    moe = settings_of(cfg)
+    moe = moe_settings(cfg)
 
     def count(n: int) -> str:
         return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
