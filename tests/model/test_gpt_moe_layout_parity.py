@@ -7,10 +7,11 @@ weight, finalize_model_grads, the expert-bias update):
     parameter's gradient (TP / ETP shards joined; pipeline stages hold layers by their global
     index; local expert i of EP rank r is global expert r * experts_per_rank + i), plus the logged
     load_balancing_loss (its scores are float32 sums in megatron-core, so only 1e-6 there);
-  - aux-loss-free balancing (--moe-router-enable-expert-bias) over 3 optimizer steps at EP 2 (DP 2)
-    and EP 2 x TP 2 (SP, ETP 1): after each step every router's expert_bias, the lm loss and the
-    grad norm, against one process that updates its biases from all the tokens; the bias moves
-    (non-zero after the first step) and changes routing (the losses differ from a run at rate 0).
+  - aux-loss-free balancing (--moe-router-enable-expert-bias) over 3 optimizer steps at EP 2 (DP 2),
+    EP 2 on 4 ranks (DP 4, expert-DP 2) and EP 2 x TP 2 (SP, ETP 1): after each step every router's
+    expert_bias, the lm loss and the grad norm, against one process that updates its biases from
+    all the tokens; the bias moves (non-zero after the first step) and changes routing (the later
+    losses differ from a run at rate 0).
 
 The model: 4 layers, dense / MoE alternating ("[0,1]*2": each pipeline stage has both), top-2 of 4
 experts, a shared expert, aux loss and z-loss on (their gradients are part of every comparison).
@@ -219,6 +220,7 @@ def _expert_bias_parity(rank, world, layout):
 
 BIAS_LAYOUTS = {  # name -> (world, layout): the token counts summed over DP, over TP x DP
     "ep2-dp2-alltoall": (2, dict(moe_token_dispatcher_type="alltoall")),
+    "ep2-dp4-edp2-alltoall": (4, dict(moe_token_dispatcher_type="alltoall")),
     "ep2-tp2-sp-etp1-allgather": (4, dict(tp=2, sp=True, expert_tensor_parallel_size=1)),
 }
 
