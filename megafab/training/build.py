@@ -15,6 +15,7 @@ from megafab.distributed.fsdp import (
     data_parallel_mesh,
     expert_data_parallel_mesh,
     fill_shards,
+    layer_units,
 )
 from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
 from megafab.distributed.topology import Topology, initialize
@@ -132,7 +133,7 @@ def fully_shard_chunk(cfg, topo: Topology, chunk) -> FullyShardedDataParallel:
     reduce = None if cfg.parallel.accumulate_allreduce_grads_in_fp32 else dtype  # --grad-reduce-in-bf16
     expert_mesh = expert_data_parallel_mesh(topo) if cfg.moe.num_experts is not None else None
     return FullyShardedDataParallel(chunk, mesh=data_parallel_mesh(topo), expert_mesh=expert_mesh,
-                                    units=list(chunk.decoder.layers.values()), main_dtype=main,
+                                    units=layer_units(chunk.decoder.layers.values()), main_dtype=main,
                                     reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward,
                                     reduce_dtype=reduce, device=topo.device,
                                     initialized_parts=chunk.initialized_parts)

@@ -76,7 +76,8 @@ def _reduce_scatters_per_step(rank, world, micro_batches):
     finally:
         dist.reduce_scatter_single = original
     assert metrics["update_ok"] and metrics["grad_norm"] > 0
-    return len(calls), cfg.model.num_layers + 1  # one group per layer and the root
+    # one group per attention block, MLP and layer (its norms) of each layer, and the root
+    return len(calls), 3 * cfg.model.num_layers + 1
 
 
 def test_gradient_accumulation_reduces_once_per_group_per_step():
