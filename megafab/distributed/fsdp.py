@@ -1,10 +1,17 @@
 """ZeRO-3 of one model chunk through torch FSDP2 (`fully_shard` over the data-parallel DeviceMesh).
 
-    FullyShardedDataParallel(chunk, dp_group=..., units=[layer, layer, ...], ...)
+    FullyShardedDataParallel(chunk, mesh=..., units=layer_units(chunk.decoder.layers.values()), ...)
 
-Each of `units` (the transformer layers) is one FSDP2 group and the chunk itself is the root
-group holding the rest (embedding, final norm, output layer, so a tied embedding and its output
-use live in one group). Every parameter becomes a DTensor sharded on dim 0 over the DP group:
+Each of `units` is one FSDP2 group: per transformer layer its attention block, its MLP and the
+layer itself (its norms), and the chunk itself is the root group holding the rest (embedding,
+final norm, output layer, so a tied embedding and its output use live in one group). Units of
+sub-blocks rather than whole layers keep the working set small: in backward FSDP2 holds the
+unit's gathered weights and its unsharded gradient, gathers the next unit (its default backward
+prefetch) and copies the gradient flat for the reduce-scatter; with a unit per layer that was 5
+layers' fp32 weights at once at DP 8 (benchmarks/README.md, `memory.py --peaks`), now at most the
+MLP's two-thirds of a layer four times. The root's weights are gathered and its gradient
+unsharded through the whole backward (the tied output layer's backward comes first, the
+embedding's last). Every parameter becomes a DTensor sharded on dim 0 over the DP group:
 rank r keeps rows [r * c, (r + 1) * c) of its TP block, c = ceil(rows / dp), the last ranks fewer
 (FSDP2 pads them internally). Before a group's forward FSDP2 all-gathers its parameters, after it
 (and after its backward) it frees them; gradients are reduce-scattered, averaged over DP.

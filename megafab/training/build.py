@@ -123,8 +123,9 @@ def build_model(cfg, topo: Topology, tracker, dtype: torch.dtype | None = None) 
 
 
 def fully_shard_chunk(cfg, topo: Topology, chunk) -> FullyShardedDataParallel:
-    """ZeRO-3 of one GPT chunk built on the meta device: one FSDP2 unit per transformer layer, the
-    chunk the root unit (embedding, final norm, output layer); each rank's shards are filled one
+    """ZeRO-3 of one GPT chunk built on the meta device: FSDP2 units per transformer layer's
+    attention block, MLP and norms (layer_units), the chunk the root unit (embedding, final norm,
+    output layer); each rank's shards are filled one
     part at a time. The shards are the fp32 masters of a bf16/fp16 model, unless the optimizer is
     offloaded (then the host keeps the masters)."""
     dtype = next(chunk.parameters()).dtype
