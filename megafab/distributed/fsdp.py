@@ -7,11 +7,12 @@ layer itself (its norms), and the chunk itself is the root group holding the res
 final norm, output layer, so a tied embedding and its output use live in one group). Units of
 sub-blocks rather than whole layers keep the working set small: in backward FSDP2 holds the
 unit's gathered weights and its unsharded gradient, gathers the next unit (its default backward
-prefetch) and copies the gradient flat for the reduce-scatter; with a unit per layer that was 5
-layers' fp32 weights at once at DP 8 (benchmarks/README.md, `memory.py --peaks`), now at most the
-MLP's two-thirds of a layer four times. The root's weights are gathered and its gradient
-unsharded through the whole backward (the tied output layer's backward comes first, the
-embedding's last). Every parameter becomes a DTensor sharded on dim 0 over the DP group:
+prefetch) and copies the gradient flat for the reduce-scatter; with a unit per layer that was
+about 4 layers' fp32 weights at once on top of the root's (DP 8, benchmarks/README.md `memory.py
+--peaks`), with these units about 1.5 layers (the next MLP's gather: its flat all-gather output
+and the per-parameter copy, beside the attention block's gradient). The root's weights are
+gathered and its gradient unsharded through the whole backward (the tied output layer's backward
+comes first, the embedding's last). Every parameter becomes a DTensor sharded on dim 0 over the DP group:
 rank r keeps rows [r * c, (r + 1) * c) of its TP block, c = ceil(rows / dp), the last ranks fewer
 (FSDP2 pads them internally). Before a group's forward FSDP2 all-gathers its parameters, after it
 (and after its backward) it frees them; gradients are reduce-scattered, averaged over DP.
