@@ -7,7 +7,8 @@ megafab.inference.load_model gives megatron-core's recorded logits within 1e-5, 
 --load <a copy> --finetune with the fixture's own Megatron flags trains from it at EP 1, EP 2, TP 2
 and TP 2 x EP 2 (forked ranks, about a second or two each): it
 exits 0, its first lm loss is the loaded model's loss on that first batch (1e-5), and the iteration
-count and consumed samples restart at 0."""
+count and consumed samples restart at 0. Resuming it (no --finetune) refuses Megatron-LM's bucket-space
+distributed-optimizer state by name; --no-load-optim resumes at its iteration 2."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from megafab.checkpoint.megatron_dist import read_common
 from megafab.inference.load import load_model
 from tests.harness import run_ranks
-from tests.training.fork_ranks import main_stdout
+from tests.training.fork_ranks import main_stdout, run_ranks_main
 from tests.training.launch import losses
 
 FIXTURE = Path(__file__).parent / "fixtures" / "megatron_lm_moe"
@@ -92,15 +93,15 @@ def test_load_model_gives_megatron_cores_logits_and_loss():
     assert abs(_loss(model, REFERENCE["tokens"], REFERENCE["labels"]) - REFERENCE["loss"].item()) < 1e-5
 
 
-def _first_batch_loss(rank, world, flags):
-    """The fixture's model (megafab.inference) on the fine-tuning run's first global batch (megafab's
-    mock-data iterator at 0 consumed samples, one data-parallel rank)."""
+def _batch_loss(rank, world, flags, consumed):
+    """The fixture's model (megafab.inference) on a run's global batch after `consumed` samples
+    (megafab's mock-data iterator, one data-parallel rank)."""
     from megafab.arguments import config_from_args
     from megafab.training.data_setup import build_data_iterators
 
     cfg = config_from_args(flags, world_size=1, start_up=True)
     one_rank = SimpleNamespace(rank=0, dp_rank=0, dp=1)
-    train, _, _ = build_data_iterators(cfg, one_rank, consumed_train_samples=0)
+    train, _, _ = build_data_iterators(cfg, one_rank, consumed_train_samples=consumed)
     batch = next(train)
     model, _ = load_model(str(FIXTURE))
     return batch["tokens"].shape, _loss(model, batch["tokens"], batch["labels"], batch["loss_mask"])
@@ -114,7 +115,7 @@ def finetune_flags(mock_data_cache):
 
 @pytest.fixture(scope="module")
 def first_batch_loss(finetune_flags):
-    [(shape, loss)] = run_ranks(_first_batch_loss, 1, finetune_flags, timeout=240)
+    [(shape, loss)] = run_ranks(_batch_loss, 1, finetune_flags, 0, timeout=240)
     assert shape == (2, 32)  # the whole first global batch
     return loss
 
@@ -146,3 +147,24 @@ def test_pretrain_finetunes_from_the_megatron_lm_checkpoint(tmp_path, finetune_f
     assert " consumed samples:            2 |" in out  # and its consumed samples neither
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
     assert os.path.isdir(save / "iter_0000003")
+
+
+def test_resuming_refuses_megatron_lms_bucket_optimizer_state_by_name_and_no_load_optim_resumes(
+        tmp_path, mock_data_cache):
+    """Megatron-LM's default distributed-optimizer save (dp_reshardable) keeps Adam's state only in
+    flat bucket buffers (optimizer.distributed.*): a resume is refused with the remedy, not started
+    with a fresh optimizer as if the checkpoint held none; --no-load-optim resumes at iteration 2."""
+    load = tmp_path / "load"
+    shutil.copytree(FIXTURE, load)
+    flags = _with(FLAGS + mock_data_cache, load=load, log_interval=1)  # the fixture's own 4-iteration run
+    refused = run_ranks_main(1, flags, tmp_path / "refused")
+    assert refused.codes == [2], refused.describe()
+    assert "'dp_reshardable'" in refused.all_err() + refused.out[0]
+    assert "--no-load-optim" in refused.all_err() + refused.out[0]
+    out = main_stdout(1, flags + ["--no-load-optim"], tmp_path / "resumed")
+    assert "holds no optimizer state" not in out
+    logged = losses(out)
+    assert sorted(logged) == [3, 4]  # the iteration and consumed samples are the checkpoint's
+    assert " consumed samples:            6 |" in out
+    [(_, expected)] = run_ranks(_batch_loss, 1, flags, 4, timeout=240)  # the batch after 2 x 2 samples
+    assert abs(logged[3] - expected) < 1e-5, (logged[3], expected)
