@@ -93,16 +93,21 @@ def test_load_model_gives_megatron_cores_logits_and_loss():
     assert abs(_loss(model, REFERENCE["tokens"], REFERENCE["labels"]) - REFERENCE["loss"].item()) < 1e-5
 
 
-def _batch_loss(rank, world, flags, consumed):
-    """The fixture's model (megafab.inference) on a run's global batch after `consumed` samples
-    (megafab's mock-data iterator, one data-parallel rank)."""
+def _mock_batches(rank, world, flags, consumed, n=1) -> list[dict]:
+    """A run's first `n` global batches after `consumed` samples (megafab's mock-data iterator, one
+    data-parallel rank)."""
     from megafab.arguments import config_from_args
     from megafab.training.data_setup import build_data_iterators
 
     cfg = config_from_args(flags, world_size=1, start_up=True)
     one_rank = SimpleNamespace(rank=0, dp_rank=0, dp=1)
     train, _, _ = build_data_iterators(cfg, one_rank, consumed_train_samples=consumed)
-    batch = next(train)
+    return [next(train) for _ in range(n)]
+
+
+def _batch_loss(rank, world, flags, consumed):
+    """The fixture's model (megafab.inference) on the global batch after `consumed` samples."""
+    [batch] = _mock_batches(rank, world, flags, consumed)
     model, _ = load_model(str(FIXTURE))
     return batch["tokens"].shape, _loss(model, batch["tokens"], batch["labels"], batch["loss_mask"])
 
@@ -168,3 +173,16 @@ def test_resuming_refuses_megatron_lms_bucket_optimizer_state_by_name_and_no_loa
     assert " consumed samples:            6 |" in out
     [(_, expected)] = run_ranks(_batch_loss, 1, flags, 4, timeout=240)  # the batch after 2 x 2 samples
     assert abs(logged[3] - expected) < 1e-5, (logged[3], expected)
+    # and Megatron-LM's own: its iteration 3 ran the saved weights on the same mock batch
+    assert abs(logged[3] - REFERENCE["lm_losses"][2]) < 1e-5, (logged[3], REFERENCE["lm_losses"])
+    print(f"MEASURED resumed iteration 3: megafab {logged[3]!r} Megatron-LM {REFERENCE['lm_losses'][2]!r}")
+
+
+def test_mock_data_batches_are_megatron_lms(mock_data_cache):
+    """--mock-data gives the batches Megatron-LM's loader gave the fixture's run (megatron-core splits
+    the mock documents 1,1,1 whatever --split says)."""
+    recorded = REFERENCE["batches"]
+    [ours] = run_ranks(_mock_batches, 1, FLAGS + mock_data_cache, 0, len(recorded), timeout=240)
+    for i, (batch, theirs) in enumerate(zip(ours, recorded)):
+        for key, value in theirs.items():
+            assert torch.equal(batch[key], value.to(batch[key].dtype)), (i, key)
