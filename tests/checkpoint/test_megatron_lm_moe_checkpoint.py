@@ -2,13 +2,17 @@
 dist_checkpointing.save of a bare model (tests/checkpoint/test_moe_megatron_dist.py): the committed
 fixture tests/checkpoint/fixtures/megatron_lm_moe/ (4 experts top-2, a shared expert, alltoall, EP 1,
 the distributed optimizer, torch_dist) is what megatron.training.checkpointing.save_checkpoint wrote
-after two train_step calls (tests/checkpoint/fixtures/make_megatron_lm_moe.py, README.md there).
-megafab.inference.load_model gives megatron-core's recorded logits within 1e-5, and pretrain_gpt.py
---load <a copy> --finetune with the fixture's own Megatron flags trains from it at EP 1, EP 2, TP 2
-and TP 2 x EP 2 (forked ranks, about a second or two each): it
-exits 0, its first lm loss is the loaded model's loss on that first batch (1e-5), and the iteration
-count and consumed samples restart at 0. Resuming it (no --finetune) refuses Megatron-LM's bucket-space
-distributed-optimizer state by name; --no-load-optim resumes at its iteration 2."""
+after the second of four train_step calls (tests/checkpoint/fixtures/make_megatron_lm_moe.py; its
+README.md says how it was made).
+
+- megafab.inference.load_model gives megatron-core's recorded logits within 1e-5;
+- pretrain_gpt.py --load <a copy> --finetune with the fixture's own Megatron flags trains from it at
+  EP 1, EP 2, TP 2 and TP 2 x EP 2 (forked ranks, a second or two each): every rank exits 0, the first
+  lm loss is the loaded model's loss on that first batch (1e-5), iterations and samples restart at 0;
+- resuming it (no --finetune) refuses Megatron-LM's bucket-space distributed-optimizer state by name,
+  and --no-load-optim resumes at its iteration 2 logging Megatron-LM's own iteration-3 loss (1e-5);
+- --mock-data gives the batches Megatron-LM's loader gave that run.
+"""
 
 from __future__ import annotations
 
@@ -57,8 +61,8 @@ def test_the_fixture_is_a_megatron_lm_moe_checkpoint_with_its_optimizer():
     assert sizes["decoder.layers.mlp.experts.experts.linear_fc2.weight"] == torch.Size([2, 4, 64, 16])
     assert sizes["decoder.layers.mlp.router.weight"] == torch.Size([2, 4, 64])
     assert sizes["decoder.layers.mlp.shared_experts.linear_fc1.weight"] == torch.Size([2, 2 * 16, 64])
-    assert not any("local_experts" in k or "linear_fc1.weight" in k and "mlp.experts" not in k
-                   and "shared" not in k for k in sizes)  # no dense MLP
+    assert not any("local_experts" in k or ("linear_fc1.weight" in k and "mlp.experts" not in k
+                                            and "shared" not in k) for k in sizes)  # no dense MLP
     assert any(k.startswith("optimizer.") for k in sizes)  # Megatron-LM saved its optimizer state
     common = read_common(str(SAVED))  # megafab's reader: Megatron's classes stand in, none imported
     args = common["args"]
@@ -93,23 +97,23 @@ def test_load_model_gives_megatron_cores_logits_and_loss():
     assert abs(_loss(model, REFERENCE["tokens"], REFERENCE["labels"]) - REFERENCE["loss"].item()) < 1e-5
 
 
-def _mock_batches(rank, world, flags, consumed, n=1) -> list[dict]:
-    """A run's first `n` global batches after `consumed` samples (megafab's mock-data iterator, one
-    data-parallel rank)."""
+def _mock_batches(rank, world, flags, n) -> list[dict]:
+    """A run's first `n` global batches (megafab's mock-data iterator, one data-parallel rank)."""
     from megafab.arguments import config_from_args
     from megafab.training.data_setup import build_data_iterators
 
     cfg = config_from_args(flags, world_size=1, start_up=True)
     one_rank = SimpleNamespace(rank=0, dp_rank=0, dp=1)
-    train, _, _ = build_data_iterators(cfg, one_rank, consumed_train_samples=consumed)
+    train, _, _ = build_data_iterators(cfg, one_rank, consumed_train_samples=0)
     return [next(train) for _ in range(n)]
 
 
-def _batch_loss(rank, world, flags, consumed):
-    """The fixture's model (megafab.inference) on the global batch after `consumed` samples."""
-    [batch] = _mock_batches(rank, world, flags, consumed)
+def _recorded_batch_loss(i: int) -> float:
+    """The fixture's model (megafab.inference) on the i-th batch Megatron-LM's loader gave its run
+    (test_mock_data_batches_are_megatron_lms: megafab's mock data gives the same)."""
     model, _ = load_model(str(FIXTURE))
-    return batch["tokens"].shape, _loss(model, batch["tokens"], batch["labels"], batch["loss_mask"])
+    batch = REFERENCE["batches"][i]
+    return _loss(model, batch["tokens"], batch["labels"], batch["loss_mask"])
 
 
 @pytest.fixture(scope="module")
@@ -119,10 +123,9 @@ def finetune_flags(mock_data_cache):
 
 
 @pytest.fixture(scope="module")
-def first_batch_loss(finetune_flags):
-    [(shape, loss)] = run_ranks(_batch_loss, 1, finetune_flags, 0, timeout=240)
-    assert shape == (2, 32)  # the whole first global batch
-    return loss
+def first_batch_loss():
+    assert REFERENCE["batches"][0]["tokens"].shape == (2, 32)  # one global batch of the fine-tuning run
+    return _recorded_batch_loss(0)
 
 
 # At TP 2 Megatron pads the vocabulary to a multiple of 128 * 2 = 256: the user halves the divisor to
@@ -171,9 +174,9 @@ def test_resuming_refuses_megatron_lms_bucket_optimizer_state_by_name_and_no_loa
     logged = losses(out)
     assert sorted(logged) == [3, 4]  # the iteration and consumed samples are the checkpoint's
     assert " consumed samples:            6 |" in out
-    [(_, expected)] = run_ranks(_batch_loss, 1, flags, 4, timeout=240)  # the batch after 2 x 2 samples
+    expected = _recorded_batch_loss(2)  # the batch after 2 x 2 samples
     assert abs(logged[3] - expected) < 1e-5, (logged[3], expected)
-    # and Megatron-LM's own: its iteration 3 ran the saved weights on the same mock batch
+    # which is Megatron-LM's own iteration-3 loss: its run went on from the saved weights
     assert abs(logged[3] - REFERENCE["lm_losses"][2]) < 1e-5, (logged[3], REFERENCE["lm_losses"])
     print(f"MEASURED resumed iteration 3: megafab {logged[3]!r} Megatron-LM {REFERENCE['lm_losses'][2]!r}")
 
@@ -182,7 +185,7 @@ def test_mock_data_batches_are_megatron_lms(mock_data_cache):
     """--mock-data gives the batches Megatron-LM's loader gave the fixture's run (megatron-core splits
     the mock documents 1,1,1 whatever --split says)."""
     recorded = REFERENCE["batches"]
-    [ours] = run_ranks(_mock_batches, 1, FLAGS + mock_data_cache, 0, len(recorded), timeout=240)
+    [ours] = run_ranks(_mock_batches, 1, FLAGS + mock_data_cache, len(recorded), timeout=240)
     for i, (batch, theirs) in enumerate(zip(ours, recorded)):
         for key, value in theirs.items():
             assert torch.equal(batch[key], value.to(batch[key].dtype)), (i, key)
