@@ -11,7 +11,9 @@ README.md says how it was made).
   lm loss is the loaded model's loss on that first batch (1e-5), iterations and samples restart at 0;
 - resuming it (no --finetune) refuses Megatron-LM's bucket-space distributed-optimizer state by name,
   and --no-load-optim resumes at its iteration 2 logging Megatron-LM's own iteration-3 loss (1e-5);
-- --mock-data gives the batches Megatron-LM's loader gave that run.
+- --mock-data gives the batches Megatron-LM's loader gave that run;
+- the same run saved with --dist-ckpt-optim-fully-reshardable (fixtures/megatron_lm_moe_fully_reshardable)
+  resumes with its optimizer at DP 1, DP 2 and EP 2: iterations 3 and 4 log Megatron-LM's own losses.
 """
 
 from __future__ import annotations
@@ -189,3 +191,35 @@ def test_mock_data_batches_are_megatron_lms(mock_data_cache):
     for i, (batch, theirs) in enumerate(zip(ours, recorded)):
         for key, value in theirs.items():
             assert torch.equal(batch[key], value.to(batch[key].dtype)), (i, key)
+
+
+FULLY_RESHARDABLE = FIXTURE.parent / "megatron_lm_moe_fully_reshardable"
+
+
+@pytest.mark.parametrize("world, layout", [
+    (1, {}),
+    (2, {"micro_batch_size": 1}),  # DP 2: the distributed optimizer's state resharded over two ranks
+    (2, {"expert_model_parallel_size": 2, "micro_batch_size": 1}),
+], ids=["dp1", "dp2", "ep2"])
+def test_resuming_megatron_lms_fully_reshardable_save_logs_megatron_lms_next_losses(
+        tmp_path, mock_data_cache, world, layout):
+    """The same Megatron-LM run saved with --dist-ckpt-optim-fully-reshardable (Adam's moments shaped
+    like the parameters) resumes in megafab with its optimizer: iteration 3 (the saved weights) and
+    iteration 4 (after a step with the loaded moments, step count and schedule) log Megatron-LM's own
+    lm losses within 1e-5."""
+    reference = torch.load(FULLY_RESHARDABLE / "reference.pt", weights_only=True)
+    assert reference["save_flags"] == ["--dist-ckpt-optim-fully-reshardable"]
+    assert reference["lm_losses"] == REFERENCE["lm_losses"]  # one run, two optimizer formats
+    assert read_common(str(FULLY_RESHARDABLE / "iter_0000002"))["optimizer"]["param_state_sharding_type"] \
+        == "fully_reshardable"
+    load = tmp_path / "load"
+    shutil.copytree(FULLY_RESHARDABLE, load)
+    flags = _with(FLAGS + mock_data_cache, load=load, log_interval=1, **layout)
+    out = main_stdout(world, flags, tmp_path / "run")
+    assert "optimizer starts fresh" not in out
+    logged = losses(out)
+    assert sorted(logged) == [3, 4]
+    for it in (3, 4):  # (a fresh Adam, --no-load-optim, logs iteration 4 3.8e-2 off)
+        megatron_lm = reference["lm_losses"][it - 1]
+        assert abs(logged[it] - megatron_lm) < 1e-5, (layout, it, logged[it], megatron_lm)
+    print(f"MEASURED full resume {layout}: megafab {logged} Megatron-LM {reference['lm_losses'][2:]}")
