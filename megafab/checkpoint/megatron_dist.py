@@ -122,9 +122,11 @@ def adam_step(common: dict) -> float | None:
     return float(steps[0]) if steps else None
 
 
-def _optimizer_problem(common: dict, view: dict) -> str | None:
+def _optimizer_problem(common: dict, view: dict, in_buckets: bool) -> str | None:
+    """Why the optimizer state cannot be restored (None: it can); in_buckets: stored as the
+    distributed optimizer's flat bucket buffers (mk.OPTIM_BUCKETS keys, which `view` leaves out)."""
     sharding = _get(common, "optimizer", "param_state_sharding_type")
-    if sharding is not None and sharding not in READABLE_OPTIMIZER_FORMATS:
+    if in_buckets or (sharding is not None and sharding not in READABLE_OPTIMIZER_FORMATS):
         return (f"its distributed-optimizer state has sharding type {sharding!r}: flat buffers laid out by "
                 f"the saving job's DP buckets, which megafab cannot reshard (Megatron reads them only at the "
                 f"same TP/PP; save with --dist-ckpt-optim-fully-reshardable for a state megafab reads)")
@@ -187,9 +189,12 @@ class TorchDistSource(CheckpointSource):
             rng_layout = ours["layout"] if ours["has_rng"] else None
         else:
             counters, vocab, rng_layout = _megatron_counters(common, args), args.get("vocab_size"), None
-        has_optimizer = any(split_key(k)[1] is not None for k in view)
+        # Megatron-LM's default distributed-optimizer save (dp_reshardable) keeps its state in bucket
+        # buffers only: present, though not readable (refused by name below, not taken for --no-save-optim)
+        in_buckets = any(k.startswith(mk.OPTIM_BUCKETS) for k in metadata.state_dict_metadata)
+        has_optimizer = in_buckets or any(split_key(k)[1] is not None for k in view)
         self.step = adam_step(common)
-        problem = _optimizer_problem(common, view) if has_optimizer else None
+        problem = _optimizer_problem(common, view, in_buckets) if has_optimizer else None
         if problem is None and self.step is None and any(k.endswith(".exp_avg") for k in view):
             problem = "it records no Adam step for its Adam moments (common.pt holds no param_groups step)"
         stored_keys = metadata.state_dict_metadata

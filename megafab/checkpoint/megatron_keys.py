@@ -55,6 +55,10 @@ from megafab.checkpoint.layout import (
 )
 
 OPTIM_STATE = "optimizer.state."
+# megatron-core's distributed optimizer in its bucket-space formats (dp_reshardable, Megatron-LM's
+# default, and dp_zero_gather_scatter / fully_sharded_bucket_space): flat per-bucket buffers, e.g.
+# optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.float32, torch.float32).bucket_idx_0.exp_avg
+OPTIM_BUCKETS = "optimizer.distributed."
 MAIN_PARAM_KINDS = ("fp32_param", "param")  # plain optimizer, distributed optimizer
 # Megatron's linear modules carry an `_extra_state` (None for the local spec, FP8 metadata under
 # Transformer Engine, whose core attention has one too); megatron-core's torch_dist loader asks for

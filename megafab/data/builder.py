@@ -16,6 +16,9 @@ from megafab.data.mock import MockIndexedDataset
 from megafab.data.token_range import check_dataset
 
 SPLIT_NAMES = ("train", "valid", "test")
+# megatron-core's BlendedMegatronDatasetConfig sets split "1,1,1" for mock data without --data-path,
+# whatever --split says ("an arbitrarily even split, as mock is True"): three equal parts.
+MOCK_SPLIT = "1,1,1"
 MID_LEVEL_SURPLUS = 0.005
 
 
@@ -133,7 +136,8 @@ def build_gpt_datasets(data_path: str | Sequence[str] | None = None, split: str 
 
     if mock:
         low = MockIndexedDataset(vocab_size, tokenizer.eod)
-        return mid_level(low, None, split_matrix(parse_split(split)), sizes)
+        matrix = split_matrix(parse_split(MOCK_SPLIT if data_path is None else split))
+        return mid_level(low, None, matrix, sizes)
     if data_path is not None:
         return from_blend(parse_blend(data_path), split_matrix(parse_split(split)), sizes)
     result = []
