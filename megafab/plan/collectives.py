@@ -7,13 +7,18 @@ node's NCCL bus bandwidth; a group across nodes runs its rings through the NICs 
 p of its ranks on each node, p NICs carry it (one per GPU, rail-aligned), bus bandwidth
 min(intra, p x NIC).
 
-Ring algorithms over n ranks, S the full (unsharded) message (nccl-tests' bus-bandwidth factors):
-    all-reduce          2 (n-1)/n S / busbw + 2 (n-1) alpha
+Ring algorithms over n ranks on N nodes, S the full (unsharded) message (nccl-tests' bus-bandwidth
+factors; latency as NCCL's own tuning model, src/graph/tuning.cc ncclTopoTuneModel, ring/Simple:
+a base latency per call, then each ring step inside a node at the NVLink step latency and the
+steps that cross the network at the network step latency):
+    all-reduce          2 (n-1)/n S / busbw + base + (2(n-1) - 2N) intra + 2N inter   (N > 1)
     all-gather,
-    reduce-scatter      (n-1)/n S / busbw + (n-1) alpha
-    all-to-all          (n-1)/n S / busbw + (n-1) alpha
+    reduce-scatter      (n-1)/n S / busbw + base + (n-N) intra + (N-1) inter
+    all-to-all          (n-1)/n S / busbw + (n-1) alpha  (grouped send/recv, no ring: alpha = the
+                        inter-node step latency once the group spans nodes, else the NVLink one)
     send/recv           S / link + alpha
-A measured profile (profile.py) has its own alpha and bus bandwidth per op and group size.
+On one node N = 1: base + (n-1) intra (all-reduce 2(n-1)). A measured profile (profile.py) has its
+own alpha per step and bus bandwidth per op and group size (fitted; no base).
 """
 
 from __future__ import annotations
@@ -71,15 +76,29 @@ def _measured(machine, op: str, n: int):
     return table[size]
 
 
+def _ring_latency(machine, op: str, where: Placement) -> float:
+    """NCCL's ring latency of one call (see the module docstring)."""
+    n, nodes = where.size, where.nodes
+    steps = 2 * (n - 1) if op == "all_reduce" else n - 1
+    across = 0 if nodes == 1 else (2 * nodes if op == "all_reduce" else nodes - 1)
+    across = min(across, steps)
+    return machine.collective_base_latency_s + (steps - across) * machine.intra_latency_s \
+        + across * machine.inter_latency_s
+
+
 def collective_seconds(machine, op: str, nbytes: float, where: Placement) -> float:
-    """One ring collective of nbytes (the full, unsharded size) over the group."""
+    """One collective of nbytes (the full, unsharded size) over the group."""
     n = where.size
     if n <= 1 or nbytes <= 0:
         return 0.0
     factor, steps = _STEPS[op]
     measured = _measured(machine, op, n)
-    alpha, busbw = measured if measured else _link(machine, where)
-    return factor * (n - 1) / n * nbytes / busbw + steps * (n - 1) * alpha
+    if measured:
+        alpha, busbw = measured
+        return factor * (n - 1) / n * nbytes / busbw + steps * (n - 1) * alpha
+    alpha, busbw = _link(machine, where)
+    latency = steps * (n - 1) * alpha if op == "all_to_all" else _ring_latency(machine, op, where)
+    return factor * (n - 1) / n * nbytes / busbw + latency
 
 
 def p2p_seconds(machine, nbytes: float, across_nodes: bool) -> float:
