@@ -33,11 +33,13 @@ and the fp32 cross entropy over [M, V/t].
 
 Per step: the pipeline schedule (schedule.py) over m micro-batches; data-parallel reductions over
 the dp-cp group, and an MoE model's routed-expert parameters over expert-DP (all-reduce, or
-reduce-scatter + parameter all-gather with the distributed optimizer; FSDP2 gathers each layer in
-forward and again in backward and reduce-scatters once), hidden by --overlap-grad-reduce behind the
-last micro-batch's backward and by --overlap-param-gather behind the first one's forward, except
-one bucket; the optimizer step, memory-bound (bytes of state / HBM bandwidth) and, offloaded, PCIe
-copies plus the CPU's Adam.
+reduce-scatter + parameter all-gather with the distributed optimizer), hidden by
+--overlap-grad-reduce behind the last micro-batch's backward and by --overlap-param-gather behind
+the first one's forward, except one bucket; FSDP2's per-unit gathers, reduce-scatters and copies
+against each layer's own compute (megafab.plan.fsdp: what every micro-batch exposes goes into its
+stage's time in the schedule, the reducing micro-batch's extra after it), without Transformer
+Engine's TP overlap (megafab runs FSDP2 without TE); the optimizer step, memory-bound (bytes of
+state / HBM bandwidth) and, offloaded, PCIe copies plus the CPU's Adam.
 
 Throughput is reported as Megatron does: model FLOPs (megafab.training.flops, no recompute) per
 second per GPU, and MFU = that / the machine's peak for the model dtype.
@@ -343,20 +345,29 @@ def _layer_kinds(cfg, machine, x: _Shapes, tp_comm_overlap: bool, memo) -> dict[
     return kinds
 
 
+def _parts(cfg, machine, tp_comm_overlap: bool, memo: dict | None) -> tuple:
+    """What the stages' passes and FSDP2's timeline share: (shapes, each kind of layer's passes,
+    the embedding's and the output layer's passes, the stages' layers, each layer's kind)."""
+    x = _Shapes(cfg, machine)
+    return (x, _layer_kinds(cfg, machine, x, tp_comm_overlap, memo), _embedding_pass(x),
+            _output_pass(x, tp_comm_overlap), _stage_layers(cfg),
+            [is_moe_layer(x.moe, i) for i in range(cfg.model.num_layers)])
+
+
 def stage_passes(cfg, machine, tp_comm_overlap: bool = False,
                  memo: dict | None = None) -> list[tuple[_Pass, _Pass]]:
     """(forward, backward) of one micro-batch through each pipeline stage (all its chunks). memo: a
     dict kept by a caller that predicts many layouts of one model on one machine."""
-    x = _Shapes(cfg, machine)
-    kinds = _layer_kinds(cfg, machine, x, tp_comm_overlap, memo)
-    embed = _embedding_pass(x)
-    output = _output_pass(x, tp_comm_overlap)
-    layers = _stage_layers(cfg)
+    return _stage_passes(_parts(cfg, machine, tp_comm_overlap, memo))
+
+
+def _stage_passes(parts: tuple) -> list[tuple[_Pass, _Pass]]:
+    _, kinds, embed, output, layers, moe_layers = parts
     out = []
     for rank, chunks in enumerate(layers):
         fwd, bwd = _Pass(), _Pass()
         for index, recomputed in itertools.chain.from_iterable(chunks):
-            layer_f, layer_b = kinds[is_moe_layer(x.moe, index)]
+            layer_f, layer_b = kinds[moe_layers[index]]
             fwd, bwd = fwd + layer_f, bwd + layer_b + (layer_f if recomputed else _Pass())
         if rank == 0:
             fwd, bwd = fwd + embed[0], bwd + embed[1]
@@ -417,22 +428,26 @@ def data_parallel_seconds(cfg, machine, stages, passes) -> float:
     return max(worst, 0.0)
 
 
-def fsdp_stages(cfg, machine, tp_comm_overlap: bool, memo: dict | None,
-                shared: float) -> list[fsdp.StageFsdp]:
+def fsdp_stages(cfg, machine, parts: tuple, shared: float) -> list[fsdp.StageFsdp]:
     """FSDP2's exposed time on each pipeline stage (megafab.plan.fsdp), each unit's collectives
-    against its own layer's compute (shared: see predict)."""
-    x = _Shapes(cfg, machine)
-    kinds = _layer_kinds(cfg, machine, x, tp_comm_overlap, memo)
+    against its own layer's compute (parts: _parts'; shared: see predict)."""
+    x, kinds, _, output, layers, moe_layers = parts
     m = cfg.model
     ep, etp = expert_sizes(cfg)
-    units: dict[bool, fsdp.Unit] = {}
-    for index in range(m.num_layers):
-        moe_layer = is_moe_layer(x.moe, index)
-        if moe_layer not in units:
+    timed: dict[tuple[bool, bool], fsdp.Layer] = {}  # (MoE layer, recomputed): every such layer's
+
+    def layer(index: int, recomputed: bool) -> fsdp.Layer:
+        moe_layer = moe_layers[index]
+        if (moe_layer, recomputed) not in timed:
             total, experts = layer_param_split(cfg, index, x.tp, etp, ep)
-            units[moe_layer] = fsdp.unit(cfg, machine, total - experts, experts)
-    layers = _stage_layers(cfg)
-    output_cover = _output_pass(x, tp_comm_overlap)[1].compute_scaled(shared).total
+            f, b = kinds[moe_layer]
+            f = f.compute_scaled(shared).total
+            backward = b.compute_scaled(shared).total + (f if recomputed else 0.0)
+            timed[moe_layer, recomputed] = fsdp.Layer(fsdp.unit(cfg, machine, total - experts, experts), f,
+                                                      backward)
+        return timed[moe_layer, recomputed]
+
+    output_cover = output[1].compute_scaled(shared).total
     accumulating = (cfg.training.num_micro_batches or 1) > 1
     out = []
     for rank, chunks in enumerate(layers):
@@ -440,13 +455,7 @@ def fsdp_stages(cfg, machine, tp_comm_overlap: bool, memo: dict | None,
         stage = []
         for c, chunk in enumerate(chunks):
             root = chunk_params(m, x.tp, 0, rank == 0 and c == 0, last_stage and c == len(chunks) - 1)
-            timed = []
-            for index, recomputed in chunk:
-                f, b = kinds[is_moe_layer(x.moe, index)]
-                f = f.compute_scaled(shared).total
-                timed.append(fsdp.Layer(units[is_moe_layer(x.moe, index)], f,
-                                        b.compute_scaled(shared).total + (f if recomputed else 0.0)))
-            stage.append((fsdp.unit(cfg, machine, root), timed))
+            stage.append((fsdp.unit(cfg, machine, root), [layer(i, recomputed) for i, recomputed in chunk]))
         out.append(fsdp.stage_seconds(cfg, stage, output_cover if last_stage else 0.0, accumulating))
     return out
 
@@ -478,13 +487,13 @@ def predict(cfg, machine, stages, tp_comm_overlap: bool = False, memo: dict | No
     # megafab refuses Transformer Engine with FSDP2 (config rules), so an FSDP2 layout never has
     # TE's userbuffers TP overlap (what tp_comm_overlap assumes)
     overlap = tp_comm_overlap and not p.fully_sharded
-    passes = [(f.compute_scaled(shared), b.compute_scaled(shared))
-              for f, b in stage_passes(cfg, machine, overlap, memo)]
-    sharded = fsdp_stages(cfg, machine, overlap, memo, shared) if p.fully_sharded else None
+    parts = _parts(cfg, machine, overlap, memo)
+    passes = [(f.compute_scaled(shared), b.compute_scaled(shared)) for f, b in _stage_passes(parts)]
+    sharded = fsdp_stages(cfg, machine, parts, shared) if p.fully_sharded else None
     per_mb = [s.per_micro_batch for s in sharded] if sharded else [0.0] * len(passes)
     m_count = t.num_micro_batches or 1
     vpp = p.virtual_pipeline_model_parallel_size or 1
-    x = _Shapes(cfg, machine)
+    x = parts[0]
     boundary = x.e * x.M * x.h / (x.tp if x.sp else 1)
     across = group_placement(cfg, machine, "pp").nodes > 1
     seconds = [f.total + b.total + g for (f, b), g in zip(passes, per_mb)]
