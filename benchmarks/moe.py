@@ -317,7 +317,7 @@ def planned_expert_bytes(cfg) -> tuple[int, int, int, int]:
     counts them (stage_state_bytes's expert part)."""
     _, experts = stage_param_split(cfg, 0)
     _, unit = largest_fsdp_unit(cfg, 0)
-    s = state_bytes(cfg, experts, unit, gloo=True, group_size=expert_data_parallel_size(cfg))
+    s = state_bytes(cfg, experts, unit, group_size=expert_data_parallel_size(cfg))
     return experts, int(s.weights), int(s.grads), int(s.optimizer)
 
 

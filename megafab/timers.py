@@ -89,24 +89,25 @@ class Timers:
     def reported_names(self) -> tuple[str, ...]:
         return (LEVEL_1 if self.log_level >= 1 else ()) + (LEVEL_2 if self.log_level >= 2 else ())
 
-    def gather(self, names: tuple[str, ...]) -> torch.Tensor:
-        """Collective: [world, len(names)] seconds of each rank since the last gather (then reset)."""
+    def gather(self, names: tuple[str, ...], reset: bool = True) -> torch.Tensor:
+        """Collective: [world, len(names)] seconds of each rank since the last reset."""
         local = torch.tensor([self._timers[n].elapsed if n in self._timers else 0.0 for n in names],
                              dtype=torch.float64, device=self.device)
-        for timer in self._timers.values():
-            timer.elapsed = 0.0
+        if reset:
+            for timer in self._timers.values():
+                timer.elapsed = 0.0
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return local.unsqueeze(0).cpu()
         rows = [torch.empty_like(local) for _ in range(dist.get_world_size())]
         dist.all_gather(rows, local)
         return torch.stack(rows).cpu()
 
-    def report(self, iterations: int) -> tuple[str | None, dict[str, float]]:
+    def report(self, iterations: int, reset: bool = True) -> tuple[str | None, dict[str, float]]:
         """Collective: (Megatron's text, {name: max ms per iteration}) for the timers that ran."""
         names = self.reported_names()
         if not names:
             return None, {}
-        ms = self.gather(names) * 1000.0 / max(iterations, 1)
+        ms = self.gather(names, reset) * 1000.0 / max(iterations, 1)
         ran = [i for i, _ in enumerate(names) if bool((ms[:, i] > 0).any())]
         if not ran:
             return None, {}

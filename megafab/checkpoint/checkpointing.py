@@ -50,7 +50,7 @@ def dcp_io():
 
 def _layout(topo, cfg) -> dict:
     vpp = cfg.parallel.virtual_pipeline_model_parallel_size or 1
-    return run_layout(topo.tp, topo.pp, topo.dp, vpp, topo.cp)
+    return run_layout(topo.tp, topo.pp, topo.dp, vpp, topo.cp, topo.ep, topo.etp)
 
 
 def _print0(topo, text: str) -> None:

@@ -68,11 +68,17 @@ class CheckpointSource:
         return rng_file(self.path, rank), None
 
 
-def run_layout(tp: int, pp: int, dp: int, vpp: int = 1, cp: int = 1) -> dict:
-    """The layout a checkpoint records (the RNG files are per rank of it)."""
+def run_layout(tp: int, pp: int, dp: int, vpp: int = 1, cp: int = 1, ep: int = 1,
+               etp: int | None = None) -> dict:
+    """The layout a checkpoint records (the RNG files are per rank of it). CP and the expert grid
+    are named only where they differ from a dense run's, so dense checkpoints keep their record."""
     layout = {"world_size": tp * pp * dp * cp, "tp": tp, "pp": pp, "dp": dp, "vpp": vpp}
-    if cp > 1:  # CP changes only activations; named so RNG states are not mixed up
+    if cp > 1:
         layout["cp"] = cp
+    if ep > 1:
+        layout["ep"] = ep
+    if etp is not None and etp != tp:
+        layout["etp"] = etp
     return layout
 
 

@@ -15,7 +15,8 @@ three variants, Megatron's --cp-comm-type:
   p2p        ring: K/V blocks travel round the CP group (cp - 1 steps, the next block's transfer
              overlapping the current block's compute); partial results merge by log-sum-exp.
              Backward runs the ring again, dK/dV travelling with K/V back to their owner.
-  allgather  K/V all-gathered (and re-gathered in backward, so only local K/V is saved); dK/dV
+  allgather  K/V all-gathered (and re-gathered in backward, so only local K/V is saved) while
+             each query chunk's diagonal block computes on local K/V; dK/dV of the other blocks
              reduce-scattered.
   a2a        DeepSpeed-Ulysses: an all-to-all trades the sequence split for a head split
              ([b, heads, s/cp, d] -> [b, heads/cp, s, d]), plain SDPA runs on whole sequences,
@@ -30,7 +31,8 @@ what SDPA saves, for heads/cp of the whole sequence: the same bytes. Blocks are 
     p2p, rank r, ring step i (K/V of rank src = r - i):   i = 0    all rows x all keys, causal
                                                           src < r  all rows x first key chunk
                                                           src > r  second query chunk x all keys
-    allgather, each local query chunk j:   keys of chunks before j (full), chunk j's keys (causal)
+    allgather, each local query chunk j:   chunk j's own keys (causal, local K/V, first),
+                                           keys of chunks before j (full, gathered K/V)
 
 The plans are host-side slices made once per (chunk length, cp, rank) and cached; no positions,
 index tensors or values are read back from the device inside attention (no host-device sync).
@@ -54,7 +56,7 @@ import torch.nn.functional as F
 
 from megafab.distributed.blockwise_attention import LseMerge, compute_dtype
 from megafab.distributed.fused_attention import block_kernel
-from megafab.distributed.mappings import gather_first_dim, reduce_scatter_first_dim
+from megafab.distributed.mappings import all_gather_single, reduce_scatter_first_dim
 from megafab.distributed.random import host_seed
 from megafab.run import faults
 
@@ -162,12 +164,22 @@ class _Ring:
         return received
 
 
-def _all_gather_kv(kv: torch.Tensor, group) -> torch.Tensor:
-    """kv [2, b, g, s/cp, d] of every CP rank -> [2, b, g, s, d] in sequence order."""
+def _start_kv_gather(kv: torch.Tensor, group):
+    """Post the all-gather of every CP rank's kv [2, b, g, s/cp, d]; finish with _finish_kv_gather."""
     cp = dist.get_world_size(group)
-    gathered = gather_first_dim(kv, group).view(cp, *kv.shape)
-    gathered = gathered.permute(1, 2, 3, 0, 4, 5)  # [2, b, g, cp, s/cp, d]
-    return _to_natural_order(gathered.reshape(*kv.shape[:3], -1, kv.shape[-1]), 3, cp)
+    out = torch.empty((cp, *kv.shape), dtype=kv.dtype, device=kv.device)
+    work = all_gather_single(out.view(cp * kv.shape[0], *kv.shape[1:]), kv.contiguous(), group=group,
+                             async_op=True)
+    return out, work, group
+
+
+def _finish_kv_gather(pending) -> torch.Tensor:
+    """The gathered K/V [2, b, g, s, d] in sequence order."""
+    out, work, group = pending
+    faults.wait(work, "K/V all-gather (context parallel)", group)
+    cp, two, b, g, c2, d = out.shape
+    gathered = out.permute(1, 2, 3, 0, 4, 5)  # [2, b, g, cp, s/cp, d]
+    return _to_natural_order(gathered.reshape(two, b, g, cp * c2, d), 3, cp)
 
 
 def _reduce_scatter_kv(dkv: torch.Tensor, group) -> torch.Tensor:
@@ -225,15 +237,16 @@ def ring_plan(c: int, cp: int, rank: int) -> tuple[tuple[Block, ...], ...]:
 
 
 @functools.cache
-def allgather_plan(c: int, cp: int, rank: int) -> tuple[Block, ...]:
-    """This rank's query chunks against the gathered K/V in sequence order."""
-    blocks = []
+def allgather_plan(c: int, cp: int, rank: int) -> tuple[tuple[Block, ...], tuple[Block, ...]]:
+    """(blocks against this rank's own K/V: each query chunk's causal diagonal, computed while the
+    all-gather runs; blocks against the gathered K/V in sequence order: the keys before each chunk)."""
+    local, gathered = [], []
     for a, chunk in enumerate(chunk_ids(rank, cp)):
         rows = slice(a * c, (a + 1) * c)
+        local.append(Block(rows, rows, True, True))
         if chunk > 0:
-            blocks.append(Block(rows, slice(0, chunk * c), False, True))
-        blocks.append(Block(rows, slice(chunk * c, (chunk + 1) * c), True, chunk == 0))
-    return tuple(blocks)
+            gathered.append(Block(rows, slice(0, chunk * c), False, False))
+    return tuple(local), tuple(gathered)
 
 
 # ---- attention variants --------------------------------------------------------------------------
@@ -316,23 +329,36 @@ class _RingAttention(torch.autograd.Function):
 
 
 class _AllGatherAttention(torch.autograd.Function):
+    """The diagonal blocks need only local K/V: they compute while the all-gather (forward) and
+    the re-gather (backward) run; their dK/dV stay local, only the rest is reduce-scattered."""
+
     @staticmethod
     def forward(ctx, q, k, v, group, dropout_p: float, seed: int, implementation: str):
         cp, r, c, merge = _start(ctx, q, group, dropout_p, seed, implementation)
-        ctx.plan = allgather_plan(c, cp, r)
-        ctx.aux = _forward_blocks(ctx.kernel, merge, q, _all_gather_kv(torch.stack([k, v]), group),
-                                  ctx.plan, ctx.scale, 0)
+        ctx.plan = local_blocks, gathered_blocks = allgather_plan(c, cp, r)
+        kv = torch.stack([k, v])
+        pending = _start_kv_gather(kv, group)
+        ctx.aux = _forward_blocks(ctx.kernel, merge, q, kv, local_blocks, ctx.scale, 0)
+        ctx.aux += _forward_blocks(ctx.kernel, merge, q, _finish_kv_gather(pending), gathered_blocks,
+                                   ctx.scale, len(local_blocks))
         return _save(ctx, q, k, v, merge)
 
     @staticmethod
     def backward(ctx, dout):
         saved = ctx.saved_tensors
         q, k, v = saved[:3]
+        local_blocks, gathered_blocks = ctx.plan
+        n_local = len(local_blocks)
         dq = torch.zeros(q.shape, dtype=compute_dtype(q.dtype), device=q.device)
-        kv = _all_gather_kv(torch.stack([k, v]), ctx.group)  # gathered again, not saved
+        kv = torch.stack([k, v])
+        pending = _start_kv_gather(kv, ctx.group)  # gathered again, not saved
+        dkv_local = torch.zeros_like(kv, dtype=dq.dtype)
+        _backward_blocks(ctx, saved, dout, dq, kv, dkv_local, local_blocks, 0, ctx.aux[:n_local])
+        kv = _finish_kv_gather(pending)
         dkv = torch.zeros_like(kv, dtype=dq.dtype)
-        _backward_blocks(ctx, saved, dout, dq, kv, dkv, ctx.plan, 0, ctx.aux)
-        return (dq.to(q.dtype), *_grads(saved, _reduce_scatter_kv(dkv, ctx.group)))
+        _backward_blocks(ctx, saved, dout, dq, kv, dkv, gathered_blocks, n_local, ctx.aux[n_local:])
+        dkv_local += _reduce_scatter_kv(dkv, ctx.group)
+        return (dq.to(q.dtype), *_grads(saved, dkv_local))
 
 
 def _sbhd_layout(x: torch.Tensor) -> torch.Tensor:

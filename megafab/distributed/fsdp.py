@@ -1,10 +1,18 @@
 """ZeRO-3 of one model chunk through torch FSDP2 (`fully_shard` over the data-parallel DeviceMesh).
 
-    FullyShardedDataParallel(chunk, dp_group=..., units=[layer, layer, ...], ...)
+    FullyShardedDataParallel(chunk, mesh=..., units=layer_units(chunk.decoder.layers.values()), ...)
 
-Each of `units` (the transformer layers) is one FSDP2 group and the chunk itself is the root
-group holding the rest (embedding, final norm, output layer, so a tied embedding and its output
-use live in one group). Every parameter becomes a DTensor sharded on dim 0 over the DP group:
+Each of `units` is one FSDP2 group: per transformer layer its attention block, its MLP and the
+layer itself (its norms), and the chunk itself is the root group holding the rest (embedding,
+final norm, output layer, so a tied embedding and its output use live in one group). Units of
+sub-blocks rather than whole layers keep the working set small: in backward FSDP2 holds the
+unit's gathered weights and its unsharded gradient, gathers the next unit (its default backward
+prefetch) and copies the gradient flat for the reduce-scatter; with a unit per layer that was
+about 4 layers' fp32 weights at once on top of the root's (DP 8, benchmarks/README.md `memory.py
+--peaks`), with these units about 1.5 layers (the next MLP's gather: its flat all-gather output
+and the per-parameter copy, beside the attention block's gradient). The root's weights are
+gathered and its gradient unsharded through the whole backward (the tied output layer's backward
+comes first, the embedding's last). Every parameter becomes a DTensor sharded on dim 0 over the DP group:
 rank r keeps rows [r * c, (r + 1) * c) of its TP block, c = ceil(rows / dp), the last ranks fewer
 (FSDP2 pads them internally). Before a group's forward FSDP2 all-gathers its parameters, after it
 (and after its backward) it frees them; gradients are reduce-scattered, averaged over DP.
@@ -61,6 +69,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import sys
+import warnings
 from collections.abc import Callable, Iterable
 
 import torch
@@ -113,6 +122,26 @@ def expert_units(module: nn.Module) -> list[nn.Module]:
     stray = [n for n, p in module.named_parameters()
              if is_expert_param(p) and id(p) not in inside]
     assert not stray, f"expert params held beside dense params cannot shard over expert-DP: {stray}"
+    return units
+
+
+SUB_BLOCKS = ("self_attention", "mlp")  # a transformer layer's children that are FSDP2 units
+
+
+def layer_units(layers: Iterable[nn.Module]) -> list[nn.Module]:
+    """The FSDP2 units of transformer layers, in the order they are sharded: per layer its
+    attention block and its MLP (SUB_BLOCKS, where they run a forward of their own: not the
+    Transformer Engine layer's plain containers), then the layer itself (what is left: its norms).
+    A unit per sub-block rather than per layer keeps FSDP2's working set (a unit's gathered
+    weights and unsharded gradient, the next unit's gather) to the MLP's two-thirds of a layer."""
+    units: list[nn.Module] = []
+    for layer in layers:
+        for name in SUB_BLOCKS:
+            block = getattr(layer, name, None)
+            if block is not None and type(block).forward is not nn.Module.forward \
+                    and any(p.requires_grad for p in block.parameters()):
+                units.append(block)
+        units.append(layer)
     return units
 
 
@@ -239,9 +268,15 @@ class FullyShardedDataParallel(nn.Module):
             for p in params:  # free on the meta device; a whole-model copy otherwise
                 p.data = p.data.to(self.main_dtype)
         policy = _mixed_precision(self.compute_dtype, self.main_dtype, reduce_dtype)
-        for unit in expert_units(module):  # before the layers: theirs are the params left over
+        # A sub-layer unit (layer_units) returns a view (a linear's 3-D output); FSDP2 warns that an
+        # in-place op on it would skip its pre-backward hook. The layers add those outputs out of
+        # place (residual + out), so the warning is about nothing here.
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        experts = expert_units(module)
+        for unit in experts:  # before the layers: theirs are the params left over
             fully_shard(unit, mesh=self.expert_mesh, mp_policy=policy,
                         reshard_after_forward=reshard_after_forward)
+        units = [u for u in units if all(u is not e for e in experts)]
         for unit in units:
             fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
         fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)

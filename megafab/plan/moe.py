@@ -88,15 +88,15 @@ def expert_data_parallel_size(cfg) -> int:
 
 
 def stage_state_bytes(cfg, params: int, expert_params: int, unit: int, expert_unit: int,
-                      gloo: bool = False) -> StateBytes:
+                      root: int = 0, embedding: int = 0) -> StateBytes:
     """Training state of a stage whose `params` include `expert_params` routed-expert ones: the dense
     rest reduced and sharded over DP x CP, the experts over expert-DP (distributed optimizer and
-    FSDP2 alike); unit, expert_unit: the largest FSDP2 unit's (all, expert) parameters."""
-    dense = state_bytes(cfg, params - expert_params, unit - expert_unit, gloo=gloo)
+    FSDP2 alike); unit, expert_unit: the largest FSDP2 unit's (all, expert) parameters; root,
+    embedding: the root units' parameters and the word embedding among them (dense)."""
+    dense = state_bytes(cfg, params - expert_params, unit - expert_unit, root=root, embedding=embedding)
     if not expert_params:
         return dense
-    experts = state_bytes(cfg, expert_params, expert_unit, gloo=gloo,
-                          group_size=expert_data_parallel_size(cfg))
+    experts = state_bytes(cfg, expert_params, expert_unit, group_size=expert_data_parallel_size(cfg))
     return StateBytes(*(getattr(dense, f.name) + getattr(experts, f.name)
                         for f in dataclasses.fields(StateBytes)))
 

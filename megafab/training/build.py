@@ -15,6 +15,7 @@ from megafab.distributed.fsdp import (
     data_parallel_mesh,
     expert_data_parallel_mesh,
     fill_shards,
+    layer_units,
 )
 from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
 from megafab.distributed.topology import Topology, initialize
@@ -122,8 +123,9 @@ def build_model(cfg, topo: Topology, tracker, dtype: torch.dtype | None = None) 
 
 
 def fully_shard_chunk(cfg, topo: Topology, chunk) -> FullyShardedDataParallel:
-    """ZeRO-3 of one GPT chunk built on the meta device: one FSDP2 unit per transformer layer, the
-    chunk the root unit (embedding, final norm, output layer); each rank's shards are filled one
+    """ZeRO-3 of one GPT chunk built on the meta device: FSDP2 units per transformer layer's
+    attention block, MLP and norms (layer_units), the chunk the root unit (embedding, final norm,
+    output layer); each rank's shards are filled one
     part at a time. The shards are the fp32 masters of a bf16/fp16 model, unless the optimizer is
     offloaded (then the host keeps the masters)."""
     dtype = next(chunk.parameters()).dtype
@@ -132,7 +134,7 @@ def fully_shard_chunk(cfg, topo: Topology, chunk) -> FullyShardedDataParallel:
     reduce = None if cfg.parallel.accumulate_allreduce_grads_in_fp32 else dtype  # --grad-reduce-in-bf16
     expert_mesh = expert_data_parallel_mesh(topo) if cfg.moe.num_experts is not None else None
     return FullyShardedDataParallel(chunk, mesh=data_parallel_mesh(topo), expert_mesh=expert_mesh,
-                                    units=list(chunk.decoder.layers.values()), main_dtype=main,
+                                    units=layer_units(chunk.decoder.layers.values()), main_dtype=main,
                                     reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward,
                                     reduce_dtype=reduce, device=topo.device,
                                     initialized_parts=chunk.initialized_parts)

@@ -101,7 +101,9 @@ class StagePlan:
     activation_peak_bytes: int
     forward_saved_bytes: int = 0  # what one micro-batch's forward leaves saved for its backward
     host_bytes: int = 0  # optimizer CPU offload: main params, Adam state and copy buffers on the host
-    fsdp_transient_bytes: int = 0  # FSDP2: gathered weights and unsharded grads while in use
+    fsdp_held_bytes: int = 0  # FSDP2: the root's gathered weights and unsharded grads in backward
+    fsdp_transient_bytes: int = 0  # FSDP2: the largest unsharded-gradient moment on top
+    fsdp_moment: str = ""  # FSDP2: which moment fsdp_transient_bytes is
     gather_transient_bytes: int = 0  # distributed optimizer: all-gather inputs after the step
     kv_exchange_bytes: int = 0  # context parallel: transient K/V exchange buffers (in the peak)
     expert_params: int = 0  # MoE: the routed experts' part of params (reduced over expert-DP)
@@ -114,26 +116,39 @@ class StagePlan:
         """Weights, grads and optimizer state on the device, at rest."""
         return self.weights_bytes + self.grads_bytes + self.optimizer_bytes
 
+    def _moments(self, activations: int) -> dict[str, int]:
+        """What comes on top of the state (and FSDP2's held root) at each candidate peak."""
+        moments = {"activations": activations, "gather": self.gather_transient_bytes}
+        if self.fsdp_held_bytes or self.fsdp_transient_bytes:
+            moments["fsdp"] = self.fsdp_transient_bytes
+        return moments
+
     @property
     def total_bytes(self) -> int:
         """Device bytes at the peak (peak_phase says where). Building the model and loading a
-        checkpoint stay below it: they hold one layer unsharded at a time, and no activations."""
-        return self.state_bytes + self.fsdp_transient_bytes + max(self.activation_peak_bytes,
-                                                                  self.gather_transient_bytes)
+        checkpoint stay below it: they hold one layer unsharded at a time, and no activations.
+        FSDP2's largest unsharded-gradient moment and the activations are one max (see
+        megafab.training.state_memory)."""
+        moments = self._moments(self.activation_peak_bytes)
+        return self.state_bytes + self.fsdp_held_bytes + max(moments.values())
 
     @property
     def balanced_total_bytes(self) -> int:
         """total_bytes with an MoE stage's routed rows at balanced routing instead of their bound."""
-        return self.state_bytes + self.fsdp_transient_bytes + max(self.balanced_activation_peak_bytes,
-                                                                  self.gather_transient_bytes)
+        return self.state_bytes + self.fsdp_held_bytes + max(
+            self._moments(self.balanced_activation_peak_bytes).values())
 
     @property
     def peak_phase(self) -> str:
         """Where total_bytes is reached."""
-        if self.gather_transient_bytes > self.activation_peak_bytes:
+        moments = self._moments(self.activation_peak_bytes)
+        top = max(moments, key=moments.get)
+        if top == "gather":
             return "training step: state + the parameter all-gather after the optimizer step"
-        if self.fsdp_transient_bytes:
-            return "training step: state + FSDP2 working set + activations (backward)"
+        if top == "fsdp":
+            return f"training step: state + FSDP2's root (gathered, unsharded grad) + {self.fsdp_moment}"
+        if self.fsdp_held_bytes:
+            return "training step: state + FSDP2's root (gathered, unsharded grad) + activations (backward)"
         return "training step: state + activations (backward)"
 
 
@@ -247,16 +262,29 @@ def model_params(cfg) -> tuple[int, int]:
 
 
 def largest_fsdp_unit(cfg, pp_rank: int, layers: _LayerParams | None = None) -> tuple[int, int]:
-    """FSDP2's largest group on the stage, (all, expert) parameters: a transformer layer, or a
-    chunk's root (its embedding, final norm and output layer); layers: see stage_param_split."""
-    p = cfg.parallel
-    pp, tp = p.pipeline_model_parallel_size, p.tensor_model_parallel_size
+    """FSDP2's largest group below the chunks' roots on the stage, (all, expert) parameters: a
+    dense layer's attention block or MLP (megafab.distributed.fsdp.layer_units), or an MoE layer
+    (its dense part and its routed experts, counted together); layers: see stage_param_split."""
+    m = cfg.model
+    tp = cfg.parallel.tensor_model_parallel_size
     layers = layers or _LayerParams(cfg)
-    chunks = len(layers.split.counts()[pp_rank])
-    units = [(_ends_params(cfg.model, tp, pp_rank == 0 and c == 0, pp_rank == pp - 1 and c == chunks - 1), 0)
-             for c in range(chunks)]
-    units += [unit for c in range(chunks) for unit in layers.chunk(pp_rank, c)]
+    attention = _attention_params(m, tp) - 2 * _norm_params(m)
+    units = [(0, 0)]
+    for c in range(len(layers.split.counts()[pp_rank])):
+        for layer in layers.chunk(pp_rank, c):
+            units.append(layer if layer[1] else (max(attention, dense_mlp_params(m, tp)), 0))
     return max(units)
+
+
+def fsdp_root_params(cfg, pp_rank: int) -> tuple[int, int]:
+    """(parameters of the stage's FSDP2 roots: each chunk's embedding, final norm and output layer;
+    its word embedding's parameters, whose gradient the end of backward makes)."""
+    p, m = cfg.parallel, cfg.model
+    pp, tp = p.pipeline_model_parallel_size, p.tensor_model_parallel_size
+    chunks = len(PipelineSplit.from_config(cfg).counts()[pp_rank])
+    root = sum(_ends_params(m, tp, pp_rank == 0 and c == 0, pp_rank == pp - 1 and c == chunks - 1)
+               for c in range(chunks))
+    return root, m.padded_vocab_size * m.hidden_size // tp if pp_rank == 0 else 0
 
 
 def _mask_bytes(kernels: str, e: int) -> int:
@@ -432,10 +460,16 @@ def plan(cfg, kernels: str = "flash", routing: str = "bound") -> list[StagePlan]
                  for kind, (kept_, transient_, dispatch_) in kept.items()}
         peak = peaks[routing if routed else "bound"]
         unit, expert_unit = largest_fsdp_unit(cfg, rank, params_of)
-        state = stage_state_bytes(cfg, params, expert_params, unit, expert_unit, gloo=kernels == "cpu")
+        root, embedding = fsdp_root_params(cfg, rank)
+        state = stage_state_bytes(cfg, params, expert_params, unit, expert_unit, root=root,
+                                  embedding=embedding)
+        embedding_last = (4 if m.untie_embeddings_and_output_weights else 8) * embedding > 8 * unit
+        moment = ("the embedding's grad (and its sum into the tied output layer's) at the end of backward"
+                  if embedding_last else "a unit's unsharded grad and its reduce-scatter copy (backward)")
         out.append(StagePlan(
             pp_rank=rank, params=params, weights_bytes=state.weights, grads_bytes=state.grads,
-            optimizer_bytes=state.optimizer, host_bytes=state.host, fsdp_transient_bytes=state.fsdp_transient,
+            optimizer_bytes=state.optimizer, host_bytes=state.host, fsdp_held_bytes=state.fsdp_held,
+            fsdp_transient_bytes=state.fsdp_transient, fsdp_moment=moment if p.fully_sharded else "",
             gather_transient_bytes=state.gather_transient,
             activation_bytes_per_micro_batch=vpp * (chunk_kept + transient) + embed + rotary + logits,
             layer_activation_bytes=max(layer, routed[routing][0]) if has_moe else layer, logits_bytes=logits,
@@ -514,8 +548,9 @@ def format_plan(cfg, stages: list[StagePlan], mfu: float = 0.4, peak_tflops: flo
             + f" | weights {st.weights_bytes / gib:.2f} GiB"
             f" | grads {st.grads_bytes / gib:.2f} GiB | optimizer {st.optimizer_bytes / gib:.2f} GiB"
             + (f" (+ host {st.host_bytes / gib:.2f} GiB)" if st.host_bytes else "")
-            + (f" | FSDP2 gathered/unsharded {st.fsdp_transient_bytes / gib:.2f} GiB"
-               if st.fsdp_transient_bytes else "") +
+            + (f" | FSDP2 root gathered/unsharded {st.fsdp_held_bytes / gib:.2f} GiB,"
+               f" unit/embedding grads {st.fsdp_transient_bytes / gib:.2f} GiB"
+               if st.fsdp_held_bytes or st.fsdp_transient_bytes else "") +
             f" | activations {st.activation_bytes_per_micro_batch / gib:.2f} GiB/micro-batch"
             f" (layer {st.layer_activation_bytes / 2**20:.1f} MiB, logits {st.logits_bytes / gib:.2f} GiB)"
             f" x {st.in_flight:g} in flight"

@@ -21,14 +21,21 @@ buffer when the device grad is 16-bit (FSDP2, plain bf16 grads) and + e for the 
 16-bit model (megafab.optim.cpu_offload); fp32 models need neither (16); (16 | 18 | 20) read
 (fp32 model | 16-bit model, fp32 device grads | 16-bit model and grads).
 
-FSDP2's working set (`fsdp_transient`, not at rest): the gathered weights of the unit in use and
-of the prefetched next one, 2 e U (U = the largest unit: a layer, or the root's embedding, final
-norm and output layer), the unsharded gradient of a unit, 4 U, and the flat copy of it FSDP2
-reduce-scatters, 4 U (on gloo, which copies a reduce-scatter's input, once more 4 U); with more
-than one micro-batch the unsharded fp32 gradients of all units accumulate between micro-batches
-(gradient accumulation without communication), 4 P; without resharding after forward (ZeRO-2's
-communication) all gathered weights stay from forward to backward, e P.
-
+FSDP2's working set, not at rest (megafab.distributed.fsdp: one unit per attention block, MLP
+and layer's norms; the root unit holds the embedding, final norm and output layer):
+  `fsdp_held`, through the whole backward: the root's gathered weights and unsharded gradient,
+  (e + 4) R (R = the root's parameters: the tied output layer's backward comes first, the
+  embedding's last); with more than one micro-batch the unsharded fp32 gradients of all units
+  accumulate between micro-batches (gradient accumulation without communication), 4 P instead
+  of 4 R; without resharding after forward (ZeRO-2's communication) all gathered weights stay
+  from forward to backward, + e P.
+  `fsdp_transient`, the largest moment on top: a unit's unsharded gradient and FSDP2's flat
+  reduce-scatter copy of it, 8 U (U = the largest unit below the root: a layer's MLP; its
+  gather, 2 e U, the flat all-gather output and the per-parameter copy, is no larger), or at the
+  end of backward the embedding's gradient E (word embedding on the rank) and, tied, its sum into
+  the output layer's: 8 E (untied 4 E). It and the activations are counted as one max: the
+  gradient shards (in the state at rest) are freed at the step's start and made again unit by
+  unit as backward frees the activations.
 The distributed optimizer's parameter all-gather (`gather_transient`): the input copy of this
 rank's shard of every bucket, e P / d, alive from the end of the optimizer step to the gather's
 wait (after backward: the activations are gone by then).
@@ -47,15 +54,17 @@ class StateBytes:
     grads: int
     optimizer: int  # on the device
     host: int  # optimizer CPU offload's host memory
-    fsdp_transient: int  # FSDP2's gathered weights and unsharded grads during forward/backward
+    fsdp_held: int  # FSDP2: the root's gathered weights and unsharded grads through backward
+    fsdp_transient: int  # FSDP2: the largest unsharded-gradient moment on top (see above)
     gather_transient: int = 0  # the distributed optimizer's all-gather input copies
 
 
-def state_bytes(cfg, params: int, largest_unit: int, gloo: bool = False,
+def state_bytes(cfg, params: int, largest_unit: int, root: int = 0, embedding: int = 0,
                 group_size: int | None = None) -> StateBytes:
-    """StateBytes of a stage with `params` parameters whose largest FSDP2 unit has `largest_unit`;
-    gloo: the collectives run on gloo (CPU); group_size: the group they are reduced and sharded
-    over, d (default DP x CP; MoE expert params: expert-DP)."""
+    """StateBytes of a stage with `params` parameters whose largest FSDP2 unit below the root has
+    `largest_unit`; root: the root units' parameters; embedding: the word-embedding parameters
+    among them; group_size: the group they are reduced and sharded over, d (default DP x CP; MoE
+    expert params: expert-DP)."""
     p, o, pr = cfg.parallel, cfg.optimizer, cfg.precision
     dp = group_size or (p.data_parallel_size or 1) * p.context_parallel_size  # shards over DP x CP
     e = BYTES[pr.params_dtype_name]
@@ -74,13 +83,15 @@ def state_bytes(cfg, params: int, largest_unit: int, gloo: bool = False,
         sixteen_bit_grads = mixed and p.fully_sharded
         host_per_element = main + adam + main + (e if sixteen_bit_grads else 0) + (e if mixed else 0)
         host = offload * host_per_element * params / shards
-    transient = gather = 0
+    held = transient = gather = 0
     if p.fully_sharded:
         accumulating = (cfg.training.num_micro_batches or 1) > 1
-        reduce_scatter = 4 * largest_unit * (2 if gloo else 1)
-        transient = 2 * e * largest_unit + 4 * (params if accumulating else largest_unit) + reduce_scatter
+        held = e * root + 4 * (params if accumulating else root)
         if not p.fsdp_reshard_after_forward:
-            transient += e * params
+            held += e * params
+        tied = not cfg.model.untie_embeddings_and_output_weights
+        transient = max(8 * largest_unit, (8 if tied else 4) * embedding)
     elif p.use_distributed_optimizer and dp > 1:
         gather = e * params / dp
-    return StateBytes(int(weights), int(grads), int(optimizer), int(host), int(transient), int(gather))
+    return StateBytes(int(weights), int(grads), int(optimizer), int(host), int(held), int(transient),
+                      int(gather))

@@ -1,8 +1,12 @@
 """What the training loop reports, and when (Megatron's schedule):
 
-- every --log-interval iterations: Megatron's iteration line (+ ETA) on the last rank, the same
-  values as one JSON line (--metrics-jsonl), the timers (--timing-log-level) and, after the first
-  logged iterations, the memory line;
+- every --log-interval iterations and after the run's first one (as Megatron 0.16): Megatron's
+  iteration line (+ ETA) on the last rank, the same values as one JSON line (--metrics-jsonl), the
+  timers (--timing-log-level) and, after the first logged iterations, the memory line. As
+  Megatron's total_loss_dict, the lm loss (and an MoE model's balancing losses) is the mean over
+  the window's applied iterations, the skipped and nan counts are the window's; the first
+  iteration's line does not close the window (at --log-interval 1 every line is one iteration's:
+  Megatron 0.16.1 then prints the mean of iterations 1 and 2 at iteration 2);
 - every --tensorboard-log-interval iterations: the scalars under Megatron's TensorBoard tags
   (learning-rate, batch-size, lm loss, loss-scale, grad-norm, ... and each "<tag> vs samples";
   an MoE model's balancing losses every iteration as load_balancing_loss, z_loss, ...; in the
@@ -50,6 +54,7 @@ class TrainingLog:
         lg = cfg.logging
         self.timers = Timers(lg.timing_log_level, lg.timing_log_option, topo.device)
         self.memory = MemoryReport(start_iteration)
+        self.first_iteration = start_iteration + 1
         self.total = train_iterations(cfg)
         self.peak = peak_tflops(topo.device)
         self._window(time.time())
@@ -57,6 +62,7 @@ class TrainingLog:
     def _window(self, now: float) -> None:
         self.window_start, self.window_iters, self.window_samples = now, 0, 0
         self.window_moe: dict[str, float] = {}  # balancing-loss sums since the last line
+        self.window_loss, self.window_applied, self.window_skipped, self.window_nan = 0.0, 0, 0, 0
 
     def after_step(self, state, metrics: dict) -> None:
         """Called by every rank after each training step."""
@@ -65,15 +71,24 @@ class TrainingLog:
         moe = metrics.get("moe_losses") or {}
         for name, value in moe.items():
             self.window_moe[name] = self.window_moe.get(name, 0.0) + value
+        if metrics["update_ok"]:
+            self.window_applied += 1
+            self.window_loss += metrics["lm loss"] or 0.0  # None off the last stage
+        else:
+            self.window_skipped += 1
+        grad_norm = metrics["grad_norm"]
+        self.window_nan += grad_norm is not None and not math.isfinite(grad_norm)
         lg = self.cfg.logging
         if log_rank(self.topo) and moe:  # Megatron's track_moe_metrics: every iteration, its names
             self.writers.scalars(state.iteration, moe)
         if log_rank(self.topo) and state.iteration % lg.tensorboard_log_interval == 0:
             self._step_scalars(state, metrics)
-        if state.iteration % lg.log_interval == 0:
+        on_interval = state.iteration % lg.log_interval == 0
+        if on_interval or state.iteration == self.first_iteration:
             now = time.time()
-            self._log_iteration(state, metrics, (now - self.window_start) / self.window_iters)
-            self._window(time.time())
+            self._log_iteration(state, metrics, (now - self.window_start) / self.window_iters, on_interval)
+            if on_interval:
+                self._window(time.time())
 
     def _step_scalars(self, state, metrics: dict) -> None:
         lg = self.cfg.logging
@@ -90,7 +105,7 @@ class TrainingLog:
             self.writers.scalars(state.iteration, {f"mem-{k.replace(' ', '-')}-bytes": v * 2**20
                                                    for k, v in usage.items()}, wandb=False)
 
-    def _log_iteration(self, state, metrics: dict, elapsed: float) -> None:
+    def _log_iteration(self, state, metrics: dict, elapsed: float, closes_window: bool) -> None:
         """The iteration line timed over the iterations since the last one; then memory and timers."""
         cfg, topo, lg = self.cfg, self.topo, self.cfg.logging
         samples_per_iteration = self.window_samples / self.window_iters
@@ -101,9 +116,11 @@ class TrainingLog:
                 "mfu": tflops / self.peak if (lg.log_throughput and self.peak) else None,
                 "tokens_per_sec": samples_per_iteration * cfg.model.seq_length / elapsed,
                 "lr": state.scheduler.get_lr(), "global_batch_size": metrics["global_batch_size"],
-                "lm loss": metrics["lm loss"], "loss_scale": scaler.scale if scaler else 1.0,
+                "lm loss": (self.window_loss / max(1, self.window_applied)
+                            if metrics["lm loss"] is not None else None),
+                "loss_scale": scaler.scale if scaler else 1.0,
                 "grad_norm": metrics["grad_norm"], "num_zeros": metrics["num_zeros"],
-                "skipped": state.skipped_iterations, "nan": state.nan_iterations,
+                "skipped": self.window_skipped, "nan": self.window_nan,
                 "eta_s": (self.total - state.iteration) * elapsed}
         if log_rank(topo):
             when = timestamp()
@@ -112,15 +129,15 @@ class TrainingLog:
             print(iteration_line(state.iteration, self.total, line, when, losses=moe), flush=True)
             self.jsonl.write({"kind": "iteration", "time": when, "iteration": state.iteration,
                               "train_iters": self.total, **line, **moe})
-            if lg.log_timers_to_tensorboard:
+            if lg.log_timers_to_tensorboard and closes_window:  # TensorBoard keeps the interval
                 self.writers.scalars(state.iteration, {"iteration-time": elapsed,
                                                        "throughput": tflops if lg.log_throughput else None})
             self.writers.scalars(state.iteration, {"throughput/tokens-per-sec": line["tokens_per_sec"]})
         self.memory.after_log(topo, state.iteration)
-        text, maxima = self.timers.report(self.window_iters)  # collective: every rank
+        text, maxima = self.timers.report(self.window_iters, reset=closes_window)  # collective: every rank
         if log_rank(topo) and text:
             print(text, flush=True)
-            if lg.log_timers_to_tensorboard:
+            if lg.log_timers_to_tensorboard and closes_window:
                 self.writers.scalars(state.iteration, {f"{k}-time": v for k, v in maxima.items()})
 
     def evaluation(self, state, label: str, where: str, loss: float | None) -> None:

@@ -67,7 +67,8 @@ def test_block_plans_cover_every_causal_pair_once_with_exact_masks(cp):
                 steps = [(local_token_positions(s, (r - i) % cp, cp), blocks)
                          for i, blocks in enumerate(ring_plan(c, cp, r))]
             else:
-                steps = [(natural, allgather_plan(c, cp, r))]
+                local, gathered = allgather_plan(c, cp, r)
+                steps = [(q_pos, local), (natural, gathered)]
             covered = torch.zeros(2 * c, dtype=torch.bool)
             for k_pos, blocks in steps:
                 for blk in blocks:

@@ -76,10 +76,38 @@ def _reduce_scatters_per_step(rank, world, micro_batches):
     finally:
         dist.reduce_scatter_single = original
     assert metrics["update_ok"] and metrics["grad_norm"] > 0
-    return len(calls), cfg.model.num_layers + 1  # one group per layer and the root
+    # one group per attention block, MLP and layer (its norms) of each layer, and the root
+    return len(calls), 3 * cfg.model.num_layers + 1
 
 
 def test_gradient_accumulation_reduces_once_per_group_per_step():
     for micro_batches in (1, 4):
         for calls, groups in run_ranks(_reduce_scatters_per_step, 2, micro_batches, timeout=120):
             assert calls == groups, (micro_batches, calls, groups)
+
+
+def test_layer_units_are_attention_mlp_then_the_layer_and_skip_plain_containers():
+    from megafab.distributed.fsdp import layer_units
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.linear(x)
+
+    class Layer(nn.Module):
+        def __init__(self, container: bool):
+            super().__init__()
+            self.input_layernorm = nn.LayerNorm(2)  # a norm stays with the layer's own unit
+            self.self_attention = nn.Module() if container else Block()  # TE: a plain holder
+            if container:
+                self.self_attention.linear = nn.Linear(2, 2)
+            self.mlp = Block()
+
+        def forward(self, x):
+            return x
+
+    plain, te_like = Layer(container=False), Layer(container=True)
+    assert layer_units([plain, te_like]) == [plain.self_attention, plain.mlp, plain, te_like.mlp, te_like]

@@ -44,9 +44,37 @@ def test_line_averages_over_the_log_interval_and_tensorboard_gets_every_iteratio
     for value in (1.0, 2.0):
         state.iteration += 1
         state.consumed_train_samples += 4
-        log.after_step(state, {"lm loss": 4.0, "grad_norm": 1.0, "num_zeros": None, "global_batch_size": 4,
+        log.after_step(state, {"lm loss": 3.0 + value, "grad_norm": 1.0, "num_zeros": None,
+                               "global_batch_size": 4, "update_ok": True,
                                "moe_losses": {"load_balancing_loss": value}})
     moe_scalars = [(it, v) for it, v in log.writers.calls if "load_balancing_loss" in v]
     assert moe_scalars == [(1, {"load_balancing_loss": 1.0}), (2, {"load_balancing_loss": 2.0})]
-    assert "load_balancing_loss: 1.500000E+00 |" in capsys.readouterr().out
+    first, second = [line for line in capsys.readouterr().out.splitlines() if " iteration " in line]
+    # the run's first iteration is printed (Megatron 0.16) without closing the window
+    assert "iteration        1/" in first and "lm loss: 4.000000E+00 |" in first
+    assert "load_balancing_loss: 1.000000E+00 |" in first
+    assert "lm loss: 4.500000E+00 |" in second and "load_balancing_loss: 1.500000E+00 |" in second
     assert log.window_moe == {}  # the next line averages its own iterations
+
+
+def test_lm_loss_and_skip_counts_are_the_windows_as_megatrons_total_loss_dict(capsys):
+    cfg = tiny_config(log_interval=3, tensorboard_log_interval=1000)
+    topo = types.SimpleNamespace(rank=0, world_size=1, dp_rank=0, device=torch.device("cpu"))
+    log = TrainingLog(cfg, topo, 0)
+    log.writers = _Writers()
+    state = types.SimpleNamespace(iteration=0, consumed_train_samples=0, skipped_iterations=0,
+                                  nan_iterations=0, optimizer=types.SimpleNamespace(grad_scaler=None),
+                                  scheduler=types.SimpleNamespace(get_lr=lambda: 1e-3))
+    # window 1: iterations 1-3, the second skipped (non-finite grads); window 2: 4-6, all applied
+    steps = [(2.0, 1.0, True), (9.0, float("inf"), False), (4.0, 1.0, True),
+             (1.0, 1.0, True), (2.0, 1.0, True), (3.0, 1.0, True)]
+    for loss, grad_norm, ok in steps:
+        state.iteration += 1
+        log.after_step(state, {"lm loss": loss, "grad_norm": grad_norm, "num_zeros": None,
+                               "global_batch_size": 4, "update_ok": ok})
+    lines = [line for line in capsys.readouterr().out.splitlines() if " iteration " in line]
+    assert [int(line.split("iteration")[1].split("/")[0]) for line in lines] == [1, 3, 6]
+    assert "lm loss: 3.000000E+00 |" in lines[1]  # (2 + 4) / 2: the skipped iteration left out
+    assert "number of skipped iterations:   1 |" in lines[1] and "number of nan iterations:   1 |" in lines[1]
+    assert "lm loss: 2.000000E+00 |" in lines[2]
+    assert "number of skipped iterations:   0 |" in lines[2] and "number of nan iterations:   0 |" in lines[2]

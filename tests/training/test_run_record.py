@@ -54,9 +54,11 @@ def test_metrics_jsonl_matches_the_iteration_and_validation_lines(run):
     records = [json.loads(line) for line in open(save / "metrics.jsonl")]
     texts = [line for line in last.splitlines() if " iteration " in line and "/" in line.split("|")[0]
              or line.startswith((" validation loss at", " test loss at"))]
-    # iterations 2 and 4; validation after 2, 4 and at the end; test at the end
-    assert [r["kind"] for r in records] == ["iteration", "validation", "iteration", "validation",
-                                            "validation", "test"]
+    # iterations 1 (the run's first, as Megatron 0.16), 2 and 4; validation after 2, 4 and at the
+    # end; test at the end
+    assert [r["kind"] for r in records] == ["iteration", "iteration", "validation", "iteration",
+                                            "validation", "validation", "test"]
+    assert [r["iteration"] for r in records if r["kind"] == "iteration"] == [1, 2, 4]
     assert len(texts) == len(records)
     for record, text in zip(records, texts):
         if record["kind"] == "iteration":
@@ -78,11 +80,11 @@ def test_metrics_jsonl_matches_the_iteration_and_validation_lines(run):
 
 def test_memory_line_and_timers(run):
     _, _, first, last = run
-    # after the first logged iteration (2), and not after 4: Megatron stops after the second iteration
+    # after the logged iterations 1 and 2, not after 4: Megatron stops after the second iteration
     assert re.findall(r"\[Rank 0\] \(after (\d+) iterations\) memory \(MB\) \| resident: [\d.]+ \| "
-                      r"max resident: [\d.]+", first) == ["2"]
+                      r"max resident: [\d.]+", first) == ["1", "2"]
     blocks = re.findall(r"\(min, max\) time across ranks \(ms\):\n((?:    .*\n)+)", last)
-    assert len(blocks) == 2  # one per logged iteration
+    assert len(blocks) == 3  # one per logged iteration
     timed = dict(re.findall(r"    (\S+) \.+: \(([\d.]+), [\d.]+\)", blocks[0]))
     for name in ("forward-backward", "all-grads-sync", "optimizer", "forward-compute", "backward-compute",
                  "batch-generator", "forward-send", "forward-recv", "backward-send", "backward-recv"):
@@ -102,6 +104,13 @@ def test_tensorboard_tags_every_tensorboard_log_interval(run):
     assert [e.step for e in events.Scalars("lm loss")] == [1, 2, 3, 4]  # --log-interval is 2
     assert [e.step for e in events.Scalars("lm loss vs samples")] == [4, 8, 12, 16]
     assert [e.step for e in events.Scalars("forward-backward-time")] == [2, 4]
+    # Megatron's total_loss_dict: a line's lm loss is the mean over its window's iterations (1 | 1-2 | 3-4)
+    per_step = [e.value for e in events.Scalars("lm loss")]
+    records = [json.loads(line) for line in open(save / "metrics.jsonl")]
+    logged = [r["lm loss"] for r in records if r["kind"] == "iteration"]
+    expected = [per_step[0], (per_step[0] + per_step[1]) / 2, (per_step[2] + per_step[3]) / 2]
+    assert logged == pytest.approx(expected, rel=1e-6)  # TensorBoard holds float32
+    assert per_step[1] != pytest.approx(logged[1], rel=1e-6)  # the window mean is not the last step's
 
 
 def test_resolved_config_reads_back_to_the_same_configuration(run):

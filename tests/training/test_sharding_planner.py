@@ -51,9 +51,10 @@ def test_fsdp2_is_zero3_bytes_and_the_plan_prints_device_and_host():
     assert per_param["offload"][0] == pytest.approx((2 + 2 + 6) / 4)
     assert per_param["offload"][1] == pytest.approx(10 / 4)
     _, _, cfg, stage = per_param["offload"]
-    assert stage.fsdp_transient_bytes > 0
+    assert stage.fsdp_transient_bytes > 0 and stage.fsdp_held_bytes > 0
     text = format_plan(cfg, [stage])
     assert "FSDP2 (ZeRO-3), optimizer CPU offload 0.5" in text and "host" in text, text
+    assert "FSDP2 root gathered/unsharded" in text, text
 
 
 def test_sharded_state_divides_over_dp_times_cp():
