@@ -1,6 +1,7 @@
 """FSDP2's communication in a training step, as megafab runs it (megafab.distributed.fsdp: torch's
-fully_shard, one group per transformer layer, each model chunk the root group holding the rest,
-an MoE layer's routed experts a group of their own over expert-DP).
+fully_shard with groups per transformer layer -- the layer itself for its norms, its attention
+block, its MLP, and an MoE layer's routed experts over expert-DP (training.planner.fsdp_layer_units)
+-- and each model chunk the root group holding the rest: embedding, final norm, output layer).
 
 Per group ("unit") with U parameters on this rank (its TP shard, before DP sharding), e bytes of the
 model dtype and r bytes of the reduction dtype (fp32 by default: megafab's MixedPrecisionPolicy
@@ -19,18 +20,20 @@ reduces in fp32; the model dtype with --grad-reduce-in-bf16):
                   reduction dtype, e U + r U read and r U written (FSDPParam.
                   accumulate_unsharded_grad_if_needed)
 Each collective is its own NCCL call over the unit's group, so each pays the ring's latency
-(megafab.plan.collectives): at DP 384 that is milliseconds per layer, not per step.
+(megafab.plan.collectives): at DP 384 that is milliseconds per group, and a layer has 3 groups
+(4 with routed experts), even the norms' few kilobytes.
 
-One micro-batch through one chunk of L layers, FSDP2's all-gather and reduce-scatter streams both
-on the group's links (FSDP2 docs: implicit forward prefetch, one unit of explicit backward
-prefetch):
-  forward   the root's gather and the first layer's gather wait (nothing computes before them:
-            FSDP2 does not prefetch across the chunk's calls); layer i+1's gather runs behind layer
+One micro-batch through one chunk of L layers, a layer's groups taken together (their gathers back
+to back on the all-gather stream, as the CPU runs ahead of the device), FSDP2's all-gather and
+reduce-scatter streams both on the group's links (FSDP2 docs: implicit forward prefetch, one group
+of explicit backward prefetch):
+  forward   the root's gather and the first layer's gathers wait (nothing computes before them:
+            FSDP2 does not prefetch across the chunk's calls); layer i+1's gathers run behind layer
             i's forward: max(0, gather - forward_i)
-  backward  with reshard after forward (ZeRO-3, megafab's default) the last layer's gather runs
-            behind the output layer's backward (last stage) or waits; during layer i's backward the
-            links carry layer i-1's prefetched gather and, in the micro-batch that reduces, layer
-            i+1's reduce-scatter: max(0, gather + reduce-scatter - backward_i)
+  backward  with reshard after forward (ZeRO-3, megafab's default) the last layer's gathers run
+            behind the output layer's backward (last stage) or wait; during layer i's backward the
+            links carry layer i-1's prefetched gathers and, in the micro-batch that reduces, layer
+            i+1's reduce-scatters: max(0, gather + reduce-scatter - backward_i)
   tail      in the micro-batch that reduces, the first layer's and the root's reduce-scatters after
             the chunk's last backward (the root's post-backward runs in FSDP2's final callback)
 Every micro-batch but the last runs in no_sync: gathers in forward and (resharded) in backward
@@ -39,6 +42,7 @@ each micro-batch, reduce-scatters only in the last one.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from megafab.plan.collectives import collective_seconds, group_placement
@@ -63,8 +67,8 @@ def reduce_bytes(cfg) -> int:
 
 
 def unit(cfg, machine, dense: int, expert: int = 0) -> Unit:
-    """A unit of `dense` parameters sharded over DP x CP and `expert` over expert-DP (an MoE
-    layer's routed experts: their own group, so their own collectives)."""
+    """A group of `dense` parameters sharded over DP x CP, or `expert` ones over expert-DP (an MoE
+    layer's routed experts); both: the two groups' collectives."""
     e, r = BYTES[cfg.precision.params_dtype_name], reduce_bytes(cfg)
     parts = [(dense, group_placement(cfg, machine, "dp", "cp"))]
     if expert:
@@ -76,6 +80,13 @@ def unit(cfg, machine, dense: int, expert: int = 0) -> Unit:
     return Unit(gather, reduce, copy_out=machine.memory_seconds(2 * e * n, kernels),
                 copy_in=machine.memory_seconds((e + r) * n, kernels),
                 accumulate=machine.memory_seconds((e + 2 * r) * n, kernels))
+
+
+def groups(cfg, machine, parts: list[tuple[int, int]]) -> Unit:
+    """Several groups taken together (a layer's: planner.fsdp_layer_units), each with its own
+    collectives and copies."""
+    units = [unit(cfg, machine, dense, expert) for dense, expert in parts if dense or expert]
+    return Unit(*(sum(getattr(u, f.name) for u in units) for f in dataclasses.fields(Unit)))
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,7 @@ from megafab.plan.moe import (
 )
 from megafab.plan.schedule import pipeline_time
 from megafab.training.flops import flops_per_iteration
-from megafab.training.planner import chunk_params, layer_param_split
+from megafab.training.planner import chunk_params, fsdp_layer_units
 from megafab.training.state_memory import BYTES
 
 
@@ -439,12 +439,11 @@ def fsdp_stages(cfg, machine, parts: tuple, shared: float) -> list[fsdp.StageFsd
     def layer(index: int, recomputed: bool) -> fsdp.Layer:
         moe_layer = moe_layers[index]
         if (moe_layer, recomputed) not in timed:
-            total, experts = layer_param_split(cfg, index, x.tp, etp, ep)
             f, b = kinds[moe_layer]
             f = f.compute_scaled(shared).total
             backward = b.compute_scaled(shared).total + (f if recomputed else 0.0)
-            timed[moe_layer, recomputed] = fsdp.Layer(fsdp.unit(cfg, machine, total - experts, experts), f,
-                                                      backward)
+            units = fsdp.groups(cfg, machine, fsdp_layer_units(cfg, index, x.tp, etp, ep))
+            timed[moe_layer, recomputed] = fsdp.Layer(units, f, backward)
         return timed[moe_layer, recomputed]
 
     output_cover = output[1].compute_scaled(shared).total

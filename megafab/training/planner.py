@@ -185,6 +185,20 @@ def layer_param_split(cfg, index: int, tp: int, etp: int = 1, ep: int = 1,
     return _attention_params(m, tp) + mlp.total, mlp.experts
 
 
+def fsdp_layer_units(cfg, index: int, tp: int, etp: int = 1, ep: int = 1) -> list[tuple[int, int]]:
+    """FSDP2's groups of global layer `index` on one rank (megafab.distributed.fsdp.layer_units and
+    expert_units), each (parameters sharded over DP x CP, over expert-DP): the layer itself (its
+    two norms), its attention block, its MLP (an MoE layer's router and shared experts) and an MoE
+    layer's routed experts, a group of their own over expert-DP; together layer_param_split's."""
+    m, moe = cfg.model, moe_settings(cfg)
+    norms = 2 * _norm_params(m)
+    units = [(norms, 0), (_attention_params(m, tp) - norms, 0)]
+    if not is_moe_layer(moe, index):
+        return units + [(dense_mlp_params(m, tp), 0)]
+    mlp = moe_mlp_params(m, moe, tp, etp, ep)
+    return units + [(mlp.total - mlp.experts, 0), (0, mlp.experts)]
+
+
 def _ends_params(m, tp: int, pre_process: bool, post_process: bool) -> int:
     """A chunk's embedding (first) and final norm and output layer (last) on one TP rank."""
     n = 0
