@@ -90,12 +90,16 @@ class PipelineSplit:
 
     def counts(self) -> list[list[int]]:
         """Transformer layers per [pp_rank][chunk] (assumes problems() is empty)."""
-        return [list(row) for row in _table(self)[0]]
+        return [list(row) for row in self._layout[0]]
 
     def layer_range(self, pp_rank: int, chunk: int) -> tuple[int, int]:
         """Global layer numbers [start, end) of model chunk `chunk` on pipeline rank `pp_rank`."""
-        counts, starts = _table(self)
+        counts, starts = self._layout
         return starts[pp_rank][chunk], starts[pp_rank][chunk] + counts[pp_rank][chunk]
+
+    @functools.cached_property
+    def _layout(self) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+        return _table(self)  # once per instance (hashing the split per call costs as much)
 
     def _counts(self) -> list[list[int]]:
         pp, vpp = self.pp, self.vpp

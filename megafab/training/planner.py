@@ -230,6 +230,7 @@ class _LayerParams:
         self.moe_layer = [is_moe_layer(moe, i) for i in range(cfg.model.num_layers)]
         self.split = PipelineSplit.from_config(cfg)
         self.kinds: dict[bool, tuple[int, int]] = {}
+        self.chunks: dict[tuple[int, int], list[tuple[int, int]]] = {}
 
     def layer(self, index: int) -> tuple[int, int]:
         kind = self.moe_layer[index]
@@ -239,7 +240,10 @@ class _LayerParams:
 
     def chunk(self, pp_rank: int, chunk: int) -> list[tuple[int, int]]:
         """(all, expert) parameters of each layer of one model chunk, in order."""
-        return [self.layer(i) for i in range(*self.split.layer_range(pp_rank, chunk))]
+        if (pp_rank, chunk) not in self.chunks:
+            layers = range(*self.split.layer_range(pp_rank, chunk))
+            self.chunks[pp_rank, chunk] = [self.layer(i) for i in layers]
+        return self.chunks[pp_rank, chunk]
 
 
 def stage_param_split(cfg, pp_rank: int, layers: _LayerParams | None = None) -> tuple[int, int]:
