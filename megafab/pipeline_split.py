@@ -16,6 +16,7 @@ Pure arithmetic, no torch: config validation, the model builder and the planner 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 
@@ -89,6 +90,18 @@ class PipelineSplit:
 
     def counts(self) -> list[list[int]]:
         """Transformer layers per [pp_rank][chunk] (assumes problems() is empty)."""
+        return [list(row) for row in self._layout[0]]
+
+    def layer_range(self, pp_rank: int, chunk: int) -> tuple[int, int]:
+        """Global layer numbers [start, end) of model chunk `chunk` on pipeline rank `pp_rank`."""
+        counts, starts = self._layout
+        return starts[pp_rank][chunk], starts[pp_rank][chunk] + counts[pp_rank][chunk]
+
+    @functools.cached_property
+    def _layout(self) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+        return _table(self)  # once per instance (hashing the split per call costs as much)
+
+    def _counts(self) -> list[list[int]]:
         pp, vpp = self.pp, self.vpp
         if self.uneven:
             middle_layers = self.num_layers - (self.first or 0) - (self.last or 0)
@@ -107,9 +120,16 @@ class PipelineSplit:
             table[-1][-1] -= 1
         return table
 
-    def layer_range(self, pp_rank: int, chunk: int) -> tuple[int, int]:
-        """Global layer numbers [start, end) of model chunk `chunk` on pipeline rank `pp_rank`."""
-        table = self.counts()
-        start = sum(table[r][c] for c in range(self.vpp) for r in range(self.pp)
-                    if (c, r) < (chunk, pp_rank))
-        return start, start + table[pp_rank][chunk]
+
+@functools.lru_cache(maxsize=4096)
+def _table(split: PipelineSplit) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+    """(layers, first global layer) per [pp_rank][chunk], once per split (the layout search asks for
+    them per layer of every candidate); chunks in Megatron's global order, chunk-major."""
+    counts = split._counts()
+    starts = [[0] * split.vpp for _ in range(split.pp)]
+    start = 0
+    for chunk in range(split.vpp):
+        for rank in range(split.pp):
+            starts[rank][chunk] = start
+            start += counts[rank][chunk]
+    return tuple(map(tuple, counts)), tuple(map(tuple, starts))

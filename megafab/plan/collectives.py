@@ -7,13 +7,20 @@ node's NCCL bus bandwidth; a group across nodes runs its rings through the NICs 
 p of its ranks on each node, p NICs carry it (one per GPU, rail-aligned), bus bandwidth
 min(intra, p x NIC).
 
-Ring algorithms over n ranks, S the full (unsharded) message (nccl-tests' bus-bandwidth factors):
-    all-reduce          2 (n-1)/n S / busbw + 2 (n-1) alpha
+Ring algorithms over n ranks on N nodes, S the full (unsharded) message, as NCCL's own tuning model
+prices them (src/graph/tuning.cc, ncclTopoTuneModel / ncclTopoGetAlgoTime): for each protocol a
+base latency per call, each ring step inside a node at its NVLink step latency (at least the
+network post overhead in a multi-node ring) and each step that crosses the network at its network
+step latency, plus the bytes at its share of the bus bandwidth (nccl-tests' factors); NCCL runs
+the fastest protocol: LL for small messages, Simple for large ones, LL128 between.
+    all-reduce          2 (n-1)/n S / (share busbw) + base + (2(n-1) - 2N) intra + 2N inter  (N > 1)
     all-gather,
-    reduce-scatter      (n-1)/n S / busbw + (n-1) alpha
-    all-to-all          (n-1)/n S / busbw + (n-1) alpha
+    reduce-scatter      (n-1)/n S / (share busbw) + base + (n-N) intra + (N-1) inter
+    all-to-all          (n-1)/n S / busbw + (n-1) alpha  (grouped send/recv, no ring: alpha = the
+                        inter-node step latency once the group spans nodes, else the NVLink one)
     send/recv           S / link + alpha
-A measured profile (profile.py) has its own alpha and bus bandwidth per op and group size.
+On one node N = 1: base + (n-1) intra (all-reduce 2(n-1)). A measured profile (profile.py) has its
+own alpha per step and bus bandwidth per op and group size (fitted; one protocol, no base).
 """
 
 from __future__ import annotations
@@ -71,15 +78,42 @@ def _measured(machine, op: str, n: int):
     return table[size]
 
 
+def _ring_seconds(machine, op: str, nbytes: float, where: Placement, busbw: float) -> float:
+    """NCCL's ring time of one call (see the module docstring): the fastest of its protocols, each
+    its base latency, its per-step latencies and its share of the bus bandwidth."""
+    n, nodes = where.size, where.nodes
+    steps = 2 * (n - 1) if op == "all_reduce" else n - 1
+    across = 0 if nodes == 1 else (2 * nodes if op == "all_reduce" else nodes - 1)
+    across = min(across, steps)
+    moved = _STEPS[op][0] * (n - 1) / n * nbytes
+    simple = [machine.collective_base_latency_s, machine.intra_latency_s, machine.inter_latency_s, 1.0]
+    protocols = {"Simple": simple, **machine.ring_protocols}
+    best = float("inf")
+    for name, (base, nvlink, net, share) in protocols.items():
+        if name == "LL" and nodes == 1 and op != "all_reduce":
+            share = 1 / 3  # NCCL: LL's 1/4 of the bus is 1/3 for a one-node all-gather/reduce-scatter
+        if name == "LL128" and where.per_node < 2:
+            share = 0.7  # NCCL: LL128 with one rank per node (sending and receiving on one NIC)
+        if nodes > 1:  # a multi-node ring's NVLink steps still post network work (NCCL's netOverhead)
+            nvlink = max(nvlink, machine.net_overhead_s * (3 if name == "Simple" else 1))
+        best = min(best, moved / (busbw * share) + base + (steps - across) * nvlink + across * net)
+    return best
+
+
 def collective_seconds(machine, op: str, nbytes: float, where: Placement) -> float:
-    """One ring collective of nbytes (the full, unsharded size) over the group."""
+    """One collective of nbytes (the full, unsharded size) over the group."""
     n = where.size
     if n <= 1 or nbytes <= 0:
         return 0.0
     factor, steps = _STEPS[op]
     measured = _measured(machine, op, n)
-    alpha, busbw = measured if measured else _link(machine, where)
-    return factor * (n - 1) / n * nbytes / busbw + steps * (n - 1) * alpha
+    if measured:
+        alpha, busbw = measured
+        return factor * (n - 1) / n * nbytes / busbw + steps * (n - 1) * alpha
+    alpha, busbw = _link(machine, where)
+    if op == "all_to_all":
+        return factor * (n - 1) / n * nbytes / busbw + steps * (n - 1) * alpha
+    return _ring_seconds(machine, op, nbytes, where, busbw)
 
 
 def p2p_seconds(machine, nbytes: float, across_nodes: bool) -> float:

@@ -41,6 +41,11 @@ class Machine:
     intra_latency_s: float  # per ring step inside a node
     nic_bandwidth: float  # bytes/s one GPU's NIC achieves across nodes
     inter_latency_s: float  # per ring step across nodes
+    collective_base_latency_s: float = 0.0  # per collective call, on top of its steps (NCCL's baseLat)
+    # NCCL's other ring protocols: name -> [base_s, NVLink step_s, network step_s, share of busbw];
+    # the fields above are its Simple protocol's (collectives.py); none in a measured profile
+    ring_protocols: dict = field(default_factory=dict)
+    net_overhead_s: float = 0.0  # NCCL's per-step network post overhead (multi-node rings)
     gemm_efficiency: float = 0.75
     gemm_tile_m: int = 128
     gemm_tile_n: int = 256
@@ -154,8 +159,13 @@ GiB = 2.0**30
 #         Published nccl-tests on 8x H100 SXM (NVSwitch) reach ~360-370 GB/s busbw for all-gather /
 #         reduce-scatter and ring all-reduce at >= 256 MB (~480 GB/s only with NVLS all-reduce);
 #         8x A100 SXM ~230 GB/s; across nodes one 400 Gb/s NIC gives ~45 GB/s (ib_write_bw ~ 390 Gb/s)
-#         and 200 Gb/s HDR ~23 GB/s. Latencies: a few microseconds per ring step (NVLink) and
-#         5-8 us across InfiniBand (nccl-tests small-message times).
+#         and 200 Gb/s HDR ~23 GB/s. Latencies as NCCL's own tuning model for its ring algorithm
+#         with the Simple protocol (what messages of megabytes use; src/graph/tuning.cc, NCCL 2.18-2.19:
+#         baseLat 8.4 us per call, hwLat NVLink 3.4 us and NET 14 us per ring step; the intra-node
+#         steps of a multi-node ring at max(3.4, 3 x 1 us net overhead) = 3.4 us); its LL protocol
+#         (small messages) 6.6 / 0.6 / 2.7 us at 1/4 of the bus bandwidth, LL128 14 / 1.9 / 4.0 us at
+#         0.92 of it, and a 1 us network post overhead (Intel hosts) per multi-node step; NCCL runs
+#         the fastest of the three (nccl-tests' small-message times, a few us per step, are LL's).
 #  [FA] FlashAttention-2 (Dao 2023) reaches ~350 TFLOP/s forward on H100 (BF16, head dim 128, causal,
 #       the kernel's own halved FLOPs) and ~250-300 backward; FlashAttention-3 (Shah et al. 2024)
 #       up to ~600 forward. Hopper's 0.35 / 0.26 of peak is FA2's level, what the calibration below
@@ -172,6 +182,8 @@ GiB = 2.0**30
 #  [PCIe] Gen5 x16 (H100/H200/B200) 64 GB/s per direction, ~50 GB/s pinned copies; Gen4 x16 (A100) ~25.
 #  [ZeRO-Offload] Ren et al. 2021: DeepSpeed's CPU-Adam updates ~1-2 B parameters/s on a two-socket
 #       host, shared here by the node's 8 GPUs (2e8 parameters/s each).
+NCCL_RING = dict(ring_protocols={"LL": [6.6e-6, 0.6e-6, 2.7e-6, 0.25],
+                                 "LL128": [14e-6, 1.9e-6, 4.0e-6, 0.92]}, net_overhead_s=1e-6)  # [NCCL]
 HOPPER = dict(gemm_efficiency=0.76, gemm_tile_m=128, gemm_tile_n=256, sm_count=132, gemm_k_overhead=512.0,
               kernel_overhead_s=10e-6, attention_fwd_efficiency=0.35, attention_bwd_efficiency=0.26)
 
@@ -180,19 +192,22 @@ BUILTIN = {
         name="h100-sxm-80gb", peak_tflops={"bfloat16": 989.0, "float16": 989.0, "float32": 494.0,
                                            "float64": 67.0},  # [H100]; float32 runs as TF32
         device_memory_gib=81559 / 1024, hbm_bandwidth=3.35e12, gpus_per_node=8,
-        intra_busbw=360e9, intra_latency_s=3e-6, nic_bandwidth=45e9, inter_latency_s=6e-6,  # [NCCL]
+        intra_busbw=360e9, intra_latency_s=3.4e-6, nic_bandwidth=45e9, inter_latency_s=14e-6,  # [NCCL]
+        collective_base_latency_s=8.4e-6, **NCCL_RING,
         pcie_bandwidth=50e9, host_memory_gib=2048 / 8, **HOPPER),  # [PCIe]; DGX H100 2 TB host
     "h200-sxm-141gb": Machine(
         name="h200-sxm-141gb", peak_tflops={"bfloat16": 989.0, "float16": 989.0, "float32": 494.0,
                                             "float64": 67.0},  # [H200]
         device_memory_gib=143771 / 1024, hbm_bandwidth=4.8e12, gpus_per_node=8,
-        intra_busbw=360e9, intra_latency_s=3e-6, nic_bandwidth=45e9, inter_latency_s=6e-6,
+        intra_busbw=360e9, intra_latency_s=3.4e-6, nic_bandwidth=45e9, inter_latency_s=14e-6,
+        collective_base_latency_s=8.4e-6, **NCCL_RING,
         pcie_bandwidth=50e9, host_memory_gib=2048 / 8, **HOPPER),
     "a100-sxm-80gb": Machine(
         name="a100-sxm-80gb", peak_tflops={"bfloat16": 312.0, "float16": 312.0, "float32": 156.0,
                                            "float64": 19.5},  # [A100]; float32 runs as TF32
         device_memory_gib=81251 / 1024, hbm_bandwidth=2.039e12, gpus_per_node=8,
-        intra_busbw=230e9, intra_latency_s=4e-6, nic_bandwidth=23e9, inter_latency_s=7e-6,
+        intra_busbw=230e9, intra_latency_s=3.4e-6, nic_bandwidth=23e9, inter_latency_s=14e-6,
+        collective_base_latency_s=8.4e-6, **NCCL_RING,
         gemm_efficiency=0.80, gemm_tile_m=128, gemm_tile_n=256, sm_count=108, gemm_k_overhead=512.0,
         kernel_overhead_s=10e-6, attention_fwd_efficiency=0.55, attention_bwd_efficiency=0.40,
         pcie_bandwidth=25e9, host_memory_gib=1024 / 8),
@@ -200,7 +215,8 @@ BUILTIN = {
         name="b200", peak_tflops={"bfloat16": 2250.0, "float16": 2250.0, "float32": 1125.0,
                                   "float64": 40.0},  # [B200]
         device_memory_gib=180e9 / GiB * 0.99, hbm_bandwidth=8.0e12, gpus_per_node=8,
-        intra_busbw=720e9, intra_latency_s=3e-6, nic_bandwidth=45e9, inter_latency_s=6e-6,
+        intra_busbw=720e9, intra_latency_s=3.4e-6, nic_bandwidth=45e9, inter_latency_s=14e-6,
+        collective_base_latency_s=8.4e-6, **NCCL_RING,
         gemm_efficiency=0.72, gemm_tile_m=128, gemm_tile_n=256, sm_count=148, gemm_k_overhead=512.0,
         kernel_overhead_s=10e-6, attention_fwd_efficiency=0.35, attention_bwd_efficiency=0.26,
         pcie_bandwidth=50e9, host_memory_gib=4096 / 8),

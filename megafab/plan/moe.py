@@ -87,6 +87,9 @@ def expert_data_parallel_size(cfg) -> int:
     return p.world_size // (etp * ep * p.pipeline_model_parallel_size)
 
 
+_STATE_FIELDS = tuple(f.name for f in dataclasses.fields(StateBytes))
+
+
 def stage_state_bytes(cfg, params: int, expert_params: int, unit: int, expert_unit: int,
                       root: int = 0, embedding: int = 0) -> StateBytes:
     """Training state of a stage whose `params` include `expert_params` routed-expert ones: the dense
@@ -97,8 +100,7 @@ def stage_state_bytes(cfg, params: int, expert_params: int, unit: int, expert_un
     if not expert_params:
         return dense
     experts = state_bytes(cfg, expert_params, expert_unit, group_size=expert_data_parallel_size(cfg))
-    return StateBytes(*(getattr(dense, f.name) + getattr(experts, f.name)
-                        for f in dataclasses.fields(StateBytes)))
+    return StateBytes(*(getattr(dense, name) + getattr(experts, name) for name in _STATE_FIELDS))
 
 
 def router_tokens(cfg) -> int:

@@ -9,7 +9,9 @@ command line through megafab.arguments.config_from_args, so the printed flags ar
 
 Pruning, none of which drops a candidate that could rank first:
   - a candidate identical to a fitting one except for more recompute is slower by construction: for
-    each (layout, micro-batch, sharding) recompute none is tried, then selective, then full;
+    each (layout, micro-batch, sharding) recompute none is tried; where it does not fit, full (where
+    even full does not fit, less recompute or a larger micro-batch does not either), then selective;
+    the first of none, selective, full that fits is kept;
   - sequence parallel off at TP > 1 does the same communication as on (all-reduce = reduce-scatter
     + all-gather) with more element-wise work and memory: tried only where SP cannot run;
   - without sharding is the distributed optimizer's communication with more memory and a longer
@@ -212,18 +214,30 @@ class _Builder:
         by_section: dict[str, dict] = {name: {} for name in set(self.section.values())}
         for name, value in values.items():
             by_section[self.section[name]][name] = value
-        # replace() builds writable sections from the (frozen) base's values
-        sections = {name: dataclasses.replace(getattr(self.base, name), **changes)
+        sections = {name: _writable_copy(getattr(self.base, name), changes)
                     for name, changes in by_section.items()}
         cfg = Config(**sections).finalize(self.world, validate=False)
         return None if cfg.problems() else cfg
 
 
+def _writable_copy(section, changes: dict):
+    """dataclasses.replace(section, **changes) of a frozen config section, a writable one with the
+    same fields (sections have no __post_init__ and no init=False fields), without calling
+    __init__ field by field: the search builds tens of thousands of configs."""
+    state = dict(section.__dict__)
+    state.pop("_frozen", None)
+    state.update(changes)
+    copy = object.__new__(type(section))
+    copy.__dict__.update(state)
+    return copy
+
+
 def _best_micro_batch(builder, machine, layout, dp, gbs, micro_batch_sizes, overlap_param_gather,
                       tp_comm_overlap, kernels):
     """((built, valid, fitting), fastest fitting candidate) over micro-batch sizes and recompute for one
-    layout and sharding. Full recompute is planned first: where even it does not fit, nothing does,
-    nor at any larger micro-batch."""
+    layout and sharding. No recompute is planned first: where it fits, it is the fastest; where
+    not, full recompute: where even that does not fit, nothing does, nor at any larger
+    micro-batch; then selective."""
     tp, pp, vpp, cp, sp, sharding, ep, etp = layout
     built = valid = fitting = 0
     best = None
@@ -231,19 +245,18 @@ def _best_micro_batch(builder, machine, layout, dp, gbs, micro_batch_sizes, over
         if gbs and gbs % (mbs * dp):
             continue
         planned, valid_here = {}, 0
-        for recompute in ("full", "none", "selective"):
+        for recompute in ("none", "full", "selective"):
             built += 1
             cfg = builder.build(tp, pp, vpp, cp, mbs, sp, sharding, recompute, overlap_param_gather, ep, etp)
             if cfg is None:
                 continue
             valid, valid_here = valid + 1, valid_here + 1
             stages = plan(cfg, kernels, builder.routing)
-            if not fits(stages, machine):
-                if recompute == "full":
+            if fits(stages, machine):
+                planned[recompute] = (cfg, stages)
+                if recompute == "none":
                     break
-                continue
-            planned[recompute] = (cfg, stages)
-            if recompute == "none":
+            elif recompute == "full":
                 break
         if not planned:
             if valid_here:

@@ -33,11 +33,13 @@ and the fp32 cross entropy over [M, V/t].
 
 Per step: the pipeline schedule (schedule.py) over m micro-batches; data-parallel reductions over
 the dp-cp group, and an MoE model's routed-expert parameters over expert-DP (all-reduce, or
-reduce-scatter + parameter all-gather with the distributed optimizer; FSDP2 gathers each layer in
-forward and again in backward and reduce-scatters once), hidden by --overlap-grad-reduce behind the
-last micro-batch's backward and by --overlap-param-gather behind the first one's forward, except
-one bucket; the optimizer step, memory-bound (bytes of state / HBM bandwidth) and, offloaded, PCIe
-copies plus the CPU's Adam.
+reduce-scatter + parameter all-gather with the distributed optimizer), hidden by
+--overlap-grad-reduce behind the last micro-batch's backward and by --overlap-param-gather behind
+the first one's forward, except one bucket; FSDP2's per-unit gathers, reduce-scatters and copies
+against each layer's own compute (megafab.plan.fsdp: what every micro-batch exposes goes into its
+stage's time in the schedule, the reducing micro-batch's extra after it), without Transformer
+Engine's TP overlap (megafab runs FSDP2 without TE); the optimizer step, memory-bound (bytes of
+state / HBM bandwidth) and, offloaded, PCIe copies plus the CPU's Adam.
 
 Throughput is reported as Megatron does: model FLOPs (megafab.training.flops, no recompute) per
 second per GPU, and MFU = that / the machine's peak for the model dtype.
@@ -45,11 +47,13 @@ second per GPU, and MFU = that / the machine's peak for the model dtype.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
 from megafab.config.moe import moe_settings
 from megafab.pipeline_split import PipelineSplit
+from megafab.plan import fsdp
 from megafab.plan.collectives import collective_seconds, group_placement, p2p_seconds
 from megafab.plan.moe import (
     expected_rows,
@@ -60,6 +64,7 @@ from megafab.plan.moe import (
 )
 from megafab.plan.schedule import pipeline_time
 from megafab.training.flops import flops_per_iteration
+from megafab.training.planner import chunk_params, fsdp_layer_units
 from megafab.training.state_memory import BYTES
 
 
@@ -249,7 +254,7 @@ def layer_passes(cfg, machine, tp_comm_overlap: bool = False, moe_layer: bool = 
     dgrad = [x.gemm(mm, k, n) for mm, n, k in shapes]
     wgrad = [x.gemm(k, n, mm) for mm, n, k in shapes]
     heads = x.a // x.tp
-    causal_flops = 4 * x.b * heads * x.d * x.M * x.s / 2  # each query meets half the keys on average
+    causal_flops = 4 * heads * x.d * x.M * x.s / 2  # M = b s / c queries, each meeting half the keys
     keys = x.s if cfg.parallel.cp_comm_type == "a2a" else x.s // x.cp
     att_f = machine.attention_seconds(causal_flops, keys, x.dtype, backward=False)
     att_b = machine.attention_seconds(2.5 * causal_flops, keys, x.dtype, backward=True)
@@ -318,31 +323,55 @@ def _cached_layer_passes(cfg, machine, x, tp_comm_overlap, memo, moe_layer):
     return passes
 
 
+def _stage_layers(cfg) -> list[list[list[tuple[int, bool]]]]:
+    """Per pipeline stage, per model chunk, its layers as (global index, recomputed in backward)."""
+    split = PipelineSplit.from_config(cfg)
+    out = []
+    for rank, chunks in enumerate(split.counts()):
+        stage = []
+        for chunk, n in enumerate(chunks):
+            start, end = split.layer_range(rank, chunk)
+            recomputed = start + _recomputed_layers(cfg, n)  # block: the chunk's first n
+            stage.append([(index, index < recomputed) for index in range(start, end)])
+        out.append(stage)
+    return out
+
+
+def _layer_kinds(cfg, machine, x: _Shapes, tp_comm_overlap: bool, memo) -> dict[bool, tuple[_Pass, _Pass]]:
+    """{is an MoE layer: (forward, backward) of one such layer}."""
+    kinds = {False: _cached_layer_passes(cfg, machine, x, tp_comm_overlap, memo, False)}
+    if x.moe is not None:
+        kinds[True] = _cached_layer_passes(cfg, machine, x, tp_comm_overlap, memo, True)
+    return kinds
+
+
+def _parts(cfg, machine, tp_comm_overlap: bool, memo: dict | None) -> tuple:
+    """What the stages' passes and FSDP2's timeline share: (shapes, each kind of layer's passes,
+    the embedding's and the output layer's passes, the stages' layers, each layer's kind)."""
+    x = _Shapes(cfg, machine)
+    return (x, _layer_kinds(cfg, machine, x, tp_comm_overlap, memo), _embedding_pass(x),
+            _output_pass(x, tp_comm_overlap), _stage_layers(cfg),
+            [is_moe_layer(x.moe, i) for i in range(cfg.model.num_layers)])
+
+
 def stage_passes(cfg, machine, tp_comm_overlap: bool = False,
                  memo: dict | None = None) -> list[tuple[_Pass, _Pass]]:
     """(forward, backward) of one micro-batch through each pipeline stage (all its chunks). memo: a
     dict kept by a caller that predicts many layouts of one model on one machine."""
-    x = _Shapes(cfg, machine)
-    kinds = {False: _cached_layer_passes(cfg, machine, x, tp_comm_overlap, memo, False)}
-    if x.moe is not None:
-        kinds[True] = _cached_layer_passes(cfg, machine, x, tp_comm_overlap, memo, True)
-    embed = _embedding_pass(x)
-    output = _output_pass(x, tp_comm_overlap)
-    split = PipelineSplit.from_config(cfg)
-    counts = split.counts()
-    pp = len(counts)
+    return _stage_passes(_parts(cfg, machine, tp_comm_overlap, memo))
+
+
+def _stage_passes(parts: tuple) -> list[tuple[_Pass, _Pass]]:
+    _, kinds, embed, output, layers, moe_layers = parts
     out = []
-    for rank, chunks in enumerate(counts):
+    for rank, chunks in enumerate(layers):
         fwd, bwd = _Pass(), _Pass()
-        for chunk, n in enumerate(chunks):
-            start, end = split.layer_range(rank, chunk)
-            recomputed = range(start, start + _recomputed_layers(cfg, n))  # block: the chunk's first n
-            for index in range(start, end):
-                layer_f, layer_b = kinds[is_moe_layer(x.moe, index)]
-                fwd, bwd = fwd + layer_f, bwd + layer_b + (layer_f if index in recomputed else _Pass())
+        for index, recomputed in itertools.chain.from_iterable(chunks):
+            layer_f, layer_b = kinds[moe_layers[index]]
+            fwd, bwd = fwd + layer_f, bwd + layer_b + (layer_f if recomputed else _Pass())
         if rank == 0:
             fwd, bwd = fwd + embed[0], bwd + embed[1]
-        if rank == pp - 1:
+        if rank == len(layers) - 1:
             fwd, bwd = fwd + output[0], bwd + output[1]
         out.append((fwd, bwd))
     return out
@@ -373,40 +402,61 @@ def _over(machine, op: str, bytes_per_param: float, groups) -> float:
     return sum(collective_seconds(machine, op, bytes_per_param * n, where) for n, where in groups)
 
 
-def data_parallel_seconds(cfg, machine, stages, passes) -> tuple[float, float]:
-    """(exposed gradient reduction + parameter gather, FSDP2's exposed per-layer gathers) per step;
-    an MoE stage's expert-DP reduction adds to its DP x CP one (both hide behind the same backward)."""
-    p, t = cfg.parallel, cfg.training
-    if not any(_groups(cfg, machine, stage) for stage in stages):
-        return 0.0, 0.0
+def data_parallel_seconds(cfg, machine, stages, passes) -> float:
+    """Exposed gradient reduction + parameter gather per step (DDP and the distributed optimizer;
+    FSDP2's are fsdp_stages'); an MoE stage's expert-DP reduction adds to its DP x CP one (both
+    hide behind the same backward)."""
+    p = cfg.parallel
+    if p.fully_sharded or not any(_groups(cfg, machine, stage) for stage in stages):
+        return 0.0
     e = BYTES[cfg.precision.params_dtype_name]
     grad_e = 4 if p.accumulate_allreduce_grads_in_fp32 else e
-    m_count = t.num_micro_batches or 1
-    worst, fsdp = 0.0, 0.0
+    worst = 0.0
     for i, (stage, (fwd, bwd)) in enumerate(zip(stages, passes)):
         groups = _groups(cfg, machine, stage)
         slack = i * bwd.total  # later stages finish their last backward earlier (1F1B drain)
-        if p.fully_sharded:
-            layers = max(1, cfg.model.num_layers // len(stages))
+        buckets = _buckets(cfg, stage.params)
+        if p.use_distributed_optimizer:
+            reduce = _over(machine, "reduce_scatter", grad_e, groups)
             gather = _over(machine, "all_gather", e, groups)
-            per_layer_gather = gather / layers
-            regather = 2 if p.fsdp_reshard_after_forward else 1
-            exposed_gather = m_count * regather * layers * max(0.0, per_layer_gather - bwd.total / layers / 2)
-            reduce = _over(machine, "reduce_scatter", 4, groups)
-            exposed = _hidden(reduce, bwd.total, layers) + per_layer_gather
-            fsdp = max(fsdp, exposed_gather)
         else:
-            buckets = _buckets(cfg, stage.params)
-            if p.use_distributed_optimizer:
-                reduce = _over(machine, "reduce_scatter", grad_e, groups)
-                gather = _over(machine, "all_gather", e, groups)
-            else:
-                reduce = _over(machine, "all_reduce", grad_e, groups)
-                gather = 0.0
-            exposed = _hidden(reduce, bwd.total, buckets) if p.overlap_grad_reduce else reduce
-            exposed += _hidden(gather, fwd.total, buckets) if p.overlap_param_gather else gather
+            reduce = _over(machine, "all_reduce", grad_e, groups)
+            gather = 0.0
+        exposed = _hidden(reduce, bwd.total, buckets) if p.overlap_grad_reduce else reduce
+        exposed += _hidden(gather, fwd.total, buckets) if p.overlap_param_gather else gather
         worst = max(worst, exposed - slack)
-    return max(worst, 0.0), fsdp
+    return max(worst, 0.0)
+
+
+def fsdp_stages(cfg, machine, parts: tuple, shared: float) -> list[fsdp.StageFsdp]:
+    """FSDP2's exposed time on each pipeline stage (megafab.plan.fsdp), each unit's collectives
+    against its own layer's compute (parts: _parts'; shared: see predict)."""
+    x, kinds, _, output, layers, moe_layers = parts
+    m = cfg.model
+    ep, etp = expert_sizes(cfg)
+    timed: dict[tuple[bool, bool], fsdp.Layer] = {}  # (MoE layer, recomputed): every such layer's
+
+    def layer(index: int, recomputed: bool) -> fsdp.Layer:
+        moe_layer = moe_layers[index]
+        if (moe_layer, recomputed) not in timed:
+            f, b = kinds[moe_layer]
+            f = f.compute_scaled(shared).total
+            backward = b.compute_scaled(shared).total + (f if recomputed else 0.0)
+            units = fsdp.groups(cfg, machine, fsdp_layer_units(cfg, index, x.tp, etp, ep))
+            timed[moe_layer, recomputed] = fsdp.Layer(units, f, backward)
+        return timed[moe_layer, recomputed]
+
+    output_cover = output[1].compute_scaled(shared).total
+    accumulating = (cfg.training.num_micro_batches or 1) > 1
+    out = []
+    for rank, chunks in enumerate(layers):
+        last_stage = rank == len(layers) - 1
+        stage = []
+        for c, chunk in enumerate(chunks):
+            root = chunk_params(m, x.tp, 0, rank == 0 and c == 0, last_stage and c == len(chunks) - 1)
+            stage.append((fsdp.unit(cfg, machine, root), [layer(i, recomputed) for i, recomputed in chunk]))
+        out.append(fsdp.stage_seconds(cfg, stage, output_cover if last_stage else 0.0, accumulating))
+    return out
 
 
 def optimizer_seconds(cfg, machine, stages) -> float:
@@ -433,25 +483,35 @@ def predict(cfg, machine, stages, tp_comm_overlap: bool = False, memo: dict | No
     p, t = cfg.parallel, cfg.training
     # ranks sharing a CPU's cores run their compute in turn (collectives are measured so already)
     shared = machine.sharing(min(p.world_size, machine.gpus_per_node))
-    passes = [(f.compute_scaled(shared), b.compute_scaled(shared))
-              for f, b in stage_passes(cfg, machine, tp_comm_overlap, memo)]
+    # megafab refuses Transformer Engine with FSDP2 (config rules), so an FSDP2 layout never has
+    # TE's userbuffers TP overlap (what tp_comm_overlap assumes)
+    overlap = tp_comm_overlap and not p.fully_sharded
+    parts = _parts(cfg, machine, overlap, memo)
+    passes = [(f.compute_scaled(shared), b.compute_scaled(shared)) for f, b in _stage_passes(parts)]
+    sharded = fsdp_stages(cfg, machine, parts, shared) if p.fully_sharded else None
+    per_mb = [s.per_micro_batch for s in sharded] if sharded else [0.0] * len(passes)
     m_count = t.num_micro_batches or 1
     vpp = p.virtual_pipeline_model_parallel_size or 1
-    x = _Shapes(cfg, machine)
+    x = parts[0]
     boundary = x.e * x.M * x.h / (x.tp if x.sp else 1)
     across = group_placement(cfg, machine, "pp").nodes > 1
-    pipe = pipeline_time([f.total + b.total for f, b in passes], m_count, vpp,
-                         p2p_seconds(machine, boundary, across))
-    dp, fsdp = data_parallel_seconds(cfg, machine, stages, passes)
+    seconds = [f.total + b.total + g for (f, b), g in zip(passes, per_mb)]
+    pipe = pipeline_time(seconds, m_count, vpp, p2p_seconds(machine, boundary, across))
+    dp = data_parallel_seconds(cfg, machine, stages, passes)
+    if sharded:
+        # the reducing micro-batch's backward runs through the stages in turn; each stage's tail
+        # hides behind the backward still to come on the stages before it (1F1B drain)
+        dp = sum(s.reducing for s in sharded) + max(
+            0.0, max(s.tail - i * b.total for i, (s, (_, b)) in enumerate(zip(sharded, passes))))
     opt = optimizer_seconds(cfg, machine, stages) * shared
-    step = pipe.total + dp + fsdp + opt + machine.iteration_overhead_s
-    slowest = max(range(len(passes)), key=lambda i: passes[i][0].total + passes[i][1].total)
+    step = pipe.total + dp + opt + machine.iteration_overhead_s
+    slowest = max(range(len(passes)), key=lambda i: seconds[i])
     f, b = passes[slowest]
     parts = (f + b).scaled(m_count)
     breakdown = {"gemm": parts.gemm, "attention": parts.attention, "memory_bound": parts.memory,
                  "tp_comm": parts.tp, "cp_comm": parts.cp, "ep_comm": parts.ep, "pp_bubble": pipe.bubble,
                  "pp_p2p": pipe.p2p,
-                 "dp_comm": dp, "fsdp_gather": fsdp, "optimizer": opt,
+                 "dp_comm": dp, "fsdp_gather": m_count * per_mb[slowest], "optimizer": opt,
                  "overhead": machine.iteration_overhead_s}
     flops = flops_per_iteration(cfg, t.global_batch_size)
     tflops = flops / p.world_size / step / 1e12

@@ -185,6 +185,20 @@ def layer_param_split(cfg, index: int, tp: int, etp: int = 1, ep: int = 1,
     return _attention_params(m, tp) + mlp.total, mlp.experts
 
 
+def fsdp_layer_units(cfg, index: int, tp: int, etp: int = 1, ep: int = 1) -> list[tuple[int, int]]:
+    """FSDP2's groups of global layer `index` on one rank (megafab.distributed.fsdp.layer_units and
+    expert_units), each (parameters sharded over DP x CP, over expert-DP): the layer itself (its
+    two norms), its attention block, its MLP (an MoE layer's router and shared experts) and an MoE
+    layer's routed experts, a group of their own over expert-DP; together layer_param_split's."""
+    m, moe = cfg.model, moe_settings(cfg)
+    norms = 2 * _norm_params(m)
+    units = [(norms, 0), (_attention_params(m, tp) - norms, 0)]
+    if not is_moe_layer(moe, index):
+        return units + [(dense_mlp_params(m, tp), 0)]
+    mlp = moe_mlp_params(m, moe, tp, etp, ep)
+    return units + [(mlp.total - mlp.experts, 0), (0, mlp.experts)]
+
+
 def _ends_params(m, tp: int, pre_process: bool, post_process: bool) -> int:
     """A chunk's embedding (first) and final norm and output layer (last) on one TP rank."""
     n = 0
@@ -205,18 +219,44 @@ def chunk_params(m, tp: int, layers: int, pre_process: bool, post_process: bool)
     return layers * layer_params(m, tp) + _ends_params(m, tp, pre_process, post_process)
 
 
-def stage_param_split(cfg, pp_rank: int) -> tuple[int, int]:
-    """(all, expert) parameters of pipeline stage `pp_rank` on one rank (all its chunks)."""
+class _LayerParams:
+    """layer_param_split of the config's layers, computed once per kind of layer (dense, MoE):
+    every layer of a kind has the same (the layout search plans thousands of candidates)."""
+
+    def __init__(self, cfg):
+        self.cfg, self.tp = cfg, cfg.parallel.tensor_model_parallel_size
+        self.ep, self.etp = expert_sizes(cfg)
+        moe = moe_settings(cfg)
+        self.moe_layer = [is_moe_layer(moe, i) for i in range(cfg.model.num_layers)]
+        self.split = PipelineSplit.from_config(cfg)
+        self.kinds: dict[bool, tuple[int, int]] = {}
+        self.chunks: dict[tuple[int, int], list[tuple[int, int]]] = {}
+
+    def layer(self, index: int) -> tuple[int, int]:
+        kind = self.moe_layer[index]
+        if kind not in self.kinds:
+            self.kinds[kind] = layer_param_split(self.cfg, index, self.tp, self.etp, self.ep)
+        return self.kinds[kind]
+
+    def chunk(self, pp_rank: int, chunk: int) -> list[tuple[int, int]]:
+        """(all, expert) parameters of each layer of one model chunk, in order."""
+        if (pp_rank, chunk) not in self.chunks:
+            layers = range(*self.split.layer_range(pp_rank, chunk))
+            self.chunks[pp_rank, chunk] = [self.layer(i) for i in layers]
+        return self.chunks[pp_rank, chunk]
+
+
+def stage_param_split(cfg, pp_rank: int, layers: _LayerParams | None = None) -> tuple[int, int]:
+    """(all, expert) parameters of pipeline stage `pp_rank` on one rank (all its chunks); layers:
+    the config's _LayerParams, if made already."""
     p = cfg.parallel
     pp, tp = p.pipeline_model_parallel_size, p.tensor_model_parallel_size
-    ep, etp = expert_sizes(cfg)
-    split = PipelineSplit.from_config(cfg)
-    chunks = len(split.counts()[pp_rank])
+    layers = layers or _LayerParams(cfg)
+    chunks = len(layers.split.counts()[pp_rank])
     total = expert = 0
     for c in range(chunks):
         total += _ends_params(cfg.model, tp, pp_rank == 0 and c == 0, pp_rank == pp - 1 and c == chunks - 1)
-        for index in range(*split.layer_range(pp_rank, c)):
-            n, x = layer_param_split(cfg, index, tp, etp, ep)
+        for n, x in layers.chunk(pp_rank, c):
             total, expert = total + n, expert + x
     return total, expert
 
@@ -239,19 +279,17 @@ def model_params(cfg) -> tuple[int, int]:
     return total, active
 
 
-def largest_fsdp_unit(cfg, pp_rank: int) -> tuple[int, int]:
+def largest_fsdp_unit(cfg, pp_rank: int, layers: _LayerParams | None = None) -> tuple[int, int]:
     """FSDP2's largest group below the chunks' roots on the stage, (all, expert) parameters: a
     dense layer's attention block or MLP (megafab.distributed.fsdp.layer_units), or an MoE layer
-    (its dense part and its routed experts, counted together)."""
-    p, m = cfg.parallel, cfg.model
-    tp = p.tensor_model_parallel_size
-    ep, etp = expert_sizes(cfg)
-    split = PipelineSplit.from_config(cfg)
+    (its dense part and its routed experts, counted together); layers: see stage_param_split."""
+    m = cfg.model
+    tp = cfg.parallel.tensor_model_parallel_size
+    layers = layers or _LayerParams(cfg)
     attention = _attention_params(m, tp) - 2 * _norm_params(m)
     units = [(0, 0)]
-    for c in range(len(split.counts()[pp_rank])):
-        for i in range(*split.layer_range(pp_rank, c)):
-            layer = layer_param_split(cfg, i, tp, etp, ep)
+    for c in range(len(layers.split.counts()[pp_rank])):
+        for layer in layers.chunk(pp_rank, c):
             units.append(layer if layer[1] else (max(attention, dense_mlp_params(m, tp)), 0))
     return max(units)
 
@@ -410,19 +448,20 @@ def plan(cfg, kernels: str = "flash", routing: str = "bound") -> list[StagePlan]
         block = min(n, per_chunk)
         return block * layer_input + sum(sizes[block:]), largest if block else 0
 
-    split = PipelineSplit.from_config(cfg)
+    params_of = _LayerParams(cfg)
+    split, moe_layers = params_of.split, params_of.moe_layer
     counts = split.counts()
     out = []
     for rank in range(pp):
         # the stage's largest chunk bounds what each in-flight chunk keeps
         chunk_layers = [range(*split.layer_range(rank, c)) for c in range(len(counts[rank]))]
-        has_moe = any(is_moe_layer(moe, i) for layers in chunk_layers for i in layers)
+        has_moe = any(moe_layers[i] for layers in chunk_layers for i in layers)
         # (kept per in-flight chunk, backward transient, dispatch buffers) with MoE layers at each kind
-        kept = {kind: max(chunk_activations([moe_layer if is_moe_layer(moe, i) else layer for i in layers])
+        kept = {kind: max(chunk_activations([moe_layer if moe_layers[i] else layer for i in layers])
                           for layers in chunk_layers) + (dispatch if has_moe else 0,)
                 for kind, (moe_layer, dispatch) in (routed or {"bound": (layer, 0)}).items()}
         chunk_kept, transient, stage_dispatch = kept[routing if routed else "bound"]
-        params, expert_params = stage_param_split(cfg, rank)
+        params, expert_params = stage_param_split(cfg, rank, params_of)
         first, last = rank == 0, rank == pp - 1
         embed = s * b * h * _mask_bytes(kernels, e) // r if first and m.hidden_dropout > 0 else 0
         rotary = vpp * 2 * e * s * b * int(m.kv_channels * m.rotary_percent) \
@@ -438,7 +477,7 @@ def plan(cfg, kernels: str = "flash", routing: str = "bound") -> list[StagePlan]
         peaks = {kind: int(chunks * kept_ + fixed + max(logits + loss_backward, transient_) + dispatch_)
                  for kind, (kept_, transient_, dispatch_) in kept.items()}
         peak = peaks[routing if routed else "bound"]
-        unit, expert_unit = largest_fsdp_unit(cfg, rank)
+        unit, expert_unit = largest_fsdp_unit(cfg, rank, params_of)
         root, embedding = fsdp_root_params(cfg, rank)
         state = stage_state_bytes(cfg, params, expert_params, unit, expert_unit, root=root,
                                   embedding=embedding)

@@ -62,15 +62,44 @@ def test_groups_are_placed_by_megatrons_rank_order():
 
 def test_ring_collectives_follow_the_bus_bandwidth_factors():
     h100 = BUILTIN["h100-sxm-80gb"]
+    base, intra_step, inter_step = h100.collective_base_latency_s, h100.intra_latency_s, h100.inter_latency_s
+    assert (base, intra_step, inter_step) == (8.4e-6, 3.4e-6, 14e-6)  # NCCL's ring/Simple tuning model
     intra = placement(8, 8, 1, 1, 8, ("tp",))
     size = 1e9
     ar = collective_seconds(h100, "all_reduce", size, intra)
     ag = collective_seconds(h100, "all_gather", size, intra)
-    assert ar == pytest.approx(2 * 7 / 8 * size / h100.intra_busbw + 14 * h100.intra_latency_s)
-    assert ag == pytest.approx(7 / 8 * size / h100.intra_busbw + 7 * h100.intra_latency_s)
-    across = placement(64, 8, 1, 1, 8, ("dp",))  # one rank per node: one NIC
+    assert ar == pytest.approx(2 * 7 / 8 * size / h100.intra_busbw + base + 14 * intra_step)
+    assert ag == pytest.approx(7 / 8 * size / h100.intra_busbw + base + 7 * intra_step)
+    across = placement(64, 8, 1, 1, 8, ("dp",))  # one rank per node: one NIC, every step crosses
     assert collective_seconds(h100, "all_gather", size, across) == pytest.approx(
-        7 / 8 * size / h100.nic_bandwidth + 7 * h100.inter_latency_s)
+        7 / 8 * size / h100.nic_bandwidth + base + 7 * inter_step)
+    assert collective_seconds(h100, "all_reduce", size, across) == pytest.approx(
+        2 * 7 / 8 * size / h100.nic_bandwidth + base + 14 * inter_step)
+
+
+def test_ring_latency_counts_the_steps_that_cross_nodes_and_grows_with_the_group():
+    """NCCL's ring: of a 384-rank ring with 4 ranks on each of 96 nodes, 95 steps cross the
+    network and 288 stay on NVLink; each call pays them, so a gather per layer pays them per layer.
+    NCCL runs the fastest protocol: LL for a tiny message; for a large one over this many steps
+    LL128 (lower step latencies, 0.92 of the bandwidth) beats Simple."""
+    h100 = BUILTIN["h100-sxm-80gb"]
+    dp384 = placement(768, 2, 1, 1, 8, ("dp",))
+    assert dp384 == Placement(384, 4, 96)
+    tiny = 1.0  # bytes: the latency alone
+    latency = collective_seconds(h100, "reduce_scatter", tiny, dp384)
+    # LL: 6.6 us base, NVLink steps at the 1 us network post overhead, 2.7 us per network step
+    assert latency == pytest.approx(6.6e-6 + 288 * 1e-6 + 95 * 2.7e-6, rel=1e-6)
+    large = 1e9
+    simple = 383 / 384 * large / (4 * h100.nic_bandwidth) + 8.4e-6 + 288 * 3.4e-6 + 95 * 14e-6
+    ll128 = 383 / 384 * large / (0.92 * 4 * h100.nic_bandwidth) + 14e-6 + 288 * 1.9e-6 + 95 * 4e-6
+    assert ll128 < simple
+    assert collective_seconds(h100, "all_gather", large, dp384) == pytest.approx(ll128, rel=1e-6)
+    one_node = placement(8, 8, 1, 1, 8, ("tp",))  # 7 NVLink steps: Simple's full bandwidth wins
+    assert collective_seconds(h100, "all_gather", large, one_node) == pytest.approx(
+        7 / 8 * large / h100.intra_busbw + 8.4e-6 + 7 * 3.4e-6, rel=1e-6)
+    dp48 = placement(768, 8, 1, 2, 8, ("dp",))  # TP 8 PP 2: one rank per node
+    assert collective_seconds(h100, "all_gather", tiny, dp48) == pytest.approx(6.6e-6 + 47 * 2.7e-6, rel=1e-6)
+    assert latency > 3 * collective_seconds(h100, "all_gather", tiny, dp48)
 
 
 @pytest.mark.slow
