@@ -267,9 +267,9 @@ def ep_rows(args) -> None:
     for name, seconds in timed.items():
         efficiency = [r / t for r, t in zip(two_threads, seconds)]
         vs_one_thread = [r / (2 * t) for r, t in zip(one_thread, seconds)]
-        print(f"{name:<16}{fmt_spread(one_thread, 3):>24}{fmt_spread(two_threads, 3):>24}"
-              f"{fmt_spread(seconds, 3):>24}{fmt_spread(efficiency, 2):>20}"
-              f"{fmt_spread(vs_one_thread, 2):>20}")
+        print(f"{name:<16} {fmt_spread(one_thread, 3):>23} {fmt_spread(two_threads, 3):>23}"
+              f" {fmt_spread(seconds, 3):>23} {fmt_spread(efficiency, 2):>19}"
+              f" {fmt_spread(vs_one_thread, 2):>19}")  # a space apart even where a value is wide
         print(f"{'':<16}per round: efficiency {' '.join(f'{e:.2f}' for e in efficiency)}; "
               f"vs 1t/2 {' '.join(f'{e:.2f}' for e in vs_one_thread)}")
     print(f"after: {load_average()}")
