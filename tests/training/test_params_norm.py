@@ -1,0 +1,58 @@
+"""--log-params-norm as Megatron's calc_params_l2_norm: the L2 norm of every parameter once, after the
+step, in the iteration line (` params norm: X |`), the JSON line and TensorBoard ("params-norm"); the
+same value from a tensor-, pipeline- and data-parallel layout with the distributed optimizer as
+from one process."""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+
+import pytest
+import torch
+
+from tests.training.fork_ranks import main_stdout
+
+MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+         "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "2", "--lr", "1e-2",
+         "--num-workers", "0", "--mock-data", "--vocab-size", "127", "--make-vocab-size-divisible-by", "32",
+         "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "0", "--hidden-dropout", "0",
+         "--attention-dropout", "0", "--log-params-norm"]
+
+
+def _norms(path) -> dict[int, float]:
+    with open(path) as f:
+        rows = [json.loads(line) for line in f]
+    return {r["iteration"]: r["params_norm"] for r in rows if r["kind"] == "iteration"}
+
+
+def test_params_norm_is_the_norm_of_the_saved_parameters(tmp_path, mock_data_cache):
+    out = main_stdout(1, MODEL + mock_data_cache + [
+        "--untie-embeddings-and-output-weights", "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
+        "--ckpt-format", "torch", "--no-save-optim", "--metrics-jsonl", str(tmp_path / "m.jsonl")],
+        tmp_path / "run")
+    norms = _norms(tmp_path / "m.jsonl")
+    assert sorted(norms) == [1, 2] and norms[1] != norms[2]  # after each step: the update moved it
+    assert f" params norm: {norms[2]:.3f} |" in out
+    [path] = glob.glob(str(tmp_path / "ckpt" / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"))
+    model = torch.load(path, map_location="cpu", weights_only=False)["model"]
+    weights = [t for k, t in model.items() if isinstance(t, torch.Tensor) and "_extra_state" not in k]
+    expected = math.sqrt(sum(float(t.double().pow(2).sum()) for t in weights))
+    assert abs(norms[2] - expected) <= 1e-6 * expected, (norms[2], expected)
+
+
+@pytest.mark.slow
+def test_params_norm_of_a_3d_layout_equals_one_process(tmp_path, mock_data_cache):
+    """TP 2 x PP 2 with a tied embedding (its second copy on the last stage counted once) and the
+    distributed optimizer (DP 2: each rank's shard), after each of two steps (fp32: the layouts train
+    alike to ~1e-6; in bf16 their roundings part by ~4e-5 at the second step)."""
+    flags = MODEL + mock_data_cache
+    main_stdout(1, flags + ["--metrics-jsonl", str(tmp_path / "one.jsonl")], tmp_path / "one")
+    main_stdout(8, flags + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                            "--use-distributed-optimizer", "--metrics-jsonl", str(tmp_path / "3d.jsonl")],
+                tmp_path / "3d")
+    one, three_d = _norms(tmp_path / "one.jsonl"), _norms(tmp_path / "3d.jsonl")
+    assert sorted(one) == sorted(three_d) == [1, 2]
+    for it in one:
+        assert abs(three_d[it] - one[it]) <= 1e-5 * one[it], (it, three_d[it], one[it])
