@@ -215,7 +215,8 @@ REFUSED.update({
     "--checkpoint-activations": Refused(
         "removed in Megatron-LM, which stops on it; use --recompute-activations, or "
         "--recompute-granularity and --recompute-method"),
-    "--encoder-seq-length": Refused("Megatron's encoder-decoder name; use --seq-length"),
+    "--encoder-seq-length": Refused("Megatron's older name for --seq-length (which it reads only without "
+                                    "--seq-length); use --seq-length"),
     "--exit-signal": Refused("megafab's --exit-signal-handler saves and exits on SIGTERM only",
                              off=("SIGTERM",)),
     "--rerun-mode": Refused(_RERUN, off=("disabled",), no_effect=(
@@ -382,7 +383,7 @@ NO_EFFECT.update({
         NO_EFFECT["--no-async-tensor-model-parallel-allreduce"],
     "--disable-ckpt-fully-parallel-save": NO_EFFECT["--no-ckpt-fully-parallel-save"],
     "--dist-ckpt-format": "deprecated in Megatron-LM, which ignores it too; --ckpt-format selects the format",
-    "--fp8-interval": "deprecated since Transformer Engine 1.8, which ignores it; Megatron passes it nowhere",
+    "--fp8-interval": "deprecated: Transformer Engine ignores it since v1.8, and megafab does not pass it",
     "--use-cpu-initialization": "megafab always draws each weight's full tensor on the CPU from its own "
                                 "(seed, parameter name) generator, so every TP / PP layout starts from the "
                                 "one-process values (what Megatron's CPU initialization is for)",
@@ -391,7 +392,8 @@ NO_EFFECT.update({
                     "for this flag)",
     "--disable-gloo-process-groups": "megafab makes every process group on the run's one backend: no Gloo "
                                      "side groups beside NCCL ones",
-    "--disable-jit-fuser": KERNELS,
+    "--disable-jit-fuser": "megafab leaves megatron-core's jit_fuser as it is: it fuses elementwise kernels, "
+                           "it does not change their formulas",
     "--no-gradient-reduce-div-fusion": "megafab scales gradients by 1/DP itself (or reduces with AVG); it "
                                        "has no fused division to turn off",
     "--no-clone-scatter-output-in-embedding": "a memory-release detail of the embedding under sequence "

@@ -70,6 +70,9 @@ def test_every_megatron_flag_is_honoured_refused_or_no_effect():
     assert unknown == []
     assert not set(REFUSED) & set(actions)  # refused flags are never parsed into the config
     assert not set(NO_EFFECT) & honoured
+    # a no-effect flag's value lands where no config field reads it
+    fields = {a.dest for f, a in actions.items() if f not in NO_EFFECT}
+    assert not {actions[f].dest for f in NO_EFFECT} & fields
     for flag, dest in ALIASES.items():
         assert actions[flag].dest == dest and flag in honoured
     assert len(honoured) + len(set(CENSUS) & set(REFUSED)) + len(set(CENSUS) & set(NO_EFFECT)) == len(CENSUS)

@@ -56,3 +56,34 @@ def test_params_norm_of_a_3d_layout_equals_one_process(tmp_path, mock_data_cache
     assert sorted(one) == sorted(three_d) == [1, 2]
     for it in one:
         assert abs(three_d[it] - one[it]) <= 1e-5 * one[it], (it, three_d[it], one[it])
+
+
+def test_params_norm_goes_to_the_line_json_and_tensorboard_on_their_iterations(monkeypatch, capsys, tmp_path):
+    """Computed (a collective) on every rank only on the iterations that report it."""
+    import types
+
+    from megafab.training import train_log
+    from tests.model.tiny import tiny_config
+
+    calls = []
+    monkeypatch.setattr(train_log, "params_norm", lambda optimizer, fp16: calls.append(fp16) or 2.5)
+    cfg = tiny_config(log_interval=2, tensorboard_log_interval=3, log_params_norm=True,
+                      metrics_jsonl=str(tmp_path / "m.jsonl"))
+    topo = types.SimpleNamespace(rank=0, world_size=1, dp_rank=0, device=torch.device("cpu"))
+    log = train_log.TrainingLog(cfg, topo, 0)
+    scalars = []
+    log.writers = types.SimpleNamespace(scalars=lambda it, values, *a, **k: scalars.append((it, values)),
+                                        close=lambda: None)
+    state = types.SimpleNamespace(iteration=0, consumed_train_samples=0, optimizer=types.SimpleNamespace(
+        grad_scaler=None), scheduler=types.SimpleNamespace(get_lr=lambda: 1e-3))
+    for _ in range(5):
+        state.iteration += 1
+        log.after_step(state, {"lm loss": 3.0, "grad_norm": 1.0, "num_zeros": None, "global_batch_size": 4,
+                               "update_ok": True})
+    log.close()
+    assert len(calls) == 4  # iterations 1 (the first line), 2 and 4 (lines), 3 (TensorBoard); not 5
+    lines = [line for line in capsys.readouterr().out.splitlines() if " iteration " in line]
+    assert len(lines) == 3 and all(" grad norm: 1.000 | params norm: 2.500 |" in line for line in lines)
+    assert [(it, v["params-norm"]) for it, v in scalars if "params-norm" in v] == [(3, 2.5)]
+    rows = [json.loads(line) for line in open(tmp_path / "m.jsonl")]
+    assert [r["params_norm"] for r in rows] == [2.5, 2.5, 2.5]
