@@ -2,8 +2,12 @@
 
 A refused flag stops the run by name (in the one message that lists every problem of a command
 line); a value that means "feature off" (the `off` values) is accepted, since it asks for nothing.
-A no-effect flag is accepted and announced once at start-up: "accepted, no effect in megafab: ...".
-Every other Megatron flag megafab knows is parsed into the config and honoured.
+A no-effect flag is accepted and announced once at start-up: "accepted, no effect in megafab: ...";
+so is a refused flag given one of its `no_effect` values (--rerun-mode validate_results, Megatron's
+default). Both take the values Megatron's parser gives them (NARGS), so the rest of a Megatron
+command line parses as Megatron's would. Every other Megatron flag megafab knows is parsed into the
+config and honoured. tests/config/test_megatron_flag_census.py checks all of Megatron-LM 0.16.1's
+flags against this.
 """
 
 from __future__ import annotations
@@ -154,6 +158,7 @@ def _refuse(reason: str, spec: str) -> None:
 
 def _no_effect(reason: str, spec: str) -> None:
     NO_EFFECT.update(dict.fromkeys(_values(spec), reason))
+
 
 # ---- Megatron-LM 0.16.1's other flags, by family (tests/config/test_megatron_flag_census.py checks
 # that every flag of Megatron's parser is honoured, refused or no-effect, with Megatron's nargs) ----
@@ -328,7 +333,8 @@ _refuse(_FP8, """--fp8-quantizer-factory V --no-fp8-wgrad --disable-fp8-wgrad --
     --fp4-param-gather --fp4-quantizer-factory V --te-precision-config-file V --keep-fp8-transpose-cache
     --reuse-grad-buf-for-mxfp8-param-ag""")
 _refuse(_PRECISION, """--fp32-residual-connection --fp16-lm-cross-entropy
-    --disable-bf16-reduced-precision-matmul --onnx-safe V""")
+    --disable-bf16-reduced-precision-matmul""")
+_refuse("Megatron's ONNX-export workarounds are not in megafab", "--onnx-safe V")
 _refuse(f"this activation function is {NOT_YET}", """--activation-func-clamp-value V --quick-geglu
     --use-fused-weighted-squared-relu --use-te-activation-func""")
 _refuse(_INIT, """--embedding-init-method-std V --init-method-xavier-uniform --data-parallel-random-init""")
@@ -367,16 +373,19 @@ _refuse(f"non-persistent checkpoints are {NOT_YET}", """--non-persistent-global-
 _refuse(_DATA, """--data-args-path V --per-split-data-args-path V --per-dataset-sequences-path V
     --dataloader-fast-cache-load --dataloader-defer-npy-index-mmap --num-dataset-builder-threads V
     --object-storage-cache-path V --mid-level-dataset-surplus V --allow-ambiguous-pad-tokens
-    --iterations-to-skip V+ --phase-transition-iterations V --decrease-batch-size-if-needed
-    --padded-vocab-size V --exit-signal-handler-for-dataloader""")
+    --exit-signal-handler-for-dataloader""")
+_refuse("megafab pads the vocabulary itself, as Megatron derives it (the tokenizer's or --vocab-size's "
+        "size to a multiple of --make-vocab-size-divisible-by x TP); a given padded size is not read",
+        "--padded-vocab-size V")
 _refuse(_VALIDATION, "--full-validation --multiple-validation-sets")
 _refuse(_TOKENIZER, """--tokenizer-metadata V --legacy-tokenizer --tokenizer-sentencepiece-legacy
     --tokenizer-hf-use-fast --tokenizer-hf-include-special-tokens --trust-remote-code""")
 _refuse(_PROCESS_GROUPS, """--distributed-timeout-seconds-after-init V --lazy-mpu-init V
     --fake-process-group --use-sharp --sharp-enabled-group V --nccl-communicator-config-path V""")
 _refuse(_DETERMINISM, "--deterministic-mode --batch-invariant-mode")
-_refuse(f"this Megatron training check is {NOT_YET}", """--check-weight-hash-across-dp-replicas-interval V
-    --enable-experimental --test-mode""")
+_refuse(f"this training-loop option of Megatron's is {NOT_YET}", """--iterations-to-skip V+
+    --phase-transition-iterations V --decrease-batch-size-if-needed
+    --check-weight-hash-across-dp-replicas-interval V --enable-experimental --test-mode""")
 
 NO_EFFECT.update({
     "--disable-async-tensor-model-parallel-allreduce":
