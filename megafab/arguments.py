@@ -46,7 +46,10 @@ SPELLINGS = {"position_embedding_type": (
                   "table (with rope, which has none, it changes nothing)",
                   {"dest": "add_position_embedding", "action": "store_false"})),
              "recompute_granularity": (
-                 ("--recompute-activations", "shortcut for --recompute-granularity selective", {}),)}
+                 ("--recompute-activations", "shortcut for --recompute-granularity selective", {}),),
+             "seq_length": (
+                 ("--encoder-seq-length", "Megatron's older name for --seq-length (give one of the two)",
+                  {"action": "store", "type": int, "metavar": "ENCODER_SEQ_LENGTH"}),)}
 
 
 def flag_kwargs(f: dataclasses.Field, kind: type) -> dict:
@@ -225,9 +228,16 @@ def _given_dests(parser, argv: list[str]) -> set[str]:
     return {actions[_flag_name(t)].dest for t in argv if _flag_name(t) in actions}
 
 
-def _resolve_spellings(args: argparse.Namespace, named: set[str]) -> None:
+def _resolve_spellings(args: argparse.Namespace, named: set[str]) -> list[str]:
     """Megatron's deprecated spellings and shortcuts, mapped onto the fields they mean (`named`: the
-    dests the command line or a config file set)."""
+    dests the command line or a config file set); the problems of a spelling given with its field."""
+    problems = []
+    if args.encoder_seq_length is not None:  # Megatron: seq_length = encoder_seq_length, never both
+        if "seq_length" in named:
+            problems.append("--encoder-seq-length: Megatron's older name for --seq-length, given with "
+                            "--seq-length; give one of the two")
+        else:
+            args.seq_length = args.encoder_seq_length
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
     if not args.add_position_embedding and args.position_embedding_type == "learned_absolute":
@@ -238,6 +248,7 @@ def _resolve_spellings(args: argparse.Namespace, named: set[str]) -> None:
         args.transformer_impl = "transformer_engine"
     if isinstance(args.cp_comm_type, list):  # Megatron's per-layer list; the rules refuse several types
         args.cp_comm_type = " ".join(dict.fromkeys(args.cp_comm_type))
+    return problems
 
 
 def no_effect_flags(cfg: Config, given: set[str], argv: list[str]) -> list[str]:
@@ -323,7 +334,7 @@ def config_from_args(argv: list[str] | None = None, world_size: int | None = Non
     if args is None:
         raise ConfigError(problems)
     given = _given_dests(parser, kept) | {d for d, v in file_values.items() if v != flag_defaults[d]}
-    _resolve_spellings(args, given | set(file_values))
+    problems += _resolve_spellings(args, given | set(file_values))
     if world_size is None:
         world_size = planned_world_size(dry_run=args.dry_run)
     cfg = Config.from_flat(vars(args)).resolve(world_size)

@@ -220,8 +220,6 @@ REFUSED.update({
     "--checkpoint-activations": Refused(
         "removed in Megatron-LM, which stops on it; use --recompute-activations, or "
         "--recompute-granularity and --recompute-method"),
-    "--encoder-seq-length": Refused("Megatron's older name for --seq-length (which it reads only without "
-                                    "--seq-length); use --seq-length"),
     "--exit-signal": Refused("megafab's --exit-signal-handler saves and exits on SIGTERM only",
                              off=("SIGTERM",)),
     "--rerun-mode": Refused(_RERUN, off=("disabled",), no_effect=(
@@ -442,7 +440,7 @@ _values("""--hierarchical-context-parallel-sizes V+ --moe-upcycling-granularity 
     --mtp-num-layers V --num-distributed-optimizer-instances V --spec V* --encoder-num-layers V
     --decoder-num-layers V --pipeline-model-parallel-layout V --non-persistent-save-interval V
     --non-persistent-ckpt-type V --ckpt-convert-format V --dist-ckpt-strictness V --batch-size V
-    --warmup V --model-parallel-size V --encoder-seq-length V --exit-signal V --rerun-mode V
+    --warmup V --model-parallel-size V --exit-signal V --rerun-mode V
     --error-injection-rate V --cuda-graph-impl V --cpu-offloading-num-layers V --softmax-type V
     --rope-type V --glu-linear-offset V --head-lr-mult V --weight-decay-incr-style V
     --main-grads-dtype V --main-params-dtype V --exp-avg-dtype V --exp-avg-sq-dtype V

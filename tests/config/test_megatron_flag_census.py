@@ -22,7 +22,7 @@ with open(CENSUS_PATH) as f:
     CENSUS: dict[str, dict] = json.load(f)["flags"]
 
 # The Megatron flags megafab honours that have no field of their own name: aliases of fields.
-ALIASES = {"--disable-manual-gc-eval": "manual_gc_eval",
+ALIASES = {"--disable-manual-gc-eval": "manual_gc_eval", "--encoder-seq-length": "encoder_seq_length",
            "--disable-log-loss-scale-to-tensorboard": "log_loss_scale_to_tensorboard",
            "--persistent-save-interval": "save_interval"}
 
@@ -73,9 +73,17 @@ def test_every_megatron_flag_is_honoured_refused_or_no_effect():
     # a no-effect flag's value lands where no config field reads it
     fields = {a.dest for f, a in actions.items() if f not in NO_EFFECT}
     assert not {actions[f].dest for f in NO_EFFECT} & fields
-    for flag, dest in ALIASES.items():
+    for flag, dest in ALIASES.items():  # (--encoder-seq-length: its own dest, mapped onto seq_length)
         assert actions[flag].dest == dest and flag in honoured
     assert len(honoured) + len(set(CENSUS) & set(REFUSED)) + len(set(CENSUS) & set(NO_EFFECT)) == len(CENSUS)
+
+
+def test_encoder_seq_length_is_megatrons_older_seq_length():
+    argv = [t for t in BASE if t not in ("--seq-length", "32")]
+    assert len(argv) == len(BASE) - 2
+    assert config_from_args(argv + ["--encoder-seq-length", "64"], world_size=1).model.seq_length == 64
+    assert "--encoder-seq-length: Megatron's older name for --seq-length, given with --seq-length; give " \
+           "one of the two" in _problems(["--encoder-seq-length", "64"])
 
 
 def test_refused_and_no_effect_flags_take_megatrons_nargs():
