@@ -42,21 +42,31 @@ def test_params_norm_is_the_norm_of_the_saved_parameters(tmp_path, mock_data_cac
     assert abs(norms[2] - expected) <= 1e-6 * expected, (norms[2], expected)
 
 
+LAYOUTS = {  # world, flags
+    # a tied embedding (its second copy on the last stage counted once), DP 2: each rank's shard
+    "tp2-pp2-distopt": (8, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                            "--use-distributed-optimizer"]),
+    "fsdp2-dp2": (2, ["--use-torch-fsdp2"]),  # ZeRO-3: each rank's parameter shards
+    # optimizer CPU offload: half the entries' mains on the host
+    "distopt-dp2-offload-0.5": (2, ["--use-distributed-optimizer", "--optimizer-cpu-offload",
+                                    "--optimizer-offload-fraction", "0.5",
+                                    "--use-precision-aware-optimizer"]),
+}
+
+
 @pytest.mark.slow
-def test_params_norm_of_a_3d_layout_equals_one_process(tmp_path, mock_data_cache):
-    """TP 2 x PP 2 with a tied embedding (its second copy on the last stage counted once) and the
-    distributed optimizer (DP 2: each rank's shard), after each of two steps (fp32: the layouts train
-    alike to ~1e-6; in bf16 their roundings part by ~4e-5 at the second step)."""
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_params_norm_of_a_parallel_layout_equals_one_process(layout, tmp_path, mock_data_cache):
+    """After each of two steps (fp32: the layouts train alike to ~1e-6; in bf16 their roundings part
+    by ~4e-5 at the second step)."""
+    world, layout_flags = LAYOUTS[layout]
     flags = MODEL + mock_data_cache
     main_stdout(1, flags + ["--metrics-jsonl", str(tmp_path / "one.jsonl")], tmp_path / "one")
-    main_stdout(8, flags + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                            "--use-distributed-optimizer", "--metrics-jsonl", str(tmp_path / "3d.jsonl")],
-                tmp_path / "3d")
-    one, three_d = _norms(tmp_path / "one.jsonl"), _norms(tmp_path / "3d.jsonl")
-    assert sorted(one) == sorted(three_d) == [1, 2]
+    main_stdout(world, flags + layout_flags + ["--metrics-jsonl", str(tmp_path / "n.jsonl")], tmp_path / "n")
+    one, parallel = _norms(tmp_path / "one.jsonl"), _norms(tmp_path / "n.jsonl")
+    assert sorted(one) == sorted(parallel) == [1, 2]
     for it in one:
-        assert abs(three_d[it] - one[it]) <= 1e-5 * one[it], (it, three_d[it], one[it])
-
+        assert abs(parallel[it] - one[it]) <= 1e-5 * one[it], (it, parallel[it], one[it])
 
 def test_params_norm_goes_to_the_line_json_and_tensorboard_on_their_iterations(monkeypatch, capsys, tmp_path):
     """Computed (a collective) on every rank only on the iterations that report it."""
