@@ -27,8 +27,11 @@ def _norms(path) -> dict[int, float]:
     return {r["iteration"]: r["params_norm"] for r in rows if r["kind"] == "iteration"}
 
 
-def test_params_norm_is_the_norm_of_the_saved_parameters(tmp_path, mock_data_cache):
-    out = main_stdout(1, MODEL + mock_data_cache + [
+@pytest.mark.parametrize("precision", [[], ["--fp16", "--loss-scale", "128"]], ids=["fp32", "fp16"])
+def test_params_norm_is_the_norm_of_the_saved_parameters(precision, tmp_path, mock_data_cache):
+    """fp32: the parameters themselves; fp16: the model's fp16 values, the ones Megatron reads (and
+    saves), not the fp32 masters."""
+    out = main_stdout(1, MODEL + mock_data_cache + precision + [
         "--untie-embeddings-and-output-weights", "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
         "--ckpt-format", "torch", "--no-save-optim", "--metrics-jsonl", str(tmp_path / "m.jsonl")],
         tmp_path / "run")
