@@ -25,7 +25,7 @@ from megafab.config.moe import NEEDS_EXPERTS
 from megafab.config.probes import start_up_problems, tokenizer_vocab_size
 from megafab.config.schema import SECTIONS, flag_fields
 from megafab.config_file import CONFIG_FLAGS, parser_defaults, split_config_files
-from megafab.megatron_flags import NO_EFFECT, REFUSED, refused_problem
+from megafab.megatron_flags import NARGS, NO_EFFECT, REFUSED, refused_problem
 from megafab.run.launch import planned_world_size
 from megafab.run.report import exit_on_user_error
 
@@ -46,7 +46,10 @@ SPELLINGS = {"position_embedding_type": (
                   "table (with rope, which has none, it changes nothing)",
                   {"dest": "add_position_embedding", "action": "store_false"})),
              "recompute_granularity": (
-                 ("--recompute-activations", "shortcut for --recompute-granularity selective", {}),)}
+                 ("--recompute-activations", "shortcut for --recompute-granularity selective", {}),),
+             "seq_length": (
+                 ("--encoder-seq-length", "Megatron's older name for --seq-length (give one of the two)",
+                  {"action": "store", "type": int, "metavar": "ENCODER_SEQ_LENGTH"}),)}
 
 
 def flag_kwargs(f: dataclasses.Field, kind: type) -> dict:
@@ -129,8 +132,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                     "Flags are Megatron-LM's.")
     _schema_flags(parser)
     _config_file_flags(parser)
-    for flag in NO_EFFECT:
-        parser.add_argument(flag, action="store_true")
+    for flag in NO_EFFECT:  # parsed as Megatron parses it (its values consumed), then announced
+        nargs = NARGS.get(flag, 0)
+        parser.add_argument(flag, action="store_true") if nargs == 0 else \
+            parser.add_argument(flag, nargs=nargs, metavar="VALUE")
     document(parser)
     return parser
 
@@ -143,31 +148,37 @@ def _is_flag(token: str) -> bool:
     return token.startswith("--")
 
 
-def _take_values(argv: list[str], i: int) -> int:
-    """Index after flag argv[i] and the values that follow it (up to the next --flag)."""
+def _take_values(argv: list[str], i: int, nargs: int | str | None = "*") -> int:
+    """Index after flag argv[i] and the values that follow it: as many as `nargs` (argparse's: 0 a
+    switch, None one, "*" / "+" up to the next --flag)."""
     j = i + 1
     if "=" not in argv[i]:
-        while j < len(argv) and not _is_flag(argv[j]):
+        most = {0: 0, None: 1}.get(nargs, nargs if isinstance(nargs, int) else len(argv))
+        while j < len(argv) and j - i <= most and not _is_flag(argv[j]):
             j += 1
     return j
 
 
-def split_refused(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(argv without refused flags, one problem per refused flag). A refused flag given only its
-    "off" value asks for nothing and is dropped silently."""
-    kept, problems, i = [], [], 0
+def split_refused(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
+    """(argv without refused flags, one problem per refused flag, "--flag value (why)" per refused
+    flag given a value that is accepted without effect). A refused flag takes the values Megatron's
+    parser gives it (NARGS); given only its "off" value it asks for nothing and is dropped silently."""
+    kept, problems, notes, i = [], [], [], 0
     while i < len(argv):
         name = _flag_name(argv[i])
         if name not in REFUSED:
             kept.append(argv[i])
             i += 1
             continue
-        end = _take_values(argv, i)
+        end = _take_values(argv, i, NARGS.get(name, 0))
         values = [argv[i].partition("=")[2]] if "=" in argv[i] else argv[i + 1:end]
-        if not (len(values) == 1 and values[0] in REFUSED[name].off):
+        refused, accepted = REFUSED[name], dict(REFUSED[name].no_effect)
+        if len(values) == 1 and values[0] in accepted:
+            notes.append(f"{name} {values[0]} ({accepted[values[0]]})")
+        elif not (len(values) == 1 and values[0] in refused.off):
             problems.append(refused_problem(name))
         i = end
-    return kept, problems
+    return kept, problems, notes
 
 
 def _drop_flag(argv: list[str], option_strings: list[str]) -> list[str]:
@@ -217,9 +228,16 @@ def _given_dests(parser, argv: list[str]) -> set[str]:
     return {actions[_flag_name(t)].dest for t in argv if _flag_name(t) in actions}
 
 
-def _resolve_spellings(args: argparse.Namespace, named: set[str]) -> None:
+def _resolve_spellings(args: argparse.Namespace, named: set[str]) -> list[str]:
     """Megatron's deprecated spellings and shortcuts, mapped onto the fields they mean (`named`: the
-    dests the command line or a config file set)."""
+    dests the command line or a config file set); the problems of a spelling given with its field."""
+    problems = []
+    if args.encoder_seq_length is not None:  # Megatron: seq_length = encoder_seq_length, never both
+        if "seq_length" in named:
+            problems.append("--encoder-seq-length: Megatron's older name for --seq-length, given with "
+                            "--seq-length; give one of the two")
+        else:
+            args.seq_length = args.encoder_seq_length
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
     if not args.add_position_embedding and args.position_embedding_type == "learned_absolute":
@@ -230,6 +248,7 @@ def _resolve_spellings(args: argparse.Namespace, named: set[str]) -> None:
         args.transformer_impl = "transformer_engine"
     if isinstance(args.cp_comm_type, list):  # Megatron's per-layer list; the rules refuse several types
         args.cp_comm_type = " ".join(dict.fromkeys(args.cp_comm_type))
+    return problems
 
 
 def no_effect_flags(cfg: Config, given: set[str], argv: list[str]) -> list[str]:
@@ -305,7 +324,7 @@ def config_from_args(argv: list[str] | None = None, world_size: int | None = Non
     problems += file_problems
     flag_defaults = {dest: parser.get_default(dest) for dest in file_values}
     parser.set_defaults(**file_values)
-    kept, refused = split_refused(argv)
+    kept, refused, refused_notes = split_refused(argv)
     problems += refused
     args, extras, parse_problems, broken = _parse_collecting(parser, kept)
     problems += parse_problems
@@ -315,11 +334,11 @@ def config_from_args(argv: list[str] | None = None, world_size: int | None = Non
     if args is None:
         raise ConfigError(problems)
     given = _given_dests(parser, kept) | {d for d, v in file_values.items() if v != flag_defaults[d]}
-    _resolve_spellings(args, given | set(file_values))
+    problems += _resolve_spellings(args, given | set(file_values))
     if world_size is None:
         world_size = planned_world_size(dry_run=args.dry_run)
     cfg = Config.from_flat(vars(args)).resolve(world_size)
-    cfg.no_effect += no_effect_flags(cfg, given, kept) + file_no_effect
+    cfg.no_effect += refused_notes + no_effect_flags(cfg, given, kept) + file_no_effect
     problems += _without_consequences(cfg.problems(), broken | suggested)
     for check in checks + ((start_up_problems,) if start_up else ()):
         problems += check(cfg)

@@ -396,7 +396,7 @@ class TrainingConfig(Section):
     manual_gc_interval: int = option(
         0, help="With --manual-gc: collect every this many iterations (0: only around evaluation).")
     manual_gc_eval: bool = option(
-        True, flags=("--no-manual-gc-eval",), action="store_false",
+        True, flags=("--no-manual-gc-eval", "--disable-manual-gc-eval"), action="store_false",
         help="With --manual-gc: collect before and after each evaluation (--no-manual-gc-eval turns it "
              "off).")
     empty_unused_memory_level: int = option(
@@ -413,7 +413,9 @@ class TrainingConfig(Section):
 class CheckpointConfig(Section):
     save: str | None = option(None, help="Directory to save checkpoints to.")
     load: str | None = option(None, help="Directory to load a checkpoint from.")
-    save_interval: int | None = option(None, help="Save every this many iterations.")
+    save_interval: int | None = option(
+        None, flags=("--save-interval", "--persistent-save-interval"),
+        help="Save every this many iterations (--persistent-save-interval is Megatron's other name).")
     no_save_optim: bool = option(False, help="Leave the optimizer state out of saved checkpoints.")
     no_save_rng: bool = option(False, help="Leave the RNG states out of saved checkpoints.")
     no_load_optim: bool = option(False, help="Do not load the optimizer state.")
@@ -438,6 +440,10 @@ class LoggingConfig(Section):
     log_interval: int = option(100, help="Print the iteration line every this many iterations.")
     log_throughput: bool = option(False, help="Add TFLOP/s per GPU to the iteration line.")
     log_num_zeros_in_grad: bool = option(False, help="Count zeros in the gradients.")
+    log_params_norm: bool = option(
+        False, help="Add the L2 norm of all parameters (Megatron's calc_params_l2_norm, after the step) "
+                    "to the iteration line (\" params norm: X |\"), the JSON line (params_norm) and "
+                    "TensorBoard / wandb (\"params-norm\").")
     tensorboard_dir: str | None = option(None, help="Write TensorBoard scalars here.")
     tensorboard_log_interval: int = option(1, help="Write TensorBoard scalars every this many iterations.")
     wandb_project: str = option(
@@ -479,7 +485,8 @@ class LoggingConfig(Section):
     log_world_size_to_tensorboard: bool = option(
         False, help="Write the number of processes to TensorBoard (\"world-size\").")
     log_loss_scale_to_tensorboard: bool = option(
-        True, flags=("--no-log-loss-scale-to-tensorboard",), action="store_false",
+        True, flags=("--no-log-loss-scale-to-tensorboard", "--disable-log-loss-scale-to-tensorboard"),
+        action="store_false",
         help="Write the loss scale to TensorBoard (\"loss-scale\").")
     tensorboard_queue_size: int = option(
         1000, help="TensorBoard events held in memory before a write to disk.")

@@ -43,6 +43,8 @@ def iteration_line(iteration: int, train_iters: int, metrics: dict, when: str | 
         parts.append(f" grad norm: {metrics['grad_norm']:.3f}")
     if metrics.get("num_zeros") is not None:
         parts.append(f" num zeros: {metrics['num_zeros']:.1f}")
+    if metrics.get("params_norm") is not None:
+        parts.append(f" params norm: {metrics['params_norm']:.3f}")
     parts.append(f" number of skipped iterations: {metrics['skipped']:3d}")
     parts.append(f" number of nan iterations: {metrics['nan']:3d}")
     if metrics.get("eta_s") is not None:

@@ -8,7 +8,8 @@
   iteration's line does not close the window (at --log-interval 1 every line is one iteration's:
   Megatron 0.16.1 then prints the mean of iterations 1 and 2 at iteration 2);
 - every --tensorboard-log-interval iterations: the scalars under Megatron's TensorBoard tags
-  (learning-rate, batch-size, lm loss, loss-scale, grad-norm, ... and each "<tag> vs samples";
+  (learning-rate, batch-size, lm loss, loss-scale, grad-norm, params-norm (--log-params-norm), ...
+  and each "<tag> vs samples";
   an MoE model's balancing losses every iteration as load_balancing_loss, z_loss, ...; in the
   line and JSON averaged over the logged iterations, as Megatron's), to wandb as well;
 - after each evaluation: Megatron's validation line, "lm loss validation" (+ "ppl" with
@@ -21,6 +22,7 @@ import math
 import os
 import time
 
+from megafab.optim import clip_grads
 from megafab.timers import Timers
 from megafab.training.batch_size import train_iterations
 from megafab.training.flops import flops_per_iteration, peak_tflops
@@ -41,6 +43,20 @@ def metrics_path(cfg) -> str | None:
         return cfg.logging.metrics_jsonl
     directory = run_directory(cfg)
     return os.path.join(directory, METRICS_JSONL) if directory else None
+
+
+def params_norm(optimizer, fp16: bool) -> float:
+    """Megatron's calc_params_l2_norm (--log-params-norm), collective over every rank: the L2 norm of
+    all parameters, each value once (a TP-replicated weight on one TP rank, a tied embedding on the
+    first stage, an expert on its EP rank; under the distributed optimizer or FSDP2 each DP rank's
+    shard), from the fp32 main parameters (fp16: the model's own values, as Megatron reads them),
+    reduced over the same groups as the gradient norm."""
+    def values(entries):
+        return optimizer._counted(entries, [e.model_values().float() if fp16 else e.main for e in entries])
+
+    host = optimizer.host.entries if optimizer.host is not None else []
+    sets = optimizer._grad_sets(*values(optimizer.device_entries), *values(host))
+    return clip_grads.global_grad_norm(sets, optimizer.device)
 
 
 class TrainingLog:
@@ -79,12 +95,19 @@ class TrainingLog:
         grad_norm = metrics["grad_norm"]
         self.window_nan += grad_norm is not None and not math.isfinite(grad_norm)
         lg = self.cfg.logging
+        on_scalars = state.iteration % lg.tensorboard_log_interval == 0
+        on_interval = state.iteration % lg.log_interval == 0
+        on_line = on_interval or state.iteration == self.first_iteration
+        # every rank takes part (the same iterations on all); Megatron computes it every iteration
+        # and reports it on these
+        norm = params_norm(state.optimizer, self.cfg.precision.fp16) \
+            if lg.log_params_norm and (on_scalars or on_line) else None
+        metrics = {**metrics, "params_norm": norm}
         if log_rank(self.topo) and moe:  # Megatron's track_moe_metrics: every iteration, its names
             self.writers.scalars(state.iteration, moe)
-        if log_rank(self.topo) and state.iteration % lg.tensorboard_log_interval == 0:
+        if log_rank(self.topo) and on_scalars:
             self._step_scalars(state, metrics)
-        on_interval = state.iteration % lg.log_interval == 0
-        if on_interval or state.iteration == self.first_iteration:
+        if on_line:
             now = time.time()
             self._log_iteration(state, metrics, (now - self.window_start) / self.window_iters, on_interval)
             if on_interval:
@@ -98,7 +121,8 @@ class TrainingLog:
                   "lm loss": metrics["lm loss"],
                   "loss-scale": loss_scale if lg.log_loss_scale_to_tensorboard else None,
                   "world-size": self.topo.world_size if lg.log_world_size_to_tensorboard else None,
-                  "grad-norm": metrics["grad_norm"], "num-zeros": metrics["num_zeros"]}
+                  "grad-norm": metrics["grad_norm"], "num-zeros": metrics["num_zeros"],
+                  "params-norm": metrics["params_norm"]}
         self.writers.scalars(state.iteration, values, state.consumed_train_samples)
         if lg.log_memory_to_tensorboard:
             usage = memory_usage(self.topo.device)
@@ -120,7 +144,7 @@ class TrainingLog:
                             if metrics["lm loss"] is not None else None),
                 "loss_scale": scaler.scale if scaler else 1.0,
                 "grad_norm": metrics["grad_norm"], "num_zeros": metrics["num_zeros"],
-                "skipped": self.window_skipped, "nan": self.window_nan,
+                "params_norm": metrics["params_norm"], "skipped": self.window_skipped, "nan": self.window_nan,
                 "eta_s": (self.total - state.iteration) * elapsed}
         if log_rank(topo):
             when = timestamp()

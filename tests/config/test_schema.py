@@ -23,7 +23,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # (captured at 32be7ca; since then only the --init-model-with-meta-device note changed, on purpose,
 # and the offload flags moved up inside the training group; issue 23 added megatron-core's MoE flags,
 # --expert-model/tensor-parallel-size and --no-position-embedding, appended to both files, and took
-# the first MoE flags off the refused list).
+# the first MoE flags off the refused list; the Megatron 0.16.1 census (test_megatron_flag_census.py)
+# added --log-params-norm, the new no-effect flags (valued ones with a VALUE), Megatron's aliases
+# --disable-manual-gc-eval, --disable-log-loss-scale-to-tensorboard and --persistent-save-interval on
+# their fields, and the refused flags to the epilog's list).
 BEFORE = os.path.join(HERE, "help_before.json")
 BEFORE_TEXT = os.path.join(HERE, "help_before.txt")
 # The two parser defaults that now equal the schema's (both flags carry their own help text, so

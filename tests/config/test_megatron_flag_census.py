@@ -1,0 +1,180 @@
+"""Every flag of Megatron-LM core_v0.16.1's own parser, from its census (fixtures/megatron_flags.json,
+written by fixtures/make_megatron_flags.py from megatron.training.arguments), is honoured (parsed
+into megafab's config), refused by name with its reason, or accepted and announced as having no
+effect; none is "unrecognized", and each takes its values the way Megatron's parser does."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch.distributed as dist
+
+import pretrain_gpt
+from megafab.arguments import build_parser, config_from_args
+from megafab.config import ConfigError
+from megafab.megatron_flags import NARGS, NO_EFFECT, REFUSED
+from tests.helpers.flags import BASE
+
+CENSUS_PATH = os.path.join(os.path.dirname(__file__), "fixtures", "megatron_flags.json")
+with open(CENSUS_PATH) as f:
+    CENSUS: dict[str, dict] = json.load(f)["flags"]
+
+# The Megatron flags megafab honours that have no field of their own name: aliases of fields.
+ALIASES = {"--disable-manual-gc-eval": "manual_gc_eval", "--encoder-seq-length": "encoder_seq_length",
+           "--disable-log-loss-scale-to-tensorboard": "log_loss_scale_to_tensorboard",
+           "--persistent-save-interval": "save_interval"}
+
+
+def _kinds():
+    actions = build_parser()._option_string_actions
+    honoured = {f for f in CENSUS if f in actions and f not in NO_EFFECT}
+    return actions, honoured
+
+
+def _value(flag: str, avoid: tuple[str, ...] = ()) -> str:
+    """A value Megatron's parser accepts for `flag`, none of `avoid` (a refused flag's off values)."""
+    facts = CENSUS[flag]
+    if facts["choices"]:
+        return next(str(c) for c in facts["choices"] if str(c) not in avoid)
+    return {"int": "3", "float": "0.25"}.get(facts["type"], "some-value")
+
+
+def _megatron_tokens(flag: str, avoid: tuple[str, ...] = ()) -> list[str]:
+    """`flag` with values in Megatron's syntax: none for a switch, one, or two for a list."""
+    nargs = CENSUS[flag]["nargs"]
+    if nargs == 0:
+        return [flag]
+    count = {None: 1, "+": 2, "*": 2}.get(nargs, nargs)
+    return [flag] + [_value(flag, avoid)] * count
+
+
+def _problems(argv: list[str]) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        config_from_args(BASE + argv, world_size=1)
+    return info.value.problems
+
+
+def test_the_census_is_megatron_0_16_1s_whole_parser():
+    assert len(CENSUS) == 680  # add_megatron_arguments' "--" flags, --help aside
+    for flag in ("--use-cpu-initialization", "--rerun-mode", "--num-layers", "--log-params-norm"):
+        assert flag in CENSUS
+    assert CENSUS["--rerun-mode"]["choices"] == ["disabled", "validate_results", "report_stats"]
+    assert CENSUS["--exit-signal"]["default"] == "SIGTERM"
+
+
+def test_every_megatron_flag_is_honoured_refused_or_no_effect():
+    actions, honoured = _kinds()
+    unknown = [f for f in CENSUS if f not in actions and f not in REFUSED]
+    assert unknown == []
+    assert not set(REFUSED) & set(actions)  # refused flags are never parsed into the config
+    assert not set(NO_EFFECT) & honoured
+    # a no-effect flag's value lands where no config field reads it
+    fields = {a.dest for f, a in actions.items() if f not in NO_EFFECT}
+    assert not {actions[f].dest for f in NO_EFFECT} & fields
+    for flag, dest in ALIASES.items():  # (--encoder-seq-length: its own dest, mapped onto seq_length)
+        assert actions[flag].dest == dest and flag in honoured
+    assert len(honoured) + len(set(CENSUS) & set(REFUSED)) + len(set(CENSUS) & set(NO_EFFECT)) == len(CENSUS)
+
+
+def test_encoder_seq_length_is_megatrons_older_seq_length():
+    argv = [t for t in BASE if t not in ("--seq-length", "32")]
+    assert len(argv) == len(BASE) - 2
+    assert config_from_args(argv + ["--encoder-seq-length", "64"], world_size=1).model.seq_length == 64
+    assert "--encoder-seq-length: Megatron's older name for --seq-length, given with --seq-length; give " \
+           "one of the two" in _problems(["--encoder-seq-length", "64"])
+
+
+def test_refused_and_no_effect_flags_take_megatrons_nargs():
+    mismatched = {f: (NARGS.get(f, 0), CENSUS[f]["nargs"]) for f in list(REFUSED) + list(NO_EFFECT)
+                  if f in CENSUS and NARGS.get(f, 0) != CENSUS[f]["nargs"]}
+    assert mismatched == {}
+    assert set(NARGS) <= set(REFUSED) | set(NO_EFFECT)
+
+
+def test_honoured_flags_take_megatrons_values():
+    actions, honoured = _kinds()
+    for flag in sorted(honoured):
+        nargs, megatron = actions[flag].nargs, CENSUS[flag]["nargs"]
+        if megatron == 0:
+            assert nargs == 0, flag
+        elif megatron is None:
+            assert nargs is None, flag
+        else:  # a list: megafab's nargs accepts Megatron's count (the rules check it further)
+            assert nargs in ("*", "+", megatron), flag
+        if actions[flag].choices is not None and CENSUS[flag]["choices"] is not None:
+            assert set(map(str, actions[flag].choices)) <= set(map(str, CENSUS[flag]["choices"])), flag
+
+
+def test_every_refused_flag_is_reported_by_name_with_megatrons_values():
+    """All of them on one command line, each with values as Megatron's parser takes them: one
+    problem each, naming the flag and its reason, and no value left over as unrecognized."""
+    refused = [f for f in CENSUS if f in REFUSED]
+    argv = [t for f in refused
+            for t in _megatron_tokens(f, REFUSED[f].off + tuple(dict(REFUSED[f].no_effect)))]
+    problems = _problems(argv)
+    assert not [p for p in problems if "unrecognized" in p or "unexpected value" in p]
+    for flag in refused:
+        assert f"{flag}: refused, {REFUSED[flag].reason}; remove it (megafab never ignores a flag)" \
+            in problems
+    assert len(problems) == len(refused)
+
+
+def test_refused_flags_off_values_ask_for_nothing():
+    argv = [t for f, r in REFUSED.items() for value in r.off[:1] for t in (f, value)]
+    assert len(argv) >= 2 * 20
+    cfg = config_from_args(BASE + argv, world_size=1)
+    assert not [n for n in cfg.no_effect if n.split()[0] in REFUSED]
+    cfg = config_from_args(BASE + ["--rerun-mode", "disabled", "--exit-signal", "SIGTERM",
+                                   "--exp-avg-dtype=fp32"], world_size=1)
+    assert list(cfg.no_effect) == []
+
+
+def test_megatrons_default_rerun_mode_is_accepted_and_says_what_megafab_does():
+    cfg = config_from_args(BASE + ["--rerun-mode", "validate_results"], world_size=1)
+    assert list(cfg.no_effect) == [
+        "--rerun-mode validate_results (megafab has no rerun state machine: a nan or inf loss or gradient "
+        "stops the run with the iteration and ranks (--check-for-nan-in-loss-and-grad) instead of "
+        "re-running the iteration to classify the fault)"]
+    assert any(p.startswith("--rerun-mode: refused, Megatron's rerun state machine")
+               for p in _problems(["--rerun-mode", "report_stats"]))
+    assert any(p.startswith("--exit-signal: refused") for p in _problems(["--exit-signal", "SIGUSR1"]))
+
+
+def test_every_no_effect_flag_is_accepted_with_megatrons_values_and_announced():
+    no_effect = [f for f in CENSUS if f in NO_EFFECT]
+    argv = [t for f in no_effect for t in _megatron_tokens(f)]
+    cfg = config_from_args(BASE + argv, world_size=1)
+    announced = [n.split(" (", 1)[0] for n in cfg.no_effect]
+    assert announced == no_effect
+    for flag in no_effect:
+        assert f"{flag} ({NO_EFFECT[flag]})" in cfg.no_effect
+
+
+def test_a_switch_takes_no_value_as_in_megatron():
+    """A refused or no-effect switch leaves the next token alone: a stray value is reported, as
+    Megatron's argparse stops on it, instead of being swallowed."""
+    for flag in ("--qk-l2-norm", "--use-cpu-initialization"):
+        problems = _problems([flag, "true"])
+        assert "'true': unexpected value on the command line (every value follows its --flag)" in problems
+    # ... and a one-value flag takes exactly one, also one that looks like a negative number
+    problems = _problems(["--rl-default-top-k", "-1", "7"])
+    assert "'7': unexpected value on the command line (every value follows its --flag)" in problems
+    assert any(p.startswith("--rl-default-top-k: refused") for p in problems)
+    cfg = config_from_args(BASE + ["--tp-comm-overlap-cfg", "ub.yaml", "--local-rank=3"], world_size=1)
+    assert len(cfg.no_effect) == 2
+
+
+def test_the_entry_point_stops_on_a_refused_flag_with_exit_2_before_any_process_group(capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(SystemExit) as info:
+        pretrain_gpt.main(BASE + ["--use-checkpoint-args", "--rope-scaling-factor", "8", "--dry-run"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("megafab: error:")
+    assert "--use-checkpoint-args: refused, megafab does not read model arguments" in err
+    assert "--rope-scaling-factor: refused, this RoPE variant" in err
+    assert "unrecognized" not in err
+    assert not dist.is_initialized()
