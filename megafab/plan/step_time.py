@@ -436,28 +436,43 @@ def chunk_tensor_sizes(cfg, pp_rank: int, chunk: int) -> list[int]:
     return sizes
 
 
-def _touched(sizes: list[int], shards: int) -> int:
-    """Most tensors any of `shards` equal contiguous ranges of the sizes laid end to end meets."""
-    total = sum(sizes)
-    if shards <= 1 or total == 0:
-        return len(sizes)
-    bounds = [total * r // shards for r in range(shards + 1)]
-    starts = list(itertools.accumulate([0] + sizes[:-1]))
-    return max(sum(1 for lo, n in zip(starts, sizes) if n and lo < hi and lo + n > low)
-               for low, hi in zip(bounds, bounds[1:]))
+def _owned_tensors(cfg, sizes: list[int], tied: list[int], shards: int) -> int:
+    """Most tensors a distributed-optimizer rank owns a piece of: megafab's own DDP bucket layout
+    (megafab.distributed.data_parallel.plan_buckets: reverse order, buckets padded to `shards`,
+    a tied embedding weight (indices `tied`) alone) over meta tensors of the sizes."""
+    import torch
+
+    from megafab.config.derive import default_bucket_size
+    from megafab.distributed.data_parallel import owned_ranges, plan_buckets
+
+    params = [torch.empty(n, device="meta") for n in sizes]
+    for i in tied:
+        params[i].shared_embedding = True
+    p = cfg.parallel
+    size = p.ddp_bucket_size or (default_bucket_size(shards) if p.overlap_grad_reduce else None)
+    buckets, offsets = plan_buckets(params[::-1], shards, size, True)
+    return max(len(owned_ranges(buckets, offsets, r)) for r in range(shards))
 
 
 def param_tensors(cfg, pp_rank: int) -> int:
     """Parameter tensors the optimizer of a rank of pipeline stage `pp_rank` steps (every chunk):
-    DDP all of them; the distributed optimizer those its 1/DP of each chunk's gradient buffer
-    touches (one contiguous range per chunk); FSDP2 each tensor's shard."""
+    DDP all of them; the distributed optimizer those its 1/DP shard of each chunk's gradient
+    buckets touches (the dense ones; an MoE model's expert buckets are not split apart here);
+    FSDP2 each tensor's shard."""
     p = cfg.parallel
     chunks = len(PipelineSplit.from_config(cfg).counts()[pp_rank])
     sizes = [chunk_tensor_sizes(cfg, pp_rank, c) for c in range(chunks)]
-    if p.use_distributed_optimizer and not p.fully_sharded:
-        shards = (p.data_parallel_size or 1) * p.context_parallel_size
-        return sum(_touched(s, shards) for s in sizes)
-    return sum(len(s) for s in sizes)
+    shards = (p.data_parallel_size or 1) * p.context_parallel_size
+    if not p.use_distributed_optimizer or p.fully_sharded or shards == 1:
+        return sum(len(s) for s in sizes)
+    tied = not cfg.model.untie_embeddings_and_output_weights
+    last = (p.pipeline_model_parallel_size - 1, chunks - 1)
+    total = 0
+    for c, chunk in enumerate(sizes):
+        ends = ([0] if (pp_rank, c) == (0, 0) else []) + ([len(chunk) - 1] if (pp_rank, c) == last
+                                                           and (pp_rank, c) != (0, 0) else [])
+        total += _owned_tensors(cfg, chunk, ends if tied else [], shards)
+    return total
 
 
 def sharding_name(cfg) -> str:
