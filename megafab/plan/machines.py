@@ -62,7 +62,9 @@ class Machine:
     pcie_bandwidth: float = 25e9  # bytes/s, device <-> pinned host, each direction
     host_adam_params_per_s: float = 2e8  # CPU Adam updates per second available to one device
     host_memory_gib: float = 250.0  # host memory per device
-    iteration_overhead_s: float = 0.005  # per step: grad-norm host sync, loss scaler, logging
+    # per step: grad-norm host sync, loss scaler, logging of a GPU step (an estimate, not sourced;
+    # a measured profile sets 0 and fits host_overheads' step_s instead)
+    iteration_overhead_s: float = 0.005
     # Host (Python) work the kernels' times do not include, per sharding ("none" for DDP,
     # "distributed_optimizer", "fsdp2") -> {"step_s": per step (the rest of train_step),
     # "micro_batch_s": per micro-batch on each pipeline stage (the schedule, the embedding and loss
