@@ -388,8 +388,8 @@ def _stage_passes(parts: tuple) -> list[tuple[_Pass, _Pass]]:
 def _layer_tensor_sizes(cfg, index: int, tp: int) -> list[int]:
     """Elements of each parameter tensor of global layer `index` on one TP rank, as megafab builds
     it: the two norms (weight, LayerNorm's bias), q/k layernorms, QKV and projection (weights,
-    biases), then the dense MLP's fc1 and fc2, or an MoE MLP's router, shared experts and each
-    local expert's fc1 and fc2."""
+    biases), then the dense MLP's fc1 and fc2, or an MoE MLP's router, each local expert's fc1 and
+    fc2 (grouped GEMM: one fc1 and one fc2 for them all) and the shared experts."""
     m, moe = cfg.model, moe_settings(cfg)
     h, d, a, g = m.hidden_size, m.kv_channels, m.num_attention_heads, m.num_query_groups
     norm = [h, h] if m.normalization == "LayerNorm" else [h]
@@ -407,11 +407,13 @@ def _layer_tensor_sizes(cfg, index: int, tp: int) -> list[int]:
         return sizes + mlp(m.ffn_hidden_size, tp)
     ep, etp = expert_sizes(cfg)
     sizes += [moe.num_experts * h] + ([moe.num_experts] if bias else [])
+    local, expert = moe.num_experts // ep, mlp(moe.ffn_hidden_size(m.ffn_hidden_size), etp)
+    sizes += [local * n for n in expert] if moe.moe_grouped_gemm else expert * local
     if moe.moe_shared_expert_intermediate_size:
         f_s = moe.moe_shared_expert_intermediate_size  # no biases (moe_mlp_params)
         sizes += [h * f_s * (2 if m.swiglu else 1) // tp, f_s // tp * h]
         sizes += [h] if moe.moe_shared_expert_gate else []
-    return sizes + mlp(moe.ffn_hidden_size(m.ffn_hidden_size), etp) * (moe.num_experts // ep)
+    return sizes
 
 
 def chunk_tensor_sizes(cfg, pp_rank: int, chunk: int) -> list[int]:

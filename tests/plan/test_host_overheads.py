@@ -103,7 +103,11 @@ def _built_tensors(rank, world, extra):
     ["--use-torch-fsdp2", "--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear"],
     ["--tensor-model-parallel-size", "2", "--qk-layernorm", "--position-embedding-type", "rope"],
     ["--pipeline-model-parallel-size", "2", "--untie-embeddings-and-output-weights"],
-], ids=["distopt-dp2", "fsdp2-dp2", "tp2", "pp2-untied"])
+    ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
+     "--moe-grouped-gemm"],
+    ["--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "[0,1,0,1]", "--swiglu",
+     "--disable-bias-linear", "--moe-shared-expert-intermediate-size", "64"],
+], ids=["distopt-dp2", "fsdp2-dp2", "tp2", "pp2-untied", "moe-ep2-grouped", "moe-shared-every-other"])
 def test_param_tensors_match_a_built_models_optimizer_per_rank(extra):
     """param_tensors: the most any rank of the stage steps (the slowest rank's loop)."""
     results = run_ranks(_built_tensors, 2, extra, timeout=180)
