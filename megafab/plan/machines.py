@@ -30,7 +30,8 @@ class MachineError(MegafabError):
     """A machine name or profile file that cannot be used."""
 
 
-HOST_TERMS = ("step_s", "micro_batch_s", "layer_micro_batch_s", "param_tensor_s")
+HOST_TERMS = ("step_s", "micro_batch_s", "layer_micro_batch_s", "param_tensor_s",
+              "recomputed_layer_micro_batch_s")
 
 
 @dataclass
@@ -71,9 +72,11 @@ class Machine:
     # modules, the data), "layer_micro_batch_s": per transformer layer per micro-batch (its modules'
     # forward and backward calls, autograd, DDP's / FSDP2's per-parameter and per-unit hooks),
     # "param_tensor_s": per parameter tensor the rank's optimizer steps (grad norm, clipping, Adam's
-    # per-tensor lists, zeroing)}. A measured CPU profile fits them from megafab's own train_step
-    # (profile.py); built-in GPU profiles have none (0): the host runs ahead of the kernels, whose
-    # launch cost is kernel_overhead_s, and iteration_overhead_s is the step's host sync.
+    # per-tensor lists, zeroing), "recomputed_layer_micro_batch_s": per fully recomputed layer per
+    # micro-batch on top (its checkpointed forward again, RNG states saved and restored)}. A
+    # measured CPU profile fits them from megafab's own train_step (profile.py); built-in GPU
+    # profiles have none (0): the host runs ahead of the kernels, whose launch cost is
+    # kernel_overhead_s, and iteration_overhead_s is the step's host sync.
     host_overheads: dict = field(default_factory=dict)
     compute_slots: int = 0  # devices of a node that compute at once (CPU: its cores); 0: every device
     # Measured profiles: [m, n, k, dtype, seconds] rows and fitted collectives (see profile.py).

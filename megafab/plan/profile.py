@@ -15,11 +15,12 @@ Measured, each as the median of a few timed repeats after a warm-up:
       call would price each at a barrier's round trip on top; a tight loop of calls keeps the ranks
       in step, which a layer's compute between them does not);
   host overheads (CPU only): megafab's own train_step at world 1 on tiny GPTs (HOST_MODELS: 1 and
-      3 layers, 1 and 2 micro-batches), its forward-backward and optimizer timed apart (megafab's
-      level-1 timers); what the model's kernel times do not explain is fitted (fit_host_overheads)
-      to a fixed cost per micro-batch and one per layer per micro-batch (forward-backward), one per
-      parameter tensor (optimizer) and a fixed cost per step (the rest of train_step). A GPU profile
-      sets them to 0: the host runs ahead of the kernels there.
+      3 layers, 1 and 2 micro-batches; DDP, distributed optimizer, FSDP2; and DDP with full
+      recompute), its forward-backward and optimizer timed apart (megafab's level-1 timers); what
+      the model's kernel times do not explain is fitted (fit_host_overheads) to a fixed cost per
+      micro-batch and one per layer per micro-batch (forward-backward), one per parameter tensor
+      (optimizer), a fixed cost per step (the rest of train_step) and one per recomputed layer per
+      micro-batch. A GPU profile has none: the host runs ahead of the kernels there.
 """
 
 from __future__ import annotations
@@ -249,12 +250,21 @@ def measure_collectives(world: int) -> dict:
 HOST_MODELS = ((1, 1), (3, 1), (1, 2), (3, 2))  # (layers, micro-batches) of the host-overhead GPTs
 HOST_SHARDINGS = {"none": [], "distributed_optimizer": ["--use-distributed-optimizer"],
                   "fsdp2": ["--use-torch-fsdp2"]}
+HOST_FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                       "--recompute-num-layers", "1"]
 HOST_STEPS = 7
 
 
-def host_flags(layers: int, micro_batches: int, sharding: str = "none") -> list[str]:
+def _host_runs():
+    """(sharding, recompute, layers, micro-batches) of each timed model: HOST_MODELS under every
+    sharding, and the first two again with full recompute (DDP)."""
+    runs = [(sharding, "none", *model) for sharding in HOST_SHARDINGS for model in HOST_MODELS]
+    return runs + [("none", "full", *model) for model in HOST_MODELS[:2]]
+
+
+def host_flags(layers: int, micro_batches: int, sharding: str = "none", recompute: str = "none") -> list[str]:
     """Megatron flags of a GPT so small its step is nearly all host work (micro-batch 1)."""
-    return HOST_SHARDINGS[sharding] + [
+    return HOST_SHARDINGS[sharding] + (HOST_FULL_RECOMPUTE if recompute == "full" else []) + [
         "--num-layers", str(layers), "--hidden-size", "32", "--num-attention-heads", "2",
         "--seq-length", "16",
         "--max-position-embeddings", "16", "--vocab-size", "128", "--make-vocab-size-divisible-by", "1",
@@ -284,8 +294,8 @@ def _host_rank(results, steps: int) -> None:
         data = itertools.repeat({"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
                                  "loss_mask": torch.ones(1, 16)})
         rows, topo = [], None
-        for sharding, (layers, micro_batches) in itertools.product(HOST_SHARDINGS, HOST_MODELS):
-            cfg = config_from_args(host_flags(layers, micro_batches, sharding), world_size=1)
+        for sharding, recompute, layers, micro_batches in _host_runs():
+            cfg = config_from_args(host_flags(layers, micro_batches, sharding, recompute), world_size=1)
             if topo is None:
                 topo, tracker = init_distributed(cfg)
             state = setup(cfg, topo, tracker)
@@ -299,7 +309,8 @@ def _host_rank(results, steps: int) -> None:
                 start = time.perf_counter()
                 train_step(state, data, timers)
                 samples.append((time.perf_counter() - start, fb.elapsed - before[0], opt.elapsed - before[1]))
-            rows.append({"sharding": sharding, "layers": layers, "micro_batches": micro_batches,
+            rows.append({"sharding": sharding, "recompute": recompute, "layers": layers,
+                         "micro_batches": micro_batches,
                          "param_tensors": len(state.optimizer.entries),
                          **{key: min(s[i] for s in samples)
                             for i, key in enumerate(("step_s", "forward_backward_s", "optimizer_s"))}})
@@ -328,7 +339,8 @@ def with_kernel_times(rows: list[dict], machine: Machine) -> list[dict]:
 
     out = []
     for row in rows:
-        cfg = config_from_args(host_flags(row["layers"], row["micro_batches"], row["sharding"]), world_size=1)
+        flags = host_flags(row["layers"], row["micro_batches"], row["sharding"], row.get("recompute", "none"))
+        cfg = config_from_args(flags, world_size=1)
         (fwd, bwd), = stage_passes(cfg, machine)
         out.append({**row, "kernel_micro_batch_s": fwd.total + bwd.total,
                     "kernel_optimizer_s": optimizer_seconds(cfg, machine, plan(cfg, "cpu"))})
@@ -339,17 +351,33 @@ def fit_host_overheads(rows: list[dict]) -> dict[str, dict[str, float]]:
     """Machine.host_overheads from with_kernel_times' rows, per sharding, least squares:
     forward-backward / micro-batch - kernels = micro_batch_s + layers x layer_micro_batch_s;
     optimizer - kernels = the optimizer's fixed cost + tensors x param_tensor_s; step_s the rest of
-    the step (median) plus the optimizer's fixed cost. Negative fits (noise) are 0."""
+    the step (median) plus the optimizer's fixed cost; the full-recompute rows (DDP's; every
+    sharding gets that value) what is left of their forward-backward per recomputed layer
+    (recomputed_layer_micro_batch_s: the checkpointed forward again, RNG states saved and
+    restored). Negative fits (noise) are 0."""
     out = {}
-    for sharding in dict.fromkeys(r["sharding"] for r in rows):
-        mine = [r for r in rows if r["sharding"] == sharding]
-        mb, layer = _line([r["layers"] for r in mine], [r["forward_backward_s"] / r["micro_batches"]
-                                                        - r["kernel_micro_batch_s"] for r in mine])
+    plain = [r for r in rows if r.get("recompute", "none") == "none"]
+
+    def per_micro_batch(r):
+        return r["forward_backward_s"] / r["micro_batches"] - r["kernel_micro_batch_s"]
+
+    for sharding in dict.fromkeys(r["sharding"] for r in plain):
+        mine = [r for r in plain if r["sharding"] == sharding]
+        mb, layer = _line([r["layers"] for r in mine], [per_micro_batch(r) for r in mine])
         opt_fixed, tensor = _line([r["param_tensors"] for r in mine],
                                   [r["optimizer_s"] - r["kernel_optimizer_s"] for r in mine])
         rest = statistics.median(r["step_s"] - r["forward_backward_s"] - r["optimizer_s"] for r in mine)
         out[sharding] = {"step_s": max(rest + opt_fixed, 0.0), "micro_batch_s": max(mb, 0.0),
                          "layer_micro_batch_s": max(layer, 0.0), "param_tensor_s": max(tensor, 0.0)}
+    recomputed = [r for r in rows if r.get("recompute") == "full"]
+    extra = 0.0
+    if recomputed and "none" in out:
+        ddp = out["none"]
+        left = [(r["layers"], per_micro_batch(r) - ddp["micro_batch_s"]
+                 - r["layers"] * ddp["layer_micro_batch_s"]) for r in recomputed]
+        extra = max(sum(n * y for n, y in left) / sum(n * n for n, _ in left), 0.0)
+    for terms in out.values():
+        terms["recomputed_layer_micro_batch_s"] = extra
     return out
 
 

@@ -41,13 +41,13 @@ stage's time in the schedule, the reducing micro-batch's extra after it), withou
 Engine's TP overlap (megafab runs FSDP2 without TE); the optimizer step, memory-bound (bytes of
 state / HBM bandwidth) and, offloaded, PCIe copies plus the CPU's Adam.
 
-Host overhead (the machine's host_* terms; a measured CPU profile fits them from megafab's own
+Host overhead (the machine's host_overheads; a measured CPU profile fits them from megafab's own
 train_step, built-in GPU profiles have none): each stage per micro-batch its fixed cost plus one
-per layer (a recomputed layer's forward again: 1/3 of it, the forward's share as for FLOPs), in
-the stage's time in the schedule; per step iteration_overhead_s plus one per parameter tensor the
-rank's optimizer steps (param_tensors: DDP every tensor of its chunks, the distributed optimizer
-those its contiguous 1/DP of each chunk's buffer touches, FSDP2 every tensor's dim-0 shard).
-Ranks sharing a CPU's cores run their host work in turn too.
+per layer and one more per fully recomputed layer, in the stage's time in the schedule; per step
+iteration_overhead_s plus the step's fixed cost plus one per parameter tensor the rank's optimizer
+steps (param_tensors: DDP every tensor of its chunks, the distributed optimizer those its 1/DP
+shard of megafab's own bucket layout touches, FSDP2 every tensor's dim-0 shard). Ranks sharing a
+CPU's cores run their host work in turn too.
 
 Throughput is reported as Megatron does: model FLOPs (megafab.training.flops, no recompute) per
 second per GPU, and MFU = that / the machine's peak for the model dtype.
@@ -491,8 +491,9 @@ def host_seconds(cfg, machine) -> tuple[list[float], float]:
     per_mb = []
     for chunks in layers:
         flat = list(itertools.chain.from_iterable(chunks))
-        layer_calls = len(flat) + sum(1 for _, recomputed in flat if recomputed) / 3
-        per_mb.append(terms["micro_batch_s"] + terms["layer_micro_batch_s"] * layer_calls)
+        recomputed = sum(1 for _, again in flat if again)
+        per_mb.append(terms["micro_batch_s"] + terms["layer_micro_batch_s"] * len(flat)
+                      + terms["recomputed_layer_micro_batch_s"] * recomputed)
     tensors = max(param_tensors(cfg, r) for r in range(len(layers))) if terms["param_tensor_s"] else 0
     return per_mb, machine.iteration_overhead_s + terms["step_s"] + terms["param_tensor_s"] * tensors
 

@@ -16,6 +16,9 @@ TRUE = {"none": dict(step_s=6e-4, micro_batch_s=4e-4, layer_micro_batch_s=3e-4, 
         "fsdp2": dict(step_s=9e-4, micro_batch_s=7e-4, layer_micro_batch_s=1.8e-3, param_tensor_s=3e-5)}
 
 
+RECOMPUTED = 2.5e-4
+
+
 def _synthetic_rows(opt_fixed=2e-4, rest=4e-4):
     rows = []
     for sharding, c in TRUE.items():
@@ -24,9 +27,16 @@ def _synthetic_rows(opt_fixed=2e-4, rest=4e-4):
             kernel_mb, kernel_opt = 1e-4 * layers + 5e-5, 3e-6 * tensors
             fb = m * (c["micro_batch_s"] + layers * c["layer_micro_batch_s"] + kernel_mb)
             opt = opt_fixed + tensors * c["param_tensor_s"] + kernel_opt
-            rows.append({"sharding": sharding, "layers": layers, "micro_batches": m, "param_tensors": tensors,
-                         "step_s": fb + opt + rest - opt_fixed, "forward_backward_s": fb, "optimizer_s": opt,
+            rows.append({"sharding": sharding, "recompute": "none", "layers": layers, "micro_batches": m,
+                         "param_tensors": tensors, "step_s": fb + opt + rest - opt_fixed,
+                         "forward_backward_s": fb, "optimizer_s": opt,
                          "kernel_micro_batch_s": kernel_mb, "kernel_optimizer_s": kernel_opt})
+    c = TRUE["none"]
+    for layers in (1, 3):  # DDP with full recompute: the kernels' forward again and RECOMPUTED per layer
+        kernel_mb = 1.3e-4 * layers + 5e-5
+        fb = c["micro_batch_s"] + layers * (c["layer_micro_batch_s"] + RECOMPUTED) + kernel_mb
+        rows.append({**rows[0], "recompute": "full", "layers": layers, "micro_batches": 1,
+                     "forward_backward_s": fb, "kernel_micro_batch_s": kernel_mb})
     return rows
 
 
@@ -35,8 +45,10 @@ def test_fit_recovers_the_host_coefficients_per_sharding():
     assert set(fitted) == set(TRUE)
     for sharding, c in TRUE.items():
         for term in HOST_TERMS:
-            # step_s: the rest of the step (4e-4 minus the optimizer's fixed cost) + that fixed cost
-            assert fitted[sharding][term] == pytest.approx(c[term] if term != "step_s" else 4e-4, rel=1e-9)
+            # step_s: the rest of the step (4e-4 minus the optimizer's fixed cost) + that fixed cost;
+            # the recompute term, measured under DDP, for every sharding
+            expected = {"step_s": 4e-4, "recomputed_layer_micro_batch_s": RECOMPUTED}.get(term, c.get(term))
+            assert fitted[sharding][term] == pytest.approx(expected, rel=1e-9)
 
 
 def test_fit_clamps_negative_noise_to_zero():
@@ -65,7 +77,8 @@ def _cfg(extra, world):
 
 
 def test_predict_adds_each_stages_layers_and_the_ranks_optimizer_tensors():
-    terms = dict(step_s=1e-3, micro_batch_s=2e-3, layer_micro_batch_s=3e-3, param_tensor_s=1e-5)
+    terms = dict(step_s=1e-3, micro_batch_s=2e-3, layer_micro_batch_s=3e-3, param_tensor_s=1e-5,
+                 recomputed_layer_micro_batch_s=4e-3)
     base = BUILTIN["h100-sxm-80gb"]
     machine = dataclasses.replace(base, host_overheads={"none": terms})
     cfg = _cfg(["--pipeline-model-parallel-size", "2"], 2)  # 2 layers per stage, 8 micro-batches
@@ -77,6 +90,10 @@ def test_predict_adds_each_stages_layers_and_the_ranks_optimizer_tensors():
     # the micro-batches' host time runs in the schedule: 8 micro-batches + 1 bubble slot per stage
     assert with_host.step_time_s - without.step_time_s == pytest.approx(
         (8 + 1) * (2e-3 + 2 * 3e-3) + 1e-3 + 1e-5 * 27, rel=1e-6)
+    full = _cfg(["--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
+                 "--recompute-method", "block", "--recompute-num-layers", "1"], 2)  # 1 of 2 per stage
+    host = predict(full, machine, plan(full)).breakdown["host_micro_batches"]
+    assert host == pytest.approx(8 * (2e-3 + 2 * 3e-3 + 4e-3))
     fsdp = _cfg(["--use-torch-fsdp2"], 2)  # no fsdp2 entry: DDP's terms
     host = predict(fsdp, machine, plan(fsdp)).breakdown["host_micro_batches"]
     assert host == pytest.approx(4 * (2e-3 + 4 * 3e-3))
