@@ -139,6 +139,7 @@ def _one_collective(dist, op, full, shard, rank, world):
 
 
 PIPELINED_CALLS = 8
+MIN_CALL_S = 1e-5  # no collective call is faster (a noisy difference of two loops can say less)
 
 
 def _calls(size: int) -> int:
@@ -192,11 +193,14 @@ def _collective_rank(rank: int, world: int, store_path: str, results) -> None:
         full = torch.ones(elements * world, device=device)
         shard = torch.ones(elements, device=device)
         calls = _calls(size)
-        base = _timed(functools.partial(_pipelined, dist, None, full, shard, rank, world, calls, work), 3)
+        repeats = 5 if calls > 1 else 3
+        loop = functools.partial(_pipelined, dist, None, full, shard, rank, world, calls, work)
+        base = _timed(loop, repeats)
         for op in OPS + ("send_recv",):
             nbytes = 2 * elements * 4 if op == "send_recv" else elements * world * 4
             run = functools.partial(_pipelined, dist, op, full, shard, rank, world, calls, work)
-            out.setdefault(op, []).append((nbytes, max(_timed(run, repeats=3) - base, 1e-6) / calls))
+            per_call = (_timed(run, repeats) - base) / calls
+            out.setdefault(op, []).append((nbytes, max(per_call, MIN_CALL_S)))
     if rank == 0:
         results.put(out)
     dist.destroy_process_group()
@@ -217,7 +221,7 @@ def _fit(points: list[tuple[float, float]], factor: float, steps: int) -> list[f
     of the relative error (weights 1/t^2): the small messages set alpha, the large ones busbw (plain
     least squares lets a large message's noise swamp the intercept)."""
     ys = [t for _, t in points]
-    weights = [1 / max(t, 1e-12) ** 2 for t in ys]
+    weights = [1 / (t + MIN_CALL_S) ** 2 for t in ys]
     intercept, slope = _line([factor * nbytes for nbytes, _ in points], ys, weights)
     slope = max(slope, 1e-15)
     return [max(intercept / max(steps, 1), 0.0), 1.0 / slope]
@@ -273,7 +277,8 @@ def host_flags(layers: int, micro_batches: int, sharding: str = "none", recomput
 
 
 def _host_rank(results, steps: int) -> None:
-    """In a forked process: a world-1 gloo group, then HOST_MODELS' train_steps, timed."""
+    """In a forked process: a world-1 gloo group, every run's model built, then their train_steps
+    timed in rounds (one step of each per round)."""
     os.environ.update(OMP_NUM_THREADS="1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     import itertools
 
@@ -293,27 +298,27 @@ def _host_rank(results, steps: int) -> None:
         tokens = torch.randint(0, 128, (1, 17), generator=torch.Generator().manual_seed(0))
         data = itertools.repeat({"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
                                  "loss_mask": torch.ones(1, 16)})
-        rows, topo = [], None
-        for sharding, recompute, layers, micro_batches in _host_runs():
-            cfg = config_from_args(host_flags(layers, micro_batches, sharding, recompute), world_size=1)
+        runs, topo = [], None
+        for run in _host_runs():
+            cfg = config_from_args(host_flags(*run[2:], *run[:2]), world_size=1)
             if topo is None:
                 topo, tracker = init_distributed(cfg)
-            state = setup(cfg, topo, tracker)
-            timers = Timers(log_level=1)
-            fb, opt = timers("forward-backward", 1), timers("optimizer", 1)
+            state, timers = setup(cfg, topo, tracker), Timers(log_level=1)
             for _ in range(2):
                 train_step(state, data, timers)
-            samples = []
-            for _ in range(steps):
+            runs.append((run, state, timers, []))
+        for _ in range(steps):  # in rounds: a burst of load on a shared machine hits every model alike
+            for _, state, timers, samples in runs:
+                fb, opt = timers("forward-backward", 1), timers("optimizer", 1)
                 before = fb.elapsed, opt.elapsed
                 start = time.perf_counter()
                 train_step(state, data, timers)
                 samples.append((time.perf_counter() - start, fb.elapsed - before[0], opt.elapsed - before[1]))
-            rows.append({"sharding": sharding, "recompute": recompute, "layers": layers,
-                         "micro_batches": micro_batches,
-                         "param_tensors": len(state.optimizer.entries),
-                         **{key: min(s[i] for s in samples)
-                            for i, key in enumerate(("step_s", "forward_backward_s", "optimizer_s"))}})
+        rows = [{"sharding": sharding, "recompute": recompute, "layers": layers,
+                 "micro_batches": micro_batches, "param_tensors": len(state.optimizer.entries),
+                 **{key: min(s[i] for s in samples)
+                    for i, key in enumerate(("step_s", "forward_backward_s", "optimizer_s"))}}
+                for (sharding, recompute, layers, micro_batches), state, _, samples in runs]
         dist.destroy_process_group()
     results.put(rows)
 
