@@ -9,7 +9,9 @@ machine profile measured here (megafab-estimate --profile).
 Layouts: every (TP, PP, VPP, DP, SP, micro-batch, recompute, sharding) the config accepts
 (megafab.plan.search.every_valid_layout; --micro-batches, --recompute and --sharding narrow it).
 Each run: build the model and optimizer as pretrain does (megafab's build_state), one warm-up step,
-then `--iters` timed train_steps; the slowest rank's seconds per step. Rounds are interleaved (every
+then `--iters` timed train_steps; the slowest rank's median step (the ranks meet in every step's
+collectives, so one step is timed alike on each; the median keeps a step another process
+preempted on a shared machine out). Rounds are interleaved (every
 layout once per round); a layout's time is its median over rounds.
 
 Printed per world: each layout's predicted and measured seconds and their ratio, then the median
@@ -52,11 +54,12 @@ def _step_seconds(rank, world, flags, mbs, args):
     data = repeat_batch(synthetic_batch(mbs, args.seq, args.vocab))
     train_step(state, data)
     dist.barrier()
-    start = time.perf_counter()
+    times = []
     for _ in range(args.iters):
+        start = time.perf_counter()
         train_step(state, data)
-    dist.barrier()
-    return (time.perf_counter() - start) / args.iters
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:

@@ -30,6 +30,10 @@ class MachineError(MegafabError):
     """A machine name or profile file that cannot be used."""
 
 
+HOST_TERMS = ("step_s", "micro_batch_s", "layer_micro_batch_s", "param_tensor_s",
+              "recomputed_layer_micro_batch_s")
+
+
 @dataclass
 class Machine:
     name: str
@@ -59,7 +63,21 @@ class Machine:
     pcie_bandwidth: float = 25e9  # bytes/s, device <-> pinned host, each direction
     host_adam_params_per_s: float = 2e8  # CPU Adam updates per second available to one device
     host_memory_gib: float = 250.0  # host memory per device
-    iteration_overhead_s: float = 0.005  # per step: grad-norm host sync, loss scaler, logging
+    # per step: grad-norm host sync, loss scaler, logging of a GPU step (an estimate, not sourced;
+    # a measured profile sets 0 and fits host_overheads' step_s instead)
+    iteration_overhead_s: float = 0.005
+    # Host (Python) work the kernels' times do not include, per sharding ("none" for DDP,
+    # "distributed_optimizer", "fsdp2") -> {"step_s": per step (the rest of train_step),
+    # "micro_batch_s": per micro-batch on each pipeline stage (the schedule, the embedding and loss
+    # modules, the data), "layer_micro_batch_s": per transformer layer per micro-batch (its modules'
+    # forward and backward calls, autograd, DDP's / FSDP2's per-parameter and per-unit hooks),
+    # "param_tensor_s": per parameter tensor the rank's optimizer steps (grad norm, clipping, Adam's
+    # per-tensor lists, zeroing), "recomputed_layer_micro_batch_s": per fully recomputed layer per
+    # micro-batch on top (its checkpointed forward again, RNG states saved and restored)}. A
+    # measured CPU profile fits them from megafab's own train_step (profile.py); built-in GPU
+    # profiles have none (0): the host runs ahead of the kernels, whose launch cost is
+    # kernel_overhead_s, and iteration_overhead_s is the step's host sync.
+    host_overheads: dict = field(default_factory=dict)
     compute_slots: int = 0  # devices of a node that compute at once (CPU: its cores); 0: every device
     # Measured profiles: [m, n, k, dtype, seconds] rows and fitted collectives (see profile.py).
     gemm_points: list = field(default_factory=list)
@@ -69,6 +87,11 @@ class Machine:
     def sharing(self, devices_on_node: int) -> float:
         """How many devices share one compute slot: > 1 when a CPU runs more ranks than it has cores."""
         return max(1.0, devices_on_node / self.compute_slots) if self.compute_slots else 1.0
+
+    def host_overhead(self, sharding: str) -> dict[str, float]:
+        """host_overheads' terms for a sharding ("none", "distributed_optimizer", "fsdp2"), 0 if none."""
+        terms = self.host_overheads.get(sharding) or self.host_overheads.get("none") or {}
+        return {k: terms.get(k, 0.0) for k in HOST_TERMS}
 
     def peak(self, dtype: str) -> float:
         """FLOP/s at peak for dtype (bf16 when the profile has no such entry)."""

@@ -8,7 +8,19 @@ Measured, each as the median of a few timed repeats after a warm-up:
   all-reduce, all-gather, reduce-scatter, all-to-all and send/recv by size over group sizes 2 and
       4 (where the machine has the cores) on the backend a run would use (NCCL with GPUs, gloo
       without), with fork-started ranks -> alpha and bus bandwidth per op and group size (a
-      least-squares line through time against bytes x the ring factor).
+      least-squares line through time against bytes x the ring factor). Each sample is
+      up to PIPELINED_CALLS calls (fewer for large messages, where the bytes dominate) and one
+      barrier, each call after a layer's worth of small GEMMs on a CPU (_layer_work), less the same
+      loop without the calls, per call: as a step's per-layer TP collectives run (a barrier per
+      call would price each at a barrier's round trip on top; a tight loop of calls keeps the ranks
+      in step, which a layer's compute between them does not);
+  host overheads (CPU only): megafab's own train_step at world 1 on tiny GPTs (HOST_MODELS: 1 and
+      3 layers, 1 and 2 micro-batches; DDP, distributed optimizer, FSDP2; and DDP with full
+      recompute), its forward-backward and optimizer timed apart (megafab's level-1 timers); what
+      the model's kernel times do not explain is fitted (fit_host_overheads) to a fixed cost per
+      micro-batch and one per layer per micro-batch (forward-backward), one per parameter tensor
+      (optimizer), a fixed cost per step (the rest of train_step) and one per recomputed layer per
+      micro-batch. A GPU profile has none: the host runs ahead of the kernels there.
 """
 
 from __future__ import annotations
@@ -124,7 +136,39 @@ def _one_collective(dist, op, full, shard, rank, world):
         else:
             dist.recv(shard, rank - 1)
             dist.send(shard, rank - 1)
+
+
+PIPELINED_CALLS = 8
+MIN_CALL_S = 1e-5  # no collective call is faster (a noisy difference of two loops can say less)
+
+
+def _calls(size: int) -> int:
+    return max(1, min(PIPELINED_CALLS, 2**20 // size))
+
+
+def _pipelined(dist, op, full, shard, rank, world, calls, work):
+    """`calls` collectives (none: op None), each after `work` (a layer's compute), then one barrier."""
+    for _ in range(calls):
+        work()
+        if op is not None:
+            _one_collective(dist, op, full, shard, rank, world)
     dist.barrier()
+
+
+def _layer_work(device):
+    """A few small GEMMs between two collectives, as a layer computes between its TP collectives on a
+    CPU (ranks arrive unevenly and wake from a wait, unlike in a tight loop); nothing on a GPU,
+    whose collectives queue behind the kernels anyway."""
+    import torch
+
+    if device.type != "cpu":
+        return lambda: None
+    a, b = torch.randn(128, 128), torch.randn(128, 128)
+
+    def work():
+        for _ in range(4):
+            a @ b
+    return work
 
 
 def _collective_rank(rank: int, world: int, store_path: str, results) -> None:
@@ -143,28 +187,44 @@ def _collective_rank(rank: int, world: int, store_path: str, results) -> None:
     dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     out = {}
+    work = _layer_work(device)
     for size in MESSAGE_SIZES:
         elements = size // 4
         full = torch.ones(elements * world, device=device)
         shard = torch.ones(elements, device=device)
+        calls = _calls(size)
+        repeats = 5 if calls > 1 else 3
+        loop = functools.partial(_pipelined, dist, None, full, shard, rank, world, calls, work)
+        base = _timed(loop, repeats)
         for op in OPS + ("send_recv",):
             nbytes = 2 * elements * 4 if op == "send_recv" else elements * world * 4
-            run = functools.partial(_one_collective, dist, op, full, shard, rank, world)
-            out.setdefault(op, []).append((nbytes, _timed(run, repeats=3)))
+            run = functools.partial(_pipelined, dist, op, full, shard, rank, world, calls, work)
+            per_call = (_timed(run, repeats) - base) / calls
+            out.setdefault(op, []).append((nbytes, max(per_call, MIN_CALL_S)))
     if rank == 0:
         results.put(out)
     dist.destroy_process_group()
 
 
+def _line(xs: list[float], ys: list[float], weights: list[float] | None = None) -> tuple[float, float]:
+    """(intercept, slope) of the (weighted) least-squares line y = intercept + slope x."""
+    w = weights or [1.0] * len(xs)
+    total = sum(w)
+    mx, my = sum(wi * x for wi, x in zip(w, xs)) / total, sum(wi * y for wi, y in zip(w, ys)) / total
+    slope = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, xs, ys)) / max(
+        sum(wi * (x - mx) ** 2 for wi, x in zip(w, xs)), 1e-30)
+    return my - slope * mx, slope
+
+
 def _fit(points: list[tuple[float, float]], factor: float, steps: int) -> list[float]:
-    """[alpha per step, bus bandwidth] of t = steps * alpha + factor * bytes / busbw (least squares)."""
-    xs = [factor * nbytes for nbytes, _ in points]
+    """[alpha per step, bus bandwidth] of t = steps * alpha + factor * bytes / busbw, least squares
+    of the relative error (weights 1/t^2): the small messages set alpha, the large ones busbw (plain
+    least squares lets a large message's noise swamp the intercept)."""
     ys = [t for _, t in points]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(sum((x - mx) ** 2 for x in xs), 1e-30)
+    weights = [1 / (t + MIN_CALL_S) ** 2 for t in ys]
+    intercept, slope = _line([factor * nbytes for nbytes, _ in points], ys, weights)
     slope = max(slope, 1e-15)
-    alpha = max((my - slope * mx) / max(steps, 1), 0.0)
-    return [alpha, 1.0 / slope]
+    return [max(intercept / max(steps, 1), 0.0), 1.0 / slope]
 
 
 def measure_collectives(world: int) -> dict:
@@ -191,6 +251,141 @@ def measure_collectives(world: int) -> dict:
     return fitted
 
 
+HOST_MODELS = ((1, 1), (3, 1), (1, 2), (3, 2))  # (layers, micro-batches) of the host-overhead GPTs
+HOST_SHARDINGS = {"none": [], "distributed_optimizer": ["--use-distributed-optimizer"],
+                  "fsdp2": ["--use-torch-fsdp2"]}
+HOST_FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                       "--recompute-num-layers", "1"]
+HOST_STEPS = 7
+
+
+def _host_runs():
+    """(sharding, recompute, layers, micro-batches) of each timed model: HOST_MODELS under every
+    sharding, and the first two again with full recompute (DDP)."""
+    runs = [(sharding, "none", *model) for sharding in HOST_SHARDINGS for model in HOST_MODELS]
+    return runs + [("none", "full", *model) for model in HOST_MODELS[:2]]
+
+
+def host_flags(layers: int, micro_batches: int, sharding: str = "none", recompute: str = "none") -> list[str]:
+    """Megatron flags of a GPT so small its step is nearly all host work (micro-batch 1)."""
+    return HOST_SHARDINGS[sharding] + (HOST_FULL_RECOMPUTE if recompute == "full" else []) + [
+        "--num-layers", str(layers), "--hidden-size", "32", "--num-attention-heads", "2",
+        "--seq-length", "16",
+        "--max-position-embeddings", "16", "--vocab-size", "128", "--make-vocab-size-divisible-by", "1",
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--micro-batch-size", "1",
+        "--global-batch-size", str(micro_batches), "--train-iters", "1000", "--lr", "1e-4", "--mock-data"]
+
+
+def _host_rank(results, steps: int) -> None:
+    """In a forked process: a world-1 gloo group, every run's model built, then their train_steps
+    timed in rounds (one step of each per round)."""
+    os.environ.update(OMP_NUM_THREADS="1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    import itertools
+
+    import torch
+    import torch.distributed as dist
+
+    from megafab.arguments import config_from_args
+    from megafab.timers import Timers
+    from megafab.training.build import init_distributed
+    from megafab.training.pretrain import setup
+    from megafab.training.step import train_step
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="megafab-profile-") as tmp:
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0,
+                                world_size=1)
+        tokens = torch.randint(0, 128, (1, 17), generator=torch.Generator().manual_seed(0))
+        data = itertools.repeat({"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+                                 "loss_mask": torch.ones(1, 16)})
+        runs, topo = [], None
+        for run in _host_runs():
+            cfg = config_from_args(host_flags(*run[2:], *run[:2]), world_size=1)
+            if topo is None:
+                topo, tracker = init_distributed(cfg)
+            state, timers = setup(cfg, topo, tracker), Timers(log_level=1)
+            for _ in range(2):
+                train_step(state, data, timers)
+            runs.append((run, state, timers, []))
+        for _ in range(steps):  # in rounds: a burst of load on a shared machine hits every model alike
+            for _, state, timers, samples in runs:
+                fb, opt = timers("forward-backward", 1), timers("optimizer", 1)
+                before = fb.elapsed, opt.elapsed
+                start = time.perf_counter()
+                train_step(state, data, timers)
+                samples.append((time.perf_counter() - start, fb.elapsed - before[0], opt.elapsed - before[1]))
+        rows = [{"sharding": sharding, "recompute": recompute, "layers": layers,
+                 "micro_batches": micro_batches, "param_tensors": len(state.optimizer.entries),
+                 **{key: min(s[i] for s in samples)
+                    for i, key in enumerate(("step_s", "forward_backward_s", "optimizer_s"))}}
+                for (sharding, recompute, layers, micro_batches), state, _, samples in runs]
+        dist.destroy_process_group()
+    results.put(rows)
+
+
+def measure_host_steps(steps: int = HOST_STEPS) -> list[dict]:
+    """HOST_MODELS' step, forward-backward and optimizer seconds under each of HOST_SHARDINGS: the
+    least of HOST_STEPS steps each (on a shared machine, the least contended; see _host_rank)."""
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    proc = ctx.Process(target=_host_rank, args=(results, steps))
+    proc.start()
+    rows = results.get(timeout=120)
+    proc.join(timeout=10)
+    return rows
+
+
+def with_kernel_times(rows: list[dict], machine: Machine) -> list[dict]:
+    """Each row plus what the step-time model gives its kernels on `machine` (no host terms): one
+    micro-batch's forward-backward (kernel_micro_batch_s) and the optimizer step (kernel_optimizer_s)."""
+    from megafab.arguments import config_from_args
+    from megafab.plan.step_time import optimizer_seconds, stage_passes
+    from megafab.training.planner import plan
+
+    out = []
+    for row in rows:
+        flags = host_flags(row["layers"], row["micro_batches"], row["sharding"], row.get("recompute", "none"))
+        cfg = config_from_args(flags, world_size=1)
+        (fwd, bwd), = stage_passes(cfg, machine)
+        out.append({**row, "kernel_micro_batch_s": fwd.total + bwd.total,
+                    "kernel_optimizer_s": optimizer_seconds(cfg, machine, plan(cfg, "cpu"))})
+    return out
+
+
+def fit_host_overheads(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Machine.host_overheads from with_kernel_times' rows, per sharding, least squares:
+    forward-backward / micro-batch - kernels = micro_batch_s + layers x layer_micro_batch_s;
+    optimizer - kernels = the optimizer's fixed cost + tensors x param_tensor_s; step_s the rest of
+    the step (median) plus the optimizer's fixed cost; the full-recompute rows (DDP's; every
+    sharding gets that value) what is left of their forward-backward per recomputed layer
+    (recomputed_layer_micro_batch_s: the checkpointed forward again, RNG states saved and
+    restored). Negative fits (noise) are 0."""
+    out = {}
+    plain = [r for r in rows if r.get("recompute", "none") == "none"]
+
+    def per_micro_batch(r):
+        return r["forward_backward_s"] / r["micro_batches"] - r["kernel_micro_batch_s"]
+
+    for sharding in dict.fromkeys(r["sharding"] for r in plain):
+        mine = [r for r in plain if r["sharding"] == sharding]
+        mb, layer = _line([r["layers"] for r in mine], [per_micro_batch(r) for r in mine])
+        opt_fixed, tensor = _line([r["param_tensors"] for r in mine],
+                                  [r["optimizer_s"] - r["kernel_optimizer_s"] for r in mine])
+        rest = statistics.median(r["step_s"] - r["forward_backward_s"] - r["optimizer_s"] for r in mine)
+        out[sharding] = {"step_s": max(rest + opt_fixed, 0.0), "micro_batch_s": max(mb, 0.0),
+                         "layer_micro_batch_s": max(layer, 0.0), "param_tensor_s": max(tensor, 0.0)}
+    recomputed = [r for r in rows if r.get("recompute") == "full"]
+    extra = 0.0
+    if recomputed and "none" in out:
+        ddp = out["none"]
+        left = [(r["layers"], per_micro_batch(r) - ddp["micro_batch_s"]
+                 - r["layers"] * ddp["layer_micro_batch_s"]) for r in recomputed]
+        extra = max(sum(n * y for n, y in left) / sum(n * n for n, _ in left), 0.0)
+    for terms in out.values():
+        terms["recomputed_layer_micro_batch_s"] = extra
+    return out
+
+
 def measure(name: str = "this-machine", budget_s: float = 90.0) -> Machine:
     import torch
 
@@ -202,6 +397,7 @@ def measure(name: str = "this-machine", budget_s: float = 90.0) -> Machine:
     for n in sizes:  # first: ranks are forked before this process starts any compute thread pool
         for op, table in measure_collectives(n).items():
             collectives.setdefault(op, {}).update(table)
+    host_rows = measure_host_steps() if device.type == "cpu" else []
     deadline = time.monotonic() + budget_s * 0.5
     dtypes = [torch.float32] + ([torch.bfloat16] if device.type == "cuda" else [])
     if device.type == "cpu":
@@ -220,7 +416,7 @@ def measure(name: str = "this-machine", budget_s: float = 90.0) -> Machine:
         memory_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
     else:
         memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return Machine(
+    machine = Machine(
         name=name, peak_tflops=peaks, device_memory_gib=memory_gib, hbm_bandwidth=bandwidth,
         gpus_per_node=max(gpus, 1024), intra_busbw=ring[1], intra_latency_s=ring[0], nic_bandwidth=link[1],
         inter_latency_s=link[0], gemm_efficiency=1.0, kernel_overhead_s=0.0,
@@ -228,3 +424,6 @@ def measure(name: str = "this-machine", budget_s: float = 90.0) -> Machine:
         hbm_efficiency=1.0, gemm_points=gemms, collectives=collectives, iteration_overhead_s=0.0,
         host_memory_gib=memory_gib, compute_slots=0 if gpus else cores,
         source=f"measured by megafab-estimate --profile on {device.type}")
+    if host_rows:
+        machine.host_overheads = fit_host_overheads(with_kernel_times(host_rows, machine))
+    return machine

@@ -117,9 +117,14 @@ def test_profile_measures_this_machine_and_the_model_uses_it(tmp_path):
     assert "2" in here.collectives["all_gather"]
     fits = [(alpha, busbw) for table in here.collectives.values() for alpha, busbw in table.values()]
     assert all(alpha >= 0 and busbw > 0 for alpha, busbw in fits)
+    # host overheads of megafab's train_step, per sharding (CPU): every layer's modules cost time
+    assert set(here.host_overheads) == {"none", "distributed_optimizer", "fsdp2"}
+    assert all(v >= 0 for terms in here.host_overheads.values() for v in terms.values())
+    assert here.host_overheads["none"]["layer_micro_batch_s"] > 0
     cfg = config_from_args(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
                             "--seq-length", "16", "--vocab-size", "128", "--micro-batch-size", "1",
                             "--global-batch-size", "4", "--tensor-model-parallel-size", "2", "--dry-run"],
                            world_size=2)
     pred = predict(cfg, here, plan(cfg))
     assert pred.step_time_s > 0 and pred.breakdown["tp_comm"] > 0 and pred.breakdown["gemm"] > 0
+    assert pred.breakdown["host_micro_batches"] > 0
