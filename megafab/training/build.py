@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from megafab.config.derive import scheduler_samples
+from megafab.config.moe import moe_settings
 from megafab.distributed.data_parallel import DistributedDataParallel
 from megafab.distributed.fsdp import (
     FullyShardedDataParallel,
@@ -108,7 +109,7 @@ def build_model(cfg, topo: Topology, tracker, dtype: torch.dtype | None = None) 
     grad_dtype = None if p.accumulate_allreduce_grads_in_fp32 else dtype
     # Gradients are averaged (and the distributed optimizer shards) over DP x CP, as Megatron's.
     # Expert params (MoE) reduce and shard over expert-DP instead (megatron-core's expert buffers).
-    expert_dp = topo.group("edp") if cfg.moe.num_experts is not None else None
+    expert_dp = topo.group("edp") if moe_settings(cfg) is not None else None
     wrapped = [DistributedDataParallel(c, dp_group=topo.group("dp", "cp"), bucket_size=bucket,
                                        expert_dp_group=expert_dp,
                                        grad_dtype=grad_dtype, overlap_grad_reduce=p.overlap_grad_reduce,
@@ -132,7 +133,7 @@ def fully_shard_chunk(cfg, topo: Topology, chunk) -> FullyShardedDataParallel:
     low_precision = dtype in (torch.bfloat16, torch.float16)
     main = torch.float32 if low_precision and not cfg.optimizer.optimizer_cpu_offload else dtype
     reduce = None if cfg.parallel.accumulate_allreduce_grads_in_fp32 else dtype  # --grad-reduce-in-bf16
-    expert_mesh = expert_data_parallel_mesh(topo) if cfg.moe.num_experts is not None else None
+    expert_mesh = expert_data_parallel_mesh(topo) if moe_settings(cfg) is not None else None
     return FullyShardedDataParallel(chunk, mesh=data_parallel_mesh(topo), expert_mesh=expert_mesh,
                                     units=layer_units(chunk.decoder.layers.values()), main_dtype=main,
                                     reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward,
