@@ -148,8 +148,12 @@ def parser_defaults(parser: argparse.ArgumentParser, files: list[str]) -> tuple[
         for dest, value in entries:
             where = f"{path}: {dest}"
             if dest in refused:
-                if value not in (None, False) and str(value) not in REFUSED[refused[dest]].off:
-                    problems.append(f"{where}: {refused_problem(refused[dest])}")
+                flag = refused[dest]
+                announced = dict(REFUSED[flag].no_effect)
+                if str(value) in announced:  # as on the command line (arguments.py)
+                    notes.append(f"{flag} {value} ({announced[str(value)]}; from {path})")
+                elif value not in (None, False) and str(value) not in REFUSED[flag].off:
+                    problems.append(f"{where}: {refused_problem(flag)}")
                 continue
             if dest not in by_dest or dest == "config_files":
                 guess = difflib.get_close_matches(dest, list(by_dest) + list(refused), n=1, cutoff=0.7)

@@ -140,3 +140,25 @@ def test_moe_layer_pattern_round_trips_through_a_file(tmp_path):
     assert resolved(flags)["moe_layer_freq"] == (0, 1, 1, 1)
     (tmp_path / "moe.toml").write_text("moe_layer_freq = [0, 1, 1, 1]\n")
     assert resolved(flags[:-2] + ["--config", str(tmp_path / "moe.toml")])["moe_layer_freq"] == (0, 1, 1, 1)
+
+
+def test_refused_flags_announced_or_off_values_in_a_file_act_as_on_the_command_line(tmp_path):
+    """--rerun-mode validate_results (Megatron's default) is announced, disabled accepted silently,
+    report_stats refused: the same in a file as in argv."""
+    cases = (("validate_results", "announced"), ("disabled", "silent"), ("report_stats", "refused"))
+    for value, outcome in cases:
+        path = tmp_path / f"{value}.toml"
+        path.write_text(TOML.replace("[model]\n", f'[model]\nrerun_mode = "{value}"\n'))
+        if outcome == "refused":
+            with pytest.raises(ConfigError, match=r"rerun_mode: --rerun-mode: refused"):
+                config_from_args(["--config", str(path)], world_size=4)
+            continue
+        from_file = config_from_args(["--config", str(path)], world_size=4)
+        notes = [n for n in from_file.no_effect if n.startswith("--rerun-mode")]
+        base = tmp_path / "base.toml"
+        base.write_text(TOML)
+        argv = [n for n in config_from_args(["--config", str(base), "--rerun-mode", value],
+                                            world_size=4).no_effect if n.startswith("--rerun-mode")]
+        assert len(notes) == len(argv) == (1 if outcome == "announced" else 0), (notes, argv)
+        if notes:
+            assert str(path) in notes[0] and notes[0].startswith("--rerun-mode validate_results (")
