@@ -342,7 +342,7 @@ _refuse(f"multi-token prediction is {NOT_YET}", "--mtp-standalone --mtp-loss-sca
 _refuse(f"distributing recomputed activations over the model-parallel group is {NOT_YET}",
         "--distribute-saved-activations")
 _refuse(_DDP, """--ddp-num-buckets V --ddp-pad-buckets-for-high-nccl-busbw
-    --ddp-reduce-scatter-with-fp32-accumulation --ddp-average-in-collective""")
+    --ddp-reduce-scatter-with-fp32-accumulation""")
 _refuse(f"Megatron-FSDP sharding options; {FSDP}", "--enable-full-sharding-in-hsdp "
         "--suggested-communication-unit-size V")
 _refuse(_CP, "--hybrid-context-parallel --max-seqlen-per-dp-cp-rank V")

@@ -170,6 +170,10 @@ class ParallelConfig(Section):
         False, help="Overlap the distributed optimizer's parameter all-gather with the next forward.")
     ddp_bucket_size: int | None = option(
         None, help="Elements per gradient bucket; default max(40M, 1M * dp).")
+    ddp_average_in_collective: bool = option(
+        False, help="Average the gradients inside the data-parallel collective (NCCL's ReduceOp.AVG) "
+                    "instead of scaling them by 1/DP before a sum; on gloo, which has no AVG, the "
+                    "sum after scaling is kept (the same values).")
     gradient_accumulation_fusion: bool = option(
         True, action="store_true", negation="--no-gradient-accumulation-fusion",
         help="Add the linear layers' weight gradients straight into the fp32 main-grad buffer (Megatron's "

@@ -114,6 +114,7 @@ def build_model(cfg, topo: Topology, tracker, dtype: torch.dtype | None = None) 
                                        expert_dp_group=expert_dp,
                                        grad_dtype=grad_dtype, overlap_grad_reduce=p.overlap_grad_reduce,
                                        use_distributed_optimizer=p.use_distributed_optimizer,
+                                       average_in_collective=p.ddp_average_in_collective,
                                        device=topo.device)
                for c in chunks]
     if on_meta:

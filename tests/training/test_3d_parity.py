@@ -48,3 +48,21 @@ def _driver_parity(rank, world, tp, pp, vpp, sp, dist_opt, overlap, style):
         "tp2pp2vpp2dp2-sp-distopt-overlap-llama"])
 def test_training_steps_equal_single_process(world, tp, pp, vpp, sp, dist_opt, overlap, style):
     run_ranks(_driver_parity, world, tp, pp, vpp, sp, dist_opt, overlap, style, timeout=300)
+
+
+def _average_in_collective_parity(rank, world):
+    gbs = MICRO * world * 2
+    cfg = tiny_config(dp=world, vocab_size=112, micro_batch_size=MICRO, global_batch_size=gbs,
+                      use_distributed_optimizer=True, ddp_average_in_collective=True, lr=1e-2,
+                      clip_grad=0.5, lr_decay_style="constant", train_iters=STEPS)
+    samples = make_samples(cfg.model, gbs * STEPS)
+    reference = reference_run(tiny_config(vocab_size=112, lr=1e-2, clip_grad=0.5), samples, gbs)
+    state = driver_state(cfg, torch.float64)
+    assert all(chunk.average_in_collective for chunk in state.model)  # the flag reaches every DDP chunk
+    return train_and_compare(state, samples, reference, gbs)
+
+
+def test_ddp_average_in_collective_reaches_ddp_and_keeps_the_single_process_steps():
+    """--ddp-average-in-collective: NCCL averages in the collective (tests/optim/gpu_check.py on a
+    GPU); gloo has no AVG and keeps the scale-then-sum, so the steps equal one process's here."""
+    run_ranks(_average_in_collective_parity, 2, timeout=300)
