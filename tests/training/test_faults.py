@@ -103,7 +103,12 @@ def test_torchrun_restart_resumes_from_the_latest_checkpoint_by_itself(corpus, t
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            os.path.join(ROOT, "pretrain_gpt.py"), *flags, "--save", ckpt]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    # The first attempt's ranks hold after iteration 6 (its line printed, iteration 8's save not
+    # reached) until the kill: at ~10 ms an iteration, polling the log alone let the run finish first.
+    hook = tmp_path / "hold"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(HOLD_AFTER_ITERATION_6)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{hook}{os.pathsep}{ROOT}"}
     with open(log_path, "w") as log:
         job = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
@@ -127,6 +132,23 @@ def test_torchrun_restart_resumes_from_the_latest_checkpoint_by_itself(corpus, t
     expected_val, got_val = _validation(straight.out[1]), _validation(resumed[1])
     assert sorted(got_val) == ["iteration 10", "iteration 5", "the end of training for val data"]
     assert got_val == {k: expected_val[k] for k in got_val}
+
+
+HOLD_AFTER_ITERATION_6 = """
+import os
+if "RANK" in os.environ and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+    import time
+    import megafab.training.pretrain as pretrain
+
+    _step = pretrain.train_step
+
+    def train_step(state, *args, **kwargs):
+        if state.iteration == 6:
+            time.sleep(600)
+        return _step(state, *args, **kwargs)
+
+    pretrain.train_step = train_step
+"""
 
 
 def _one_rank_errs_while_the_other_is_busy(rank):
