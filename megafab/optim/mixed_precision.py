@@ -293,6 +293,19 @@ class MixedPrecisionOptimizer:
         return [e for e, _ in kept], [g for _, g in kept]
 
     @torch.no_grad()
+    def params_norm(self, fp16: bool) -> float:
+        """Megatron's calc_params_l2_norm (--log-params-norm), collective over every rank: the L2 norm
+        of all parameters, each value once (the entries the gradient norm counts, reduced over the
+        same groups), from the fp32 main parameters (fp16: the model's own values, as Megatron reads
+        them)."""
+        def values(entries):
+            return self._counted(entries, [e.model_values().float() if fp16 else e.main for e in entries])
+
+        host = self.host.entries if self.host is not None else []
+        return clip_grads.global_grad_norm(self._grad_sets(*values(self.device_entries), *values(host)),
+                                           self.device)
+
+    @torch.no_grad()
     def step(self) -> tuple[bool, float | None, int | None]:
         """One optimizer step; returns (update_successful, grad_norm, num_zeros_in_grad)."""
         self.iteration += 1

@@ -157,6 +157,11 @@ def average_loss_across_dp(logs: list, topo, device) -> float | None:
     return local.item() / topo.dp
 
 
+def nan_iteration(grad_norm: float | None) -> bool:
+    """An iteration Megatron counts among its "nan iterations": its gradient norm is not finite."""
+    return grad_norm is not None and not math.isfinite(grad_norm)
+
+
 def train_step(state, data_iterator, timers=None) -> dict:
     check = state.cfg.training.check_for_nan_in_loss_and_grad
     state.optimizer.zero_grad()  # zeroes every chunk's DDP grad buffer (once: it is a full memset)
@@ -186,7 +191,7 @@ def train_step(state, data_iterator, timers=None) -> dict:
         state.skipped_iterations += 1
         state.consecutive_skipped += 1
     loss = average_loss_across_dp(logs, state.topology, state.topology.device)
-    if grad_norm is not None and not math.isfinite(grad_norm):
+    if nan_iteration(grad_norm):
         state.nan_iterations += 1
     nan_check.check_skips(state)
     return {"lm loss": loss, "grad_norm": grad_norm, "num_zeros": num_zeros, "update_ok": ok,

@@ -22,12 +22,12 @@ import math
 import os
 import time
 
-from megafab.optim import clip_grads
 from megafab.timers import Timers
 from megafab.training.batch_size import train_iterations
 from megafab.training.flops import flops_per_iteration, peak_tflops
 from megafab.training.log_line import MetricsJSONL, ScalarWriters, iteration_line, timestamp, validation_line
 from megafab.training.run_record import MemoryReport, memory_usage, run_directory
+from megafab.training.step import nan_iteration
 
 METRICS_JSONL = "metrics.jsonl"
 
@@ -43,20 +43,6 @@ def metrics_path(cfg) -> str | None:
         return cfg.logging.metrics_jsonl
     directory = run_directory(cfg)
     return os.path.join(directory, METRICS_JSONL) if directory else None
-
-
-def params_norm(optimizer, fp16: bool) -> float:
-    """Megatron's calc_params_l2_norm (--log-params-norm), collective over every rank: the L2 norm of
-    all parameters, each value once (a TP-replicated weight on one TP rank, a tied embedding on the
-    first stage, an expert on its EP rank; under the distributed optimizer or FSDP2 each DP rank's
-    shard), from the fp32 main parameters (fp16: the model's own values, as Megatron reads them),
-    reduced over the same groups as the gradient norm."""
-    def values(entries):
-        return optimizer._counted(entries, [e.model_values().float() if fp16 else e.main for e in entries])
-
-    host = optimizer.host.entries if optimizer.host is not None else []
-    sets = optimizer._grad_sets(*values(optimizer.device_entries), *values(host))
-    return clip_grads.global_grad_norm(sets, optimizer.device)
 
 
 class TrainingLog:
@@ -92,15 +78,14 @@ class TrainingLog:
             self.window_loss += metrics["lm loss"] or 0.0  # None off the last stage
         else:
             self.window_skipped += 1
-        grad_norm = metrics["grad_norm"]
-        self.window_nan += grad_norm is not None and not math.isfinite(grad_norm)
+        self.window_nan += nan_iteration(metrics["grad_norm"])
         lg = self.cfg.logging
         on_scalars = state.iteration % lg.tensorboard_log_interval == 0
         on_interval = state.iteration % lg.log_interval == 0
         on_line = on_interval or state.iteration == self.first_iteration
         # every rank takes part (the same iterations on all); Megatron computes it every iteration
         # and reports it on these
-        norm = params_norm(state.optimizer, self.cfg.precision.fp16) \
+        norm = state.optimizer.params_norm(self.cfg.precision.fp16) \
             if lg.log_params_norm and (on_scalars or on_line) else None
         metrics = {**metrics, "params_norm": norm}
         if log_rank(self.topo) and moe:  # Megatron's track_moe_metrics: every iteration, its names
