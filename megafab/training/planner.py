@@ -84,7 +84,7 @@ from megafab.plan.moe import (
     stage_state_bytes,
 )
 from megafab.training.flops import flops_per_iteration
-from megafab.training.state_memory import BYTES
+from megafab.training.state_memory import BYTES, fsdp_moments
 
 
 @dataclass
@@ -481,9 +481,8 @@ def plan(cfg, kernels: str = "flash", routing: str = "bound") -> list[StagePlan]
         root, embedding = fsdp_root_params(cfg, rank)
         state = stage_state_bytes(cfg, params, expert_params, unit, expert_unit, root=root,
                                   embedding=embedding)
-        embedding_last = (4 if m.untie_embeddings_and_output_weights else 8) * embedding > 8 * unit
-        moment = ("the embedding's grad (and its sum into the tied output layer's) at the end of backward"
-                  if embedding_last else "a unit's unsharded grad and its reduce-scatter copy (backward)")
+        moments = fsdp_moments(cfg, unit - expert_unit, embedding)  # the dense part's, as state_bytes
+        moment = max(moments, key=moments.get)
         out.append(StagePlan(
             pp_rank=rank, params=params, weights_bytes=state.weights, grads_bytes=state.grads,
             optimizer_bytes=state.optimizer, host_bytes=state.host, fsdp_held_bytes=state.fsdp_held,

@@ -59,6 +59,16 @@ class StateBytes:
     gather_transient: int = 0  # the distributed optimizer's all-gather input copies
 
 
+def fsdp_moments(cfg, largest_unit: int, embedding: int) -> dict[str, int]:
+    """FSDP2's candidate moments on top of its held root (module docstring), named as the planner
+    reports the peak: a unit's unsharded gradient and its flat reduce-scatter copy, 8 U; the end of
+    backward's embedding gradient, 4 E, and with a tied output layer its sum into that, 8 E."""
+    tied = not cfg.model.untie_embeddings_and_output_weights
+    return {"a unit's unsharded grad and its reduce-scatter copy (backward)": 8 * largest_unit,
+            "the embedding's grad (and its sum into the tied output layer's) at the end of backward":
+                (8 if tied else 4) * embedding}
+
+
 def state_bytes(cfg, params: int, largest_unit: int, root: int = 0, embedding: int = 0,
                 group_size: int | None = None) -> StateBytes:
     """StateBytes of a stage with `params` parameters whose largest FSDP2 unit below the root has
@@ -89,8 +99,7 @@ def state_bytes(cfg, params: int, largest_unit: int, root: int = 0, embedding: i
         held = e * root + 4 * (params if accumulating else root)
         if not p.fsdp_reshard_after_forward:
             held += e * params
-        tied = not cfg.model.untie_embeddings_and_output_weights
-        transient = max(8 * largest_unit, (8 if tied else 4) * embedding)
+        transient = max(fsdp_moments(cfg, largest_unit, embedding).values())
     elif p.use_distributed_optimizer and dp > 1:
         gather = e * params / dp
     return StateBytes(int(weights), int(grads), int(optimizer), int(host), int(held), int(transient),
