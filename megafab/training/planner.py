@@ -249,16 +249,22 @@ class _LayerParams:
 def stage_param_split(cfg, pp_rank: int, layers: _LayerParams | None = None) -> tuple[int, int]:
     """(all, expert) parameters of pipeline stage `pp_rank` on one rank (all its chunks); layers:
     the config's _LayerParams, if made already."""
-    p = cfg.parallel
-    pp, tp = p.pipeline_model_parallel_size, p.tensor_model_parallel_size
     layers = layers or _LayerParams(cfg)
-    chunks = len(layers.split.counts()[pp_rank])
-    total = expert = 0
-    for c in range(chunks):
-        total += _ends_params(cfg.model, tp, pp_rank == 0 and c == 0, pp_rank == pp - 1 and c == chunks - 1)
+    total, expert = _stage_ends_params(cfg, pp_rank, layers.split), 0
+    for c in range(len(layers.split.counts()[pp_rank])):
         for n, x in layers.chunk(pp_rank, c):
             total, expert = total + n, expert + x
     return total, expert
+
+
+def _stage_ends_params(cfg, pp_rank: int, split: PipelineSplit) -> int:
+    """The stage's chunks' embedding (first chunk of stage 0), final norm and output layer (last
+    chunk of the last stage) on one TP rank: FSDP2's root units."""
+    p = cfg.parallel
+    pp, tp = p.pipeline_model_parallel_size, p.tensor_model_parallel_size
+    chunks = len(split.counts()[pp_rank])
+    return sum(_ends_params(cfg.model, tp, pp_rank == 0 and c == 0, pp_rank == pp - 1 and c == chunks - 1)
+               for c in range(chunks))
 
 
 def stage_params(cfg, pp_rank: int) -> int:
@@ -297,11 +303,8 @@ def largest_fsdp_unit(cfg, pp_rank: int, layers: _LayerParams | None = None) -> 
 def fsdp_root_params(cfg, pp_rank: int) -> tuple[int, int]:
     """(parameters of the stage's FSDP2 roots: each chunk's embedding, final norm and output layer;
     its word embedding's parameters, whose gradient the end of backward makes)."""
-    p, m = cfg.parallel, cfg.model
-    pp, tp = p.pipeline_model_parallel_size, p.tensor_model_parallel_size
-    chunks = len(PipelineSplit.from_config(cfg).counts()[pp_rank])
-    root = sum(_ends_params(m, tp, pp_rank == 0 and c == 0, pp_rank == pp - 1 and c == chunks - 1)
-               for c in range(chunks))
+    m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
+    root = _stage_ends_params(cfg, pp_rank, PipelineSplit.from_config(cfg))
     return root, m.padded_vocab_size * m.hidden_size // tp if pp_rank == 0 else 0
 
 
