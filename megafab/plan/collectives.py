@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megafab.distributed.topology import Layout
 
@@ -37,6 +37,7 @@ class Placement:
     size: int
     per_node: int  # most of the group's ranks on one node
     nodes: int
+    world: int = field(default=0, compare=False)  # ranks of the whole job (a measured profile's key)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -49,7 +50,7 @@ def placement(world: int, tp: int, cp: int, pp: int, gpus_per_node: int, axes: t
     nodes: dict[int, int] = {}
     for r in ranks:
         nodes[r // gpus_per_node] = nodes.get(r // gpus_per_node, 0) + 1
-    return Placement(len(ranks), max(nodes.values()), len(nodes))
+    return Placement(len(ranks), max(nodes.values()), len(nodes), world)
 
 
 def group_placement(cfg, machine, *axes: str) -> Placement:
@@ -70,12 +71,18 @@ def _link(machine, where: Placement) -> tuple[float, float]:
     return machine.inter_latency_s, min(machine.intra_busbw, where.per_node * machine.nic_bandwidth)
 
 
-def _measured(machine, op: str, n: int):
+def _measured(machine, op: str, n: int, world: int, suffix: str = ""):
+    """A measured profile's [alpha, busbw] for a group of n: as a step of a job of `world` ranks
+    sees it ("n@world", and "n@world:step" for a once-a-step reduction: step_calibration.py), else
+    the loop's of n ranks (the nearest size)."""
     table = machine.collectives.get(op) or {}
-    if not table:
+    for key in (f"{n}@{world}{suffix}", f"{n}@{world}"):
+        if key in table:
+            return table[key]
+    sizes = [k for k in table if k.isdigit()]
+    if not sizes:
         return None
-    size = min(table, key=lambda k: abs(int(k) - n))
-    return table[size]
+    return table[min(sizes, key=lambda k: abs(int(k) - n))]
 
 
 def _ring_seconds(machine, op: str, nbytes: float, where: Placement, busbw: float) -> float:
@@ -100,13 +107,14 @@ def _ring_seconds(machine, op: str, nbytes: float, where: Placement, busbw: floa
     return best
 
 
-def collective_seconds(machine, op: str, nbytes: float, where: Placement) -> float:
-    """One collective of nbytes (the full, unsharded size) over the group."""
+def collective_seconds(machine, op: str, nbytes: float, where: Placement, suffix: str = "") -> float:
+    """One collective of nbytes (the full, unsharded size) over the group; suffix ":step": the
+    data-parallel reduction issued once a step (a measured profile may price it apart)."""
     n = where.size
     if n <= 1 or nbytes <= 0:
         return 0.0
     factor, steps = _STEPS[op]
-    measured = _measured(machine, op, n)
+    measured = _measured(machine, op, n, where.world, suffix)
     if measured:
         alpha, busbw = measured
         return factor * (n - 1) / n * nbytes / busbw + steps * (n - 1) * alpha
@@ -116,13 +124,13 @@ def collective_seconds(machine, op: str, nbytes: float, where: Placement) -> flo
     return _ring_seconds(machine, op, nbytes, where, busbw)
 
 
-def p2p_seconds(machine, nbytes: float, across_nodes: bool) -> float:
-    """One send/recv between neighbouring pipeline stages."""
+def p2p_seconds(machine, nbytes: float, where: Placement) -> float:
+    """One send/recv between neighbouring ranks of the group (pipeline stages, a CP ring)."""
     if nbytes <= 0:
         return 0.0
-    measured = _measured(machine, "send_recv", 2)
+    measured = _measured(machine, "send_recv", 2, where.world)
     if measured:
         return measured[0] + nbytes / measured[1]
-    if across_nodes:
+    if where.nodes > 1:
         return machine.inter_latency_s + nbytes / machine.nic_bandwidth
     return machine.intra_latency_s + nbytes / machine.intra_busbw

@@ -33,6 +33,7 @@ import tempfile
 import time
 
 from megafab.plan.machines import Machine
+from megafab.plan.step_calibration import fit_step_collectives, measure_calibration_steps
 
 GEMM_SHAPES = [(64, 64, 64), (128, 128, 128), (256, 256, 256), (256, 512, 256), (512, 512, 512),
                (1024, 512, 512), (1024, 1024, 1024), (2048, 1024, 1024)]
@@ -398,6 +399,7 @@ def measure(name: str = "this-machine", budget_s: float = 90.0) -> Machine:
         for op, table in measure_collectives(n).items():
             collectives.setdefault(op, {}).update(table)
     host_rows = measure_host_steps() if device.type == "cpu" else []
+    step_rows = measure_calibration_steps(sizes) if device.type == "cpu" else []
     deadline = time.monotonic() + budget_s * 0.5
     dtypes = [torch.float32] + ([torch.bfloat16] if device.type == "cuda" else [])
     if device.type == "cpu":
@@ -426,4 +428,5 @@ def measure(name: str = "this-machine", budget_s: float = 90.0) -> Machine:
         source=f"measured by megafab-estimate --profile on {device.type}")
     if host_rows:
         machine.host_overheads = fit_host_overheads(with_kernel_times(host_rows, machine))
+    fit_step_collectives(step_rows, machine)  # last: it prices the steps with everything above
     return machine

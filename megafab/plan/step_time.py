@@ -72,6 +72,7 @@ from megafab.plan.moe import (
 )
 from megafab.plan.optimizer_tensors import param_tensors, sharding_name
 from megafab.plan.schedule import pipeline_time
+from megafab.plan.step_calibration import STEP_SUFFIX
 from megafab.training.flops import flops_per_iteration
 from megafab.training.planner import chunk_params, fsdp_layer_units
 from megafab.training.state_memory import BYTES
@@ -241,8 +242,8 @@ def _cp_comm(x: _Shapes, attention_fwd: float, attention_bwd: float) -> tuple[fl
     kv = 2 * x.e * x.M * x.g * x.d / x.tp  # this rank's K and V
     if p.cp_comm_type == "p2p":
         steps = x.cp - 1
-        send = p2p_seconds(x.machine, kv, x.cp_group.nodes > 1)
-        send_bwd = p2p_seconds(x.machine, kv + 2 * kv * 4 / x.e, x.cp_group.nodes > 1)  # + fp32 dK/dV
+        send = p2p_seconds(x.machine, kv, x.cp_group)
+        send_bwd = p2p_seconds(x.machine, kv + 2 * kv * 4 / x.e, x.cp_group)  # + fp32 dK/dV
         return (steps * max(0.0, send - attention_fwd / x.cp),
                 steps * max(0.0, send_bwd - attention_bwd / x.cp))
     if p.cp_comm_type == "allgather":
@@ -316,7 +317,7 @@ def _output_pass(x: _Shapes, tp_comm_overlap: bool) -> tuple[_Pass, _Pass]:
 def _layer_key(cfg, x: _Shapes, tp_comm_overlap: bool, moe_layer: bool) -> tuple:
     """What one layer's passes depend on (not PP, VPP or DP; an MoE layer's on its expert groups)."""
     key = (repr(vars(cfg.model)), x.dtype, x.tp, x.cp, x.b, x.sp, cfg.parallel.cp_comm_type, x.tp_group,
-           x.cp_group, tp_comm_overlap, moe_layer)
+           x.cp_group, x.tp_group.world, tp_comm_overlap, moe_layer)
     if moe_layer:
         key += (repr(x.moe), x.ep, x.etp, x.ep_group, x.etp_group, x.ep_etp_group)
     return key
@@ -422,8 +423,9 @@ def _groups(cfg, machine, stage):
 
 
 def _over(machine, op: str, bytes_per_param: float, groups) -> float:
-    """One collective of each group's parameters, in turn."""
-    return sum(collective_seconds(machine, op, bytes_per_param * n, where) for n, where in groups)
+    """One collective of each group's parameters, in turn (the once-a-step reduction's price)."""
+    return sum(collective_seconds(machine, op, bytes_per_param * n, where, STEP_SUFFIX)
+               for n, where in groups)
 
 
 def data_parallel_seconds(cfg, machine, stages, passes) -> float:
@@ -518,11 +520,11 @@ def predict(cfg, machine, stages, tp_comm_overlap: bool = False, memo: dict | No
     vpp = p.virtual_pipeline_model_parallel_size or 1
     x = parts[0]
     boundary = x.e * x.M * x.h / (x.tp if x.sp else 1)
-    across = group_placement(cfg, machine, "pp").nodes > 1
     host_mb, host_step = host_seconds(cfg, machine)
     host_mb = [shared * h for h in host_mb]
     seconds = [f.total + b.total + g + h for (f, b), g, h in zip(passes, per_mb, host_mb)]
-    pipe = pipeline_time(seconds, m_count, vpp, p2p_seconds(machine, boundary, across))
+    pipe = pipeline_time(seconds, m_count, vpp,
+                         p2p_seconds(machine, boundary, group_placement(cfg, machine, "pp")))
     dp = data_parallel_seconds(cfg, machine, stages, passes)
     if sharded:
         # the reducing micro-batch's backward runs through the stages in turn; each stage's tail

@@ -115,6 +115,9 @@ def test_profile_measures_this_machine_and_the_model_uses_it(tmp_path):
     assert here.gemm_points and here.peak("float32") > 0
     assert {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"} <= set(here.collectives)
     assert "2" in here.collectives["all_gather"]
+    # in-step alphas from megafab's own steps at world 2 and 4 (step_calibration.py)
+    assert {"2@2", "2@2:step", "4@4", "2@4", "2@4:step"} <= set(here.collectives["all_reduce"])
+    assert "2@2" in here.collectives["send_recv"] and "2@4" not in here.collectives["send_recv"]
     fits = [(alpha, busbw) for table in here.collectives.values() for alpha, busbw in table.values()]
     assert all(alpha >= 0 and busbw > 0 for alpha, busbw in fits)
     # host overheads of megafab's train_step, per sharding (CPU): every layer's modules cost time

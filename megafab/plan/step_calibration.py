@@ -1,0 +1,149 @@
+"""Collective latency as a training step sees it, on a CPU: megafab's own train_step at world 2 and 4.
+
+The profile's collective loop (profile.measure_collectives) times calls between GEMMs; inside a
+step the ranks also run autograd, the schedule and gloo's worker threads on the same cores, and
+that loop's per-call cost was off by 2-3x either way from one machine to the next. So a CPU
+profile also launches a tiny GPT (CALIBRATION_FLAGS) under one layout per collective it prices
+(CALIBRATION_LAYOUTS: TP without SP for all-reduce, TP with SP for all-gather and reduce-scatter,
+PP for send/recv, each at the group sizes a world of 2 or 4 has), times its steps as the layout
+benchmark does (each rank's median step, the slowest rank's), and fits that collective's alpha so
+the step-time model, with everything else it knows (kernels, host overheads, the schedule), gives
+the measured step. The fit goes into the profile's collectives as "n@world" (a group of n in a job
+of `world` ranks sharing the cores), beside the loop's "n" entry, whose bus bandwidth it keeps:
+the calibration's messages are a few KiB, alpha-bound.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+CALIBRATION_FLAGS = [
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+    "--max-position-embeddings", "16", "--vocab-size", "128", "--make-vocab-size-divisible-by", "1",
+    "--hidden-dropout", "0", "--attention-dropout", "0", "--micro-batch-size", "1",
+    "--global-batch-size", "4", "--train-iters", "1000", "--lr", "1e-4", "--mock-data"]
+STEP_SUFFIX = ":step"
+_TP = "--tensor-model-parallel-size"
+_PP = "--pipeline-model-parallel-size"
+
+_DIST_OPT = "--use-distributed-optimizer"
+
+# (world, group size, the ops whose alpha the layout fits, which alpha, the layout's flags).
+# "alpha": the per-layer collectives' ("n@world"; TP, SP, FSDP2's units, PP's send/recv),
+# "step_alpha": the data-parallel reductions' issued once a step after the backward
+# ("n@world:step"): there the ranks arrive as unevenly as their whole backward ran, and the wait,
+# not the bytes, is the cost (a model 4x larger measured the same extra time per step here). Each
+# layout's other collectives are priced by the other rows' current fits (FIT_SWEEPS sweeps: a
+# group of 2 at world 4 never runs alone, TP 2 comes with PP 2 or DP 2). PP's send/recv at world 4
+# keeps the loop's "2": fitted from PP 2 x DP 2 it traded off against DP's step alpha.
+CALIBRATION_LAYOUTS = [
+    (2, 2, ("all_reduce",), "alpha", [_TP, "2"]),
+    (2, 2, ("all_gather", "reduce_scatter"), "alpha", [_TP, "2", "--sequence-parallel"]),
+    (2, 2, ("all_reduce",), "step_alpha", []),
+    (2, 2, ("all_gather", "reduce_scatter"), "step_alpha", [_DIST_OPT]),
+    (2, 2, ("send_recv",), "alpha", [_PP, "2"]),
+    (4, 4, ("all_reduce",), "alpha", [_TP, "4"]),
+    (4, 4, ("all_gather", "reduce_scatter"), "alpha", [_TP, "4", "--sequence-parallel"]),
+    (4, 4, ("all_reduce",), "step_alpha", []),
+    (4, 4, ("all_gather", "reduce_scatter"), "step_alpha", [_DIST_OPT]),
+    (4, 2, ("all_reduce",), "alpha", [_TP, "2", _PP, "2"]),
+    (4, 2, ("all_gather", "reduce_scatter"), "alpha", [_TP, "2", _PP, "2", "--sequence-parallel"]),
+    (4, 2, ("all_reduce",), "step_alpha", [_TP, "2"]),
+    (4, 2, ("all_gather", "reduce_scatter"), "step_alpha", [_TP, "2", _DIST_OPT]),
+]
+FIT_SWEEPS = 6
+WARMUP_STEPS, TIMED_STEPS = 2, 7
+MAX_ALPHA_S = 0.1
+
+
+def _median_step(rank: int, world: int, flags: list[str]) -> float:
+    """In a forked rank: the layout's model built as pretrain does, then its median train_step."""
+    import itertools
+
+    import torch
+    import torch.distributed as dist
+
+    from megafab.arguments import config_from_args
+    from megafab.training.build import init_distributed
+    from megafab.training.pretrain import setup
+    from megafab.training.step import train_step
+
+    cfg = config_from_args(flags, world_size=world)
+    topo, tracker = init_distributed(cfg)
+    state = setup(cfg, topo, tracker)
+    m = cfg.model
+    tokens = torch.randint(0, m.vocab_size, (1, m.seq_length + 1), generator=torch.Generator().manual_seed(0))
+    data = itertools.repeat({"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+                             "loss_mask": torch.ones(1, m.seq_length)})
+    for _ in range(WARMUP_STEPS):
+        train_step(state, data)
+    dist.barrier()
+    times = []
+    for _ in range(TIMED_STEPS):
+        start = time.perf_counter()
+        train_step(state, data)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_calibration_steps(worlds: list[int], timeout: float = 60.0) -> list[dict]:
+    """Each CALIBRATION_LAYOUTS row of the given worlds with its measured step (the slowest rank's
+    median)."""
+    from megafab.run.fork_ranks import run_ranks
+
+    rows = []
+    for world, group, ops, term, extra in CALIBRATION_LAYOUTS:
+        if world in worlds:
+            seconds = run_ranks(_median_step, world, CALIBRATION_FLAGS + extra, timeout=timeout)
+            rows.append({"world": world, "group": group, "ops": list(ops), "term": term, "flags": extra,
+                         "step_s": max(seconds)})
+    return rows
+
+
+def _predicted(machine, cfg, stages) -> float:
+    from megafab.plan.step_time import predict
+
+    return predict(cfg, machine, stages).step_time_s
+
+
+def _set_term(machine, row: dict, alpha: float) -> None:
+    """The row's ops' "group@world" entry ("group@world:step" for a step_alpha row) with alpha set,
+    its bus bandwidth the loop's."""
+    key = f"{row['group']}@{row['world']}" + (STEP_SUFFIX if row["term"] == "step_alpha" else "")
+    for op in row["ops"]:
+        table = machine.collectives.setdefault(op, {})
+        loop = table.get(str(row["group"]))
+        table[key] = [alpha, loop[1] if loop else 1e9]
+
+
+def fit_step_collectives(rows: list[dict], machine) -> None:
+    """Into machine.collectives: each row's alpha, solved by bisection (the step time grows with it)
+    so the model predicts the row's measured step, in FIT_SWEEPS sweeps over the rows (each solved
+    with the others' latest); 0 where the model without the row's collectives is already slower
+    than the step."""
+    from megafab.arguments import config_from_args
+    from megafab.training.planner import plan
+
+    built = [(row, config_from_args(CALIBRATION_FLAGS + row["flags"], world_size=row["world"]))
+             for row in rows]
+    built = [(row, cfg, plan(cfg, "cpu")) for row, cfg in built]
+    for _ in range(FIT_SWEEPS):
+        for row, cfg, stages in built:
+            _fit_row(machine, row, cfg, stages)
+
+
+def _fit_row(machine, row: dict, cfg, stages) -> None:
+    """The row's alpha with every other entry as it stands."""
+    lo, hi = 0.0, MAX_ALPHA_S
+    _set_term(machine, row, hi)
+    if _predicted(machine, cfg, stages) < row["step_s"]:
+        return  # slower than any alpha explains: keep the largest
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        _set_term(machine, row, mid)
+        if _predicted(machine, cfg, stages) < row["step_s"]:
+            lo = mid
+        else:
+            hi = mid
+    _set_term(machine, row, lo)
