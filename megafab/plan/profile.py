@@ -20,7 +20,10 @@ Measured, each as the median of a few timed repeats after a warm-up:
       the model's kernel times do not explain is fitted (fit_host_overheads) to a fixed cost per
       micro-batch and one per layer per micro-batch (forward-backward), one per parameter tensor
       (optimizer), a fixed cost per step (the rest of train_step) and one per recomputed layer per
-      micro-batch. A GPU profile has none: the host runs ahead of the kernels there.
+      micro-batch. A GPU profile has none: the host runs ahead of the kernels there;
+  in-step collective alphas (CPU only, step_calibration.py): megafab's own train_step at world 2
+      and 4 under one layout per collective, each alpha fitted so the model gives the measured
+      step ("n@world" and "n@world:step" entries beside the loop's "n").
 """
 
 from __future__ import annotations
