@@ -31,7 +31,7 @@ class MachineError(MegafabError):
 
 
 HOST_TERMS = ("step_s", "micro_batch_s", "layer_micro_batch_s", "param_tensor_s",
-              "recomputed_layer_micro_batch_s")
+              "recomputed_layer_micro_batch_s", "selective_layer_micro_batch_s")
 
 
 @dataclass

@@ -258,21 +258,25 @@ def measure_collectives(world: int) -> dict:
 HOST_MODELS = ((1, 1), (3, 1), (1, 2), (3, 2))  # (layers, micro-batches) of the host-overhead GPTs
 HOST_SHARDINGS = {"none": [], "distributed_optimizer": ["--use-distributed-optimizer"],
                   "fsdp2": ["--use-torch-fsdp2"]}
-HOST_FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
-                       "--recompute-num-layers", "1"]
+HOST_RECOMPUTE = {"none": [], "full": ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                       "--recompute-num-layers", "1"],
+                  "selective": ["--recompute-granularity", "selective"]}
+HOST_RECOMPUTE_TERMS = {"full": "recomputed_layer_micro_batch_s",
+                        "selective": "selective_layer_micro_batch_s"}
 HOST_STEPS = 7
 
 
 def _host_runs():
     """(sharding, recompute, layers, micro-batches) of each timed model: HOST_MODELS under every
-    sharding, and the first two again with full recompute (DDP)."""
+    sharding, and the first two again with full and with selective recompute (DDP)."""
     runs = [(sharding, "none", *model) for sharding in HOST_SHARDINGS for model in HOST_MODELS]
-    return runs + [("none", "full", *model) for model in HOST_MODELS[:2]]
+    return runs + [("none", recompute, *model) for recompute in HOST_RECOMPUTE_TERMS
+                   for model in HOST_MODELS[:2]]
 
 
 def host_flags(layers: int, micro_batches: int, sharding: str = "none", recompute: str = "none") -> list[str]:
     """Megatron flags of a GPT so small its step is nearly all host work (micro-batch 1)."""
-    return HOST_SHARDINGS[sharding] + (HOST_FULL_RECOMPUTE if recompute == "full" else []) + [
+    return HOST_SHARDINGS[sharding] + HOST_RECOMPUTE[recompute] + [
         "--num-layers", str(layers), "--hidden-size", "32", "--num-attention-heads", "2",
         "--seq-length", "16",
         "--max-position-embeddings", "16", "--vocab-size", "128", "--make-vocab-size-divisible-by", "1",
@@ -360,10 +364,11 @@ def fit_host_overheads(rows: list[dict]) -> dict[str, dict[str, float]]:
     """Machine.host_overheads from with_kernel_times' rows, per sharding, least squares:
     forward-backward / micro-batch - kernels = micro_batch_s + layers x layer_micro_batch_s;
     optimizer - kernels = the optimizer's fixed cost + tensors x param_tensor_s; step_s the rest of
-    the step (median) plus the optimizer's fixed cost; the full-recompute rows (DDP's; every
-    sharding gets that value) what is left of their forward-backward per recomputed layer
-    (recomputed_layer_micro_batch_s: the checkpointed forward again, RNG states saved and
-    restored). Negative fits (noise) are 0."""
+    the step (median) plus the optimizer's fixed cost; the full- and selective-recompute rows
+    (DDP's; every sharding gets those values) what is left of their forward-backward per
+    recomputed layer (recomputed_layer_micro_batch_s: the checkpointed forward again, RNG states
+    saved and restored; selective_layer_micro_batch_s: the checkpointed attention's). Negative
+    fits (noise) are 0."""
     out = {}
     plain = [r for r in rows if r.get("recompute", "none") == "none"]
 
@@ -378,15 +383,16 @@ def fit_host_overheads(rows: list[dict]) -> dict[str, dict[str, float]]:
         rest = statistics.median(r["step_s"] - r["forward_backward_s"] - r["optimizer_s"] for r in mine)
         out[sharding] = {"step_s": max(rest + opt_fixed, 0.0), "micro_batch_s": max(mb, 0.0),
                          "layer_micro_batch_s": max(layer, 0.0), "param_tensor_s": max(tensor, 0.0)}
-    recomputed = [r for r in rows if r.get("recompute") == "full"]
-    extra = 0.0
-    if recomputed and "none" in out:
-        ddp = out["none"]
-        left = [(r["layers"], per_micro_batch(r) - ddp["micro_batch_s"]
-                 - r["layers"] * ddp["layer_micro_batch_s"]) for r in recomputed]
-        extra = max(sum(n * y for n, y in left) / sum(n * n for n, _ in left), 0.0)
-    for terms in out.values():
-        terms["recomputed_layer_micro_batch_s"] = extra
+    ddp = out.get("none")
+    for recompute, term in HOST_RECOMPUTE_TERMS.items():
+        recomputed = [r for r in rows if r.get("recompute") == recompute]
+        extra = 0.0
+        if recomputed and ddp:
+            left = [(r["layers"], per_micro_batch(r) - ddp["micro_batch_s"]
+                     - r["layers"] * ddp["layer_micro_batch_s"]) for r in recomputed]
+            extra = max(sum(n * y for n, y in left) / sum(n * n for n, _ in left), 0.0)
+        for terms in out.values():
+            terms[term] = extra
     return out
 
 

@@ -18,6 +18,7 @@ TRUE = {"none": dict(step_s=6e-4, micro_batch_s=4e-4, layer_micro_batch_s=3e-4, 
 
 
 RECOMPUTED = 2.5e-4
+SELECTIVE = 6e-5
 
 
 def _synthetic_rows(opt_fixed=2e-4, rest=4e-4):
@@ -38,6 +39,11 @@ def _synthetic_rows(opt_fixed=2e-4, rest=4e-4):
         fb = c["micro_batch_s"] + layers * (c["layer_micro_batch_s"] + RECOMPUTED) + kernel_mb
         rows.append({**rows[0], "recompute": "full", "layers": layers, "micro_batches": 1,
                      "forward_backward_s": fb, "kernel_micro_batch_s": kernel_mb})
+    for layers in (1, 3):  # selective: the attention's kernels again and SELECTIVE per layer
+        kernel_mb = 1.05e-4 * layers + 5e-5
+        fb = c["micro_batch_s"] + layers * (c["layer_micro_batch_s"] + SELECTIVE) + kernel_mb
+        rows.append({**rows[0], "recompute": "selective", "layers": layers, "micro_batches": 1,
+                     "forward_backward_s": fb, "kernel_micro_batch_s": kernel_mb})
     return rows
 
 
@@ -48,7 +54,8 @@ def test_fit_recovers_the_host_coefficients_per_sharding():
         for term in HOST_TERMS:
             # step_s: the rest of the step (4e-4 minus the optimizer's fixed cost) + that fixed cost;
             # the recompute term, measured under DDP, for every sharding
-            expected = {"step_s": 4e-4, "recomputed_layer_micro_batch_s": RECOMPUTED}.get(term, c.get(term))
+            expected = {"step_s": 4e-4, "recomputed_layer_micro_batch_s": RECOMPUTED,
+                        "selective_layer_micro_batch_s": SELECTIVE}.get(term, c.get(term))
             assert fitted[sharding][term] == pytest.approx(expected, rel=1e-9)
 
 
@@ -79,7 +86,7 @@ def _cfg(extra, world):
 
 def test_predict_adds_each_stages_layers_and_the_ranks_optimizer_tensors():
     terms = dict(step_s=1e-3, micro_batch_s=2e-3, layer_micro_batch_s=3e-3, param_tensor_s=1e-5,
-                 recomputed_layer_micro_batch_s=4e-3)
+                 recomputed_layer_micro_batch_s=4e-3, selective_layer_micro_batch_s=5e-4)
     base = BUILTIN["h100-sxm-80gb"]
     machine = dataclasses.replace(base, host_overheads={"none": terms})
     cfg = _cfg(["--pipeline-model-parallel-size", "2"], 2)  # 2 layers per stage, 8 micro-batches
@@ -95,6 +102,9 @@ def test_predict_adds_each_stages_layers_and_the_ranks_optimizer_tensors():
                  "--recompute-method", "block", "--recompute-num-layers", "1"], 2)  # 1 of 2 per stage
     host = predict(full, machine, plan(full)).breakdown["host_micro_batches"]
     assert host == pytest.approx(8 * (2e-3 + 2 * 3e-3 + 4e-3))
+    selective = _cfg(["--pipeline-model-parallel-size", "2", "--recompute-granularity", "selective"], 2)
+    host = predict(selective, machine, plan(selective)).breakdown["host_micro_batches"]
+    assert host == pytest.approx(8 * (2e-3 + 2 * (3e-3 + 5e-4)))  # every layer's attention again
     fsdp = _cfg(["--use-torch-fsdp2"], 2)  # no fsdp2 entry: DDP's terms
     host = predict(fsdp, machine, plan(fsdp)).breakdown["host_micro_batches"]
     assert host == pytest.approx(4 * (2e-3 + 4 * 3e-3))
