@@ -71,12 +71,20 @@ def _link(machine, where: Placement) -> tuple[float, float]:
     return machine.inter_latency_s, min(machine.intra_busbw, where.per_node * machine.nic_bandwidth)
 
 
+STEP_SUFFIX = ":step"  # a measured profile's entry for the data-parallel reduction issued once a step
+
+
+def measured_key(n: int, world: int, suffix: str = "") -> str:
+    """A measured profile's collectives key for a group of n in a job of `world` ranks."""
+    return f"{n}@{world}{suffix}"
+
+
 def _measured(machine, op: str, n: int, world: int, suffix: str = ""):
     """A measured profile's [alpha, busbw] for a group of n: as a step of a job of `world` ranks
     sees it ("n@world", and "n@world:step" for a once-a-step reduction: step_calibration.py), else
     the loop's of n ranks (the nearest size)."""
     table = machine.collectives.get(op) or {}
-    for key in (f"{n}@{world}{suffix}", f"{n}@{world}"):
+    for key in (measured_key(n, world, suffix), measured_key(n, world)):
         if key in table:
             return table[key]
     sizes = [k for k in table if k.isdigit()]
@@ -108,7 +116,7 @@ def _ring_seconds(machine, op: str, nbytes: float, where: Placement, busbw: floa
 
 
 def collective_seconds(machine, op: str, nbytes: float, where: Placement, suffix: str = "") -> float:
-    """One collective of nbytes (the full, unsharded size) over the group; suffix ":step": the
+    """One collective of nbytes (the full, unsharded size) over the group; suffix STEP_SUFFIX: the
     data-parallel reduction issued once a step (a measured profile may price it apart)."""
     n = where.size
     if n <= 1 or nbytes <= 0:

@@ -36,7 +36,6 @@ import tempfile
 import time
 
 from megafab.plan.machines import Machine
-from megafab.plan.step_calibration import fit_step_collectives, measure_calibration_steps
 
 GEMM_SHAPES = [(64, 64, 64), (128, 128, 128), (256, 256, 256), (256, 512, 256), (512, 512, 512),
                (1024, 512, 512), (1024, 1024, 1024), (2048, 1024, 1024)]
@@ -274,22 +273,36 @@ def _host_runs():
                    for model in HOST_MODELS[:2]]
 
 
-def host_flags(layers: int, micro_batches: int, sharding: str = "none", recompute: str = "none") -> list[str]:
-    """Megatron flags of a GPT so small its step is nearly all host work (micro-batch 1)."""
+HOST_SEQ, HOST_VOCAB = 16, 128
+
+
+def host_flags(layers: int, micro_batches: int, sharding: str = "none", recompute: str = "none",
+               heads: int = 2) -> list[str]:
+    """Megatron flags of a GPT so small its step is nearly all host work (micro-batch 1; seq
+    HOST_SEQ, vocab HOST_VOCAB)."""
     return HOST_SHARDINGS[sharding] + HOST_RECOMPUTE[recompute] + [
-        "--num-layers", str(layers), "--hidden-size", "32", "--num-attention-heads", "2",
+        "--num-layers", str(layers), "--hidden-size", "32", "--num-attention-heads", str(heads),
         "--seq-length", "16",
         "--max-position-embeddings", "16", "--vocab-size", "128", "--make-vocab-size-divisible-by", "1",
         "--hidden-dropout", "0", "--attention-dropout", "0", "--micro-batch-size", "1",
         "--global-batch-size", str(micro_batches), "--train-iters", "1000", "--lr", "1e-4", "--mock-data"]
 
 
+def host_batches():
+    """host_flags' micro-batch (one fixed random sequence), repeated for ever."""
+    import itertools
+
+    import torch
+
+    tokens = torch.randint(0, HOST_VOCAB, (1, HOST_SEQ + 1), generator=torch.Generator().manual_seed(0))
+    return itertools.repeat({"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+                             "loss_mask": torch.ones(1, HOST_SEQ)})
+
+
 def _host_rank(results, steps: int) -> None:
     """In a forked process: a world-1 gloo group, every run's model built, then their train_steps
     timed in rounds (one step of each per round)."""
     os.environ.update(OMP_NUM_THREADS="1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    import itertools
-
     import torch
     import torch.distributed as dist
 
@@ -303,9 +316,7 @@ def _host_rank(results, steps: int) -> None:
     with tempfile.TemporaryDirectory(prefix="megafab-profile-") as tmp:
         dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0,
                                 world_size=1)
-        tokens = torch.randint(0, 128, (1, 17), generator=torch.Generator().manual_seed(0))
-        data = itertools.repeat({"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
-                                 "loss_mask": torch.ones(1, 16)})
+        data = host_batches()
         runs, topo = [], None
         for run in _host_runs():
             cfg = config_from_args(host_flags(*run[2:], *run[:2]), world_size=1)
@@ -398,6 +409,8 @@ def fit_host_overheads(rows: list[dict]) -> dict[str, dict[str, float]]:
 
 def measure(name: str = "this-machine", budget_s: float = 90.0) -> Machine:
     import torch
+
+    from megafab.plan.step_calibration import fit_step_collectives, measure_calibration_steps
 
     device = _device()
     cores = os.cpu_count() or 1

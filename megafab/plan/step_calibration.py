@@ -18,15 +18,12 @@ from __future__ import annotations
 import statistics
 import time
 
-CALIBRATION_FLAGS = [
-    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-    "--max-position-embeddings", "16", "--vocab-size", "128", "--make-vocab-size-divisible-by", "1",
-    "--hidden-dropout", "0", "--attention-dropout", "0", "--micro-batch-size", "1",
-    "--global-batch-size", "4", "--train-iters", "1000", "--lr", "1e-4", "--mock-data"]
-STEP_SUFFIX = ":step"
+from megafab.plan.collectives import STEP_SUFFIX, measured_key
+from megafab.plan.profile import host_batches, host_flags
+
+CALIBRATION_FLAGS = host_flags(2, 4, heads=4)  # the host-overhead GPT, with heads for TP 4
 _TP = "--tensor-model-parallel-size"
 _PP = "--pipeline-model-parallel-size"
-
 _DIST_OPT = "--use-distributed-optimizer"
 
 # (world, group size, the ops whose alpha the layout fits, which alpha, the layout's flags).
@@ -59,9 +56,6 @@ MAX_ALPHA_S = 0.1
 
 def _median_step(rank: int, world: int, flags: list[str]) -> float:
     """In a forked rank: the layout's model built as pretrain does, then its median train_step."""
-    import itertools
-
-    import torch
     import torch.distributed as dist
 
     from megafab.arguments import config_from_args
@@ -72,10 +66,7 @@ def _median_step(rank: int, world: int, flags: list[str]) -> float:
     cfg = config_from_args(flags, world_size=world)
     topo, tracker = init_distributed(cfg)
     state = setup(cfg, topo, tracker)
-    m = cfg.model
-    tokens = torch.randint(0, m.vocab_size, (1, m.seq_length + 1), generator=torch.Generator().manual_seed(0))
-    data = itertools.repeat({"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
-                             "loss_mask": torch.ones(1, m.seq_length)})
+    data = host_batches()
     for _ in range(WARMUP_STEPS):
         train_step(state, data)
     dist.barrier()
@@ -110,7 +101,7 @@ def _predicted(machine, cfg, stages) -> float:
 def _set_term(machine, row: dict, alpha: float) -> None:
     """The row's ops' "group@world" entry ("group@world:step" for a step_alpha row) with alpha set,
     its bus bandwidth the loop's."""
-    key = f"{row['group']}@{row['world']}" + (STEP_SUFFIX if row["term"] == "step_alpha" else "")
+    key = measured_key(row["group"], row["world"], STEP_SUFFIX if row["term"] == "step_alpha" else "")
     for op in row["ops"]:
         table = machine.collectives.setdefault(op, {})
         loop = table.get(str(row["group"]))
@@ -125,9 +116,10 @@ def fit_step_collectives(rows: list[dict], machine) -> None:
     from megafab.arguments import config_from_args
     from megafab.training.planner import plan
 
-    built = [(row, config_from_args(CALIBRATION_FLAGS + row["flags"], world_size=row["world"]))
-             for row in rows]
-    built = [(row, cfg, plan(cfg, "cpu")) for row, cfg in built]
+    built = []
+    for row in rows:
+        cfg = config_from_args(CALIBRATION_FLAGS + row["flags"], world_size=row["world"])
+        built.append((row, cfg, plan(cfg, "cpu")))
     for _ in range(FIT_SWEEPS):
         for row, cfg, stages in built:
             _fit_row(machine, row, cfg, stages)

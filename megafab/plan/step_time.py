@@ -47,8 +47,7 @@ per layer and one more per fully (or selectively) recomputed layer, in the stage
 schedule; per step iteration_overhead_s plus the step's fixed cost plus one per parameter tensor
 the rank's optimizer steps (param_tensors: DDP every tensor of its chunks, the distributed
 optimizer those its 1/DP shard of megafab's own bucket layout touches, FSDP2 every tensor's dim-0
-shard). Ranks sharing a
-CPU's cores run their host work in turn too.
+shard). Ranks sharing a CPU's cores run their host work in turn too.
 
 Throughput is reported as Megatron does: model FLOPs (megafab.training.flops, no recompute) per
 second per GPU, and MFU = that / the machine's peak for the model dtype.
@@ -63,7 +62,7 @@ from dataclasses import dataclass, field
 from megafab.config.moe import moe_settings
 from megafab.pipeline_split import PipelineSplit
 from megafab.plan import fsdp
-from megafab.plan.collectives import collective_seconds, group_placement, p2p_seconds
+from megafab.plan.collectives import STEP_SUFFIX, collective_seconds, group_placement, p2p_seconds
 from megafab.plan.moe import (
     expected_rows,
     expert_data_parallel_size,
@@ -73,7 +72,6 @@ from megafab.plan.moe import (
 )
 from megafab.plan.optimizer_tensors import param_tensors, sharding_name
 from megafab.plan.schedule import pipeline_time
-from megafab.plan.step_calibration import STEP_SUFFIX
 from megafab.training.flops import flops_per_iteration
 from megafab.training.planner import chunk_params, fsdp_layer_units
 from megafab.training.state_memory import BYTES
