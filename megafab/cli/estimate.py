@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from megafab.arguments import config_or_exit
@@ -100,6 +101,13 @@ def _run_search(own, megatron_argv, target) -> int:
     return 0 if result.ranked else 2
 
 
+def _check_writable(path: str) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise MachineError(f"--profile {path}: cannot write a file there (its folder {folder} must "
+                           "exist and be writable); give another path")
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
@@ -109,6 +117,8 @@ def main(argv=None) -> int:
     if own.profile:
         from megafab.plan.profile import measure
 
+        with exit_on_user_error():
+            _check_writable(own.profile)  # before the minute of measuring
         measure(f"profile {own.profile}", budget_s=own.profile_seconds).save(own.profile)
         print(f"megafab-estimate: wrote the profile of this machine to {own.profile}; "
               f"use --machine {own.profile}")

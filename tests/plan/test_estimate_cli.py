@@ -54,6 +54,15 @@ def test_search_without_a_machine_is_one_user_error(capsys):
     assert "--gpu" in capsys.readouterr().err
 
 
+def test_profile_to_an_unwritable_path_is_one_user_error_before_measuring(tmp_path, capsys):
+    for path in (tmp_path / "missing" / "here.json", tmp_path):  # no such folder; a folder
+        with pytest.raises(SystemExit) as exc:
+            main(["--profile", str(path)])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert "--profile" in err and "Traceback" not in err
+
+
 def test_dry_run_prediction_replaces_the_fixed_mfu_guess():
     from megafab.arguments import config_from_args
 
