@@ -62,8 +62,10 @@ def test_frozen_rank_in_tp2_dp2_is_named_within_the_timeout(corpus, tmp_path):
     default for new groups; one of them names rank 2."""
     layout = ["--tensor-model-parallel-size", "2", "--distributed-timeout-minutes", "0.1"]
     result, after = _signal_a_rank(corpus, tmp_path, 4, 2, signal.SIGSTOP, layout)
-    line = assert_one_message(result, r"failed at iteration \d+: timed out after 6 s", code=3,
-                              ranks=[0, 1, 3])
+    # the first survivor to time out exits; one that entered its collective later (a loaded machine)
+    # then sees that peer close its connection before its own 6 s are up: either way rank 2 is named
+    line = assert_one_message(result, r"failed at iteration \d+: (timed out after 6 s|a peer closed its "
+                              r"connection)", code=3, ranks=[0, 1, 3])
     assert "rank(s) [2] did not answer" in line
     assert result.codes[2] is None  # still stopped: the test killed it
     assert max(after[r] for r in (0, 1, 3)) < 6 + 10, after
