@@ -10,7 +10,6 @@ import sys
 import tempfile
 
 import torch
-import torch._dynamo  # noqa: F401 - here, not in every rank forked later (a first optimizer imports it: ~1.5 s)
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 

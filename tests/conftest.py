@@ -1,10 +1,6 @@
-"""Fixtures every test directory may use; shared helper code lives in tests/helpers/.
-
-torch._dynamo is imported here, before any test forks ranks: torch.optim imports it when a rank builds
-its first optimizer otherwise, about 1.5 s of CPU in every forked rank of every multi-rank test."""
+"""Fixtures every test directory may use; shared helper code lives in tests/helpers/."""
 
 import pytest
-import torch._dynamo  # noqa: F401 - once per session: each rank forked by tests/harness.py would import it
 
 from tests.helpers.child_hooks import startup_hook_env
 

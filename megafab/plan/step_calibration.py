@@ -51,6 +51,10 @@ CALIBRATION_LAYOUTS = [
 ]
 FIT_SWEEPS = 6
 WARMUP_STEPS, TIMED_STEPS = 2, 7
+# Each row's step is the median of its launches, the rows launched in turn round after round: on a
+# shared VM a burst of other work slows every step for seconds, i.e. one launch (a row measured
+# once then fitted an alpha 5x too large here, and every layout was priced with it).
+ROUNDS = 3
 MAX_ALPHA_S = 0.1
 
 
@@ -79,17 +83,21 @@ def _median_step(rank: int, world: int, flags: list[str]) -> float:
 
 
 def measure_calibration_steps(worlds: list[int], timeout: float = 60.0) -> list[dict]:
-    """Each CALIBRATION_LAYOUTS row of the given worlds with its measured step (the slowest rank's
-    median)."""
+    """Each CALIBRATION_LAYOUTS row of the given worlds with its measured step: the median over
+    ROUNDS launches of the slowest rank's median step."""
+    import megafab.arguments  # noqa: F401 - imported once here, not in every forked rank
+    import megafab.training.pretrain  # noqa: F401
+    import megafab.training.step  # noqa: F401
     from megafab.run.fork_ranks import run_ranks
 
-    rows = []
-    for world, group, ops, term, extra in CALIBRATION_LAYOUTS:
-        if world in worlds:
-            seconds = run_ranks(_median_step, world, CALIBRATION_FLAGS + extra, timeout=timeout)
-            rows.append({"world": world, "group": group, "ops": list(ops), "term": term, "flags": extra,
-                         "step_s": max(seconds)})
-    return rows
+    layouts = [row for row in CALIBRATION_LAYOUTS if row[0] in worlds]
+    launches: list[list[float]] = [[] for _ in layouts]
+    for _ in range(ROUNDS):
+        for (world, _, _, _, extra), steps in zip(layouts, launches):
+            steps.append(max(run_ranks(_median_step, world, CALIBRATION_FLAGS + extra, timeout=timeout)))
+    return [{"world": world, "group": group, "ops": list(ops), "term": term, "flags": extra,
+             "step_s": statistics.median(steps)}
+            for (world, group, ops, term, extra), steps in zip(layouts, launches)]
 
 
 def _predicted(machine, cfg, stages) -> float:

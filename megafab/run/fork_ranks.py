@@ -2,10 +2,11 @@
 
     results = run_ranks(fn, world_size=4, timeout=30)   # fn(rank, world_size) -> picklable
 
-Processes are forked (8 ranks start in well under a second; set up nothing heavy in the parent
-first), rendezvous through a file store, and every collective has `timeout` seconds. A rank that
-raises makes run_ranks raise RankFailure with its rank and traceback; ranks that hang make it raise
-RankTimeout naming the ranks that never finished.
+Processes are forked (8 ranks start in well under a second; start no thread pool in the parent
+first; modules every rank needs are imported here, once), rendezvous through a file store, and
+every collective has `timeout` seconds. A rank that raises makes run_ranks raise RankFailure with
+its rank and traceback; ranks that hang make it raise RankTimeout naming the ranks that never
+finished.
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 60.0, env: dict | Non
     timeout bounds the whole run and each collective. After the first failure the others get
     `grace` seconds to report (they are often stuck waiting for the failed rank), then are killed.
     """
+    import torch._dynamo  # noqa: F401 - a rank's first optimizer imports it otherwise: ~1.5 s of CPU per rank
+
     ctx = mp.get_context("fork")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="megafab-ranks-") as tmp:
