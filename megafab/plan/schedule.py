@@ -8,9 +8,10 @@ Megatron's schedules), stage i spending T_i = forward + backward on one micro-ba
                   = (p - 1) T / v for equal stages: the bubble, (p-1)/m of the ideal with 1F1B and
                   (p-1)/(v m) interleaved (Narayanan et al. 2021, sec. 2.2)
 
-Point-to-point transfers between stages: 1F1B waits for each one (a forward and a backward transfer
-per micro-batch and stage boundary, plus the fill); the interleaved schedule overlaps them with the
-next chunk's compute (Megatron's overlapped p2p) except while the pipeline fills and drains.
+Point-to-point transfers between stages: megafab's schedules wait for each one (no overlapped p2p):
+a forward and a backward transfer per micro-batch and model chunk, plus the fill, so the
+interleaved schedule's smaller bubble costs v times the transfers (megafab.distributed.
+pipeline_interleaved).
 """
 
 from __future__ import annotations
@@ -38,5 +39,5 @@ def pipeline_time(stage_seconds: list[float], micro_batches: int, vpp: int,
     bubble = (sum(stage_seconds) - slowest) / vpp
     if pp == 1:
         return PipelineTime(compute, 0.0, 0.0)
-    transfers = 2 * (pp - 1) if vpp > 1 else 2 * (micro_batches + pp - 1)
+    transfers = 2 * (vpp * micro_batches + pp - 1)
     return PipelineTime(compute, bubble, transfers * p2p_seconds)

@@ -42,12 +42,13 @@ Engine's TP overlap (megafab runs FSDP2 without TE); the optimizer step, memory-
 state / HBM bandwidth) and, offloaded, PCIe copies plus the CPU's Adam.
 
 Host overhead (the machine's host_overheads; a measured CPU profile fits them from megafab's own
-train_step, built-in GPU profiles have none): each stage per micro-batch its fixed cost plus one
-per layer and one more per fully (or selectively) recomputed layer, in the stage's time in the
-schedule; per step iteration_overhead_s plus the step's fixed cost plus one per parameter tensor
-the rank's optimizer steps (param_tensors: DDP every tensor of its chunks, the distributed
-optimizer those its 1/DP shard of megafab's own bucket layout touches, FSDP2 every tensor's dim-0
-shard). Ranks sharing a CPU's cores run their host work in turn too.
+train_step, built-in GPU profiles have none): each stage per micro-batch its fixed cost in each
+model chunk (VPP calls every chunk's forward and backward) plus one per layer and one more per
+fully (or selectively) recomputed layer, in the stage's time in the schedule; per step
+iteration_overhead_s plus the step's fixed cost plus one per parameter tensor the rank's optimizer
+steps (param_tensors: DDP every tensor of its chunks, the distributed optimizer those its 1/DP
+shard of megafab's own bucket layout touches, FSDP2 every tensor's dim-0 shard). Ranks sharing a CPU's
+cores run their host work in turn too.
 
 Throughput is reported as Megatron does: model FLOPs (megafab.training.flops, no recompute) per
 second per GPU, and MFU = that / the machine's peak for the model dtype.
@@ -397,7 +398,8 @@ def host_seconds(cfg, machine) -> tuple[list[float], float]:
     for chunks in layers:
         flat = list(itertools.chain.from_iterable(chunks))
         recomputed = sum(1 for _, again in flat if again)
-        per_mb.append(terms["micro_batch_s"] + (terms["layer_micro_batch_s"] + selective) * len(flat)
+        per_mb.append(terms["micro_batch_s"] * len(chunks)
+                      + (terms["layer_micro_batch_s"] + selective) * len(flat)
                       + terms["recomputed_layer_micro_batch_s"] * recomputed)
     tensors = max(param_tensors(cfg, r) for r in range(len(layers))) if terms["param_tensor_s"] else 0
     return per_mb, machine.iteration_overhead_s + terms["step_s"] + terms["param_tensor_s"] * tensors

@@ -105,6 +105,9 @@ def test_predict_adds_each_stages_layers_and_the_ranks_optimizer_tensors():
     selective = _cfg(["--pipeline-model-parallel-size", "2", "--recompute-granularity", "selective"], 2)
     host = predict(selective, machine, plan(selective)).breakdown["host_micro_batches"]
     assert host == pytest.approx(8 * (2e-3 + 2 * (3e-3 + 5e-4)))  # every layer's attention again
+    vpp = _cfg(["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"], 2)
+    host = predict(vpp, machine, plan(vpp)).breakdown["host_micro_batches"]
+    assert host == pytest.approx(8 * (2 * 2e-3 + 2 * 3e-3))  # a micro-batch's fixed cost in each chunk
     fsdp = _cfg(["--use-torch-fsdp2"], 2)  # no fsdp2 entry: DDP's terms
     host = predict(fsdp, machine, plan(fsdp)).breakdown["host_micro_batches"]
     assert host == pytest.approx(4 * (2e-3 + 4 * 3e-3))
