@@ -79,14 +79,22 @@ class Machine:
     # kernel_overhead_s, and iteration_overhead_s is the step's host sync.
     host_overheads: dict = field(default_factory=dict)
     compute_slots: int = 0  # devices of a node that compute at once (CPU: its cores); 0: every device
+    # how much slower one rank's step runs when every slot computes than when it computes alone
+    # (a CPU's shared caches, memory bandwidth and clocks; measured by profile.py, 1 on GPUs)
+    busy_slowdown: float = 1.0
     # Measured profiles: [m, n, k, dtype, seconds] rows and fitted collectives (see profile.py).
     gemm_points: list = field(default_factory=list)
     collectives: dict = field(default_factory=dict)  # op -> group size -> [alpha_s, busbw bytes/s]
     source: str = "built-in"
 
     def sharing(self, devices_on_node: int) -> float:
-        """How many devices share one compute slot: > 1 when a CPU runs more ranks than it has cores."""
-        return max(1.0, devices_on_node / self.compute_slots) if self.compute_slots else 1.0
+        """How much longer a device's compute takes than alone: the devices sharing one compute slot
+        (> 1 when a CPU runs more ranks than it has cores), times the busy slowdown of the slots
+        in use (none with one, all of it with every slot)."""
+        if not self.compute_slots:
+            return 1.0
+        busy = (min(devices_on_node, self.compute_slots) - 1) / max(self.compute_slots - 1, 1)
+        return max(1.0, devices_on_node / self.compute_slots) * (1.0 + (self.busy_slowdown - 1.0) * busy)
 
     def host_overhead(self, sharding: str) -> dict[str, float]:
         """host_overheads' terms for a sharding ("none", "distributed_optimizer", "fsdp2"), 0 if none."""

@@ -21,6 +21,9 @@ Measured, each as the median of a few timed repeats after a warm-up:
       micro-batch and one per layer per micro-batch (forward-backward), one per parameter tensor
       (optimizer), a fixed cost per step (the rest of train_step) and one per recomputed layer per
       micro-batch. A GPU profile has none: the host runs ahead of the kernels there;
+  busy slowdown (CPU only, measure_busy_slowdown): the host-overhead GPT's step with every core
+      running a copy over its step alone (Machine.sharing scales a rank's compute and host work by
+      it when the job's ranks keep the cores busy);
   in-step collective alphas (CPU only, step_calibration.py): megafab's own train_step at world 2
       and 4 under one layout per collective, each alpha fitted so the model gives the measured
       step ("n@world" and "n@world:step" entries beside the loop's "n").
@@ -355,6 +358,72 @@ def measure_host_steps(steps: int = HOST_STEPS) -> list[dict]:
     return rows
 
 
+BUSY_PHASES, BUSY_PHASE_STEPS = 8, 4
+
+
+def _busy_rank(results, barrier, index: int) -> None:
+    """In a forked process: the host-overhead GPT at world 1, stepped in BUSY_PHASES pairs of
+    phases: process 0 alone (the others wait), then every process at once; its step times in each."""
+    os.environ.update(OMP_NUM_THREADS="1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    import torch
+    import torch.distributed as dist
+
+    from megafab.arguments import config_from_args
+    from megafab.training.build import init_distributed
+    from megafab.training.pretrain import setup
+    from megafab.training.step import train_step
+
+    torch.set_num_threads(1)
+
+    def timed() -> list[float]:
+        out = []
+        for _ in range(BUSY_PHASE_STEPS):
+            begin = time.perf_counter()
+            train_step(state, data)
+            out.append(time.perf_counter() - begin)
+        return out
+
+    with tempfile.TemporaryDirectory(prefix="megafab-profile-") as tmp:
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0,
+                                world_size=1)
+        cfg = config_from_args(host_flags(2, 4), world_size=1)
+        state, data = setup(cfg, *init_distributed(cfg)), host_batches()
+        for _ in range(2):
+            train_step(state, data)
+        alone, together = [], []
+        for _ in range(BUSY_PHASES):
+            barrier.wait()
+            if index == 0:
+                alone += timed()
+            barrier.wait()
+            together += timed()
+        dist.destroy_process_group()
+    results.put((alone, together))
+
+
+def measure_busy_slowdown(cores: int) -> float:
+    """Machine.busy_slowdown: the host-overhead GPT's median step with `cores` copies running at
+    once over its median step alone, the two alternated phase by phase in the same processes (so a
+    burst of other work on a shared machine hits both alike); at least 1. Two independent
+    processes on a 2-core VM ran 1.04-1.25x slower than one (shared caches and clocks), and every
+    world-2 layout there measured ~0.85x its prediction without this term."""
+    import torch._dynamo  # noqa: F401 - imported once here, not in each forked copy
+
+    if cores < 2:
+        return 1.0
+    ctx = mp.get_context("fork")
+    results, barrier = ctx.Queue(), ctx.Barrier(cores)
+    procs = [ctx.Process(target=_busy_rank, args=(results, barrier, i)) for i in range(cores)]
+    for proc in procs:
+        proc.start()
+    steps = [results.get(timeout=120) for _ in procs]
+    for proc in procs:
+        proc.join(timeout=10)
+    alone = [t for a, _ in steps for t in a]
+    together = [t for _, b in steps for t in b]
+    return max(1.0, statistics.median(together) / statistics.median(alone))
+
+
 def with_kernel_times(rows: list[dict], machine: Machine) -> list[dict]:
     """Each row plus what the step-time model gives its kernels on `machine` (no host terms): one
     micro-batch's forward-backward (kernel_micro_batch_s) and the optimizer step (kernel_optimizer_s)."""
@@ -422,6 +491,7 @@ def measure(name: str = "this-machine", budget_s: float = 90.0) -> Machine:
         for op, table in measure_collectives(n).items():
             collectives.setdefault(op, {}).update(table)
     host_rows = measure_host_steps() if device.type == "cpu" else []
+    busy = measure_busy_slowdown(cores) if device.type == "cpu" else 1.0
     step_rows = measure_calibration_steps(sizes) if device.type == "cpu" else []
     deadline = time.monotonic() + budget_s * 0.5
     dtypes = [torch.float32] + ([torch.bfloat16] if device.type == "cuda" else [])
@@ -447,7 +517,7 @@ def measure(name: str = "this-machine", budget_s: float = 90.0) -> Machine:
         inter_latency_s=link[0], gemm_efficiency=1.0, kernel_overhead_s=0.0,
         attention_fwd_efficiency=att_f, attention_bwd_efficiency=att_b, attention_seq_half=0.0,
         hbm_efficiency=1.0, gemm_points=gemms, collectives=collectives, iteration_overhead_s=0.0,
-        host_memory_gib=memory_gib, compute_slots=0 if gpus else cores,
+        host_memory_gib=memory_gib, compute_slots=0 if gpus else cores, busy_slowdown=busy,
         source=f"measured by megafab-estimate --profile on {device.type}")
     if host_rows:
         machine.host_overheads = fit_host_overheads(with_kernel_times(host_rows, machine))

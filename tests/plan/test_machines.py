@@ -1,5 +1,6 @@
 """Machine profiles, the shape-dependent compute times and the collective placement."""
 
+import dataclasses
 import json
 
 import pytest
@@ -26,6 +27,16 @@ def test_unknown_machine_and_bad_files_are_user_errors(tmp_path):
         Machine.load(str(bad))
     with pytest.raises(MegafabError, match="--profile"):
         Machine.load(str(tmp_path / "missing.json"))
+
+
+def test_ranks_sharing_cores_take_turns_and_busy_cores_run_slower():
+    cpu = dataclasses.replace(BUILTIN["h100-sxm-80gb"], compute_slots=2, busy_slowdown=1.2)
+    assert cpu.sharing(1) == 1.0  # alone: nothing shared
+    assert cpu.sharing(2) == pytest.approx(1.2)  # every core busy
+    assert cpu.sharing(4) == pytest.approx(2 * 1.2)  # two ranks per core, every core busy
+    four = dataclasses.replace(cpu, compute_slots=4)
+    assert four.sharing(2) == pytest.approx(1 + 0.2 / 3)  # one of the 3 other cores busy
+    assert BUILTIN["h100-sxm-80gb"].sharing(8) == 1.0  # a GPU per rank
 
 
 def test_small_gemms_run_far_below_peak_and_large_ones_near_the_sustained_rate():
@@ -122,6 +133,7 @@ def test_profile_measures_this_machine_and_the_model_uses_it(tmp_path, monkeypat
     assert "2@2" in here.collectives["send_recv"] and "2@4" not in here.collectives["send_recv"]
     fits = [(alpha, busbw) for table in here.collectives.values() for alpha, busbw in table.values()]
     assert all(alpha >= 0 and busbw > 0 for alpha, busbw in fits)
+    assert here.busy_slowdown >= 1.0 and here.compute_slots >= 1
     # host overheads of megafab's train_step, per sharding (CPU): every layer's modules cost time
     assert set(here.host_overheads) == {"none", "distributed_optimizer", "fsdp2"}
     assert all(v >= 0 for terms in here.host_overheads.values() for v in terms.values())
