@@ -31,9 +31,10 @@ Per layer and micro-batch, on one rank:
 First stage: the embedding (memory-bound); last stage: final norm, output layer [M, h] x [h, V/t]
 and the fp32 cross entropy over [M, V/t].
 
-Per step: the pipeline schedule (schedule.py) over m micro-batches; data-parallel reductions over
-the dp-cp group, and an MoE model's routed-expert parameters over expert-DP (all-reduce, or
-reduce-scatter + parameter all-gather with the distributed optimizer), hidden by
+Per step: the pipeline schedule (schedule.py) over m micro-batches; the step's small collectives
+after the backward (step_syncs.py: gradient norm, loss, SP and tied-embedding sums);
+data-parallel reductions over the dp-cp group, and an MoE model's routed-expert parameters over
+expert-DP (all-reduce, or reduce-scatter + parameter all-gather with the distributed optimizer), hidden by
 --overlap-grad-reduce behind the last micro-batch's backward and by --overlap-param-gather behind
 the first one's forward, except one bucket; FSDP2's per-unit gathers, reduce-scatters and copies
 against each layer's own compute (megafab.plan.fsdp: what every micro-batch exposes goes into its
@@ -73,6 +74,7 @@ from megafab.plan.moe import (
 )
 from megafab.plan.optimizer_tensors import param_tensors, sharding_name
 from megafab.plan.schedule import pipeline_time
+from megafab.plan.step_syncs import step_sync_seconds
 from megafab.training.flops import flops_per_iteration
 from megafab.training.planner import chunk_params, fsdp_layer_units
 from megafab.training.state_memory import BYTES
@@ -535,14 +537,16 @@ def predict(cfg, machine, stages, tp_comm_overlap: bool = False, memo: dict | No
         dp = sum(s.reducing for s in sharded) + max(
             0.0, max(s.tail - i * b.total for i, (s, (_, b)) in enumerate(zip(sharded, passes))))
     opt = optimizer_seconds(cfg, machine, stages) * shared
-    step = pipe.total + dp + opt + shared * host_step
+    syncs = step_sync_seconds(cfg, machine)
+    step = pipe.total + dp + syncs + opt + shared * host_step
     slowest = max(range(len(passes)), key=lambda i: seconds[i])
     f, b = passes[slowest]
     parts = (f + b).scaled(m_count)
     breakdown = {"gemm": parts.gemm, "attention": parts.attention, "memory_bound": parts.memory,
                  "tp_comm": parts.tp, "cp_comm": parts.cp, "ep_comm": parts.ep, "pp_bubble": pipe.bubble,
                  "pp_p2p": pipe.p2p,
-                 "dp_comm": dp, "fsdp_gather": m_count * per_mb[slowest], "optimizer": opt,
+                 "dp_comm": dp, "step_syncs": syncs, "fsdp_gather": m_count * per_mb[slowest],
+                 "optimizer": opt,
                  "host_micro_batches": m_count * host_mb[slowest], "overhead": shared * host_step}
     flops = flops_per_iteration(cfg, t.global_batch_size)
     tflops = flops / p.world_size / step / 1e12
