@@ -31,6 +31,7 @@ Measured, each as the median of a few timed repeats after a warm-up:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import multiprocessing as mp
 import os
@@ -302,23 +303,31 @@ def host_batches():
                              "loss_mask": torch.ones(1, HOST_SEQ)})
 
 
-def _host_rank(results, steps: int) -> None:
-    """In a forked process: a world-1 gloo group, every run's model built, then their train_steps
-    timed in rounds (one step of each per round)."""
+@contextlib.contextmanager
+def _world_one_group():
+    """In a forked process: one thread, a gloo group of this process alone (its own file store)."""
     os.environ.update(OMP_NUM_THREADS="1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     import torch
     import torch.distributed as dist
 
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="megafab-profile-") as tmp:
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0,
+                                world_size=1)
+        yield
+        dist.destroy_process_group()
+
+
+def _host_rank(results, steps: int) -> None:
+    """In a forked process: a world-1 gloo group, every run's model built, then their train_steps
+    timed in rounds (one step of each per round)."""
     from megafab.arguments import config_from_args
     from megafab.timers import Timers
     from megafab.training.build import init_distributed
     from megafab.training.pretrain import setup
     from megafab.training.step import train_step
 
-    torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory(prefix="megafab-profile-") as tmp:
-        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0,
-                                world_size=1)
+    with _world_one_group():
         data = host_batches()
         runs, topo = [], None
         for run in _host_runs():
@@ -341,7 +350,6 @@ def _host_rank(results, steps: int) -> None:
                  **{key: statistics.median(s[i] for s in samples)
                     for i, key in enumerate(("step_s", "forward_backward_s", "optimizer_s"))}}
                 for (sharding, recompute, layers, micro_batches), state, _, samples in runs]
-        dist.destroy_process_group()
     results.put(rows)
 
 
@@ -364,16 +372,10 @@ BUSY_PHASES, BUSY_PHASE_STEPS = 8, 4
 def _busy_rank(results, barrier, index: int) -> None:
     """In a forked process: the host-overhead GPT at world 1, stepped in BUSY_PHASES pairs of
     phases: process 0 alone (the others wait), then every process at once; its step times in each."""
-    os.environ.update(OMP_NUM_THREADS="1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    import torch
-    import torch.distributed as dist
-
     from megafab.arguments import config_from_args
     from megafab.training.build import init_distributed
     from megafab.training.pretrain import setup
     from megafab.training.step import train_step
-
-    torch.set_num_threads(1)
 
     def timed() -> list[float]:
         out = []
@@ -383,9 +385,7 @@ def _busy_rank(results, barrier, index: int) -> None:
             out.append(time.perf_counter() - begin)
         return out
 
-    with tempfile.TemporaryDirectory(prefix="megafab-profile-") as tmp:
-        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0,
-                                world_size=1)
+    with _world_one_group():
         cfg = config_from_args(host_flags(2, 4), world_size=1)
         state, data = setup(cfg, *init_distributed(cfg)), host_batches()
         for _ in range(2):
@@ -397,7 +397,6 @@ def _busy_rank(results, barrier, index: int) -> None:
                 alone += timed()
             barrier.wait()
             together += timed()
-        dist.destroy_process_group()
     results.put((alone, together))
 
 
@@ -407,10 +406,11 @@ def measure_busy_slowdown(cores: int) -> float:
     burst of other work on a shared machine hits both alike); at least 1. Two independent
     processes on a 2-core VM ran 1.04-1.25x slower than one (shared caches and clocks), and every
     world-2 layout there measured ~0.85x its prediction without this term."""
-    import torch._dynamo  # noqa: F401 - imported once here, not in each forked copy
+    from megafab.run.fork_ranks import import_rank_modules
 
     if cores < 2:
         return 1.0
+    import_rank_modules()
     ctx = mp.get_context("fork")
     results, barrier = ctx.Queue(), ctx.Barrier(cores)
     procs = [ctx.Process(target=_busy_rank, args=(results, barrier, i)) for i in range(cores)]

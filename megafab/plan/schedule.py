@@ -10,8 +10,8 @@ Megatron's schedules), stage i spending T_i = forward + backward on one micro-ba
 
 Point-to-point transfers between stages: megafab's schedules wait for each one (no overlapped p2p):
 a forward and a backward transfer per micro-batch and model chunk, plus the fill, so the
-interleaved schedule's smaller bubble costs v times the transfers (megafab.distributed.
-pipeline_interleaved).
+interleaved schedule's smaller bubble costs v times the transfers
+(megafab.distributed.pipeline_interleaved).
 """
 
 from __future__ import annotations

@@ -69,6 +69,12 @@ def _child(fn, rank, world_size, store_path, timeout, env, args, kwargs, results
         os._exit(0)
 
 
+def import_rank_modules() -> None:
+    """Before forking: what every rank would import on its own (a first optimizer imports
+    torch._dynamo, ~1.5 s of CPU per rank), imported once in the parent."""
+    import torch._dynamo  # noqa: F401
+
+
 def run_ranks(fn, world_size: int, *args, timeout: float = 60.0, env: dict | None = None,
               grace: float = 2.0, **kwargs) -> list:
     """Run fn(rank, world_size, *args, **kwargs) on world_size processes; return their results.
@@ -76,8 +82,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 60.0, env: dict | Non
     timeout bounds the whole run and each collective. After the first failure the others get
     `grace` seconds to report (they are often stuck waiting for the failed rank), then are killed.
     """
-    import torch._dynamo  # noqa: F401 - a rank's first optimizer imports it otherwise: ~1.5 s of CPU per rank
-
+    import_rank_modules()
     ctx = mp.get_context("fork")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="megafab-ranks-") as tmp:

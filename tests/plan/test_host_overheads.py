@@ -5,13 +5,13 @@ import dataclasses
 
 import pytest
 
-from megafab.arguments import config_from_args
 from megafab.plan.machines import BUILTIN, HOST_TERMS
 from megafab.plan.optimizer_tensors import param_tensors
 from megafab.plan.profile import HOST_MODELS, _fit, _line, fit_host_overheads
 from megafab.plan.step_time import predict
 from megafab.training.planner import plan
 from tests.harness import run_ranks
+from tests.helpers.flags import planned_gpt
 
 TRUE = {"none": dict(step_s=6e-4, micro_batch_s=4e-4, layer_micro_batch_s=3e-4, param_tensor_s=1.5e-5),
         "fsdp2": dict(step_s=9e-4, micro_batch_s=7e-4, layer_micro_batch_s=1.8e-3, param_tensor_s=3e-5)}
@@ -76,20 +76,12 @@ def test_collective_fit_weights_small_messages_for_alpha():
     assert unweighted < 0  # what a plain least-squares intercept makes of it
 
 
-def _cfg(extra, world):
-    return config_from_args(
-        ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-         "--max-position-embeddings", "32", "--vocab-size", "256", "--micro-batch-size", "1",
-         "--global-batch-size", "8", "--make-vocab-size-divisible-by", "1", "--dry-run"] + extra,
-        world_size=world)
-
-
 def test_predict_adds_each_stages_layers_and_the_ranks_optimizer_tensors():
     terms = dict(step_s=1e-3, micro_batch_s=2e-3, layer_micro_batch_s=3e-3, param_tensor_s=1e-5,
                  recomputed_layer_micro_batch_s=4e-3, selective_layer_micro_batch_s=5e-4)
     base = BUILTIN["h100-sxm-80gb"]
     machine = dataclasses.replace(base, host_overheads={"none": terms})
-    cfg = _cfg(["--pipeline-model-parallel-size", "2"], 2)  # 2 layers per stage, 8 micro-batches
+    cfg = planned_gpt(["--pipeline-model-parallel-size", "2"], 2)  # 2 layers per stage, 8 micro-batches
     with_host, without = predict(cfg, machine, plan(cfg)), predict(cfg, base, plan(cfg))
     assert with_host.breakdown["host_micro_batches"] == pytest.approx(8 * (2e-3 + 2 * 3e-3))
     assert param_tensors(cfg, 0) == 2 + 2 * 12  # word + position embeddings, 2 layers of 12
@@ -98,17 +90,19 @@ def test_predict_adds_each_stages_layers_and_the_ranks_optimizer_tensors():
     # the micro-batches' host time runs in the schedule: 8 micro-batches + 1 bubble slot per stage
     assert with_host.step_time_s - without.step_time_s == pytest.approx(
         (8 + 1) * (2e-3 + 2 * 3e-3) + 1e-3 + 1e-5 * 27, rel=1e-6)
-    full = _cfg(["--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
+    full = planned_gpt(["--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
                  "--recompute-method", "block", "--recompute-num-layers", "1"], 2)  # 1 of 2 per stage
     host = predict(full, machine, plan(full)).breakdown["host_micro_batches"]
     assert host == pytest.approx(8 * (2e-3 + 2 * 3e-3 + 4e-3))
-    selective = _cfg(["--pipeline-model-parallel-size", "2", "--recompute-granularity", "selective"], 2)
+    selective = planned_gpt(["--pipeline-model-parallel-size", "2", "--recompute-granularity",
+                             "selective"], 2)
     host = predict(selective, machine, plan(selective)).breakdown["host_micro_batches"]
     assert host == pytest.approx(8 * (2e-3 + 2 * (3e-3 + 5e-4)))  # every layer's attention again
-    vpp = _cfg(["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"], 2)
+    vpp = planned_gpt(["--pipeline-model-parallel-size", "2",
+                       "--num-layers-per-virtual-pipeline-stage", "1"], 2)
     host = predict(vpp, machine, plan(vpp)).breakdown["host_micro_batches"]
     assert host == pytest.approx(8 * (2 * 2e-3 + 2 * 3e-3))  # a micro-batch's fixed cost in each chunk
-    fsdp = _cfg(["--use-torch-fsdp2"], 2)  # no fsdp2 entry: DDP's terms
+    fsdp = planned_gpt(["--use-torch-fsdp2"], 2)  # no fsdp2 entry: DDP's terms
     host = predict(fsdp, machine, plan(fsdp)).breakdown["host_micro_batches"]
     assert host == pytest.approx(4 * (2e-3 + 4 * 3e-3))
 
@@ -119,7 +113,7 @@ def _built_tensors(rank, world, extra):
     from benchmarks.bench_util import build_state
 
     torch.set_num_threads(1)
-    cfg = _cfg(extra, world)
+    cfg = planned_gpt(extra, world)
     state = build_state(["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
                          "--seq-length", "32", "--max-position-embeddings", "32", "--vocab-size", "256",
                          "--micro-batch-size", "1", "--global-batch-size", "8",

@@ -9,7 +9,7 @@ from megafab.plan.machines import BUILTIN
 from megafab.plan.step_syncs import step_sync_seconds
 from megafab.plan.step_time import predict
 from megafab.training.planner import plan
-from tests.plan.test_host_overheads import _cfg
+from tests.helpers.flags import planned_gpt
 
 ALPHA = 1e-3
 CPU = dataclasses.replace(BUILTIN["h100-sxm-80gb"], compute_slots=2,
@@ -27,11 +27,11 @@ CPU = dataclasses.replace(BUILTIN["h100-sxm-80gb"], compute_slots=2,
     (["--pipeline-model-parallel-size", "2", "--fp16"], 2, 3),  # + fp16's non-finite check
 ], ids=["world1", "dp2", "distopt", "tp2", "tp2-sp", "pp2", "pp2-untied", "pp2-fp16"])
 def test_each_layout_reduces_over_its_groups(extra, world, calls):
-    cfg = _cfg(extra, world)
+    cfg = planned_gpt(extra, world)
     assert step_sync_seconds(cfg, CPU) == pytest.approx(calls * 2 * ALPHA, rel=1e-6)
 
 
 def test_the_syncs_are_in_the_predicted_step():
-    cfg = _cfg(["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2)
+    cfg = planned_gpt(["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2)
     with_syncs = predict(cfg, CPU, plan(cfg))
     assert with_syncs.breakdown["step_syncs"] == pytest.approx(4 * ALPHA, rel=1e-6)
