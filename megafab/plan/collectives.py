@@ -72,6 +72,7 @@ def _link(machine, where: Placement) -> tuple[float, float]:
 
 
 STEP_SUFFIX = ":step"  # a measured profile's entry for the data-parallel reduction issued once a step
+FSDP_SUFFIX = ":fsdp"  # and for FSDP2's per-group gathers and reduce-scatters
 
 
 def measured_key(n: int, world: int, suffix: str = "") -> str:
@@ -81,8 +82,8 @@ def measured_key(n: int, world: int, suffix: str = "") -> str:
 
 def _measured(machine, op: str, n: int, world: int, suffix: str = ""):
     """A measured profile's [alpha, busbw] for a group of n: as a step of a job of `world` ranks
-    sees it ("n@world", and "n@world:step" for a once-a-step reduction: step_calibration.py), else
-    the loop's of n ranks (the nearest size)."""
+    sees it ("n@world", and "n@world:step" for a once-a-step reduction, "n@world:fsdp" for FSDP2's:
+    step_calibration.py), else the loop's of n ranks (the nearest size)."""
     table = machine.collectives.get(op) or {}
     for key in (measured_key(n, world, suffix), measured_key(n, world)):
         if key in table:
@@ -117,7 +118,8 @@ def _ring_seconds(machine, op: str, nbytes: float, where: Placement, busbw: floa
 
 def collective_seconds(machine, op: str, nbytes: float, where: Placement, suffix: str = "") -> float:
     """One collective of nbytes (the full, unsharded size) over the group; suffix STEP_SUFFIX: the
-    data-parallel reduction issued once a step (a measured profile may price it apart)."""
+    data-parallel reduction issued once a step, FSDP_SUFFIX: one of FSDP2's (a measured profile may
+    price those apart)."""
     n = where.size
     if n <= 1 or nbytes <= 0:
         return 0.0

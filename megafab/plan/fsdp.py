@@ -21,7 +21,10 @@ reduces in fp32; the model dtype with --grad-reduce-in-bf16):
                   accumulate_unsharded_grad_if_needed)
 Each collective is its own NCCL call over the unit's group, so each pays the ring's latency
 (megafab.plan.collectives): at DP 384 that is milliseconds per group, and a layer has 3 groups
-(4 with routed experts), even the norms' few kilobytes.
+(4 with routed experts), even the norms' few kilobytes. A measured CPU profile prices FSDP2's calls
+by their own fitted entries (collectives.FSDP_SUFFIX, step_calibration.py): on gloo each call also
+carries torch's host work around it (foreach_all_gather's copy-in and output allocation,
+foreach_reduce's), ~2x the latency of a TP collective of the same group there.
 
 One micro-batch through one chunk of L layers, a layer's groups taken together (their gathers back
 to back on the all-gather stream, as the CPU runs ahead of the device), FSDP2's all-gather and
@@ -45,7 +48,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from megafab.plan.collectives import collective_seconds, group_placement
+from megafab.plan.collectives import FSDP_SUFFIX, collective_seconds, group_placement
 from megafab.training.state_memory import BYTES
 
 
@@ -73,8 +76,10 @@ def unit(cfg, machine, dense: int, expert: int = 0) -> Unit:
     parts = [(dense, group_placement(cfg, machine, "dp", "cp"))]
     if expert:
         parts.append((expert, group_placement(cfg, machine, "edp")))
-    gather = sum(collective_seconds(machine, "all_gather", e * n, where) for n, where in parts)
-    reduce = sum(collective_seconds(machine, "reduce_scatter", r * n, where) for n, where in parts)
+    def seconds(op: str, width: int) -> float:
+        return sum(collective_seconds(machine, op, width * n, where, FSDP_SUFFIX) for n, where in parts)
+
+    gather, reduce = seconds("all_gather", e), seconds("reduce_scatter", r)
     n = dense + expert
     kernels = len([part for part in parts if part[0]])
     return Unit(gather, reduce, copy_out=machine.memory_seconds(2 * e * n, kernels),

@@ -85,6 +85,9 @@ class Machine:
     # Measured profiles: [m, n, k, dtype, seconds] rows and fitted collectives (see profile.py).
     gemm_points: list = field(default_factory=list)
     collectives: dict = field(default_factory=dict)  # op -> group size -> [alpha_s, busbw bytes/s]
+    # a CPU profile's in-step calibration rows with their measured steps (step_calibration.py), kept
+    # so a later run on the machine can tell how far its speed has moved since the profile
+    calibration_steps: list = field(default_factory=list)
     source: str = "built-in"
 
     def sharing(self, devices_on_node: int) -> float:

@@ -26,7 +26,8 @@ Measured, each as the median of a few timed repeats after a warm-up:
       it when the job's ranks keep the cores busy);
   in-step collective alphas (CPU only, step_calibration.py): megafab's own train_step at world 2
       and 4 under one layout per collective, each alpha fitted so the model gives the measured
-      step ("n@world" and "n@world:step" entries beside the loop's "n").
+      step ("n@world", "n@world:step" and "n@world:fsdp" entries beside the loop's "n"); the rows
+      and their steps are kept in the profile (calibration_steps) for a later run to re-launch.
 """
 
 from __future__ import annotations
@@ -522,4 +523,5 @@ def measure(name: str = "this-machine", budget_s: float = 90.0) -> Machine:
     if host_rows:
         machine.host_overheads = fit_host_overheads(with_kernel_times(host_rows, machine))
     fit_step_collectives(step_rows, machine)  # last: it prices the steps with everything above
+    machine.calibration_steps = step_rows
     return machine

@@ -18,37 +18,46 @@ from __future__ import annotations
 import statistics
 import time
 
-from megafab.plan.collectives import STEP_SUFFIX, measured_key
+from megafab.plan.collectives import FSDP_SUFFIX, STEP_SUFFIX, measured_key
 from megafab.plan.profile import host_batches, host_flags
 
 CALIBRATION_FLAGS = host_flags(2, 4, heads=4)  # the host-overhead GPT, with heads for TP 4
 _TP = "--tensor-model-parallel-size"
 _PP = "--pipeline-model-parallel-size"
 _DIST_OPT = "--use-distributed-optimizer"
+_FSDP2 = "--use-torch-fsdp2"
+_GATHERS = ("all_gather", "reduce_scatter")
 
 # (world, group size, the ops whose alpha the layout fits, which alpha, the layout's flags).
-# "alpha": the per-layer collectives' ("n@world"; TP, SP, FSDP2's units, PP's send/recv),
+# "alpha": the per-layer collectives' ("n@world"; TP, SP, PP's send/recv),
 # "step_alpha": the data-parallel reductions' issued once a step after the backward
 # ("n@world:step"): there the ranks arrive as unevenly as their whole backward ran, and the wait,
-# not the bytes, is the cost (a model 4x larger measured the same extra time per step here). Each
+# not the bytes, is the cost (a model 4x larger measured the same extra time per step here);
+# "fsdp_alpha": FSDP2's per-group gathers and reduce-scatters ("n@world:fsdp"): torch's FSDP2 skips
+# its collectives' host work on a group of one (so the world-1 host rows do not see it), and priced
+# as TP's every FSDP2 layout over DP 2 measured 0.6-0.76x its prediction here. Each
 # layout's other collectives are priced by the other rows' current fits (FIT_SWEEPS sweeps: a
 # group of 2 at world 4 never runs alone, TP 2 comes with PP 2 or DP 2). PP's send/recv at world 4
 # keeps the loop's "2": fitted from PP 2 x DP 2 it traded off against DP's step alpha.
 CALIBRATION_LAYOUTS = [
     (2, 2, ("all_reduce",), "alpha", [_TP, "2"]),
-    (2, 2, ("all_gather", "reduce_scatter"), "alpha", [_TP, "2", "--sequence-parallel"]),
+    (2, 2, _GATHERS, "alpha", [_TP, "2", "--sequence-parallel"]),
     (2, 2, ("all_reduce",), "step_alpha", []),
-    (2, 2, ("all_gather", "reduce_scatter"), "step_alpha", [_DIST_OPT]),
+    (2, 2, _GATHERS, "step_alpha", [_DIST_OPT]),
     (2, 2, ("send_recv",), "alpha", [_PP, "2"]),
+    (2, 2, _GATHERS, "fsdp_alpha", [_FSDP2]),
     (4, 4, ("all_reduce",), "alpha", [_TP, "4"]),
-    (4, 4, ("all_gather", "reduce_scatter"), "alpha", [_TP, "4", "--sequence-parallel"]),
+    (4, 4, _GATHERS, "alpha", [_TP, "4", "--sequence-parallel"]),
     (4, 4, ("all_reduce",), "step_alpha", []),
-    (4, 4, ("all_gather", "reduce_scatter"), "step_alpha", [_DIST_OPT]),
+    (4, 4, _GATHERS, "step_alpha", [_DIST_OPT]),
     (4, 2, ("all_reduce",), "alpha", [_TP, "2", _PP, "2"]),
-    (4, 2, ("all_gather", "reduce_scatter"), "alpha", [_TP, "2", _PP, "2", "--sequence-parallel"]),
+    (4, 2, _GATHERS, "alpha", [_TP, "2", _PP, "2", "--sequence-parallel"]),
     (4, 2, ("all_reduce",), "step_alpha", [_TP, "2"]),
-    (4, 2, ("all_gather", "reduce_scatter"), "step_alpha", [_TP, "2", _DIST_OPT]),
+    (4, 2, _GATHERS, "step_alpha", [_TP, "2", _DIST_OPT]),
+    (4, 4, _GATHERS, "fsdp_alpha", [_FSDP2]),
+    (4, 2, _GATHERS, "fsdp_alpha", [_TP, "2", _FSDP2]),
 ]
+TERM_SUFFIX = {"alpha": "", "step_alpha": STEP_SUFFIX, "fsdp_alpha": FSDP_SUFFIX}
 FIT_SWEEPS = 6
 WARMUP_STEPS, TIMED_STEPS = 2, 7
 # Each row's step is the median of its launches, the rows launched in turn round after round: on a
@@ -85,14 +94,17 @@ def _median_step(rank: int, world: int, flags: list[str]) -> float:
 def measure_calibration_steps(worlds: list[int], timeout: float = 60.0) -> list[dict]:
     """Each CALIBRATION_LAYOUTS row of the given worlds with its measured step: the median over
     ROUNDS launches of the slowest rank's median step."""
+    return _measured_rows([row for row in CALIBRATION_LAYOUTS if row[0] in worlds], ROUNDS, timeout)
+
+
+def _measured_rows(layouts: list[tuple], rounds: int, timeout: float) -> list[dict]:
     import megafab.arguments  # noqa: F401 - imported once here, not in every forked rank
     import megafab.training.pretrain  # noqa: F401
     import megafab.training.step  # noqa: F401
     from megafab.run.fork_ranks import run_ranks
 
-    layouts = [row for row in CALIBRATION_LAYOUTS if row[0] in worlds]
     launches: list[list[float]] = [[] for _ in layouts]
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         for (world, _, _, _, extra), steps in zip(layouts, launches):
             steps.append(max(run_ranks(_median_step, world, CALIBRATION_FLAGS + extra, timeout=timeout)))
     return [{"world": world, "group": group, "ops": list(ops), "term": term, "flags": extra,
@@ -107,9 +119,9 @@ def _predicted(machine, cfg, stages) -> float:
 
 
 def _set_term(machine, row: dict, alpha: float) -> None:
-    """The row's ops' "group@world" entry ("group@world:step" for a step_alpha row) with alpha set,
-    its bus bandwidth the loop's."""
-    key = measured_key(row["group"], row["world"], STEP_SUFFIX if row["term"] == "step_alpha" else "")
+    """The row's ops' "group@world" entry (with its term's TERM_SUFFIX) with alpha set, its bus
+    bandwidth the loop's."""
+    key = measured_key(row["group"], row["world"], TERM_SUFFIX[row["term"]])
     for op in row["ops"]:
         table = machine.collectives.setdefault(op, {})
         loop = table.get(str(row["group"]))
@@ -147,3 +159,14 @@ def _fit_row(machine, row: dict, cfg, stages) -> None:
         else:
             hi = mid
     _set_term(machine, row, lo)
+
+
+def speed_drift(machine, world: int, timeout: float = 60.0) -> float | None:
+    """How much slower the profile's calibration layouts of this world step now than when the
+    profile measured them (one launch each; the median ratio); None for a profile without them."""
+    then = [row for row in machine.calibration_steps if row["world"] == world and row["step_s"] > 0]
+    if not then:
+        return None
+    layouts = [(r["world"], r["group"], tuple(r["ops"]), r["term"], r["flags"]) for r in then]
+    now = _measured_rows(layouts, 1, timeout)
+    return statistics.median(n["step_s"] / t["step_s"] for n, t in zip(now, then))

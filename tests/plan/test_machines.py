@@ -131,6 +131,10 @@ def test_profile_measures_this_machine_and_the_model_uses_it(tmp_path, monkeypat
     # in-step alphas from megafab's own steps at world 2 and 4 (step_calibration.py)
     assert {"2@2", "2@2:step", "4@4", "2@4", "2@4:step"} <= set(here.collectives["all_reduce"])
     assert "2@2" in here.collectives["send_recv"] and "2@4" not in here.collectives["send_recv"]
+    assert {"2@2:fsdp", "4@4:fsdp", "2@4:fsdp"} <= set(here.collectives["all_gather"])
+    # the calibration rows are kept with their measured steps (a later run's drift probe)
+    assert len(here.calibration_steps) == len(step_calibration.CALIBRATION_LAYOUTS)
+    assert all(row["step_s"] > 0 for row in here.calibration_steps)
     fits = [(alpha, busbw) for table in here.collectives.values() for alpha, busbw in table.values()]
     assert all(alpha >= 0 and busbw > 0 for alpha, busbw in fits)
     assert here.busy_slowdown >= 1.0 and here.compute_slots >= 1

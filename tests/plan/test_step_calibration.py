@@ -7,9 +7,15 @@ import dataclasses
 import pytest
 
 from megafab.arguments import config_from_args
+from megafab.plan import step_calibration
 from megafab.plan.collectives import collective_seconds, placement
 from megafab.plan.machines import BUILTIN
-from megafab.plan.step_calibration import CALIBRATION_FLAGS, CALIBRATION_LAYOUTS, fit_step_collectives
+from megafab.plan.step_calibration import (
+    CALIBRATION_FLAGS,
+    CALIBRATION_LAYOUTS,
+    TERM_SUFFIX,
+    fit_step_collectives,
+)
 from megafab.plan.step_time import predict
 from megafab.training.planner import plan
 
@@ -22,7 +28,7 @@ def _cpu_like():
 
 
 def _true_alpha(world, group, term, ops):
-    return (1e-3 if term == "alpha" else 5e-3) * group / world + 2e-4 * len(ops)
+    return {"alpha": 1e-3, "step_alpha": 5e-3, "fsdp_alpha": 2e-3}[term] * group / world + 2e-4 * len(ops)
 
 
 def _rows_measured_on(truth):
@@ -37,7 +43,7 @@ def _rows_measured_on(truth):
 def test_fit_recovers_each_layouts_alpha():
     truth = _cpu_like()
     for world, group, ops, term, _ in CALIBRATION_LAYOUTS:
-        key = f"{group}@{world}" + (":step" if term == "step_alpha" else "")
+        key = f"{group}@{world}" + TERM_SUFFIX[term]
         for op in ops:
             truth.collectives[op][key] = [_true_alpha(world, group, term, ops), LOOP[op][str(group)][1]]
     fitted = _cpu_like()
@@ -81,3 +87,39 @@ def test_the_data_parallel_reduction_is_priced_by_the_step_entry():
     machine.collectives["all_reduce"]["2@2:step"] = [4e-4 + 5e-3, 8e8]
     after = predict(cfg, machine, plan(cfg, "cpu")).breakdown["dp_comm"]
     assert after - before == pytest.approx(2 * 5e-3, rel=1e-6)  # 2 (n-1) ring steps of alpha
+
+
+def test_fsdp2_gathers_are_priced_by_their_own_entry():
+    cfg = config_from_args(CALIBRATION_FLAGS + ["--use-torch-fsdp2"], world_size=2)
+    machine = _cpu_like()
+    for op in ("all_gather", "reduce_scatter"):
+        machine.collectives[op]["2@2"] = [4e-4, 8e8]
+    before = predict(cfg, machine, plan(cfg, "cpu"))
+    machine.collectives["all_gather"]["2@2:fsdp"] = [4e-4 + 1e-3, 8e8]
+    after = predict(cfg, machine, plan(cfg, "cpu"))
+    # 2 micro-batches a rank (global batch 4 over DP 2), each gathering the root and the 2 layers'
+    # 3 groups in forward and (resharded after forward, all but the root) again in backward:
+    # 2 x (7 + 6) gathers, 1 ring step each; the reduce-scatters keep the "2@2" entry
+    extra = 2 * 13 * 1e-3
+    assert after.breakdown["fsdp_gather"] - before.breakdown["fsdp_gather"] == pytest.approx(extra, rel=1e-6)
+    assert after.step_time_s - before.step_time_s == pytest.approx(extra, rel=1e-6)
+
+
+def test_speed_drift_is_the_median_ratio_of_the_worlds_rows_now_to_then(monkeypatch):
+    machine = _cpu_like()
+    machine.calibration_steps = [{"world": w, "group": g, "ops": list(ops), "term": term, "flags": flags,
+                                  "step_s": 0.01 * (i + 1)}
+                                 for i, (w, g, ops, term, flags) in enumerate(CALIBRATION_LAYOUTS)]
+    then = [row for row in machine.calibration_steps if row["world"] == 2]
+    slower = [1.0, 1.2, 1.5, 2.0, 3.0, 3.0]  # the median of these: 1.75
+    assert len(then) == len(slower)
+
+    def relaunched(layouts, rounds, timeout):
+        assert rounds == 1 and [list(layout) for layout in layouts] == [
+            [r["world"], r["group"], tuple(r["ops"]), r["term"], r["flags"]] for r in then]
+        return [{**row, "step_s": row["step_s"] * k} for row, k in zip(then, slower)]
+
+    monkeypatch.setattr(step_calibration, "_measured_rows", relaunched)
+    assert step_calibration.speed_drift(machine, 2) == pytest.approx(1.75)
+    machine.calibration_steps = []
+    assert step_calibration.speed_drift(machine, 2) is None
