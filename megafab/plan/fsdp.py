@@ -49,7 +49,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from megafab.plan.collectives import FSDP_SUFFIX, collective_seconds, group_placement
-from megafab.training.state_memory import BYTES
+from megafab.training.state_memory import BYTES, grad_bytes
 
 
 @dataclass(frozen=True)
@@ -62,17 +62,10 @@ class Unit:
     accumulate: float = 0.0
 
 
-def reduce_bytes(cfg) -> int:
-    """Bytes per element of FSDP2's gradient reduction in megafab (megafab.training.build.
-    fully_shard_chunk): fp32 (fp64 for an fp64 model), or the model dtype with --grad-reduce-in-bf16."""
-    e = BYTES[cfg.precision.params_dtype_name]
-    return max(4, e) if cfg.parallel.accumulate_allreduce_grads_in_fp32 else e
-
-
 def unit(cfg, machine, dense: int, expert: int = 0) -> Unit:
     """A group of `dense` parameters sharded over DP x CP, or `expert` ones over expert-DP (an MoE
     layer's routed experts); both: the two groups' collectives."""
-    e, r = BYTES[cfg.precision.params_dtype_name], reduce_bytes(cfg)
+    e, r = BYTES[cfg.precision.params_dtype_name], grad_bytes(cfg)
     parts = [(dense, group_placement(cfg, machine, "dp", "cp"))]
     if expert:
         parts.append((expert, group_placement(cfg, machine, "edp")))

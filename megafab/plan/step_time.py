@@ -77,7 +77,7 @@ from megafab.plan.schedule import pipeline_time
 from megafab.plan.step_syncs import step_sync_seconds
 from megafab.training.flops import flops_per_iteration
 from megafab.training.planner import chunk_params, fsdp_layer_units
-from megafab.training.state_memory import BYTES
+from megafab.training.state_memory import BYTES, grad_bytes
 
 
 @dataclass
@@ -441,7 +441,7 @@ def data_parallel_seconds(cfg, machine, stages, passes) -> float:
     if p.fully_sharded or not any(_groups(cfg, machine, stage) for stage in stages):
         return 0.0
     e = BYTES[cfg.precision.params_dtype_name]
-    grad_e = 4 if p.accumulate_allreduce_grads_in_fp32 else e
+    grad_e = grad_bytes(cfg)
     worst = 0.0
     for i, (stage, (fwd, bwd)) in enumerate(zip(stages, passes)):
         groups = _groups(cfg, machine, stage)

@@ -7,17 +7,18 @@ bytes of the model dtype, m = bytes of a main param (4; 8 for fp64 models), f =
 --optimizer-offload-fraction (0 without offload), mixed = bf16/fp16:
 
                       weights      grads        optimizer (device)              host (offload)
-  DDP                 e P          4 P          (1-f) (12 | 8) P                f (16 | 18) P
-  dist. optimizer     e P          4 P          (1-f) (12 | 8) P / d            f (16 | 18) P / d
+  DDP                 e P          g P          (1-f) (12 | 8) P                f (16 | 18) P
+  dist. optimizer     e P          g P          (1-f) (12 | 8) P / d            f (16 | 18) P / d
   FSDP2 (ZeRO-3)      m P / d      m P / d      8 P / d                         -
   FSDP2 + offload     e P / d      e P / d      (1-f) (12 | 8) P / d            f (16 | 20) P / d
 
 Optimizer on the device: fp32 master 4 (mixed only: fp32 models step their own weights) + Adam
-exp_avg 4 + exp_avg_sq 4. Grads: DDP's fp32 buffer is not sharded even under the distributed
-optimizer (Megatron's layout); FSDP2's gradient shards are in the shards' dtype. FSDP2 without
-offload keeps the fp32 masters *as* its shards: 16/d for a bf16 model, ZeRO-3's 16/d.
+exp_avg 4 + exp_avg_sq 4. Grads: g = grad_bytes, DDP's buffer (fp32 main grads; the model dtype
+with --grad-reduce-in-bf16), not sharded even under the distributed optimizer (Megatron's layout);
+FSDP2's gradient shards are in the shards' dtype. FSDP2 without offload keeps the fp32 masters *as*
+its shards: 16/d for a bf16 model, ZeRO-3's 16/d.
 Host per offloaded element: fp32 main 4 + Adam 8 + fp32 grad buffer 4, + e for the D2H landing
-buffer when the device grad is 16-bit (FSDP2, plain bf16 grads) and + e for the H2D staging of a
+buffer when the device grad is 16-bit (FSDP2, --grad-reduce-in-bf16) and + e for the H2D staging of a
 16-bit model (megafab.optim.cpu_offload); fp32 models need neither (16); (16 | 18 | 20) read
 (fp32 model | 16-bit model, fp32 device grads | 16-bit model and grads).
 
@@ -59,6 +60,14 @@ class StateBytes:
     gather_transient: int = 0  # the distributed optimizer's all-gather input copies
 
 
+def grad_bytes(cfg) -> int:
+    """Bytes per element of the gradients data parallel accumulates and reduces (megafab.training.build:
+    DDP's grad buffer, FSDP2's reduce dtype): fp32 main grads (fp64 for an fp64 model), or the model
+    dtype with --grad-reduce-in-bf16."""
+    e = BYTES[cfg.precision.params_dtype_name]
+    return max(4, e) if cfg.parallel.accumulate_allreduce_grads_in_fp32 else e
+
+
 def fsdp_moments(cfg, largest_unit: int, embedding: int) -> dict[str, int]:
     """FSDP2's candidate moments on top of its held root (module docstring), named as the planner
     reports the peak: a unit's unsharded gradient and its flat reduce-scatter copy, 8 U; the end of
@@ -88,9 +97,9 @@ def state_bytes(cfg, params: int, largest_unit: int, root: int = 0, embedding: i
         optimizer, host = adam * params / dp, 0
     else:
         weights = (e if not p.fully_sharded else e / dp) * params
-        grads = (main if not p.fully_sharded else e / dp) * params
+        grads = (grad_bytes(cfg) if not p.fully_sharded else e / dp) * params
         optimizer = (1 - offload) * (adam + (main if mixed else 0)) * params / shards
-        sixteen_bit_grads = mixed and p.fully_sharded
+        sixteen_bit_grads = mixed and (p.fully_sharded or grad_bytes(cfg) < main)
         host_per_element = main + adam + main + (e if sixteen_bit_grads else 0) + (e if mixed else 0)
         host = offload * host_per_element * params / shards
     held = transient = gather = 0

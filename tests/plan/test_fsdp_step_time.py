@@ -13,6 +13,7 @@ from megafab.plan.collectives import collective_seconds, group_placement
 from megafab.plan.machines import machine
 from megafab.plan.step_time import layer_passes, predict
 from megafab.training.planner import fsdp_layer_units, layer_param_split, plan
+from megafab.training.state_memory import grad_bytes
 
 H100 = machine("h100-sxm-80gb")
 MODEL = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "2048",
@@ -52,7 +53,7 @@ def test_a_unit_gathers_in_the_model_dtype_and_reduces_in_megafabs_reduction_dty
     assert group.size == 768 and group.nodes == 96
     assert unit.gather == pytest.approx(collective_seconds(H100, "all_gather", 2 * n, group))
     reduce_bytes = 2 if bf16_reduce else 4  # megafab reduces in fp32 unless --grad-reduce-in-bf16
-    assert fsdp.reduce_bytes(cfg) == reduce_bytes
+    assert grad_bytes(cfg) == reduce_bytes
     assert unit.reduce == pytest.approx(collective_seconds(H100, "reduce_scatter", reduce_bytes * n, group))
     assert unit.copy_out == pytest.approx(H100.memory_seconds(2 * 2 * n, kernels=1))
 

@@ -14,6 +14,10 @@ VARIANTS = {
     "fsdp2-offload-fp32": dict(use_torch_fsdp2=True, optimizer_cpu_offload=True, bf16=False),
     "distopt-offload": dict(use_distributed_optimizer=True, optimizer_cpu_offload=True),
     "ddp-offload": dict(optimizer_cpu_offload=True),
+    "ddp-bf16-grads": dict(grad_reduce_in_bf16=True),
+    "distopt-bf16-grads": dict(use_distributed_optimizer=True, grad_reduce_in_bf16=True),
+    "distopt-offload-bf16-grads": dict(use_distributed_optimizer=True, optimizer_cpu_offload=True,
+                                       grad_reduce_in_bf16=True),
 }
 
 
