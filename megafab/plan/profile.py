@@ -129,12 +129,14 @@ def measure_bandwidth() -> float:
 
 
 def _one_collective(dist, op, full, shard, rank, world):
+    from megafab.distributed.mappings import all_gather_single, reduce_scatter_single
+
     if op == "all_reduce":
         dist.all_reduce(full)
     elif op == "all_gather":
-        dist.all_gather_into_tensor(full, shard)
+        all_gather_single(full, shard)
     elif op == "reduce_scatter":
-        dist.reduce_scatter_tensor(shard, full)
+        reduce_scatter_single(shard, full)
     elif op == "all_to_all":
         dist.all_to_all_single(full, full.clone())
     elif rank < 2 * (world // 2):  # send/recv between rank pairs

@@ -73,7 +73,7 @@ from megafab.plan.moe import (
     router_tokens,
 )
 from megafab.plan.optimizer_tensors import param_tensors, sharding_name
-from megafab.plan.schedule import pipeline_time
+from megafab.plan.schedule import StagePass, pipeline_time, shared_pipeline_time
 from megafab.plan.step_syncs import step_sync_seconds
 from megafab.training.flops import flops_per_iteration
 from megafab.training.planner import chunk_params, fsdp_layer_units
@@ -508,6 +508,24 @@ def optimizer_seconds(cfg, machine, stages) -> float:
     return device + host
 
 
+def _shared_pipeline(cfg, machine, parts: tuple, fsdp_per_mb: list[float], host_mb: list[float],
+                     p2p: float):
+    """The schedule on a CPU whose cores the ranks share (schedule.shared_pipeline_time): each
+    stage's kernels and host work are compute, split between forward and backward as its kernels
+    are; its collectives and FSDP2's exposed unit work are not."""
+    p = cfg.parallel
+    ranks_per_stage = min(p.world_size, machine.gpus_per_node) // p.pipeline_model_parallel_size
+    forward, backward = [], []
+    for (f, b), g, h in zip(_stage_passes(parts), fsdp_per_mb, host_mb):
+        kernels_f, kernels_b = f.total - (f.tp + f.cp + f.ep), b.total - (b.tp + b.cp + b.ep)
+        share_f = kernels_f / (kernels_f + kernels_b) if kernels_f + kernels_b else 0.5
+        forward.append(StagePass(kernels_f + share_f * h, f.total - kernels_f + share_f * g))
+        backward.append(StagePass(kernels_b + (1 - share_f) * h, b.total - kernels_b + (1 - share_f) * g))
+    return shared_pipeline_time(forward, backward, cfg.training.num_micro_batches or 1,
+                                p.virtual_pipeline_model_parallel_size or 1, p2p,
+                                lambda busy: machine.sharing(ranks_per_stage * busy))
+
+
 def predict(cfg, machine, stages, tp_comm_overlap: bool = False, memo: dict | None = None) -> Prediction:
     """Step time of the finalized cfg whose memory plan is `stages` (megafab.training.planner.plan);
     memo: see stage_passes."""
@@ -525,11 +543,14 @@ def predict(cfg, machine, stages, tp_comm_overlap: bool = False, memo: dict | No
     vpp = p.virtual_pipeline_model_parallel_size or 1
     x = parts[0]
     boundary = x.e * x.M * x.h / (x.tp if x.sp else 1)
-    host_mb, host_step = host_seconds(cfg, machine)
-    host_mb = [shared * h for h in host_mb]
+    host_alone, host_step = host_seconds(cfg, machine)
+    host_mb = [shared * h for h in host_alone]
     seconds = [f.total + b.total + g + h for (f, b), g, h in zip(passes, per_mb, host_mb)]
-    pipe = pipeline_time(seconds, m_count, vpp,
-                         p2p_seconds(machine, boundary, group_placement(cfg, machine, "pp")))
+    p2p = p2p_seconds(machine, boundary, group_placement(cfg, machine, "pp"))
+    if machine.compute_slots and p.pipeline_model_parallel_size > 1:
+        pipe = _shared_pipeline(cfg, machine, parts, per_mb, host_alone, p2p)
+    else:
+        pipe = pipeline_time(seconds, m_count, vpp, p2p)
     dp = data_parallel_seconds(cfg, machine, stages, passes)
     if sharded:
         # the reducing micro-batch's backward runs through the stages in turn; each stage's tail
