@@ -342,7 +342,6 @@ def _gloo_comms():
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
     from megafab.distributed.data_parallel import reduce_scatter_bucket
-    from megafab.distributed.mappings import all_gather_single, reduce_scatter_single
     from megafab.distributed.param_gather import all_gather_in_slices, sliced_on_gloo
 
     class Allocate:
@@ -352,15 +351,15 @@ def _gloo_comms():
     class SlicedAllGather(Allocate, AllGather):
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
             if not sliced_on_gloo(input_tensor.numel(), group):
-                return all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+                return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
             all_gather_in_slices(output_tensor, dist.get_world_size(group), dist.get_rank(group), group)
             return None
 
     class SlicedReduceScatter(Allocate, ReduceScatter):
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
             if not sliced_on_gloo(output_tensor.numel(), group):
-                return reduce_scatter_single(output_tensor, input_tensor, group=group, op=op,
-                                             async_op=async_op)
+                return dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op,
+                                                  async_op=async_op)
             reduce_scatter_bucket(output_tensor, input_tensor, op, group, async_op=False)
             return None
 
