@@ -129,14 +129,12 @@ def measure_bandwidth() -> float:
 
 
 def _one_collective(dist, op, full, shard, rank, world):
-    from megafab.distributed.mappings import all_gather_single, reduce_scatter_single
-
     if op == "all_reduce":
         dist.all_reduce(full)
     elif op == "all_gather":
-        all_gather_single(full, shard)
+        dist.all_gather_single(full, shard)
     elif op == "reduce_scatter":
-        reduce_scatter_single(shard, full)
+        dist.reduce_scatter_single(shard, full)
     elif op == "all_to_all":
         dist.all_to_all_single(full, full.clone())
     elif rank < 2 * (world // 2):  # send/recv between rank pairs

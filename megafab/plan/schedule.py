@@ -46,8 +46,12 @@ def pipeline_time(stage_seconds: list[float], micro_batches: int, vpp: int,
     bubble = (sum(stage_seconds) - slowest) / vpp
     if pp == 1:
         return PipelineTime(compute, 0.0, 0.0)
-    transfers = 2 * (vpp * micro_batches + pp - 1)
-    return PipelineTime(compute, bubble, transfers * p2p_seconds)
+    return PipelineTime(compute, bubble, _transfers(pp, micro_batches, vpp) * p2p_seconds)
+
+
+def _transfers(pp: int, micro_batches: int, vpp: int) -> int:
+    """Waited send/recvs per step: one each way per micro-batch and chunk, plus the fill."""
+    return 2 * (vpp * micro_batches + pp - 1)
 
 
 @dataclass(frozen=True)
@@ -112,8 +116,8 @@ def shared_pipeline_time(forward: list[StagePass], backward: list[StagePass], mi
                     left[s] = 1.0
         assert left, "the schedule waits on itself"  # its order and _waits_on disagree
         k = slowdown(len(left))
-        seconds = {s: ((p.compute * k + p.comm) / vpp) for s in left
-                   for p in [(forward if orders[s][position[s]][0] else backward)[s]]}
+        passes = {s: (forward if orders[s][position[s]][0] else backward)[s] for s in left}
+        seconds = {s: (p.compute * k + p.comm) / vpp for s, p in passes.items()}
         step = min(left[s] * seconds[s] for s in left)
         clock += step
         for s in list(left):
@@ -125,5 +129,4 @@ def shared_pipeline_time(forward: list[StagePass], backward: list[StagePass], mi
     full = slowdown(pp)
     compute = min(clock, micro_batches * max(f.compute * full + f.comm + b.compute * full + b.comm
                                              for f, b in zip(forward, backward)))
-    transfers = 2 * (vpp * micro_batches + pp - 1) if pp > 1 else 0
-    return PipelineTime(compute, clock - compute, transfers * p2p_seconds)
+    return PipelineTime(compute, clock - compute, _transfers(pp, micro_batches, vpp) * p2p_seconds)

@@ -100,8 +100,17 @@ class _Pass:
     ep: float = 0.0  # MoE token dispatch: EP all-to-all (or all-gather) and the ETP gather/scatter
 
     @property
+    def compute(self) -> float:
+        """What compute_scaled stretches: the kernels."""
+        return self.gemm + self.attention + self.memory
+
+    @property
+    def comm(self) -> float:
+        return self.tp + self.cp + self.ep
+
+    @property
     def total(self) -> float:
-        return self.gemm + self.attention + self.memory + self.tp + self.cp + self.ep
+        return self.compute + self.comm
 
     def __add__(self, other: _Pass) -> _Pass:
         return _Pass(self.gemm + other.gemm, self.attention + other.attention, self.memory + other.memory,
@@ -517,10 +526,9 @@ def _shared_pipeline(cfg, machine, parts: tuple, fsdp_per_mb: list[float], host_
     ranks_per_stage = min(p.world_size, machine.gpus_per_node) // p.pipeline_model_parallel_size
     forward, backward = [], []
     for (f, b), g, h in zip(_stage_passes(parts), fsdp_per_mb, host_mb):
-        kernels_f, kernels_b = f.total - (f.tp + f.cp + f.ep), b.total - (b.tp + b.cp + b.ep)
-        share_f = kernels_f / (kernels_f + kernels_b) if kernels_f + kernels_b else 0.5
-        forward.append(StagePass(kernels_f + share_f * h, f.total - kernels_f + share_f * g))
-        backward.append(StagePass(kernels_b + (1 - share_f) * h, b.total - kernels_b + (1 - share_f) * g))
+        share_f = f.compute / (f.compute + b.compute) if f.compute + b.compute else 0.5
+        forward.append(StagePass(f.compute + share_f * h, f.comm + share_f * g))
+        backward.append(StagePass(b.compute + (1 - share_f) * h, b.comm + (1 - share_f) * g))
     return shared_pipeline_time(forward, backward, cfg.training.num_micro_batches or 1,
                                 p.virtual_pipeline_model_parallel_size or 1, p2p,
                                 lambda busy: machine.sharing(ranks_per_stage * busy))
