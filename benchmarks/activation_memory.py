@@ -8,7 +8,7 @@ Measured on TP rank 0 (every rank holds the same amount) with torch's saved-tens
 storages, parameters excluded (megafab.optim.memory.SavedActivations):
     per layer    (saved bytes with 4 layers - saved bytes with 2 layers) / 2
     whole        the 4-layer model: embedding, layers, final norm, output layer and loss
-Planned: megafab.training.planner with kernels="cpu" (PyTorch's CPU attention kernels):
+Planned: megafab.plan.planner with kernels="cpu" (PyTorch's CPU attention kernels):
 layer_activation_bytes (a full-recompute layer keeps only its input) and StagePlan.forward_saved_bytes.
 """
 
@@ -29,8 +29,8 @@ from megafab.distributed.random import RNGStatesTracker, model_parallel_seed  # 
 from megafab.model.gpt import GPTModel, masked_mean_loss  # noqa: E402
 from megafab.model.transformer import LayerContext  # noqa: E402
 from megafab.optim.memory import SavedActivations  # noqa: E402
+from megafab.plan.planner import BYTES, layer_activation_bytes, plan  # noqa: E402
 from megafab.run.fork_ranks import run_ranks  # noqa: E402
-from megafab.training.planner import BYTES, layer_activation_bytes, plan  # noqa: E402
 
 STYLES = {
     "gpt2": dict(position_embedding_type="learned_absolute", normalization="LayerNorm", swiglu=False,

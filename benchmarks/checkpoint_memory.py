@@ -203,7 +203,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     from megafab.arguments import config_from_args
-    from megafab.training.planner import plan
+    from megafab.plan.planner import plan
 
     flags = model_flags(args)
     stage = plan(config_from_args(flags, world_size=args.dp), kernels="cpu")[0]

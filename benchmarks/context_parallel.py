@@ -34,8 +34,8 @@ from benchmarks.bench_util import (  # noqa: E402
 from benchmarks.memory import saved_bytes  # noqa: E402
 from benchmarks.scaling import run as step_seconds  # noqa: E402
 from megafab.arguments import config_from_args  # noqa: E402
+from megafab.plan.planner import plan  # noqa: E402
 from megafab.run.fork_ranks import run_ranks  # noqa: E402
-from megafab.training.planner import plan  # noqa: E402
 
 MEMORY_LAYOUTS = [(1, "p2p")] + [(cp, comm) for cp in (2, 4) for comm in ("p2p", "allgather", "a2a")]
 

@@ -1,7 +1,7 @@
 """One-GPU check of the real driver: a ~1.3B GPT (24 x 2048, 16 heads, seq 2048, vocab 50304, bf16)
 trained a few steps through build_model / build_optimizer / train_step on NCCL (world 1).
 
-Prints tokens/s, TFLOP/s/GPU (megafab.training.flops), MFU vs 989 TFLOP/s, peak memory and the
+Prints tokens/s, TFLOP/s/GPU (megafab.plan.flops), MFU vs 989 TFLOP/s, peak memory and the
 first step's loss; then, if transformer_engine is importable, the same first step with
 --transformer-impl transformer_engine in bf16 and with FP8, and the loss difference to local.
 Runs from a repo checkout (no install), in well under 5 minutes on one H200:
@@ -28,10 +28,10 @@ from megafab.arguments import config_from_args  # noqa: E402
 from megafab.distributed.random import RNGStatesTracker, model_parallel_seed  # noqa: E402
 from megafab.distributed.topology import build_topology  # noqa: E402
 from megafab.model.te import te_available  # noqa: E402
+from megafab.plan.flops import PEAK_TFLOPS as FLOPS_TABLE  # noqa: E402
+from megafab.plan.flops import flops_per_iteration  # noqa: E402
+from megafab.plan.planner import plan  # noqa: E402
 from megafab.training.build import TrainState, build_model, build_optimizer, build_scheduler  # noqa: E402
-from megafab.training.flops import PEAK_TFLOPS as FLOPS_TABLE  # noqa: E402
-from megafab.training.flops import flops_per_iteration  # noqa: E402
-from megafab.training.planner import plan  # noqa: E402
 from megafab.training.step import train_step  # noqa: E402
 
 PEAK_TFLOPS = FLOPS_TABLE["H200"]  # H100/H200 dense bf16, as the training log uses

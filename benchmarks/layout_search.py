@@ -45,11 +45,11 @@ from benchmarks.bench_util import (  # noqa: E402
     synthetic_batch,
 )
 from megafab.plan.machines import Machine  # noqa: E402
+from megafab.plan.planner import plan  # noqa: E402
 from megafab.plan.search import every_valid_layout  # noqa: E402
 from megafab.plan.step_calibration import speed_drift  # noqa: E402
 from megafab.plan.step_time import predict  # noqa: E402
 from megafab.run.fork_ranks import run_ranks  # noqa: E402
-from megafab.training.planner import plan  # noqa: E402
 from megafab.training.step import train_step  # noqa: E402
 
 

@@ -1,5 +1,5 @@
 """Memory per rank at DP 1/2/4, with/without the distributed optimizer, and with full recompute at
-DP 2, measured next to the planner's prediction (megafab.training.planner.plan(cfg, kernels="cpu")).
+DP 2, measured next to the planner's prediction (megafab.plan.planner.plan(cfg, kernels="cpu")).
 
     python benchmarks/memory.py [--layers 4 --hidden 256 --heads 8 --seq 256 --batch 4 --vocab 8192]
 
@@ -23,12 +23,12 @@ phase (build = model + optimizer; a few train steps; a checkpoint save; a resume
 built again and the checkpoint loaded into it), minus the same phase of a tiny model's run (2
 layers x hidden 64): the memory the model costs. Next to the bound of issue 26 (the sharded state,
 16/8 bytes/param for FSDP2 and 8 + 12/8 for the distributed optimizer, plus four layers' fp32
-parameters, +10%) and the planner's per-rank total (megafab.training.planner, kernels="cpu").
+parameters, +10%) and the planner's per-rank total (megafab.plan.planner, kernels="cpu").
 
 --sharding adds the ZeRO-3 and offload rows (bf16 model, one step, rank 0): weights + grads +
 optimizer bytes per parameter per rank with FSDP2 at DP 1/2/4 next to ZeRO-3's 16/d and the
 planner's, and with optimizer CPU offload (FSDP2, distributed optimizer) the device-side and host
-bytes per parameter next to the planner's (megafab.training.state_memory).
+bytes per parameter next to the planner's (megafab.plan.state_memory).
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ from benchmarks.bench_util import (  # noqa: E402
     synthetic_batch,
 )
 from megafab.optim.memory import SavedActivations, measure_memory  # noqa: E402
+from megafab.plan.planner import plan  # noqa: E402
 from megafab.run.fork_ranks import run_ranks  # noqa: E402
-from megafab.training.planner import plan  # noqa: E402
 from megafab.training.step import gpt_forward_step, train_step  # noqa: E402
 
 FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
@@ -263,7 +263,7 @@ def peak_rows(shape, steps: int, timeout: float, world: int, engines: list[str])
     import tempfile
 
     from megafab.arguments import config_from_args
-    from megafab.training.planner import layer_params
+    from megafab.plan.planner import layer_params
 
     mib = 2.0**20
     print(f"Peak resident memory per rank above a tiny model's, DP {world} (gloo), fp32, layers "

@@ -33,7 +33,7 @@ accumulated micro-batches of b/2):
 memory (rank 0 after one step): bytes of the routed experts' weights, grads (their slice of DDP's
 buffer) and optimizer state (Adam's, and masters if any) at EP 1/2/4 (world = EP: each rank holds
 E/EP whole experts) and at world 4 with the distributed optimizer (which shards expert state over
-expert-DP = world/EP), next to the planner's (megafab.training.state_memory's rows for the
+expert-DP = world/EP), next to the planner's (megafab.plan.state_memory's rows for the
 planner's expert parameter count, as planner.plan adds them) and to EP 1's total / EP; and the
 rank's resident-set high-water mark (VmHWM) of build + step above its resident size before.
 """
@@ -66,9 +66,9 @@ from megafab.arguments import config_from_args  # noqa: E402
 from megafab.distributed.data_parallel import is_expert_param  # noqa: E402
 from megafab.distributed.topology import build_topology  # noqa: E402
 from megafab.plan.moe import expert_data_parallel_size  # noqa: E402
+from megafab.plan.planner import largest_fsdp_unit, stage_param_split  # noqa: E402
+from megafab.plan.state_memory import state_bytes  # noqa: E402
 from megafab.run.fork_ranks import run_ranks  # noqa: E402
-from megafab.training.planner import largest_fsdp_unit, stage_param_split  # noqa: E402
-from megafab.training.state_memory import state_bytes  # noqa: E402
 from megafab.training.step import train_step  # noqa: E402
 
 DIST_OPT = ["--use-distributed-optimizer"]

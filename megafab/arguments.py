@@ -18,11 +18,12 @@ import typing
 from collections.abc import Callable
 
 from megafab.arguments_help import document
+from megafab.checks import problems as config_problems
+from megafab.checks.probes import start_up_problems, tokenizer_vocab_size
 from megafab.config import Config, ConfigError
 from megafab.config.derive import derive_model
 from megafab.config.fields import field_default, field_types
 from megafab.config.moe import NEEDS_EXPERTS
-from megafab.config.probes import start_up_problems, tokenizer_vocab_size
 from megafab.config.schema import SECTIONS, flag_fields
 from megafab.config_file import CONFIG_FLAGS, parser_defaults, split_config_files
 from megafab.megatron_flags import NARGS, NO_EFFECT, REFUSED, refused_problem
@@ -314,7 +315,7 @@ def config_from_args(argv: list[str] | None = None, world_size: int | None = Non
     bad values, config rule violations, and what each of `checks` (the entry point's machine
     checks, e.g. Transformer Engine present) finds in the resolved config. A check must cope with a
     config that breaks other rules (they are all reported together). `start_up` (a run's entry
-    point): also the files the flags name (config/probes.py), and the vocabulary sized from the
+    point): also the files the flags name (megafab/checks/probes.py), and the vocabulary sized from the
     tokenizer before the config is frozen.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -339,7 +340,7 @@ def config_from_args(argv: list[str] | None = None, world_size: int | None = Non
         world_size = planned_world_size(dry_run=args.dry_run)
     cfg = Config.from_flat(vars(args)).resolve(world_size)
     cfg.no_effect += refused_notes + no_effect_flags(cfg, given, kept) + file_no_effect
-    problems += _without_consequences(cfg.problems(), broken | suggested)
+    problems += _without_consequences(config_problems(cfg), broken | suggested)
     for check in checks + ((start_up_problems,) if start_up else ()):
         problems += check(cfg)
     if problems:

@@ -92,7 +92,7 @@ def test_abbreviations_are_not_accepted():
 
 
 def test_missing_tokenizer_files_are_named(tmp_path):
-    """Files are start-up checks (config/probes.py), not rules: the entry point asks for them."""
+    """Files are start-up checks (megafab/checks/probes.py), not rules: the entry point asks for them."""
     argv = [a for a in BASE if a not in ("--mock-data",)]
     argv = argv + ["--data-path", str(tmp_path / "corpus_text_document"),
                    "--tokenizer-type", "SentencePieceTokenizer",

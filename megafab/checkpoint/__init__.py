@@ -1,9 +1,7 @@
 """megafab checkpoints: the one authority on their layout, for training, conversion and generation.
 On disk they are Megatron-LM's (torch_dist, or the legacy torch files); megafab's earlier format is
-read too.
+read too. Parameter names and their grammar: megafab/param_names.py.
 
-    keys.py            the parameter-name grammar (layer numbers global <-> per stage, stacked, TE
-                       and legacy per-rank names) and the TP-partition table the layers also read
     layout.py          keys, global names and shapes (strided SwiGLU, tied copy, padded vocabulary);
                        ParamLayout / Shard: the boxes of each global tensor this rank holds
     boxes.py           rectangular boxes; a flat range of a row-major tensor as a few boxes

@@ -28,7 +28,6 @@ from megafab.checkpoint.directory import (  # noqa: F401
     latest_iteration,
 )
 from megafab.checkpoint.errors import CheckpointError
-from megafab.checkpoint.keys import layer_of
 from megafab.checkpoint.layout import STEP, split_key
 from megafab.checkpoint.megatron_args import check_model_args
 from megafab.checkpoint.moe_check import check_moe_matches
@@ -37,6 +36,7 @@ from megafab.checkpoint.vocab import adapt_padded_vocab
 from megafab.config.moe import moe_settings
 from megafab.distributed.param_gather import finish_param_syncs
 from megafab.errors import ReportedElsewhere
+from megafab.param_names import layer_of
 
 PENDING_RNG = "checkpoint_rng"
 

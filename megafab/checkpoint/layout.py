@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megafab.checkpoint.boxes import Box, flat_range_boxes
-from megafab.checkpoint.keys import (
+from megafab.param_names import (
     OUTPUT_LAYER,
     WORD_EMBEDDING,
     experts_name,

@@ -34,7 +34,6 @@ import torch
 from megafab.checkpoint import megatron_keys as mk
 from megafab.checkpoint.errors import CheckpointError
 from megafab.checkpoint.formats import METADATA_JSON
-from megafab.checkpoint.keys import expert_extra_state_key, layer_extra_state_key, stacked_extra_state_key
 from megafab.checkpoint.layout import MODEL_PREFIX, STEP, Shard, split_key
 from megafab.checkpoint.megatron_args import flat_from_args, megatron_namespace, unknown_model
 from megafab.checkpoint.source import (
@@ -44,6 +43,7 @@ from megafab.checkpoint.source import (
     counters_from_common,
     read_json_object,
 )
+from megafab.param_names import expert_extra_state_key, layer_extra_state_key, stacked_extra_state_key
 
 COMMON_PT = "common.pt"
 COMMON_STATE = "common_state/shard_0_1"

@@ -32,16 +32,6 @@ import torch
 
 from megafab.checkpoint.boxes import Box
 from megafab.checkpoint.errors import CheckpointError
-from megafab.checkpoint.keys import (
-    LAYERS,
-    dist_expert_name,
-    local_to_te_name,
-    parse_index,
-    stacked_name,
-    te_to_local_name,
-    undist_expert_name,
-    unstacked_name,
-)
 from megafab.checkpoint.layout import (
     MAIN_PARAM,
     MODEL_PREFIX,
@@ -52,6 +42,16 @@ from megafab.checkpoint.layout import (
     split_key,
     strided_dim,
     strided_shape,
+)
+from megafab.param_names import (
+    LAYERS,
+    dist_expert_name,
+    local_to_te_name,
+    parse_index,
+    stacked_name,
+    te_to_local_name,
+    undist_expert_name,
+    unstacked_name,
 )
 
 OPTIM_STATE = "optimizer.state."

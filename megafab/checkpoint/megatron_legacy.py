@@ -8,7 +8,7 @@
 
 An EP rank's file holds the dense weights (each EP rank's copy) and its own experts as
 megatron-core's SequentialMLP names them, local_experts.<i> = global expert EP rank x E/EP + i;
-megafab stacks them on the global expert axis (keys.py). Grouped-GEMM experts (GroupedMLP's
+megafab stacks them on the global expert axis (param_names.py). Grouped-GEMM experts (GroupedMLP's
 weight1/weight2, TEGroupedMLP's weight<i>) are refused by name; expert-TP must equal TP.
 
 Each model_optim_rng.pt is a torch.save'd dict (megatron/training/checkpointing.py,
@@ -32,7 +32,13 @@ import torch
 
 from megafab.checkpoint import safe_pickle
 from megafab.checkpoint.errors import CheckpointError
-from megafab.checkpoint.keys import (
+from megafab.checkpoint.layout import MODEL_PREFIX, Shard, split_key, strided_dim, strided_shape, to_stored
+from megafab.checkpoint.megatron_args import flat_from_args, unknown_model
+from megafab.checkpoint.megatron_dist import MEGAFAB, MEGATRON_RNG, SCHEDULER_FIELDS
+from megafab.checkpoint.megatron_keys import LINEAR_MODULES
+from megafab.checkpoint.source import CheckpointSource, Counters, counters_from_common
+from megafab.distributed.layers import join_partitions, partition_of
+from megafab.param_names import (
     EXTRA_STATE,
     OUTPUT_LAYER,
     WORD_EMBEDDING,
@@ -53,12 +59,6 @@ from megafab.checkpoint.keys import (
     to_stage,
     tp_partition,
 )
-from megafab.checkpoint.layout import MODEL_PREFIX, Shard, split_key, strided_dim, strided_shape, to_stored
-from megafab.checkpoint.megatron_args import flat_from_args, unknown_model
-from megafab.checkpoint.megatron_dist import MEGAFAB, MEGATRON_RNG, SCHEDULER_FIELDS
-from megafab.checkpoint.megatron_keys import LINEAR_MODULES
-from megafab.checkpoint.source import CheckpointSource, Counters, counters_from_common
-from megafab.distributed.layers import join_partitions, partition_of
 from megafab.pipeline_split import PipelineSplit
 
 FILE = "model_optim_rng.pt"

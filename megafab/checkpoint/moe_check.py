@@ -9,8 +9,8 @@ the tensors: it reads the stored tensors' names and the expert count off the exp
 from __future__ import annotations
 
 from megafab.checkpoint.errors import CheckpointError
-from megafab.checkpoint.keys import is_routed_expert, layer_of
 from megafab.checkpoint.layout import MODEL_PREFIX, split_key
+from megafab.param_names import is_routed_expert, layer_of
 
 
 def moe_layers(shapes: dict) -> dict[int, int]:

@@ -38,7 +38,6 @@ import numpy as np
 import torch
 
 from megafab.checkpoint.boxes import Box
-from megafab.checkpoint.keys import EXPERT_BIAS, parse_index
 from megafab.checkpoint.layout import (
     MAIN_PARAM,
     STEP,
@@ -52,6 +51,7 @@ from megafab.checkpoint.layout import (
 )
 from megafab.distributed.fsdp import is_fully_sharded, local_tensor
 from megafab.distributed.random import checkpoint_rng_state, restore_rng_state
+from megafab.param_names import EXPERT_BIAS, parse_index
 
 
 def expert_placement(state) -> ExpertPlacement | None:

@@ -21,8 +21,8 @@ import torch
 
 from megafab.checkpoint.boxes import Box
 from megafab.checkpoint.errors import CheckpointError
-from megafab.checkpoint.keys import VOCAB_PADDED
 from megafab.checkpoint.layout import MAIN_PARAM, STEP, Shard, split_key
+from megafab.param_names import VOCAB_PADDED
 
 
 def padded_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:

@@ -11,7 +11,7 @@
 MoE models (--num-experts): the plan prints total and active parameters and the expert grid, counts
 expert state per EP x ETP rank over expert-DP, and --search also ranks EP and ETP.
 
-Memory: megafab/training/planner.py. Step time: megafab/plan/step_time.py. Search: megafab/plan/search.py.
+Memory: megafab/plan/planner.py. Step time: megafab/plan/step_time.py. Search: megafab/plan/search.py.
 Also: python -m megafab.cli.estimate, python tools/estimate_memory.py.
 """
 
@@ -24,10 +24,10 @@ import sys
 
 from megafab.arguments import config_or_exit
 from megafab.plan.machines import BUILTIN, MachineError, machine
+from megafab.plan.planner import ROUTING, format_plan, plan
 from megafab.plan.report import HEADER, candidate_row, prediction_line
 from megafab.plan.search import candidate_from_flags, search
 from megafab.run.report import exit_on_user_error
-from megafab.training.planner import ROUTING, format_plan, plan
 
 
 def own_parser() -> argparse.ArgumentParser:

@@ -34,8 +34,8 @@ def main(argv=None):
     with exit_on_user_error():
         cfg = config_or_exit(argv, checks=machine_checks(), start_up=True)
         if cfg.training.dry_run:  # the plan only: no process group, no tensors
+            from megafab.plan.planner import format_plan, plan
             from megafab.plan.report import dry_run_prediction
-            from megafab.training.planner import format_plan, plan
 
             for line in cfg.start_up_notes():
                 print(f"megafab: note: {line}")

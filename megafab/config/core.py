@@ -1,10 +1,10 @@
-"""The whole configuration of a run: its sections, built from flags, derived, checked, frozen.
+"""The whole configuration of a run: its sections, built from flags, derived, frozen (the rules
+that check it are megafab.checks', above the engine).
 
     Config.from_flat(values)      sections from a flat {field name: value} mapping
     cfg.resolve(world_size)       Megatron's derivations (config/derive.py), still writable
-    cfg.problems()                every rule the values break (config/rules.py), one line each
     cfg.freeze()                  no field can be assigned any more
-    cfg.finalize(world_size)      resolve, validate (one ConfigError listing every problem), freeze
+    cfg.finalize(world_size)      resolve, then freeze (megafab.checks.finalize validates between)
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from megafab.config.derive import derive
 from megafab.config.schema import (
     SECTIONS,
     CheckpointConfig,
@@ -70,17 +71,13 @@ class Config(Section):
 
     def resolve(self, world_size: int) -> Config:
         """Fill the derived values as Megatron does (config/derive.py); the config stays writable."""
-        from megafab.config.derive import derive
-
         self.notes, self.no_effect = list(self.notes), list(self.no_effect)
         derive(self, world_size)
         return self
 
-    def finalize(self, world_size: int, validate: bool = True) -> Config:
-        """resolve, then (validate=True) check everything at once, then freeze."""
+    def finalize(self, world_size: int) -> Config:
+        """resolve, then freeze; the rules are megafab.checks' (checks.finalize validates too)."""
         self.resolve(world_size)
-        if validate:
-            self.validate()
         return self.freeze()
 
     def freeze(self) -> Config:
@@ -90,17 +87,6 @@ class Config(Section):
             getattr(self, name).freeze()
         super().freeze()
         return self
-
-    def problems(self) -> list[str]:
-        """Every rule this configuration breaks, one line each (pure: no file or machine probes)."""
-        from megafab.config.rules import problems
-
-        return problems(self)
-
-    def validate(self) -> None:
-        problems = self.problems()
-        if problems:
-            raise ConfigError(problems)
 
     def start_up_notes(self) -> list[str]:
         """What rank 0 prints once at start-up: adjustments, then every flag that has no effect."""

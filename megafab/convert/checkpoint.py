@@ -20,7 +20,8 @@ import shutil
 
 import torch
 
-from megafab.checkpoint import formats, keys, layout, megatron_dist, megatron_keys
+from megafab import param_names as keys
+from megafab.checkpoint import formats, layout, megatron_dist, megatron_keys
 from megafab.checkpoint.directory import TRACKER, commit_checkpoint, iteration_dir
 from megafab.checkpoint.errors import CheckpointError
 from megafab.checkpoint.megatron_args import unknown_model

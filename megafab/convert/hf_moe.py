@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from megafab.checkpoint.keys import EXPERTS, ROUTER, layer_prefix
 from megafab.convert import hf_llama
 from megafab.convert.state_dict import ConversionError, check_keys, expected_keys, plain_norm_weights
+from megafab.param_names import EXPERTS, ROUTER, layer_prefix
 from megafab.progress import progress
 
 HF_LAYERS = hf_llama.HF_LAYERS

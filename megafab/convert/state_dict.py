@@ -5,7 +5,7 @@ A *full megafab state dict* maps megatron-core names with global layer numbers
 parameters: word embedding [V_padded, h], linear_qkv packed per key/value group, SwiGLU fc1
 [2f, h] = [gate; up]. A tied output layer has no entry (it is the word embedding). Mixture-of-experts
 layers hold their routed experts as one tensor per linear with the global expert axis first
-(`mlp.experts.linear_fc1.weight` [E, 2f, h], the checkpoint's names: megafab.checkpoint.keys),
+(`mlp.experts.linear_fc1.weight` [E, 2f, h], the checkpoint's names: megafab.param_names),
 whatever layout the model computes with.
 """
 
@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from megafab.checkpoint.keys import (
+from megafab.checkpoint.vocab import padded_rows
+from megafab.config import Config, ModelConfig
+from megafab.config.derive import derive_model
+from megafab.errors import MegafabError
+from megafab.param_names import (
     EXPERT_BIAS,
     EXPERTS,
     OUTPUT_LAYER,
@@ -23,10 +27,6 @@ from megafab.checkpoint.keys import (
     layer_prefix,
     sequential_expert,
 )
-from megafab.checkpoint.vocab import padded_rows
-from megafab.config import Config, ModelConfig
-from megafab.config.derive import derive_model
-from megafab.errors import MegafabError
 
 POSITION_EMBEDDING = "embedding.position_embeddings.weight"
 FINAL_NORM = "decoder.final_layernorm"
@@ -114,7 +114,7 @@ def expected_keys(m: ModelConfig, moe=None) -> set[str]:
 
 def moe_keys(m: ModelConfig, moe) -> list[str]:
     """The layer-relative keys of an MoE layer's MLP in a full state dict: the router, the routed
-    experts under their grouped names [E, out, in] (keys.py), the shared experts."""
+    experts under their grouped names [E, out, in] (param_names.py), the shared experts."""
     out = [ROUTER + "weight", EXPERTS + "linear_fc1.weight", EXPERTS + "linear_fc2.weight"]
     if m.add_bias_linear:
         out += [ROUTER + "bias", EXPERTS + "linear_fc1.bias", EXPERTS + "linear_fc2.bias"]

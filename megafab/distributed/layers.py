@@ -10,7 +10,7 @@ host memory per rank while a layer is built.
 
 Layouts are torch's: weight [out, in]; Column keeps [out/tp, in] (partition_dim 0), Row keeps
 [out, in/tp] (partition_dim 1), the embedding keeps [V/tp, h] (partition_dim 0): the dims of
-megafab.checkpoint.keys' TP-partition table, which checkpoint readers use for files that carry no
+megafab.param_names' TP-partition table, which checkpoint readers use for files that carry no
 attributes.
 """
 
@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megafab.checkpoint.keys import COLUMN_DIM, ROW_DIM, VOCAB_DIM
 from megafab.distributed.linear import linear_with_grad_accumulation_and_async_allreduce
 from megafab.distributed.mappings import (
     ShardingError,
@@ -34,6 +33,7 @@ from megafab.distributed.mappings import (
     scatter_to_tensor_model_parallel_region,
 )
 from megafab.errors import MegafabError
+from megafab.param_names import COLUMN_DIM, ROW_DIM, VOCAB_DIM
 
 InitMethod = Callable[[torch.Tensor], object]
 

@@ -15,8 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megafab.checkpoint import keys
-from megafab.checkpoint.keys import OUTPUT_LAYER, WORD_EMBEDDING
+from megafab import param_names as keys
 from megafab.distributed.context_parallel import local_position_ids
 from megafab.distributed.cross_entropy import vocab_parallel_cross_entropy
 from megafab.distributed.layers import VocabParallelEmbedding
@@ -26,6 +25,7 @@ from megafab.model.init import normal_init
 from megafab.model.recompute import RecomputeSettings, forward_layers
 from megafab.model.te import fp8_chunk_context, transformer_layer_class
 from megafab.model.transformer import LayerContext, RotaryEmbedding, build_norm
+from megafab.param_names import OUTPUT_LAYER, WORD_EMBEDDING
 from megafab.pipeline_split import PipelineSplit
 
 

@@ -41,12 +41,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megafab.checkpoint.keys import (
-    layer_prefix,
-    local_to_te_name,
-    te_to_local_name,
-    tp_partition,
-)
 from megafab.distributed.layers import partition_of
 from megafab.distributed.mappings import group_rank, group_size
 from megafab.errors import MegafabError
@@ -54,6 +48,12 @@ from megafab.model.attention_backend import set_te_attention_switches
 from megafab.model.init import normal_init, output_layer_std
 from megafab.model.recompute import RecomputeSettings
 from megafab.model.transformer import TransformerLayer, apply_rotary, mlp_activation
+from megafab.param_names import (
+    layer_prefix,
+    local_to_te_name,
+    te_to_local_name,
+    tp_partition,
+)
 
 FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper and newer have FP8 tensor cores
 

@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megafab.checkpoint.keys import layer_prefix, partition_stride
 from megafab.distributed.context_parallel import context_parallel_attention
 from megafab.distributed.layers import ColumnParallelLinear, RowParallelLinear
 from megafab.distributed.mappings import group_size
@@ -27,6 +26,7 @@ from megafab.model.moe.layer import MoELayer
 from megafab.model.moe.settings import MoESettings
 from megafab.model.recompute import RecomputeSettings, recompute
 from megafab.model.rms_norm import RMSNorm, rms_norm
+from megafab.param_names import layer_prefix, partition_stride
 
 # SDPA takes grouped keys/values itself from torch 2.5 (enable_gqa); older torch repeats them here.
 SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)

@@ -1,6 +1,6 @@
 """FSDP2's communication in a training step, as megafab runs it (megafab.distributed.fsdp: torch's
 fully_shard with groups per transformer layer -- the layer itself for its norms, its attention
-block, its MLP, and an MoE layer's routed experts over expert-DP (training.planner.fsdp_layer_units)
+block, its MLP, and an MoE layer's routed experts over expert-DP (plan.planner.fsdp_layer_units)
 -- and each model chunk the root group holding the rest: embedding, final norm, output layer).
 
 Per group ("unit") with U parameters on this rank (its TP shard, before DP sharding), e bytes of the
@@ -49,7 +49,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from megafab.plan.collectives import FSDP_SUFFIX, collective_seconds, group_placement
-from megafab.training.state_memory import BYTES, grad_bytes
+from megafab.plan.state_memory import BYTES, grad_bytes
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Mixture-of-experts terms of the plan, from the model's sizes and the MoE settings alone.
 
-Notation as megafab.training.planner; E routed experts, k = --moe-router-topk, f_e each expert's
+Notation as megafab.plan.planner; E routed experts, k = --moe-router-topk, f_e each expert's
 width (--moe-ffn-hidden-size, default f), f_s the shared experts' width, t_e ETP, p_e EP, E_l = E/p_e
 local experts; f_1 = 2 f_e with SwiGLU, else f_e (likewise f_s1).
 
@@ -29,7 +29,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from megafab.training.state_memory import StateBytes, state_bytes
+from megafab.plan.state_memory import StateBytes, state_bytes
 
 
 @dataclass(frozen=True)

@@ -429,8 +429,8 @@ def with_kernel_times(rows: list[dict], machine: Machine) -> list[dict]:
     """Each row plus what the step-time model gives its kernels on `machine` (no host terms): one
     micro-batch's forward-backward (kernel_micro_batch_s) and the optimizer step (kernel_optimizer_s)."""
     from megafab.arguments import config_from_args
+    from megafab.plan.planner import plan
     from megafab.plan.step_time import optimizer_seconds, stage_passes
-    from megafab.training.planner import plan
 
     out = []
     for row in rows:

@@ -1,5 +1,5 @@
 """The layout search: every layout the config accepts for a model, global batch and device count,
-what it needs in memory (megafab.training.planner) and how long its step takes (step_time), ranked.
+what it needs in memory (megafab.plan.planner) and how long its step takes (step_time), ranked.
 
 Each candidate is the user's flags with the layout flags replaced (TP, PP, VPP, CP, micro-batch,
 recompute, sharding, sequence parallel). Its Config is built from the resolved base config's values
@@ -29,10 +29,11 @@ import itertools
 import time
 from dataclasses import dataclass
 
+from megafab import checks
 from megafab.arguments import config_from_args
 from megafab.config import Config, ConfigError
+from megafab.plan.planner import plan
 from megafab.plan.step_time import Prediction, predict
-from megafab.training.planner import plan
 
 GiB = 2.0**30
 
@@ -216,8 +217,8 @@ class _Builder:
             by_section[self.section[name]][name] = value
         sections = {name: _writable_copy(getattr(self.base, name), changes)
                     for name, changes in by_section.items()}
-        cfg = Config(**sections).finalize(self.world, validate=False)
-        return None if cfg.problems() else cfg
+        cfg = Config(**sections).finalize(self.world)
+        return None if checks.problems(cfg) else cfg
 
 
 def _writable_copy(section, changes: dict):

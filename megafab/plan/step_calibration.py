@@ -134,7 +134,7 @@ def fit_step_collectives(rows: list[dict], machine) -> None:
     with the others' latest); 0 where the model without the row's collectives is already slower
     than the step."""
     from megafab.arguments import config_from_args
-    from megafab.training.planner import plan
+    from megafab.plan.planner import plan
 
     built = []
     for row in rows:

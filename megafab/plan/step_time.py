@@ -1,6 +1,6 @@
 """One training iteration's time, from the FLOPs and bytes of a finalized Config on a Machine.
 
-Notation as megafab.training.planner: s sequence, b micro-batch, h hidden, a heads, g query groups,
+Notation as megafab.plan.planner: s sequence, b micro-batch, h hidden, a heads, g query groups,
 d head width, f ffn width, V padded vocab, t TP, c CP, e bytes per element; M = b s / c tokens per
 rank in every GEMM (under SP the GEMMs run on the TP-gathered sequence).
 
@@ -51,7 +51,7 @@ steps (param_tensors: DDP every tensor of its chunks, the distributed optimizer 
 shard of megafab's own bucket layout touches, FSDP2 every tensor's dim-0 shard). Ranks sharing a CPU's
 cores run their host work in turn too.
 
-Throughput is reported as Megatron does: model FLOPs (megafab.training.flops, no recompute) per
+Throughput is reported as Megatron does: model FLOPs (megafab.plan.flops, no recompute) per
 second per GPU, and MFU = that / the machine's peak for the model dtype.
 """
 
@@ -65,6 +65,7 @@ from megafab.config.moe import moe_settings
 from megafab.pipeline_split import PipelineSplit
 from megafab.plan import fsdp
 from megafab.plan.collectives import STEP_SUFFIX, collective_seconds, group_placement, p2p_seconds
+from megafab.plan.flops import flops_per_iteration
 from megafab.plan.moe import (
     expected_rows,
     expert_data_parallel_size,
@@ -73,11 +74,10 @@ from megafab.plan.moe import (
     router_tokens,
 )
 from megafab.plan.optimizer_tensors import param_tensors, sharding_name
+from megafab.plan.planner import chunk_params, fsdp_layer_units
 from megafab.plan.schedule import StagePass, pipeline_time, shared_pipeline_time
+from megafab.plan.state_memory import BYTES, grad_bytes
 from megafab.plan.step_syncs import step_sync_seconds
-from megafab.training.flops import flops_per_iteration
-from megafab.training.planner import chunk_params, fsdp_layer_units
-from megafab.training.state_memory import BYTES, grad_bytes
 
 
 @dataclass
@@ -535,7 +535,7 @@ def _shared_pipeline(cfg, machine, parts: tuple, fsdp_per_mb: list[float], host_
 
 
 def predict(cfg, machine, stages, tp_comm_overlap: bool = False, memo: dict | None = None) -> Prediction:
-    """Step time of the finalized cfg whose memory plan is `stages` (megafab.training.planner.plan);
+    """Step time of the finalized cfg whose memory plan is `stages` (megafab.plan.planner.plan);
     memo: see stage_passes."""
     p, t = cfg.parallel, cfg.training
     # ranks sharing a CPU's cores run their compute in turn (collectives are measured so already)

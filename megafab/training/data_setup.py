@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from megafab.config.probes import tokenizer_of
+from megafab.checks.probes import tokenizer_of
 from megafab.data.builder import build_gpt_datasets
 from megafab.data.samplers import build_data_iterator
 from megafab.training.batch_size import train_iterations

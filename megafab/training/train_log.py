@@ -22,9 +22,9 @@ import math
 import os
 import time
 
+from megafab.plan.flops import flops_per_iteration, peak_tflops
 from megafab.timers import Timers
 from megafab.training.batch_size import train_iterations
-from megafab.training.flops import flops_per_iteration, peak_tflops
 from megafab.training.log_line import MetricsJSONL, ScalarWriters, iteration_line, timestamp, validation_line
 from megafab.training.run_record import MemoryReport, memory_usage, run_directory
 from megafab.training.step import nan_iteration

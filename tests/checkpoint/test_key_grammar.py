@@ -1,4 +1,4 @@
-"""Parameter names are built and parsed in one module (megafab/checkpoint/keys.py): no other file in
+"""Parameter names are built and parsed in one module (megafab/param_names.py): no other file in
 megafab/ spells Megatron's `decoder.layers` in code, formats a layer number into a name, runs a
 regex over layer names or reads a layer number out of a split name. And the grammar itself:
 renumbering between global and stage-local layers, stacked names, TE names, legacy rank dirs."""
@@ -8,10 +8,10 @@ import pathlib
 
 import pytest
 
-from megafab.checkpoint import keys
+from megafab import param_names as keys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "megafab"
-GRAMMAR = ROOT / "checkpoint" / "keys.py"
+GRAMMAR = ROOT / "param_names.py"
 REGEX_CALLS = {"compile", "match", "fullmatch", "search", "sub", "findall", "finditer", "split"}
 
 

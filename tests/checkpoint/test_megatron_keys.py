@@ -5,10 +5,10 @@ agrees with the attributes megafab's layers give their parameters."""
 import torch
 
 from megafab.checkpoint import megatron_keys as mk
-from megafab.checkpoint.keys import tp_partition
 from megafab.checkpoint.layout import ParamLayout, model_key, optim_key
 from megafab.distributed.topology import build_topology
 from megafab.model.gpt import GPTModel
+from megafab.param_names import tp_partition
 from tests.harness import run_ranks
 from tests.model.tiny import GPT2_STYLE, LLAMA_STYLE, context, tiny_config
 

@@ -11,9 +11,9 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
 from megafab.checkpoint import checkpointing
-from megafab.checkpoint.keys import VOCAB_PADDED
 from megafab.checkpoint.layout import from_stored
 from megafab.checkpoint.megatron_dist import TorchDistSource
+from megafab.param_names import VOCAB_PADDED
 from tests.checkpoint import mcore
 from tests.checkpoint.util import make_state, train
 from tests.harness import run_ranks

@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from megafab.checkpoint import keys
+from megafab import param_names as keys
 from megafab.checkpoint.layout import ExpertPlacement, Shard, from_stored, param_layout, to_stored
 from megafab.checkpoint.megatron_keys import megafab_view, to_megatron
 

@@ -75,7 +75,7 @@ def _megafab_full(path, cfg) -> dict:
 
 def _as_megatron(sd: dict) -> dict:
     """A full megafab state dict under megatron-core's SequentialMLP names (global expert numbers)."""
-    from megafab.checkpoint.keys import is_routed_expert, sequential_expert_name
+    from megafab.param_names import is_routed_expert, sequential_expert_name
 
     out = {}
     for name, t in sd.items():
@@ -128,7 +128,7 @@ def _mcore_legacy_save(rank, world, root):
 
     from megatron.core import parallel_state as ps
 
-    from megafab.checkpoint.keys import rank_dir
+    from megafab.param_names import rank_dir
     from tests.checkpoint.mcore_moe_gpt import gpt_model
 
     with megatron_moe_ranks(ep=world):
@@ -150,7 +150,7 @@ def _mcore_legacy_load(rank, world, path):
 
     from megatron.core import parallel_state as ps
 
-    from megafab.checkpoint.keys import rank_dir
+    from megafab.param_names import rank_dir
     from tests.checkpoint.mcore_moe_gpt import gpt_model
 
     with megatron_moe_ranks(ep=world):

@@ -72,7 +72,7 @@ def _resume(rank, world, src, ep, dist_opt, dst=None):
 
 def _global_expert_weights(snapshot, ep_rank: int, local: int) -> dict:
     """Sequential expert names with global indices (the ranks' snapshots merged)."""
-    from megafab.checkpoint.keys import sequential_expert, sequential_expert_name
+    from megafab.param_names import sequential_expert, sequential_expert_name
 
     out = {}
     for name, t in snapshot.items():

@@ -9,8 +9,8 @@ from megafab.distributed.topology import build_topology
 from megafab.model.gpt import masked_mean_loss
 from megafab.optim.memory import measure_memory
 from megafab.optim.mixed_precision import MixedPrecisionOptimizer
+from megafab.plan.planner import plan
 from megafab.training.build import TrainState, build_model, build_optimizer, build_scheduler
-from megafab.training.planner import plan
 from megafab.training.step import train_step
 from tests.model.tiny import batch, full_grad, reference_model
 

@@ -142,7 +142,7 @@ def test_uneven_pipelines_equal_one_process(world, layouts, first_stage, last_st
     (2, dict(num_layers=7, num_virtual_stages_per_pipeline_rank=2, global_batch_size=8,
              account_for_embedding_in_pipeline_split=True))])
 def test_planner_counts_the_parameters_each_uneven_stage_builds(pp, flat):
-    from megafab.training.planner import stage_params
+    from megafab.plan.planner import stage_params
 
     cfg = tiny_config(pp=pp, style=LLAMA_STYLE, **flat)
     split = PipelineSplit.from_config(cfg)

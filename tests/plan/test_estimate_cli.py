@@ -6,9 +6,9 @@ import pytest
 
 from megafab.cli.estimate import main
 from megafab.plan.machines import machine
+from megafab.plan.planner import plan
 from megafab.plan.report import dry_run_prediction
 from megafab.plan.search import search
-from megafab.training.planner import plan
 from tests.training.launch import pretrain_in_ranks
 
 MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",

@@ -11,9 +11,9 @@ from megafab.arguments import config_from_args
 from megafab.plan import fsdp
 from megafab.plan.collectives import collective_seconds, group_placement
 from megafab.plan.machines import machine
+from megafab.plan.planner import fsdp_layer_units, layer_param_split, plan
+from megafab.plan.state_memory import grad_bytes
 from megafab.plan.step_time import layer_passes, predict
-from megafab.training.planner import fsdp_layer_units, layer_param_split, plan
-from megafab.training.state_memory import grad_bytes
 
 H100 = machine("h100-sxm-80gb")
 MODEL = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "2048",

@@ -7,9 +7,9 @@ import pytest
 
 from megafab.plan.machines import BUILTIN, HOST_TERMS
 from megafab.plan.optimizer_tensors import param_tensors
+from megafab.plan.planner import plan
 from megafab.plan.profile import HOST_MODELS, _fit, _line, fit_host_overheads
 from megafab.plan.step_time import predict
-from megafab.training.planner import plan
 from tests.harness import run_ranks
 from tests.helpers.flags import planned_gpt
 

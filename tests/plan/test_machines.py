@@ -117,9 +117,9 @@ def test_ring_latency_counts_the_steps_that_cross_nodes_and_grows_with_the_group
 def test_profile_measures_this_machine_and_the_model_uses_it(tmp_path, monkeypatch):
     from megafab.arguments import config_from_args
     from megafab.plan import step_calibration
+    from megafab.plan.planner import plan
     from megafab.plan.profile import measure
     from megafab.plan.step_time import predict
-    from megafab.training.planner import plan
 
     monkeypatch.setattr(step_calibration, "ROUNDS", 1)  # what is measured, not how well (a minute less)
     path = tmp_path / "here.json"

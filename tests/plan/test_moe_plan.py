@@ -6,12 +6,12 @@ import pytest
 
 from megafab.arguments import config_from_args
 from megafab.model.moe.settings import MoESettings
+from megafab.plan.flops import flops_per_iteration
 from megafab.plan.machines import machine
 from megafab.plan.moe import bound_rows, expected_rows, expert_data_parallel_size, moe_mlp_params
+from megafab.plan.planner import model_params, plan
 from megafab.plan.search import search
 from megafab.plan.step_time import predict
-from megafab.training.flops import flops_per_iteration
-from megafab.training.planner import model_params, plan
 
 MIXTRAL = """--disable-bias-linear --seq-length 4096 --max-position-embeddings 32768 --num-layers 32
     --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 --normalization RMSNorm

@@ -9,8 +9,8 @@ from megafab.distributed.topology import build_topology
 from megafab.model.gpt import build_model_chunks
 from megafab.model.transformer import LayerContext
 from megafab.pipeline_split import PipelineSplit
+from megafab.plan.planner import stage_param_split
 from megafab.training.moe import moe_context_fields
-from megafab.training.planner import stage_param_split
 from tests.harness import run_ranks
 from tests.model.tiny import LLAMA_STYLE, tiny_config
 
@@ -85,7 +85,7 @@ def test_distributed_optimizer_shards_expert_state_over_expert_dp():
 def _saved_and_planned(rank, world, overrides, tp=None):
     from megafab.model.gpt import GPTModel, masked_mean_loss
     from megafab.optim.memory import SavedActivations
-    from megafab.training.planner import plan
+    from megafab.plan.planner import plan
     from tests.model.tiny import batch
 
     tp = world if tp is None else tp

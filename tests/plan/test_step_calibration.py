@@ -10,6 +10,7 @@ from megafab.arguments import config_from_args
 from megafab.plan import step_calibration
 from megafab.plan.collectives import collective_seconds, placement
 from megafab.plan.machines import BUILTIN
+from megafab.plan.planner import plan
 from megafab.plan.step_calibration import (
     CALIBRATION_FLAGS,
     CALIBRATION_LAYOUTS,
@@ -17,7 +18,6 @@ from megafab.plan.step_calibration import (
     fit_step_collectives,
 )
 from megafab.plan.step_time import predict
-from megafab.training.planner import plan
 
 LOOP = {op: {"2": [4e-4, 8e8], "4": [9e-4, 6e8]}
         for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")}

@@ -6,9 +6,9 @@ import dataclasses
 import pytest
 
 from megafab.plan.machines import BUILTIN
+from megafab.plan.planner import plan
 from megafab.plan.step_syncs import step_sync_seconds
 from megafab.plan.step_time import predict
-from megafab.training.planner import plan
 from tests.helpers.flags import planned_gpt
 
 ALPHA = 1e-3

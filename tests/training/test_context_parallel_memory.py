@@ -5,7 +5,7 @@ import pytest
 from benchmarks.bench_util import build_state, gpt_flags, repeat_batch, synthetic_batch
 from benchmarks.memory import saved_bytes
 from megafab.arguments import config_from_args
-from megafab.training.planner import plan
+from megafab.plan.planner import plan
 from tests.harness import run_ranks
 
 SEQ = 512

@@ -7,7 +7,7 @@ from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
 from megafab.distributed.topology import build_topology
 from megafab.model.gpt import GPTModel, build_model_chunks, masked_mean_loss
 from megafab.optim.memory import SavedActivations
-from megafab.training.planner import format_plan, in_flight_chunks, plan
+from megafab.plan.planner import format_plan, in_flight_chunks, plan
 from tests.harness import run_ranks
 from tests.helpers.driver import measured_after_one_step
 from tests.model.tiny import GPT2_STYLE, LLAMA_STYLE, batch, context, tiny_config

@@ -1,9 +1,9 @@
-"""The planner's FSDP2 and optimizer-offload rows (megafab.training.state_memory) against the tensors
+"""The planner's FSDP2 and optimizer-offload rows (megafab.plan.state_memory) against the tensors
 that really exist after a step: weights, grads, device optimizer state and host bytes per rank."""
 
 import pytest
 
-from megafab.training.planner import format_plan, plan
+from megafab.plan.planner import format_plan, plan
 from tests.harness import run_ranks
 from tests.helpers.driver import measured_after_one_step
 from tests.model.tiny import tiny_config

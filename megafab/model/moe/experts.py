@@ -20,7 +20,7 @@ readers that know only the attention TP group (checkpoint layout, grad-norm) the
 params as TP-replicated, which they are at ETP 1, instead of split over TP, which they are not. The linears
 do no communication: the dispatcher hands every ETP rank the rows of all of them and sums their
 partial fc2 outputs. Expert biases under ETP > 1 are refused by megatron-core's config (and
-megafab's, config/rules.py); the layer still takes them: the fc2 bias is replicated, its value
+megafab's, megafab/checks/rules.py); the layer still takes them: the fc2 bias is replicated, its value
 added on ETP rank 0 only (the reduce-scatter sums the ranks' outputs), its gradient taken on every
 rank.
 
@@ -33,10 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megafab.checkpoint.keys import COLUMN_DIM, ROW_DIM, SWIGLU_STRIDE
 from megafab.distributed.layers import ParallelLayerError, partition_of
 from megafab.distributed.mappings import group_rank, group_size
 from megafab.model.init import normal_init, output_layer_std
+from megafab.param_names import COLUMN_DIM, ROW_DIM, SWIGLU_STRIDE
 
 GROUPED_MM = getattr(F, "grouped_mm", None)
 

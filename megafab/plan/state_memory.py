@@ -1,5 +1,5 @@
 """Bytes of training state per rank (weights, gradients, optimizer state; device and host) for every
-data-parallel engine, from the config alone. The planner (megafab.training.planner) adds them to
+data-parallel engine, from the config alone. The planner (megafab.plan.planner) adds them to
 its stage rows; benchmarks/memory.py and tests measure them against the real tensors.
 
 P = parameters of the rank's stage (on its TP rank), d = DP x CP size (the sharding group), e =

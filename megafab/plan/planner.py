@@ -5,7 +5,7 @@ Notation: s sequence, b micro-batch, h hidden, a heads, g query groups, d head w
 V padded vocab, t TP size, e bytes per activation element (2 for bf16/fp16, 4 for fp32);
 r = t with sequence parallel, else 1 (the norm/dropout region is split over TP only under SP).
 
-Training state per rank: megafab.training.state_memory (Megatron's distributed-optimizer table,
+Training state per rank: megafab.plan.state_memory (Megatron's distributed-optimizer table,
 FSDP2's ZeRO-3 shards, optimizer CPU offload's device and host bytes). Without FSDP2 or offload:
     weights     e_param * P
     grads       4 * P                       fp32 main grads (DDP's grad buffer)
@@ -71,6 +71,7 @@ from dataclasses import dataclass
 
 from megafab.config.moe import moe_settings
 from megafab.pipeline_split import PipelineSplit
+from megafab.plan.flops import flops_per_iteration
 from megafab.plan.moe import (
     bound_rows,
     dense_mlp_params,
@@ -83,8 +84,7 @@ from megafab.plan.moe import (
     moe_mlp_params,
     stage_state_bytes,
 )
-from megafab.training.flops import flops_per_iteration
-from megafab.training.state_memory import BYTES, fsdp_moments
+from megafab.plan.state_memory import BYTES, fsdp_moments
 
 
 @dataclass
@@ -128,7 +128,7 @@ class StagePlan:
         """Device bytes at the peak (peak_phase says where). Building the model and loading a
         checkpoint stay below it: they hold one layer unsharded at a time, and no activations.
         FSDP2's largest unsharded-gradient moment and the activations are one max (see
-        megafab.training.state_memory)."""
+        megafab.plan.state_memory)."""
         moments = self._moments(self.activation_peak_bytes)
         return self.state_bytes + self.fsdp_held_bytes + max(moments.values())
 

@@ -2,7 +2,7 @@
 the tokenizer files, a writable --save; and the tokenizer's vocabulary size, which the config needs
 before it is finalized (the padded vocabulary is derived from it).
 
-Not rules (config/rules.py is pure): the entry point runs `start_up_problems` with its machine
+Not rules (checks/rules.py is pure): the entry point runs `start_up_problems` with its machine
 checks, before any process group, so these problems join the rule problems in one message.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from megafab.config.rules import DATA_PATH_FLAGS
+from megafab.checks.run_rules import DATA_PATH_FLAGS
 
 TOKENIZER_FILES = {"GPT2BPETokenizer": ("vocab_file", "merge_file")}  # others read --tokenizer-model
 

@@ -1,0 +1,220 @@
+"""The configuration's rules for training, data, checkpoints and sharding: pure functions of the
+values; each broken rule is one line."""
+
+from __future__ import annotations
+
+from megafab.checks.rules import required
+from megafab.config.schema import CKPT_FORMATS
+from megafab.data.blend_spec import parse_blend, parse_split
+from megafab.data.errors import DataError
+
+DATA_PATH_FLAGS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
+
+
+def training_problems(cfg) -> list[str]:
+    t, p, o = cfg.training, cfg.parallel, cfg.optimizer
+    out = required(t, ["micro_batch_size"])
+    dp = p.data_parallel_size
+    if t.micro_batch_size and dp and t.global_batch_size and \
+            t.global_batch_size % (t.micro_batch_size * dp):
+        out.append(f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size "
+                   f"{t.micro_batch_size} x data-parallel size {dp} = {t.micro_batch_size * dp}; use a "
+                   f"multiple of {t.micro_batch_size * dp}")
+    if t.train_iters is not None and t.train_samples is not None:
+        out.append("give only one of --train-iters and --train-samples")
+    if not t.dry_run and not t.skip_train and t.train_iters is None and t.train_samples is None:
+        out.append("--train-iters (or --train-samples) is required to train")
+    if not t.skip_train and o.lr is None and not t.dry_run:
+        out.append("--lr is required")
+    warmups = [n for n, v in (("--lr-warmup-fraction", o.lr_warmup_fraction),
+                              ("--lr-warmup-iters", o.lr_warmup_iters),
+                              ("--lr-warmup-samples", o.lr_warmup_samples)) if v]
+    if len(warmups) > 1:
+        out.append(f"give only one of {', '.join(warmups)}")
+    if t.max_consecutive_skipped_iterations < 0:
+        out.append(f"--max-consecutive-skipped-iterations {t.max_consecutive_skipped_iterations} must be "
+                   f"at least 0 (0: never stop for skipped iterations)")
+    if t.eval_interval is not None and t.eval_interval <= 0:
+        out.append(f"--eval-interval {t.eval_interval} must be positive")
+    if o.override_opt_param_scheduler and o.use_checkpoint_opt_param_scheduler:
+        out.append("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict "
+                   "each other (the command line's schedule or the checkpoint's); give one")
+    if o.decoupled_min_lr is not None and o.decoupled_lr is None:
+        out.append("--decoupled-min-lr needs --decoupled-lr (the embedding/output-layer schedule it ends)")
+    if o.decoupled_lr is not None and o.decoupled_min_lr is not None and o.decoupled_min_lr > o.decoupled_lr:
+        out.append(f"--decoupled-min-lr {o.decoupled_min_lr} exceeds --decoupled-lr {o.decoupled_lr}")
+    if t.manual_gc_interval < 0:
+        out.append(f"--manual-gc-interval {t.manual_gc_interval} must be 0 (off) or positive")
+    out += rampup_problems(cfg)
+    out += profile_problems(cfg)
+    return out
+
+
+def rampup_problems(cfg) -> list[str]:
+    """Megatron's rules for --rampup-batch-size START INCREMENT SAMPLES."""
+    t, p = cfg.training, cfg.parallel
+    if t.rampup_batch_size is None:
+        return []
+    if len(t.rampup_batch_size) != 3:
+        return [f"--rampup-batch-size takes 3 values (START INCREMENT SAMPLES), got "
+                f"{' '.join(map(str, t.rampup_batch_size))}"]
+    start, incr, samples = t.rampup_batch_size
+    out = []
+    if t.train_iters is not None:
+        out.append("--rampup-batch-size needs sample-based training: give --train-samples (and "
+                   "--lr-decay-samples / --lr-warmup-samples) instead of --train-iters, as Megatron requires")
+    if start <= 0 or incr <= 0 or samples < 0:
+        out.append(f"--rampup-batch-size {start} {incr} {samples}: START and INCREMENT must be "
+                   f"positive and SAMPLES not negative")
+        return out
+    gbs, step = t.global_batch_size, (t.micro_batch_size or 0) * (p.data_parallel_size or 0)
+    if gbs and (gbs < start or (gbs - start) % incr):
+        out.append(f"--rampup-batch-size {start} {incr} {samples}: --global-batch-size {gbs} must be "
+                   f"START plus a whole number of INCREMENTs")
+    for name, value in (("START", start), ("INCREMENT", incr)):
+        if step and value % step:
+            out.append(f"--rampup-batch-size {name} {value} is not divisible by --micro-batch-size x "
+                       f"data-parallel size = {step}; every ramp step must be whole micro-batches per rank")
+    interleaved = (p.virtual_pipeline_model_parallel_size or 1) > 1
+    pp = p.pipeline_model_parallel_size
+    if interleaved and step and any((v // step) % pp for v in (start, incr)):
+        out.append(f"--rampup-batch-size {start} {incr}: with the interleaved schedule every ramp step's "
+                   f"micro-batch count must be a multiple of --pipeline-model-parallel-size {pp}")
+    return out
+
+
+def profile_problems(cfg) -> list[str]:
+    lg, world = cfg.logging, cfg.parallel.world_size
+    if not lg.profile:
+        return []
+    out = []
+    if not 0 <= lg.profile_step_start < lg.profile_step_end:
+        out.append(f"--profile-step-start {lg.profile_step_start} must be before --profile-step-end "
+                   f"{lg.profile_step_end}")
+    outside = [r for r in lg.profile_ranks if world and not 0 <= r < world]
+    if outside:
+        out.append(f"--profile-ranks {' '.join(map(str, outside))}: not a rank of this {world}-process job")
+    return out
+
+
+def data_problems(cfg) -> list[str]:
+    d, m, t = cfg.data, cfg.model, cfg.training
+    out = []
+    needs_data = not t.dry_run and not d.mock_data
+    has_paths = d.data_path or d.train_data_path
+    if needs_data and not has_paths:
+        out.append("no training data: give --data-path (or --train-data-path), or --mock-data")
+    if d.data_path and d.train_data_path:
+        out.append("give either --data-path or --train-data-path/--valid-data-path/--test-data-path")
+    kind = d.tokenizer_type
+    if kind in ("GPT2BPETokenizer",):
+        for flag, value in (("--vocab-file", d.vocab_file), ("--merge-file", d.merge_file)):
+            if value is None:
+                out.append(f"--tokenizer-type {kind} needs {flag}")
+    elif kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
+                  "HuggingFaceTokenizer"):
+        if d.tokenizer_model is None:
+            out.append(f"--tokenizer-type {kind} needs --tokenizer-model")
+    elif kind == "TikTokenizer":
+        if d.tokenizer_model is None:
+            out.append("--tokenizer-type TikTokenizer needs --tokenizer-model (Megatron's tiktoken "
+                       "vocabulary .json)")
+        if d.tiktoken_pattern is None:
+            out.append("--tokenizer-type TikTokenizer needs --tiktoken-pattern v1 or v2")
+    elif kind == "NullTokenizer":
+        if m.vocab_size is None:
+            out.append("--tokenizer-type NullTokenizer needs --vocab-size")
+    elif kind is None and (needs_data or d.mock_data):
+        if m.vocab_size is None:
+            out.append("no tokenizer: give --tokenizer-type (or --vocab-size with --mock-data)")
+    if d.tokenizer_special_tokens and kind != "TikTokenizer":
+        out.append(f"--tokenizer-special-tokens is implemented for --tokenizer-type TikTokenizer only, not "
+                   f"{kind}; drop it")
+    if d.reset_attention_mask and not d.create_attention_mask_in_dataloader:
+        out.append("--reset-attention-mask needs the attention mask the data loader builds; drop "
+                   "--no-create-attention-mask-in-dataloader (or --reset-attention-mask)")
+    out += data_path_problems(cfg)
+    return out
+
+
+def data_path_problems(cfg) -> list[str]:
+    """Each data-path flag and --split parses (megafab.data.blend_spec's rules)."""
+    d, out = cfg.data, []
+    for flag in DATA_PATH_FLAGS:
+        try:
+            parse_blend(getattr(d, flag))
+        except DataError as e:
+            out.append(f"--{flag.replace('_', '-')}: {e}")
+    if d.split is not None:
+        try:
+            parse_split(d.split)
+        except DataError as e:
+            out.append(str(e))
+    return out
+
+
+def checkpoint_problems(cfg) -> list[str]:
+    c = cfg.checkpoint
+    out = []
+    if c.save_interval and not c.save:
+        out.append("--save-interval needs --save DIR")
+    if c.ckpt_format not in CKPT_FORMATS:
+        out.append(f"--ckpt-format {c.ckpt_format!r} is not supported by megafab (it reads and writes "
+                   f"{' and '.join(CKPT_FORMATS)})")
+    elif c.ckpt_format == "torch" and c.save and not c.no_save_optim:
+        out.append("--ckpt-format torch (Megatron's legacy files) is written without optimizer state: its "
+                   "layout follows Megatron's parameter order and buffers, which no other layout reads; add "
+                   "--no-save-optim, or save --ckpt-format torch_dist (the default, fully reshardable)")
+    return out
+
+
+def sharding_problems(cfg) -> list[str]:
+    p, o, pr, m = cfg.parallel, cfg.optimizer, cfg.precision, cfg.model
+    out = []
+    if p.use_torch_fsdp2 and p.use_megatron_fsdp:
+        out.append("--use-torch-fsdp2 and --use-megatron-fsdp were both given; choose one (megafab runs "
+                   "both with torch FSDP2)")
+    if p.use_torch_fsdp2 and p.use_distributed_optimizer:
+        out.append("--use-torch-fsdp2 and --use-distributed-optimizer cannot be combined: FSDP2 shards "
+                   "the optimizer state itself (ZeRO-3 includes ZeRO-1); drop --use-distributed-optimizer")
+    strategy = p.data_parallel_sharding_strategy
+    if strategy not in (None, "no_shard") and not p.use_megatron_fsdp:
+        out.append(f"--data-parallel-sharding-strategy {strategy} needs --use-megatron-fsdp (with "
+                   f"--use-torch-fsdp2, FSDP2 always shards parameters, gradients and optimizer state)")
+    if not p.torch_fsdp2_reshard_after_forward and not p.use_torch_fsdp2:
+        out.append("--torch-fsdp2-no-reshard-after-forward needs --use-torch-fsdp2 (with "
+                   "--use-megatron-fsdp, --data-parallel-sharding-strategy optim_grads asks for it)")
+    if p.fully_sharded:
+        flag = "--use-torch-fsdp2" if p.use_torch_fsdp2 else "--use-megatron-fsdp"
+        if p.overlap_param_gather and p.use_torch_fsdp2:
+            out.append("--use-torch-fsdp2 and --overlap-param-gather cannot be combined: the flag is "
+                       "the distributed optimizer's, and FSDP2 prefetches the next unit's all-gather "
+                       "by itself; drop --overlap-param-gather")
+        if p.ddp_bucket_size is not None:
+            out.append(f"{flag} and --ddp-bucket-size cannot be combined: FSDP2 reduces one layer unit "
+                       f"at a time, there are no DDP buckets; drop --ddp-bucket-size")
+        if pr.fp8_format is not None:
+            out.append(f"{flag} and --fp8-format cannot be combined in megafab yet (FSDP2 would gather "
+                       f"16-bit weights for Transformer Engine's FP8 layers); drop one of them")
+        if m.transformer_impl == "transformer_engine":
+            out.append(f"{flag} and --transformer-impl transformer_engine cannot be combined in megafab "
+                       f"yet; use --transformer-impl local with FSDP2")
+        if m.compile_layers:
+            out.append(f"{flag} and --compile cannot be combined in megafab yet; drop --compile")
+        if cfg.checkpoint.ckpt_format == "torch" and cfg.checkpoint.save:
+            out.append(f"{flag} and --ckpt-format torch cannot be combined with --save: Megatron's legacy "
+                       f"files hold each TP rank's whole tensors, which FSDP2 keeps sharded over DP "
+                       f"(writing them would gather them on one rank); save --ckpt-format torch_dist "
+                       f"(the default, which loads at any DP size and without FSDP2)")
+    fraction = o.optimizer_offload_fraction
+    if not o.optimizer_cpu_offload:
+        needs = [flag for flag, given in (
+            ("--optimizer-offload-fraction", fraction is not None),
+            ("--no-pin-cpu-grads", not o.pin_cpu_grads), ("--no-pin-cpu-params", not o.pin_cpu_params))
+            if given]
+        out += [f"{flag} needs --optimizer-cpu-offload" for flag in needs]
+        if o.use_precision_aware_optimizer:
+            out.append("--use-precision-aware-optimizer is not implemented in megafab on its own (its "
+                       "non-fp32 main-param/moment dtypes are not); it is accepted only with "
+                       "--optimizer-cpu-offload, whose code path Megatron routes through it")
+    return out
