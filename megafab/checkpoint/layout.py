@@ -1,40 +1,16 @@
 """Where every tensor of a megafab checkpoint lives: one rule for training, conversion and generation.
 
-Keys (identical in every TP/PP/VPP/DP layout and for both optimizers, so any layout loads any other):
+Keys are the same in every TP/PP/VPP/DP layout and for both optimizers, so any layout loads any
+other: `model.<name>` and `optim.<name>.<kind>` (optim_key), <name> megatron-core's global
+parameter name. Every tensor is stored under its global (TP=1) shape; strided parameters are
+stored with their blocks on a leading axis (strided_shape), routed experts with the global expert
+axis first (ExpertPlacement), and the tied output layer not at all (stored_name). Dim 0 of the
+word embedding and of an untied output layer is the padded vocabulary (megafab.checkpoint.vocab).
+On disk the keys are Megatron's (megatron_keys.py).
 
-    model.<name>                          the parameter
-    optim.<name>.main_param               fp32 main copy (bf16/fp16 models only)
-    optim.<name>.exp_avg / .exp_avg_sq    Adam moments, shaped like the parameter
-    optim.<name>.momentum_buffer          SGD's momentum instead (--optimizer sgd, momentum > 0)
-    optim.<name>.step                     Adam's step count (0-d; every parameter steps together;
-                                          SGD keeps none, stored as 0)
-
-<name> is megatron-core's global parameter name (global layer numbers). Every tensor is stored
-under its *global* shape, that of the TP=1 parameter, with two rules:
-
-* Strided parameters (Megatron's partition_stride s > 1: SwiGLU's packed fc1 [gate; up], whose TP
-  rank r holds [gate_r; up_r]) are stored with the s blocks on a leading axis, [2f, h] -> [2, f, h],
-  so each rank's TP block is one rectangle (offset r * f / tp on dim 1).
-* Routed experts are stored under their grouped names with the global expert axis first,
-  `mlp.experts.linear_fc1.weight` [E, 2, f, h] (keys.experts_name): a rank holds the rows of its
-  experts (ExpertPlacement), its expert-TP block inside them.
-* The tied output layer (`output_layer.weight` of a last stage whose embedding is shared) is not
-  stored: it is the word embedding, gets the same gradient and so the same Adam state, and reads
-  `embedding.word_embeddings.weight`.
-
-Dim 0 of the word embedding and of an untied output layer is the *padded* vocabulary (Megatron
-pads vocab_size to a multiple of make-vocab-size-divisible-by x TP); the checkpoint's args record
-vocab_size, so a model padded otherwise keeps the real rows (megafab.checkpoint.vocab).
-
-These keys are megafab's own, used in memory; on disk they are Megatron's (megatron_keys.py maps
-each (key, box) to Megatron's, stacked layers and all).
-
-What a rank holds of a parameter is described by its ParamLayout: the stored name, the global
-shape and this rank's TP block (offsets and shape in the stored view). Any flat range [lo, hi) of
-the block -- the distributed optimizer's slice, a DP rank's share of the weights -- is a Shard: a
-short list of rectangular boxes of the global tensor (megafab.checkpoint.boxes), each a view of
-the flat tensor that holds the range. A rank writes the Shards of what it owns, reads the Shards
-of what it will own, and never holds more.
+A rank's part of a parameter is its ParamLayout (stored name, global shape, its TP block); any flat
+range of the block is a Shard, a few rectangular boxes of the global tensor (boxes.py). A rank
+writes the Shards of what it owns, reads those it will own, and never holds more.
 """
 
 from __future__ import annotations
@@ -65,6 +41,9 @@ def model_key(name: str) -> str:
 
 
 def optim_key(name: str, kind: str) -> str:
+    """`optim.<name>.<kind>`: kind is main_param (the fp32 main copy, bf16/fp16 models only),
+    exp_avg / exp_avg_sq (Adam's moments, shaped like the parameter), momentum_buffer (SGD with
+    momentum > 0) or step (Adam's 0-d step count; every parameter steps together; SGD stores 0)."""
     return f"{OPTIM_PREFIX}{name}.{kind}"
 
 
@@ -82,12 +61,17 @@ def is_tied_copy(name: str, param) -> bool:
 
 
 def stored_name(name: str, param) -> str:
-    """The name a parameter is stored under (the tied output layer reads the embedding's)."""
+    """The name a parameter is stored under. The tied output layer (`output_layer.weight` of a last
+    stage whose embedding is shared) is not stored: it is the word embedding, gets the same gradient
+    and so the same Adam state, and reads `embedding.word_embeddings.weight`."""
     return WORD_EMBEDDING if is_tied_copy(name, param) else name
 
 
 def strided_shape(shape: tuple[int, ...], dim: int, stride: int) -> tuple[int, ...]:
-    """`shape` with dim split into (stride, shape[dim] / stride): the stored view of a strided tensor."""
+    """`shape` with dim split into (stride, shape[dim] / stride): the stored view of a strided tensor.
+    Megatron's partition_stride s > 1 (SwiGLU's packed fc1 [gate; up], whose TP rank r holds
+    [gate_r; up_r]) is stored with the s blocks on a leading axis, [2f, h] -> [2, f, h], so each
+    rank's TP block is one rectangle (offset r * f / tp on dim 1)."""
     if stride == 1:
         return tuple(shape)
     return (*shape[:dim], stride, shape[dim] // stride, *shape[dim + 1:])
@@ -186,7 +170,9 @@ class ParamLayout:
 class ExpertPlacement:
     """This rank's routed experts: global experts [first, first + E_local) of `total` (EP rank r
     holds first = r * total / EP), each split over expert-TP (etp, etp_rank); swiglu: fc1 is
-    [gate; up] (strided)."""
+    [gate; up] (strided). Routed experts are stored under their grouped names with the global
+    expert axis first, `mlp.experts.linear_fc1.weight` [E, 2, f, h] (param_names.experts_name): a
+    rank holds the rows of its experts, its expert-TP block inside them."""
 
     total: int
     first: int = 0

@@ -4,24 +4,14 @@ megatron-core's dist_checkpointing.load reads.
     iter_0000100/
         metadata.json            {"sharded_backend": "torch_dist", ...}; written last: marks it complete
         .metadata, __R_T.distcp  DCP: tensors under Megatron keys (megatron_keys.py), and byte objects
-                                 (each linear module's `_extra_state`; newer megatron-core also keeps
-                                 the common state there, as `common_state/shard_0_1`)
-        common.pt                torch.save'd dict: args (argparse.Namespace), checkpoint_version 3.0,
-                                 iteration, opt_param_scheduler, optimizer (param groups, Adam's step,
-                                 param_state_sharding_type), content_metadata; megafab adds its own
-                                 counters under `megafab` (Megatron ignores the key)
+                                 (`_extra_state`; newer megatron-core's `common_state/shard_0_1`)
+        common.pt                torch.save'd dict: args, checkpoint_version 3.0, iteration, scheduler,
+                                 optimizer (param groups, Adam's step, param_state_sharding_type);
+                                 megafab's own counters under `megafab` (Megatron ignores the key)
         rng/rank_00000.pt        megafab-written only: each rank's RNG streams (weights-only file)
 
-Pickled parts are read with safe_pickle (no pickled code runs); tensors by DCP as raw storage.
-
-Optimizer state. megatron-core's plain optimizer stores `optimizer.state.{exp_avg, exp_avg_sq,
-fp32_param}.<key>` shaped like the parameter; its distributed optimizer stores, by
-`param_state_sharding_type`: fully_reshardable (`optimizer.state.{param, exp_avg, exp_avg_sq}`,
-parameter-shaped: read), fully_sharded_model_space (parameter-shaped in megatron-core >= 0.14:
-read; flat ranges before: refused), dp_reshardable / dp_zero_gather_scatter / fully_sharded_bucket_space
-(flat buffers of the saving job's bucket layout: refused by name, --no-load-optim loads the rest).
-megafab writes the plain optimizer's form, or fully_reshardable from its distributed optimizer --
-each DP rank its own boxes of the parameter-shaped tensors, never a gathered copy.
+Pickled parts are read with safe_pickle (no pickled code runs); tensors by DCP as raw storage. Which
+optimizer formats are read: _optimizer_problem; which are written: megatron_shards.
 """
 
 from __future__ import annotations
@@ -32,6 +22,7 @@ import os
 import torch
 
 from megafab.checkpoint import megatron_keys as mk
+from megafab.checkpoint import safe_pickle
 from megafab.checkpoint.errors import CheckpointError
 from megafab.checkpoint.formats import METADATA_JSON
 from megafab.checkpoint.layout import MODEL_PREFIX, STEP, Shard, split_key
@@ -43,6 +34,7 @@ from megafab.checkpoint.source import (
     counters_from_common,
     read_json_object,
 )
+from megafab.config import Config
 from megafab.param_names import expert_extra_state_key, layer_extra_state_key, stacked_extra_state_key
 
 COMMON_PT = "common.pt"
@@ -62,15 +54,10 @@ SCHEDULER_FIELDS = {"max_lr": "max_lr", "min_lr": "min_lr", "lr_warmup_steps": "
 
 
 def dcp_io():
+    # deferred: torch.distributed.checkpoint costs seconds to import; only saves and loads pay it
     from megafab.checkpoint import dcp_io as io
 
     return io
-
-
-def _safe_pickle():
-    from megafab.checkpoint import safe_pickle
-
-    return safe_pickle
 
 
 # ---- reading -------------------------------------------------------------------------------------
@@ -88,7 +75,7 @@ def read_common(path: str) -> dict:
     """The common state of a torch_dist checkpoint: common.pt, or the `common_state` object."""
     file = os.path.join(path, COMMON_PT)
     if os.path.isfile(file):
-        common = _safe_pickle().load(file)
+        common = safe_pickle.load(file)
     else:
         if COMMON_STATE not in dcp_io().read_metadata(path).state_dict_metadata:
             raise CheckpointError(f"{file}: missing, and the DCP files hold no {COMMON_STATE} object "
@@ -96,7 +83,7 @@ def read_common(path: str) -> dict:
                                   f"or the copy is partial: copy the whole directory, or load an earlier "
                                   f"iteration")
         raw = dcp_io().read_objects(path, [COMMON_STATE])
-        common = _safe_pickle().loads(raw[COMMON_STATE], f"{path} ({COMMON_STATE})")[0]
+        common = safe_pickle.loads(raw[COMMON_STATE], f"{path} ({COMMON_STATE})")[0]
     if not isinstance(common, dict):
         raise CheckpointError(f"{file} holds a {type(common).__name__}, not Megatron's common state dict; "
                               f"restore it from the original run")
@@ -124,7 +111,14 @@ def adam_step(common: dict) -> float | None:
 
 def _optimizer_problem(common: dict, view: dict, in_buckets: bool) -> str | None:
     """Why the optimizer state cannot be restored (None: it can); in_buckets: stored as the
-    distributed optimizer's flat bucket buffers (mk.OPTIM_BUCKETS keys, which `view` leaves out)."""
+    distributed optimizer's flat bucket buffers (mk.OPTIM_BUCKETS keys, which `view` leaves out).
+
+    megatron-core's plain optimizer stores `optimizer.state.{exp_avg, exp_avg_sq, fp32_param}.<key>`
+    shaped like the parameter: read. Its distributed optimizer's, by param_state_sharding_type:
+    fully_reshardable (`optimizer.state.{param, exp_avg, exp_avg_sq}`, parameter-shaped): read;
+    fully_sharded_model_space: parameter-shaped in megatron-core >= 0.14, read; flat ranges before,
+    refused; dp_reshardable / dp_zero_gather_scatter / fully_sharded_bucket_space (flat buffers of
+    the saving job's bucket layout): refused by name, and --no-load-optim loads the rest."""
     sharding = _get(common, "optimizer", "param_state_sharding_type")
     if in_buckets or (sharding is not None and sharding not in READABLE_OPTIMIZER_FORMATS):
         return (f"its distributed-optimizer state has sharding type {sharding!r}: flat buffers laid out by "
@@ -156,8 +150,6 @@ def _megatron_counters(common: dict, args: dict) -> Counters | None:
 def saved_config(common: dict, path: str):
     """The Config a torch_dist checkpoint was saved with: megafab's own, or built from Megatron's args
     (whose names are megafab's config fields; Megatron's validate_args derived the sizes)."""
-    from megafab.config import Config
-
     ours = common.get(MEGAFAB)
     flat = ours["config"] if ours is not None else flat_from_args(common.get("args"))
     if not flat.get("num_layers"):
@@ -288,8 +280,10 @@ def write_common(path: str, common: dict) -> None:
 
 def megatron_shards(shards: dict[str, Shard], model_cfg, distributed_optimizer: bool,
                     stacked: bool = True) -> dict[str, Shard]:
-    """A save's megafab-keyed Shards as torch_dist's (see the module docstring for the optimizer);
-    stacked: mk.stacks_layers."""
+    """A save's megafab-keyed Shards as torch_dist's; stacked: mk.stacks_layers. The optimizer state
+    is written in megatron-core's plain optimizer's form (`fp32_param`), or in fully_reshardable
+    form (`param`) from the distributed optimizer: each DP rank its own boxes of the
+    parameter-shaped tensors, never a gathered copy."""
     if not distributed_optimizer:
         return mk.to_megatron(shards, model_cfg, "fp32_param", stacked)
     out = mk.to_megatron(shards, model_cfg, "param", stacked)

@@ -1,27 +1,13 @@
 """megafab's checkpoint keys <-> Megatron-LM torch_dist keys, box by box.
 
 megatron-core's torch_dist (GPTModel.sharded_state_dict) holds the same global tensors as megafab
-(layout.py: global shapes, qkv packed per key/value group, padded vocabulary, the tied output layer
-not stored), named and stacked differently:
-
-* transformer layers are stacked on a leading dim: megafab's `decoder.layers.N.<suffix>` is row N
-  of Megatron's `decoder.layers.<suffix>` [L, ...], L = every layer of the model whatever its
-  PP/VPP split (checkpoints saved with `non_homogeneous_layers` keep `decoder.layers.N.<suffix>`;
-  both read);
-* layer norms carry Transformer Engine names whatever the layer spec (megatron-core's local spec
-  maps input_layernorm -> self_attention.linear_qkv.layer_norm_*; the table is keys.TE_NAMES);
-* SwiGLU's fc1 is one [2f, h] = [gate; up] tensor; megafab stores it as a [2, f, h] view (the same
-  bytes), so a megafab box at stride s, rows [o, o + n) is Megatron's rows [s f + o, s f + o + n)
-  (routed experts: the same on dim 1 of [E, 2, f, h]);
-* routed experts: megafab's `mlp.experts.linear_fc1.weight` [E, 2f, h] (global expert axis, see
-  keys.py) is Megatron's `mlp.experts.experts.linear_fc1.weight`, [L, E, 2f, h] stacked. Checkpoints
-  of models with dense layers between MoE ones (--moe-layer-freq other than 1) keep per-layer keys
-  (megatron-core's non_homogeneous_layers) and megafab writes them so too (stacks_layers).
-
-There is no `model.` prefix. Optimizer state is `optimizer.state.<kind>.<key>`, shaped and boxed
-like the parameter: the torch optimizer's own kinds (Adam's exp_avg, exp_avg_sq; SGD's
-momentum_buffer) and the fp32 main copy -- `fp32_param` for megatron-core's plain optimizer, `param`
-for its distributed optimizer's fully_reshardable format. Adam's step is in common.pt.
+(layout.py), named and stacked differently (megatron_name): transformer layers stacked on a
+leading dim (`decoder.layers.<suffix>` [L, ...], unless saved with non_homogeneous_layers:
+stacks_layers), layer norms under Transformer Engine names, routed experts as
+`mlp.experts.experts.*`, and SwiGLU's fc1 as one [2f, h] tensor where megafab keeps a [2, f, h]
+view (_megatron_boxes). There is no `model.` prefix; optimizer state is
+`optimizer.state.<kind>.<key>`, shaped and boxed like the parameter (to_megatron), Adam's step in
+common.pt.
 
 Every translated box is a view of the megafab box's view: translating copies nothing.
 """
@@ -73,7 +59,14 @@ EXPERT_MODULES = ("linear_fc1", "linear_fc2")
 
 
 def megatron_name(name: str) -> tuple[str, int | None]:
-    """(Megatron key, layer number or None) of megafab parameter `name` (stacked layers)."""
+    """(Megatron key, layer number or None) of megafab parameter `name` (stacked layers).
+
+    megafab's `decoder.layers.N.<suffix>` is row N of Megatron's `decoder.layers.<suffix>` [L, ...],
+    L = every layer of the model whatever its PP/VPP split. Layer norms carry Transformer Engine
+    names whatever the layer spec (the local spec's input_layernorm is
+    self_attention.linear_qkv.layer_norm_*: param_names.TE_NAMES). Routed experts'
+    `mlp.experts.linear_fc1.weight` [E, 2f, h] (global expert axis) is Megatron's
+    `mlp.experts.experts.linear_fc1.weight`, [L, E, 2f, h] stacked."""
     return stacked_name(dist_expert_name(local_to_te_name(name)))
 
 
@@ -117,7 +110,10 @@ def is_stacked(stored_keys) -> bool:
 # ---- Shards: megafab keys -> Megatron keys ----------------------------------------------------------
 def _megatron_boxes(box: Box, view, layer: int | None, stacked: bool, strided: tuple[int, int] | None):
     """(Megatron box, view) pieces of one megafab box of a layer (or non-layer) parameter;
-    strided: (dim d, rows f) of a [..., 2, f, ...] stored view."""
+    strided: (dim d, rows f) of a [..., 2, f, ...] stored view. SwiGLU's fc1 is Megatron's one
+    [2f, h] = [gate; up] tensor, megafab's [2, f, h] view of the same bytes: a megafab box at
+    stride s, rows [o, o + n) is Megatron's rows [s f + o, s f + o + n) (routed experts: the same
+    on dim 1 of [E, 2, f, h])."""
     pieces = [(box, view)]
     if strided is not None:  # [.., 2, f, ...] -> [.., 2f, ...]: one piece per stride row in the box
         d, rows = strided
@@ -146,7 +142,9 @@ def to_megatron(shards: dict[str, Shard], model_cfg, main_kind: str = "fp32_para
                 stacked: bool = True, stored_keys=None) -> dict[str, Shard]:
     """The Shards of megafab keys (model.* / optim.*) as Shards of Megatron keys, the same views.
     `step` entries are left out (Megatron keeps Adam's step in common.pt). stored_keys (reading): the
-    checkpoint's parameter keys (optimizer kinds stripped), for the names a spec may keep unfused."""
+    checkpoint's parameter keys (optimizer kinds stripped), for the names a spec may keep unfused.
+    Optimizer kinds are the torch optimizer's own (exp_avg, exp_avg_sq; momentum_buffer) and the
+    fp32 main copy, main_kind: `fp32_param` (plain optimizer) or `param` (fully_reshardable)."""
     num_layers = model_cfg.num_layers
     out: dict[str, Shard] = {}
     for key, shard in shards.items():

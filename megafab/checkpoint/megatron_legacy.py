@@ -6,22 +6,11 @@
         mp_rank_00_000_001/model_optim_rng.pt  expert-parallel: _<EP rank:03d> appended (PP 1 too)
         mp_rank_00_000/distrib_optim.pt        the distributed optimizer's flat buffers
 
-An EP rank's file holds the dense weights (each EP rank's copy) and its own experts as
-megatron-core's SequentialMLP names them, local_experts.<i> = global expert EP rank x E/EP + i;
-megafab stacks them on the global expert axis (param_names.py). Grouped-GEMM experts (GroupedMLP's
-weight1/weight2, TEGroupedMLP's weight<i>) are refused by name; expert-TP must equal TP.
-
-Each model_optim_rng.pt is a torch.save'd dict (megatron/training/checkpointing.py,
-generate_state_dict): args (argparse.Namespace), checkpoint_version (3.0), iteration, model (model0,
-model1, ... with virtual pipeline stages: GPTModel.state_dict_for_save_checkpoint(), this rank's
-TP shards, layers numbered from 0 within the stage, `_extra_state` entries), optimizer,
-opt_param_scheduler, rng_state, num_floating_point_operations_so_far, rerun_state_machine.
-
-Read (safe_pickle, memory-mapped, so a rank pages in only the tensors it copies): each parameter is
-joined from the TP files that hold it (keys.tp_partition) one at a time and its boxes copied out,
-so any layout loads any other. The optimizer state follows Megatron's parameter order and buffers
-and is refused (--no-load-optim / --finetune load the rest). Written by megafab with
---ckpt-format torch (without optimizer state; DP rank 0 of each TP x PP position writes).
+Each model_optim_rng.pt is a torch.save'd dict (write_rank_file): args, checkpoint_version 3.0,
+iteration, the model chunks (this rank's TP shards, layers numbered from 0 within the stage),
+optimizer, scheduler and RNG state. LegacySource reads any TP/PP/EP layout into any other; the
+optimizer state is refused (--no-load-optim / --finetune load the rest). megafab writes the
+format with --ckpt-format torch, without optimizer state (save_rank_file).
 """
 
 from __future__ import annotations
@@ -37,6 +26,7 @@ from megafab.checkpoint.megatron_args import flat_from_args, unknown_model
 from megafab.checkpoint.megatron_dist import MEGAFAB, MEGATRON_RNG, SCHEDULER_FIELDS
 from megafab.checkpoint.megatron_keys import LINEAR_MODULES
 from megafab.checkpoint.source import CheckpointSource, Counters, counters_from_common
+from megafab.config import Config
 from megafab.distributed.layers import join_partitions, partition_of
 from megafab.param_names import (
     EXTRA_STATE,
@@ -92,7 +82,12 @@ def _model_keys(state: dict, file: str) -> list[str]:
 
 class LegacySource(CheckpointSource):
     """A legacy checkpoint directory (see the module docstring); model_cfg None: the model its
-    args record."""
+    args record.
+
+    Read with safe_pickle, memory-mapped, so a rank pages in only the tensors it copies: each
+    parameter is joined from the TP files that hold it (param_names.tp_partition) one at a time and
+    its boxes copied out, so any layout loads any other. The optimizer state follows Megatron's
+    parameter order and buffers and is refused."""
 
     def __init__(self, path: str, model_cfg=None, release: bool = False):
         first_file = _first_file(path)
@@ -123,8 +118,6 @@ class LegacySource(CheckpointSource):
                                   f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''} (/{FILE}) "
                                   f"are missing; copy the whole iteration directory")
         if model_cfg is None:
-            from megafab.config import Config
-
             if not args.get("num_layers"):
                 raise unknown_model(path)
             model_cfg = Config.from_flat(args).model
@@ -154,7 +147,12 @@ class LegacySource(CheckpointSource):
 
     def _index(self, path: str) -> dict[str, list]:
         """megafab (local-spec) name -> [(tp_rank, global expert or None, tensor)] in TP order, every
-        stage's (and EP rank's) file read; routed experts under their stacked (grouped) name."""
+        stage's (and EP rank's) file read; routed experts under their stacked (grouped) name.
+
+        An EP rank's file holds the dense weights (each EP rank's copy) and its own experts as
+        SequentialMLP names them, local_experts.<i> = global expert EP rank x E/EP + i.
+        Grouped-GEMM experts (GroupedMLP's weight1/weight2, TEGroupedMLP's weight<i>) are refused
+        by name; expert-TP must equal TP."""
         index: dict[str, list] = {}
         tied = not self.model_cfg.untie_embeddings_and_output_weights
         local_experts = (self.num_experts or 0) // self.ep
@@ -307,7 +305,13 @@ def rank_state_dict(sd: dict, model_cfg, tp: int, tp_rank: int, pp: int, pp_rank
 def write_rank_file(tmp: str, tp_rank: int, pp_rank: int, pp: int, common: dict, models: dict,
                     ep_rank: int = 0, ep: int = 1) -> None:
     """The one writer of a legacy model_optim_rng.pt: `common` (megatron_dist.megatron_common) and
-    this rank's model chunks (chunk_key -> local state dict), without optimizer state."""
+    this rank's model chunks (chunk_key -> local state dict), without optimizer state.
+
+    Megatron's file (megatron/training/checkpointing.py, generate_state_dict) holds args
+    (argparse.Namespace), checkpoint_version (3.0), iteration, model (model0, model1, ... with
+    virtual pipeline stages: GPTModel.state_dict_for_save_checkpoint(), `_extra_state` entries
+    included), optimizer, opt_param_scheduler, rng_state, num_floating_point_operations_so_far and
+    rerun_state_machine."""
     directory = os.path.join(tmp, rank_dir(tp_rank, pp_rank, pp, ep_rank, ep))
     os.makedirs(directory, exist_ok=True)
     torch.save({**common, **models}, os.path.join(directory, FILE))

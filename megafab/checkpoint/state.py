@@ -1,32 +1,13 @@
 """A training state's checkpoint pieces: model weights and optimizer state as Shards, RNG streams.
 
-Who writes what. Of each parameter it holds, a rank writes the flat range of its TP block that it
-owns under DDP's bucket layout (DP rank r owns the r-th 1/DP of every bucket, whichever optimizer
-runs), or under FSDP2 its dim-0 shard (rows [r * c, (r + 1) * c) of the block, a flat range too):
-the weights, and the main param and Adam moments of that range. DP ranks therefore write
-disjoint boxes, never the whole state, and the bytes each writes fall as 1/DP. A TP-replicated
-parameter is written by TP rank 0 only, a tied output layer not at all (layout.py). Adam's `step`
-is the same for every parameter (they all step together), so no collective is needed: whoever
-writes element 0 of a TP block writes it (SGD keeps no step: 0 is stored).
-
-Experts. A routed expert's parameter is laid out on the global expert axis (layout.ExpertPlacement:
-this rank's EP position gives its experts' rows, its expert-TP rank the block within them) and its
-owned range is the expert-DP one (DDP's expert buckets carry that group); an ETP-replicated block
-is written by ETP rank 0. Each MoE router's expert_bias (a buffer, identical on every rank of its
-stage) is written by TP/DP/CP rank 0 and read whole by every rank.
-
-Who reads what. The distributed optimizer's main params and Adam moments are read straight into
-the rank's own flat shard tensors (a few boxes each); the plain optimizer's are parameter-shaped
-(one box). Model weights: with the distributed optimizer each rank reads its own range into DDP's
-parameter buffer and the buckets are all-gathered over DP, as after an optimizer step; otherwise
-each rank reads its TP block in place. FSDP2 ranks read their own shards and nothing is gathered
-(FSDP2 gathers at the next forward). No rank allocates a parameter-shaped temporary.
+Writing: of each parameter, a rank writes the flat range of its TP block it owns (its DDP bucket
+share or its FSDP2 dim-0 shard): the weights, and the main param and moments of that range. DP
+ranks write disjoint boxes, so the bytes each writes fall as 1/DP (write_plan). Reading: every
+rank reads only what it will hold, straight into its parameters or flat optimizer shards, and no
+rank allocates a parameter-shaped temporary (model_shards_for_load, optimizer_shards_for_load).
 
 The stored tensors are the same whichever optimizer, DP size, FSDP2 or TP/PP/VPP layout saved
-them: weights in the model dtype, fp32 main params only for bf16/fp16 models (`has_master`). An
-FSDP2 bf16/fp16 shard *is* the fp32 master: its weights are written as a model-dtype copy of the
-shard (this rank's rows only), and on load it is read from the checkpoint's main params when
-there are any, else from the weights.
+them: weights in the model dtype, fp32 main params only for bf16/fp16 models (`has_master`).
 """
 
 from __future__ import annotations
@@ -72,7 +53,8 @@ def _layout(state, name: str, p) -> ParamLayout:
 
 def checkpointed_buffers(state) -> list[tuple[str, torch.Tensor]]:
     """(global name, buffer) of the buffers a checkpoint keeps: each MoE router's expert_bias (the
-    same on every rank of its stage: updated from all-reduced token counts)."""
+    same on every rank of its stage: updated from all-reduced token counts), written by TP/DP/CP
+    rank 0 and read whole by every rank."""
     out = []
     for chunk in state.model:
         for name, buf in getattr(chunk, "module", chunk).named_buffers():
@@ -140,9 +122,16 @@ class Written:
 
 def write_plan(named, ranges: dict, tp: int, tp_rank: int,
                experts: ExpertPlacement | None = None) -> list[Written]:
-    """What a rank writes of each parameter (see the module docstring): its owned range, nothing of
-    a tied copy or of a TP-replicated block on TP rank > 0 (an ETP-replicated one on ETP rank > 0).
-    A pure function of the layout."""
+    """What a rank writes of each parameter: its owned range, nothing of a tied copy or of a
+    TP-replicated block on TP rank > 0 (an ETP-replicated one on ETP rank > 0). A pure function of
+    the layout.
+
+    The owned range is DDP's bucket layout (DP rank r owns the r-th 1/DP of every bucket, whichever
+    optimizer runs), or under FSDP2 the dim-0 shard (rows [r * c, (r + 1) * c) of the block, a flat
+    range too). A routed expert's parameter is laid out on the global expert axis (its EP position
+    gives its experts' rows, its expert-TP rank the block within them) and its owned range is the
+    expert-DP one (DDP's expert buckets carry that group). Adam's `step` is the same for every
+    parameter, so no collective is needed: whoever writes element 0 of a TP block writes it."""
     out = []
     for name, p in named:
         if is_tied_copy(name, p) or p not in ranges:
@@ -168,7 +157,8 @@ def _add(shards: dict[str, Shard], key: str, layout: ParamLayout, flat: torch.Te
 # ---- save ----------------------------------------------------------------------------------------
 def model_shards_for_save(state) -> dict[str, Shard]:
     """model.<name> -> this rank's owned boxes, views of the parameter (a model-dtype copy of an
-    FSDP2 master shard)."""
+    FSDP2 master shard: a bf16/fp16 FSDP2 shard *is* the fp32 master, so its weights are written as
+    a model-dtype copy of this rank's rows only)."""
     compute = _compute_dtypes(state)
     shards = {}
     for w in _state_write_plan(state):
@@ -230,7 +220,12 @@ def optimizer_shards_for_save(state) -> dict[str, Shard]:
 def model_shards_for_load(state, masters_from_main: bool) -> tuple[dict[str, Shard], list]:
     """Views of the parameters to read into, and the DDP chunks to all-gather afterwards.
     masters_from_main: FSDP2 master shards are read with the optimizer state (from the checkpoint's
-    fp32 main params), not from the weights."""
+    fp32 main params), not from the weights.
+
+    With the distributed optimizer each rank reads its own range into DDP's parameter buffer and
+    the buckets are all-gathered over DP (gather_params), as after an optimizer step; otherwise
+    each rank reads its TP block in place. FSDP2 ranks read their own shards and nothing is
+    gathered (FSDP2 gathers at the next forward)."""
     shards, gather = {}, []
     compute = _compute_dtypes(state) if masters_from_main else {}
     for chunk in state.model:
