@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megafab.checkpoint import formats, megatron_dist, megatron_keys
+from megafab.checkpoint import formats, megatron_dist, megatron_keys, megatron_legacy
 from megafab.checkpoint import state as cs
 from megafab.checkpoint.directory import (  # noqa: F401
     FORMAT_VERSION,
@@ -43,6 +43,7 @@ PENDING_RNG = "checkpoint_rng"
 
 def dcp_io():
     """torch.distributed.checkpoint costs seconds to import; only runs that save or load pay."""
+    # deferred: torch.distributed.checkpoint costs seconds to import; only saves and loads pay it
     from megafab.checkpoint import dcp_io as io
 
     return io
@@ -89,8 +90,6 @@ def save_checkpoint(state) -> str:
         os.makedirs(os.path.join(tmp, RNG_DIR))
     dist.barrier()
     if ck.ckpt_format == formats.TORCH:
-        from megafab.checkpoint import megatron_legacy
-
         common = megatron_dist.megatron_common(cfg, common_record(state, False), formats.TORCH,
                                                state.scheduler.state_dict())
         megatron_legacy.save_rank_file(state, tmp, common)
@@ -137,8 +136,6 @@ def open_source(found: formats.Found, model_cfg):
         return MegafabSource(found.path)
     if found.format == formats.TORCH_DIST:
         return megatron_dist.TorchDistSource(found.path, model_cfg, found.release)
-    from megafab.checkpoint import megatron_legacy
-
     return megatron_legacy.LegacySource(found.path, model_cfg, found.release)
 
 

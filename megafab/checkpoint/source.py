@@ -149,6 +149,7 @@ class MegafabSource(CheckpointSource):
     """megafab's earlier format: common.json + DCP files under model.* / optim.* keys."""
 
     def __init__(self, path: str):
+        # deferred: torch.distributed.checkpoint costs seconds to import; only saves and loads pay it
         from megafab.checkpoint import dcp_io
 
         common = read_common_json(path)
@@ -160,6 +161,7 @@ class MegafabSource(CheckpointSource):
                          rng_layout=common["layout"] if common["has_rng"] else None)
 
     def read(self, shards: dict[str, Shard]) -> None:
+        # deferred: torch.distributed.checkpoint costs seconds to import; only saves and loads pay it
         from megafab.checkpoint import dcp_io
 
         dcp_io.load_shards(shards, self.path)

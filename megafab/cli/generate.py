@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from megafab.data.tokenizers import build_tokenizer
 from megafab.inference import GenerationError, SamplingParams, generate, load_model
 from megafab.run.report import exit_status
 
@@ -47,8 +48,6 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def _tokenizer(cfg):
-    from megafab.data.tokenizers import build_tokenizer
-
     d = cfg.data
     if d.tokenizer_type in (None, "NullTokenizer"):
         return None

@@ -14,6 +14,7 @@ from megafab.run.report import exit_on_user_error
 def machine_checks():
     """What the command line asks of this machine (TE, FP8, attention kernels), checked together
     with the flags so that one message lists every problem."""
+    # deferred: importing the console script (its --help) stays free of torch and the model code
     from megafab.model.attention_backend import attention_backend_problems
     from megafab.model.te import transformer_engine_problems
     from megafab.run.packages import missing_package_problems
@@ -34,6 +35,7 @@ def main(argv=None):
     with exit_on_user_error():
         cfg = config_or_exit(argv, checks=machine_checks(), start_up=True)
         if cfg.training.dry_run:  # the plan only: no process group, no tensors
+            # deferred: the plan needs torch; a run that fails its checks never loads it
             from megafab.plan.planner import format_plan, plan
             from megafab.plan.report import dry_run_prediction
 
@@ -42,6 +44,7 @@ def main(argv=None):
             stages = plan(cfg)
             print(format_plan(cfg, stages, step_time=dry_run_prediction(cfg, stages)))
             return 0
+        # deferred: the training code loads only for a run that passed its checks
         from megafab.training.pretrain import pretrain
 
         return pretrain(cfg)

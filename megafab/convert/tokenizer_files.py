@@ -7,13 +7,12 @@ import os
 import shutil
 
 from megafab.config import DataConfig
+from megafab.data.tokenizers import build_tokenizer
 
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 
 
 def _megafab_tokenizer(d: DataConfig):
-    from megafab.data.tokenizers import build_tokenizer
-
     if d.tokenizer_type in (None, "NullTokenizer"):
         return None
     return build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.tokenizer_model)

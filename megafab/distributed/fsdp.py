@@ -75,7 +75,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from megafab.distributed.data_parallel import is_expert_param
+from megafab.distributed.data_parallel import is_expert_param, reduce_scatter_bucket
+from megafab.distributed.param_gather import all_gather_in_slices, sliced_on_gloo
 
 # Megatron's per-parameter attributes that the rest of megafab reads off the parameters.
 PARAM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel",
@@ -340,9 +341,6 @@ def _gloo_comms():
     FSDP2 sends them."""
     import torch.distributed as dist
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-
-    from megafab.distributed.data_parallel import reduce_scatter_bucket
-    from megafab.distributed.param_gather import all_gather_in_slices, sliced_on_gloo
 
     class Allocate:
         def allocate(self, size, *, dtype, device):

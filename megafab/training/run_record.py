@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import megafab
+from megafab.arguments import build_parser
 from megafab.config import SECTIONS
 from megafab.config_file import resolved_config_toml
 
@@ -94,8 +95,6 @@ def run_directory(cfg) -> str | None:
 
 def settable_fields() -> set[str]:
     """Config fields a flag (or a config file) sets; the others are derived."""
-    from megafab.arguments import build_parser
-
     return {a.dest for a in build_parser()._actions if a.option_strings}
 
 

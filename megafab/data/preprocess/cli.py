@@ -26,6 +26,7 @@ from megafab.data.preprocess.cleaning import (
     check_language_code,
     resolve_html_extractor,
 )
+from megafab.data.preprocess.dedup import bands_for
 from megafab.data.preprocess.encoders import ENGINES, TokenizerSpec, build_encoder
 from megafab.data.preprocess.pipeline import (
     Plan,
@@ -35,6 +36,7 @@ from megafab.data.preprocess.pipeline import (
     run_local,
     run_partitions,
 )
+from megafab.data.preprocess.ray_pipeline import run_ray
 from megafab.data.readers import find_inputs
 from megafab.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
 from megafab.run.report import exit_status
@@ -227,8 +229,6 @@ def make_plan(args) -> Plan:
         near_dedup=args.near_dedup,
     )
     if cleaning.near_dedup is not None:
-        from megafab.data.preprocess.dedup import bands_for
-
         bands_for(cleaning.near_dedup)
     if args.filter_lang:
         check_language_code(args.filter_lang)
@@ -281,8 +281,6 @@ def make_plan(args) -> Plan:
 def run(args) -> int:
     plan = make_plan(args)
     if args.ray is not None:
-        from megafab.data.preprocess.ray_pipeline import run_ray
-
         summary = run_ray(plan, args.ray, args.ray_parts_dir)
     elif args.partitions > 1:
         summary = run_partitions(plan, args.partitions, args.keep_sequential_samples)

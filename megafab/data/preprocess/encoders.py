@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megafab.data.errors import DataError
+from megafab.data.tokenizers import build_tokenizer
 
 ENGINES = ("auto", "gigatoken", "reference")
 
@@ -137,8 +138,6 @@ def _reference(spec: TokenizerSpec, vocab_size: int, eod: int) -> Encoder:
             "tokenizers", lambda t: _as_ids(tok.encode(t, add_special_tokens=True).ids), vocab_size, eod
         )
     if kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
-        from megafab.data.tokenizers import build_tokenizer
-
         tokenizer = build_tokenizer(kind, tokenizer_model=spec.tokenizer_model)
         return Encoder("sentencepiece", lambda t: _as_ids(tokenizer.tokenize(t)), vocab_size, eod)
     if kind == "NullTokenizer":
