@@ -35,15 +35,20 @@ def component_problems(cfg) -> list[str]:
     from megafab.model.recompute import RecomputeSettings
     from megafab.model.te import te_layer_problems
     from megafab.optim.cpu_offload import offload_problems
+    from megafab.optim.grad_scaler import scaler_problems
     from megafab.optim.lr_scheduler import schedule_problems
 
-    m, o, t, p = cfg.model, cfg.optimizer, cfg.training, cfg.parallel
+    m, o, t, p, pr = cfg.model, cfg.optimizer, cfg.training, cfg.parallel, cfg.precision
     out = RecomputeSettings.from_model_config(m, check=False).problems()
     out += te_layer_problems(m)
     if o.optimizer_offload_fraction is not None:
         out += offload_problems(o.optimizer_offload_fraction)
     if p.ddp_bucket_size is not None and not p.fully_sharded:
         out += bucket_size_problems(p.ddp_bucket_size)
+    if pr.fp16 or pr.loss_scale is not None:  # the scaler training builds for fp16
+        out += scaler_problems(loss_scale=pr.loss_scale, initial_scale=pr.initial_loss_scale,
+                               min_scale=pr.min_loss_scale, growth_interval=pr.loss_scale_window,
+                               hysteresis=pr.hysteresis)
     if o.lr is not None:  # without a global batch size (a broken layout) the lengths are unknown
         lengths = scheduler_samples(o, t) if t.global_batch_size else {
             "lr_decay_samples": None, "wsd_decay_samples": o.lr_wsd_decay_samples or o.lr_wsd_decay_iters}
@@ -209,8 +214,6 @@ def precision_problems(cfg) -> list[str]:
                        "Transformer Engine's layers)")
         if not (pr.bf16 or pr.fp16):
             out.append("--fp8-format needs --bf16 (or --fp16) for the non-FP8 parts")
-    if pr.loss_scale is not None and pr.loss_scale <= 0:
-        out.append(f"--loss-scale {pr.loss_scale} must be positive")
     if cfg.parallel.grad_reduce_in_bf16 and not pr.bf16:
         out.append("--grad-reduce-in-bf16 needs --bf16 (gradients of fp32/fp16 models are reduced in "
                    "fp32); add --bf16 or drop --grad-reduce-in-bf16")
