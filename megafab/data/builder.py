@@ -66,7 +66,15 @@ def build_gpt_datasets(data_path: str | Sequence[str] | None = None, split: str 
                        barrier: Callable[[], None] | None = None, is_builder: bool = True,
                        mid_level_surplus: float = MID_LEVEL_SURPLUS, mmap_bin_files: bool = True) -> list:
     """(train, valid, test) datasets (None for an absent split) with megatron-core's sample order.
-    mmap_bin_files False: read the .bin files with file reads (--no-mmap-bin-files)."""
+    mmap_bin_files False: read the .bin files with file reads (--no-mmap-bin-files).
+
+    data_path / *_data_path take Megatron's forms: "P", "P1 P2" (weights = sizes) or "w1 P1 w2 P2"
+    (a string or a list of strings). Item i is a dict of torch tensors: tokens [s] int64, labels
+    [s] int64, loss_mask [s] float32, position_ids [s] int64, plus attention_mask [1, s, s] bool
+    (True = masked out) only when reset_attention_mask. Index arrays are cached under cache_path
+    (no caching when None): the process with is_builder=True builds on a miss, `barrier()` (e.g.
+    lambda: dist.barrier(group)) is called once per index by every process, then all memory-map
+    the .npy files."""
     if tokenizer is None:
         raise DataError("build_gpt_datasets needs a tokenizer (for eod, pad and vocab size)")
     if seq_length < 2:

@@ -1,18 +1,11 @@
 """Document readers for tools/preprocess_data.py: jsonl (.gz, .zst), parquet, HuggingFace save_to_disk.
 
-find_inputs(pattern, keys, hf_split=None) -> list[InputSource]
-    Expands --input (a file, a glob, or a save_to_disk directory) into sources in sorted order and
-    checks up front that the packages each needs are installed and that parquet files and datasets
-    have the `keys` columns, so a bad input fails before any output is written.
-read_records(source, keys) -> iterator of (number, row)
-    A dict of the requested columns for each parquet/arrow row; number counts rows from 1. Parquet
-    and arrow data are streamed in record batches; rows come in stored order.
-jsonl_lines(path) -> iterator of (number, line bytes, bytes of the file read so far)
-    The preprocess fast path: raw lines split on b"\n" only, blank lines included (so line numbers
-    and Megatron's per-line partitioning agree), decoded and parsed by the worker that tokenizes them.
+find_inputs(pattern, keys, hf_split=None) -> list[InputSource], checked up front
+read_records(source, keys) -> iterator of (number, row)               parquet and saved datasets
+jsonl_lines(path) -> iterator of (number, line bytes, bytes read so far)  the fast path
 
-Optional packages (pyarrow, datasets, zstandard) are imported only when an input needs them; a missing
-one is a DataError naming the pip install.
+A bad input fails before any output is written. Optional packages (pyarrow, datasets, zstandard)
+are imported only when an input needs them; a missing one is a DataError naming the pip install.
 """
 
 from __future__ import annotations
@@ -48,6 +41,9 @@ def require(module: str, purpose: str, package: str):
 
 
 def find_inputs(pattern: str, keys: list[str], hf_split: str | None = None) -> list[InputSource]:
+    """--input (a file, a glob, or a save_to_disk directory) as sources in sorted order, having
+    checked that the packages each needs are installed and that parquet files and datasets have
+    the `keys` columns."""
     paths = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern]
     if not paths or not os.path.exists(paths[0]):
         raise DataError(f"--input {pattern}: no such file")
@@ -99,7 +95,8 @@ def _hf_dataset_dir(path: str, hf_split: str | None) -> str:
 
 
 def read_records(source: InputSource, keys: list[str]) -> Iterator[tuple[int, dict]]:
-    """Rows of a parquet file or saved dataset; jsonl goes through jsonl_lines."""
+    """Rows of a parquet file or saved dataset, each a dict of the requested columns, number counting
+    rows from 1; streamed in record batches, in stored order. jsonl goes through jsonl_lines."""
     if source.kind == "parquet":
         return _parquet_rows(source.path, keys)
     if source.kind == "hf":
@@ -122,6 +119,9 @@ def _open_binary(path: str):
 
 
 def jsonl_lines(path: str) -> Iterator[tuple[int, bytes, int]]:
+    """(number, raw line, bytes of the file read so far): lines split on b"\\n" only, blank lines
+    included (so line numbers and Megatron's per-line partitioning agree), decoded and parsed by the
+    worker that tokenizes them."""
     stream, raw = _open_binary(path)
     errors: tuple[type[BaseException], ...] = (OSError, EOFError)
     if path.endswith(".zst"):

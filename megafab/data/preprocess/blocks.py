@@ -4,24 +4,13 @@ tokenized and packed, with their cleaning verdicts and fingerprints, come out.
 read_blocks(sources, keys, block_bytes, select) -> iterator of Block, in input order
 process_block(block) -> BlockResult   (in a worker that called init_worker(context) first)
 
-A plain jsonl file is cut into spans at line starts (cut_spans: a seek and one line read per block),
-and each worker reads its own span: the parent neither reads nor ships the text. Compressed jsonl,
-parquet and datasets, and lines chosen by --partitions, are read by the parent into records.
-A span's records are numbered from its start; bad_line_label turns that into the file's line number
-(counting the lines before the span) only when an error is reported.
-
-What a document becomes follows Megatron's preprocess_data.py (Encoder.encode), for each --json-keys
-key separately:
-  - a string value is one "sentence"; a list of strings (pre-split sentences) is several;
-  - each sentence is tokenized; a sentence with no tokens is dropped (an empty or, for SentencePiece
-    models that strip it, whitespace-only text has none);
-  - --append-eod appends eod to the last sentence, only when the document has at least one token;
-  - a document with no tokens is still a document: an entry in the index with no sequence at all
-    (document_indices repeats), not a sequence of length 0;
-  - very long texts are tokenized whole (Megatron cuts only when splitting sentences).
-megafab differs from Megatron only where Megatron crashes: blank lines are skipped (Megatron's
-json.loads fails on them), and a malformed line, a missing key or non-UTF-8 bytes is one error
-naming the file and line (or counted and skipped with --skip-bad-lines).
+A plain jsonl file is cut into spans at line starts (cut_spans) and each worker reads its own span:
+the parent neither reads nor ships the text. Compressed jsonl, parquet and datasets, and lines
+chosen by --partitions, are read by the parent into records. A document becomes what Megatron's
+preprocess_data.py (Encoder.encode) makes of it, for each --json-keys key separately (_pack);
+megafab differs only where Megatron crashes: blank lines are skipped, and a malformed line, a
+missing key or non-UTF-8 bytes is one error naming the file and line (or counted and skipped with
+--skip-bad-lines).
 """
 
 from __future__ import annotations
@@ -103,7 +92,8 @@ class BlockResult:
     span: tuple[int, int] | None = None
 
     def bad_line_label(self, number: int) -> str:
-        """'file:line' of the block's record `number`."""
+        """'file:line' of the block's record `number`. A span's records are numbered from its start;
+        the lines before the span are counted only here, when an error is reported."""
         if self.span is not None:
             number += count_lines(self.path, self.span[0])
         return f"{self.path}:{number}"
@@ -254,6 +244,13 @@ def _parse(raw: bytes | dict, keys: tuple[str, ...]) -> dict[str, list[str]]:
 
 
 def _pack(encoder: Encoder, documents: list[list[str]], append_eod: bool) -> PackedKey:
+    """One key's documents (each a list of sentences) tokenized and packed as Megatron's
+    preprocess_data.py does: a string value is one sentence, a list of strings several; each
+    sentence is tokenized and one with no tokens is dropped (an empty or, for SentencePiece models
+    that strip it, whitespace-only text has none); --append-eod appends eod to the last sentence,
+    only when the document has at least one token; a document with no tokens is still a document,
+    an index entry with no sequence at all (document_indices repeats), not a sequence of length 0;
+    very long texts are tokenized whole (Megatron cuts only when splitting sentences)."""
     ids = encoder.encode([s for sentences in documents for s in sentences])
     dtype = ids[0].dtype if ids else np.int64  # the engine's (gigatoken: uint32), half of int64
     eod = np.array([encoder.eod], dtype=dtype) if append_eod else None

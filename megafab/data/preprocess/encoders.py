@@ -1,28 +1,14 @@
 """Text -> token ids exactly as Megatron-LM's tools/preprocess_data.py computes them, on the fastest engine.
 
-Megatron's preprocess_data.py (megatron.core.tokenizers, Megatron-LM main and core >= 0.17) calls
-`tokenizer.tokenize(text)`, which per --tokenizer-type is:
-  GPT2BPETokenizer         transformers' GPT-2 tokenizer from vocab.json + merges.txt, called as
-                           `tokenizer(text).input_ids`: special-token strings written in the text
-                           ('<|endoftext|>') are parsed into their ids, no bos/eos is added.
-  HuggingFaceTokenizer     `AutoTokenizer(path)(text).input_ids`: the same parsing of special-token
-                           strings, plus whatever the tokenizer's post-processor adds (a Llama-3
-                           tokenizer.json puts <|begin_of_text|> before every document).
-  GPTSentencePieceTokenizer `encode_as_ids(text)`: SentencePiece never matches control pieces (<s>,
-                           </s>) from text; user-defined pieces are matched.
-  NullTokenizer            whitespace-separated integers.
-Injecting special tokens from raw text is unsafe on web data (a page containing '<|endoftext|>' splits
-a document); `special_tokens_as_text=True` (--special-tokens-as-text) encodes such strings as ordinary
-text instead. The default stays Megatron's.
+Megatron (megatron.core.tokenizers, Megatron-LM main and core >= 0.17) calls `tokenizer.tokenize(text)`
+(what that is per --tokenizer-type: _reference). Special-token strings written in the text are
+parsed into their ids, as Megatron does; `special_tokens_as_text=True` (--special-tokens-as-text)
+encodes them as ordinary text instead, since a web page containing '<|endoftext|>' would split a
+document.
 
-Engines, chosen on merit (measured in benchmarks/README.md, data section):
-  gigatoken   Rust BPE and SentencePiece-BPE (byte fallback) kernels, ~10-20x the tokenizers library
-              on one core for GPT-2 BPE; used when installed and it reproduces the reference ids on a
-              probe set of edge cases (special tokens, whitespace, CRLF, non-ASCII, digits).
-  reference   the library Megatron itself ends up calling: tokenizers (GPT-2 BPE, tokenizer.json),
-              transformers (a saved tokenizer directory), sentencepiece; always available, portable.
-`engine="auto"` picks gigatoken when it passes the probe, else the reference with a note.
-
+Engines, chosen on merit (build_encoder; measured in benchmarks/README.md, Data): gigatoken (Rust
+BPE and SentencePiece-BPE kernels), used when installed and it reproduces the reference ids on a
+probe set of edge cases; reference, the library Megatron itself ends up calling, always available.
 Each engine's `encode(texts) -> list of uint32/int64 numpy arrays` runs on the calling thread (one
 worker process = one core); parallelism comes from worker processes (pipeline.py) or Ray.
 """
@@ -120,6 +106,18 @@ def _as_ids(ids) -> np.ndarray:
 
 
 def _reference(spec: TokenizerSpec, vocab_size: int, eod: int) -> Encoder:
+    """What Megatron's `tokenizer.tokenize(text)` is, per --tokenizer-type:
+      GPT2BPETokenizer          transformers' GPT-2 tokenizer from vocab.json + merges.txt, called as
+                                `tokenizer(text).input_ids`: special-token strings in the text
+                                ('<|endoftext|>') are parsed into their ids, no bos/eos is added.
+      HuggingFaceTokenizer      `AutoTokenizer(path)(text).input_ids`: the same parsing, plus whatever
+                                the post-processor adds (a Llama-3 tokenizer.json puts
+                                <|begin_of_text|> before every document).
+      GPTSentencePieceTokenizer `encode_as_ids(text)`: SentencePiece never matches control pieces
+                                (<s>, </s>) from text; user-defined pieces are matched.
+      NullTokenizer             whitespace-separated integers.
+    Engines: tokenizers (GPT-2 BPE, tokenizer.json), transformers (a saved tokenizer directory),
+    sentencepiece."""
     kind = spec.tokenizer_type
     if kind == "GPT2BPETokenizer":
         tok = _gpt2_tokenizers(spec)
@@ -175,7 +173,8 @@ def _post_processor_wrap(tok) -> tuple[list[int], list[int]]:
 
 
 def _gigatoken(spec: TokenizerSpec, vocab_size: int, eod: int) -> Encoder | None:
-    """The gigatoken engine for spec, or None where gigatoken does not cover this tokenizer."""
+    """The gigatoken engine for spec, or None where gigatoken does not cover this tokenizer. Its Rust
+    kernels run GPT-2 BPE ~10-20x faster than the tokenizers library on one core."""
     import gigatoken
 
     kind = spec.tokenizer_type
@@ -234,8 +233,9 @@ def _cache_key(spec: TokenizerSpec, vocab_size: int, eod: int) -> tuple:
 
 
 def build_encoder(spec: TokenizerSpec, vocab_size: int, eod: int, note=None) -> Encoder:
-    """The engine for spec: gigatoken when asked or when auto finds it exact on the probes, else the
-    reference. note(message) reports a fallback (stderr by default). Built once per process."""
+    """The engine for spec: gigatoken when asked or when auto finds it exact on the probes (special
+    tokens, whitespace, CRLF, non-ASCII, digits), else the reference. note(message) reports a
+    fallback (stderr by default). Built once per process."""
     key = _cache_key(spec, vocab_size, eod)
     if key not in _built:
         encoder = _build_encoder(spec, vocab_size, eod, note)

@@ -7,12 +7,8 @@ result, and whenever it has nothing to yield and the window allows, takes the ne
 worker that raises passes its error here; a worker that dies (killed for memory) is an error naming
 it, never a hang (this process waits on the result pipes and the processes' sentinels together).
 Workers are forked, so they start at once with everything this process built (the tokenizer, the
-cleaners); each pays only its own warm-up (first-touch page faults, the tokenizer's word cache).
-
-Why not multiprocessing.Pool or ProcessPoolExecutor: at the preprocess grain (a whole 76 MB corpus is
-~0.6 s of CPU with gigatoken) their handler threads cost this process ~0.02 s of CPU a run, three
-times what this costs, and their parent only waits; Pool also waits forever for the result of a
-worker that was killed (benchmarks/README.md, data section).
+cleaners). Not multiprocessing.Pool: its handler threads cost this process more CPU than the work
+at this grain, and it waits forever for a killed worker (benchmarks/README.md, Data).
 """
 
 from __future__ import annotations

@@ -2,13 +2,11 @@
 
 Memory is bounded by the blocks in flight (3 x workers x --block-bytes of input and their tokens), not
 by the corpus; the index grows by 12 bytes per document. --workers N tokenizes on N processes: this
-one and N - 1 forked after it built the tokenizer and the cleaners (ordered_pool.py), so they start at
-once with both. A worker reads its own span of a plain jsonl file, parses, cleans and tokenizes it on
-one core, writes the block's tokens in the .bin's dtype to a part file next to the output and sends
-back only the index (lengths, verdicts, fingerprints): tokens through pipes cost more CPU than
-tokenizing them with gigatoken. This process cuts the spans, tokenizes blocks itself whenever it
-would otherwise wait, decides duplicates, appends each part to the .bin in input order and deletes
-it. The spans shrink towards the end of a file, so the processes finish together (blocks.cut_spans).
+one and N - 1 forked after it built the tokenizer and the cleaners (ordered_pool.py). A worker
+reads, cleans and tokenizes its own span, writes the block's tokens to a part file (SpillTokens)
+and sends back only the index (lengths, verdicts, fingerprints); this process tokenizes blocks
+itself whenever it would otherwise wait, decides duplicates (Assembler), and appends each part to
+the .bin in input order.
 
 --partitions P follows Megatron's preprocess_data.py: the input's lines are dealt round-robin to P
 partitions (contiguous ranges with --keep-sequential-samples), the P partitions run at the same time
@@ -146,7 +144,8 @@ class Assembler:
 @dataclass(frozen=True)
 class SpillTokens:
     """process_block in a worker, with each key's tokens written to a part file in `directory` (read
-    back by load_tokens) instead of pickled through the pool's pipe."""
+    back by load_tokens) instead of pickled through the pool's pipe: tokens through pipes cost more
+    CPU than tokenizing them with gigatoken."""
 
     directory: str
 

@@ -6,16 +6,11 @@
 Units are the work Ray schedules: a plain jsonl file is cut at line starts every --block-mb bytes;
 a compressed jsonl, a parquet file or a save_to_disk dataset is one unit per file. Each unit runs the
 same process_block as the single-machine tool, on Ray actors that build the tokenizer once, so the
-documents, their order, the cleaning verdicts and the token ids are the same.
+documents, their order, the cleaning verdicts, the token ids and the error messages are the same.
 
-Deduplication needs everything before it: with --dedup / --near-dedup a first pass computes only the
-verdicts and fingerprints (16 bytes + one 128-permutation signature per document), the driver decides
-duplicates over them in input order (dedup.py, the tool's own rule), and the second pass tokenizes
-and writes only the survivors. Without dedup there is one pass. The driver holds the fingerprints and
-the LSH buckets (~0.7 KB a document in flight, ~130 B kept): tens of millions of documents per run;
-beyond that, shard the corpus into runs and merge.
-
-Errors in a unit name the file and the line, as the single-machine tool's do.
+With --dedup / --near-dedup a first pass computes only the verdicts and fingerprints, the driver
+decides duplicates over them in input order (dedup.py, the tool's own rule), and the second pass
+tokenizes and writes only the survivors (run_ray). Without dedup there is one pass.
 """
 
 from __future__ import annotations
@@ -144,6 +139,10 @@ def _run_pass(ray, plan: Plan, units: list[Unit], phase: str, drops: dict, parts
 
 
 def run_ray(plan: Plan, address: str, parts_dir: str | None = None) -> Summary:
+    """The plan's input through Ray into prefix_KEY_document.bin/.idx. The driver holds the
+    fingerprints (16 bytes + one 128-permutation signature per document) and the LSH buckets
+    (~0.7 KB a document in flight, ~130 B kept): tens of millions of documents per run; beyond
+    that, shard the corpus into runs and merge."""
     ray = _start_ray(address, plan.workers)
     workers = plan.workers if address == "local" else int(ray.cluster_resources().get("CPU", plan.workers))
     parts_dir = parts_dir or f"{plan.output_prefix}_parts"
