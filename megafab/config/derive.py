@@ -1,12 +1,14 @@
 """Megatron's derivations: the values a run computes from the flags (megatron/training/arguments.py).
 
 Pure arithmetic on config values, shared by training (Config.finalize), conversion
-(megafab/convert) and the LR scheduler's rules: data-parallel size, micro-batches, padded
-vocabulary, FFN width, virtual pipeline size, Megatron-FSDP's strategy, gradient buckets, the
-schedule in samples.
+(megafab/convert) and the LR scheduler's rules: micro-batches, padded vocabulary, FFN width,
+virtual pipeline size, Megatron-FSDP's strategy, gradient buckets, the schedule in samples. The
+grid's sizes (DP, ETP's default) are megafab.layout's, read from there.
 """
 
 from __future__ import annotations
+
+from megafab.layout import data_parallel_size, expert_tensor_parallel_size
 
 # --cp-comm-type spellings -> the name megafab uses (Megatron says allgather).
 CP_COMM_TYPES = {"p2p": "p2p", "allgather": "allgather", "all_gather": "allgather", "a2a": "a2a"}
@@ -29,13 +31,6 @@ def pad_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
 
 def default_bucket_size(dp: int) -> int:
     return max(40_000_000, 1_000_000 * dp)
-
-
-def data_parallel_size(world_size: int, tp: int, cp: int, pp: int) -> int | None:
-    """world / (tp * cp * pp), or None when the sizes do not divide the world (a rule reports it)."""
-    if tp >= 1 and pp >= 1 and cp >= 1 and world_size % (tp * cp * pp) == 0:
-        return world_size // (tp * cp * pp)
-    return None
 
 
 def derive_model(m, tp: int) -> None:
@@ -116,8 +111,7 @@ def derive(cfg, world_size: int) -> None:
     p.cp_comm_type = CP_COMM_TYPES.get(p.cp_comm_type, p.cp_comm_type)
     derive_model(m, tp)
     derive_moe(cfg.moe, m)
-    if p.expert_tensor_parallel_size is None:  # Megatron: ETP defaults to TP
-        p.expert_tensor_parallel_size = tp
+    p.expert_tensor_parallel_size = expert_tensor_parallel_size(tp, p.expert_tensor_parallel_size)
     p.virtual_pipeline_model_parallel_size = virtual_pipeline_size(m, p)
     if p.sequence_parallel and tp == 1:
         p.sequence_parallel = False

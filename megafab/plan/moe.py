@@ -29,6 +29,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from megafab.layout import Layout, expert_tensor_parallel_size
 from megafab.plan.state_memory import StateBytes, state_bytes
 
 
@@ -50,9 +51,10 @@ def is_moe_layer(moe, index: int) -> bool:
 
 
 def expert_sizes(cfg) -> tuple[int, int]:
-    """(EP, ETP) of the config (1, 1 for a dense model)."""
+    """(EP, ETP) of the config (1, TP for a dense model)."""
     p = cfg.parallel
-    return p.expert_model_parallel_size, p.expert_tensor_parallel_size or p.tensor_model_parallel_size
+    return p.expert_model_parallel_size, expert_tensor_parallel_size(p.tensor_model_parallel_size,
+                                                                     p.expert_tensor_parallel_size)
 
 
 def moe_mlp_params(m, moe, tp: int = 1, etp: int = 1, ep: int = 1, experts: int | None = None) -> MoEParams:
@@ -81,10 +83,8 @@ def dense_mlp_params(m, tp: int = 1) -> int:
 
 def expert_data_parallel_size(cfg) -> int:
     """Expert-DP: the ranks holding the same experts, world / (ETP x EP x PP) (Megatron's expert
-    grid tp-ep-dp-pp, CP folded into its DP)."""
-    ep, etp = expert_sizes(cfg)
-    p = cfg.parallel
-    return p.world_size // (etp * ep * p.pipeline_model_parallel_size)
+    grid tp-ep-dp-pp, CP folded into its DP): megafab.layout's."""
+    return Layout.of(cfg.parallel).edp
 
 
 _STATE_FIELDS = tuple(f.name for f in dataclasses.fields(StateBytes))
