@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from tests.helpers.benchmarks import ROOT, TINY_GPT, run_script
-from tests.training.launch import free_port
+from tests.helpers.launch import free_port
 
 
 @pytest.mark.timeout(300)

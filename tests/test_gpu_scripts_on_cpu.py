@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from benchmarks.gpu_overlap_trace import overlap_of
-from tests.test_benchmarks import ROOT, run_script
+from tests.helpers.benchmarks import ROOT, run_script
 
 
 @pytest.mark.timeout(300)

@@ -29,13 +29,9 @@ from megafab.config import SECTIONS
 from megafab.data.indexed_dataset import IndexedDatasetWriter
 from megafab.megatron_flags import NO_EFFECT, REFUSED
 from megafab.model.te import te_available
+from tests.helpers.megatron_scripts import MIXTRAL_8X7B, fill, words
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-def words(text: str) -> list[str]:
-    """A script's argument list as bash hands it over (its arrays are expanded unquoted)."""
-    return text.split()
-
 
 GPT3_175B_MODEL = words("""
     --num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048
@@ -91,22 +87,6 @@ LLAMA3_8B_FSDP = LLAMA3_8B_MODEL + LLAMA3_8B_TRAINING + words("""
     --log-interval 1 --eval-iters 32 --eval-interval 100 --save-interval 1000 --log-throughput
     --logging-level 20 --distributed-timeout-minutes 60 --save {ckpt} --load {ckpt} --tensorboard-dir {tb}""")
 
-MIXTRAL_8X7B = words("""
-    --use-mcore-models --disable-bias-linear --seq-length 4096 --max-position-embeddings 32768
-    --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 --init-method-std 0.01
-    --attention-dropout 0.0 --hidden-dropout 0.0 --normalization RMSNorm --position-embedding-type rope
-    --swiglu --untie-embeddings-and-output-weights --group-query-attention --num-query-groups 8
-    --no-masked-softmax-fusion --no-position-embedding --rotary-base 1000000
-    --num-experts 8 --moe-router-topk 2 --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2
-    --moe-grouped-gemm --moe-token-dispatcher-type alltoall --overlap-param-gather --overlap-grad-reduce
-    --tokenizer-type Llama2Tokenizer --tokenizer-model {spm} --data-path {data} --split 99990,8,2
-    --micro-batch-size 1 --global-batch-size 256 --lr 1e-4 --train-iters 500000 --lr-decay-iters 320000
-    --lr-decay-style cosine --min-lr 1.0e-5 --weight-decay 0.1 --lr-warmup-iters 500 --clip-grad 1.0 --bf16
-    --tensor-model-parallel-size 1 --pipeline-model-parallel-size 4 --expert-model-parallel-size 8
-    --use-distributed-optimizer --sequence-parallel
-    --log-interval 1 --save-interval 10000 --eval-interval 1000 --eval-iters 10 --save {ckpt} --load {ckpt}
-    --tensorboard-dir {tb} --no-load-optim --no-load-rng""")
-
 # FP8 needs Transformer Engine on a CUDA GPU; "fused" attention needs CUDA. Where they are missing
 # the run is refused with that reason (and accepted where they exist).
 ON_GPU = torch.cuda.is_available()
@@ -152,10 +132,6 @@ def paths(tmp_path_factory):
             "merges": str(root / "gpt2-merges.txt"), "ckpt": str(root / "ckpt"), "tb": str(root / "tb"),
             "cache": str(root / "cache"),
             "spm": os.path.join(ROOT, "tests", "data", "fixtures", "sp_tiny.model")}
-
-
-def fill(flags, paths):
-    return [a.format(**paths) if "{" in a else a for a in flags]
 
 
 def dry_run(flags, world):
@@ -225,7 +201,7 @@ def test_shrunk_llama3_8b_trains_three_iterations_on_cpu(paths, tmp_path):
     profiling window are made tiny. What needs a GPU is refused here by name (the dry-run test), so
     for this CPU run the FP8 flags are left out and --attention-backend fused becomes flash. Two
     DP ranks."""
-    from tests.training.launch import pretrain_in_ranks
+    from tests.helpers.launch import pretrain_in_ranks
 
     shrink = dict(zip(*[iter(words("""
         --num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --num-query-groups 2
@@ -251,7 +227,7 @@ def test_shrunk_llama3_8b_trains_three_iterations_on_cpu(paths, tmp_path):
 
 @pytest.mark.slow
 def test_three_mistakes_under_torchrun_print_one_message_once():
-    from tests.training.launch import torchrun
+    from tests.helpers.launch import torchrun
 
     flags = words("""--num-layers 4 --hidden-size 64 --num-attention-heads 8 --seq-length 32
                      --micro-batch-size 1 --train-iters 2 --lr 1e-3 --mock-data --vocab-size 100""") + [

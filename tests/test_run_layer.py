@@ -90,7 +90,7 @@ sys.meta_path.insert(0, RefuseTests())
 @pytest.mark.timeout(300)
 def test_a_benchmark_runs_with_tests_absent(startup_hook):
     env = startup_hook(REFUSE_TESTS)
-    refused = subprocess.run([sys.executable, "-c", "import tests.harness"], cwd=ROOT, env=env,
+    refused = subprocess.run([sys.executable, "-c", "import tests.helpers"], cwd=ROOT, env=env,
                              capture_output=True, text=True)
     assert refused.returncode != 0 and "tests/ is absent" in refused.stderr  # the hook works
     out = subprocess.run([sys.executable, "benchmarks/pipeline_bubble.py", "--p", "2", "--m", "2", "--v", "1",

@@ -15,7 +15,7 @@ from megafab.config import ConfigError
 from megafab.convert import write_checkpoint
 from megafab.convert.checkpoint import read_checkpoint
 from megafab.model.gpt import GPTModel
-from tests.model.tiny import LLAMA_STYLE, context, tiny_config
+from tests.helpers.tiny import LLAMA_STYLE, context, tiny_config
 
 
 def _written(tmp_path, ckpt_format, tp=1):

@@ -10,9 +10,9 @@ from megafab.checkpoint import CheckpointError, checkpointing
 from megafab.config import ConfigError
 from megafab.convert import write_checkpoint
 from megafab.model.gpt import GPTModel
-from tests.checkpoint.util import GLOBAL_BATCH, make_state, train
-from tests.harness import run_ranks
-from tests.model.tiny import context, tiny_config
+from megafab.run.fork_ranks import run_ranks
+from tests.helpers.checkpoint import GLOBAL_BATCH, make_state, train
+from tests.helpers.tiny import context, tiny_config
 
 
 def _weights(scale):

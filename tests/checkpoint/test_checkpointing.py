@@ -13,11 +13,11 @@ from megafab.checkpoint.layout import Shard
 from megafab.checkpoint.megatron_dist import TorchDistSource, read_common
 from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
 from megafab.distributed.topology import build_topology
+from megafab.run.fork_ranks import run_ranks
 from megafab.training.build import TrainState, build_model, build_optimizer, build_scheduler
 from megafab.training.step import train_step
-from tests.checkpoint.util import read_everything
-from tests.harness import run_ranks
-from tests.model.tiny import LLAMA_STYLE, batch, tiny_config
+from tests.helpers.checkpoint import read_everything
+from tests.helpers.tiny import LLAMA_STYLE, batch, tiny_config
 
 
 class _Exploit:

@@ -1,6 +1,6 @@
 """pretrain_gpt.py checkpoints end to end: exact resume after SIGKILL, a SIGKILL during a save,
 resharding across TP/PP/DP layouts, and SIGTERM with --exit-signal-handler. main() runs on forked
-ranks (tests/training/fork_ranks.py: the imports are paid once for the test process, not per rank);
+ranks (tests/helpers/main_ranks.py: the imports are paid once for the test process, not per rank);
 torchrun's own part (restarts, its summary) is tested in tests/training."""
 
 import os
@@ -9,8 +9,8 @@ import signal
 import pytest
 
 from megafab.checkpoint.directory import latest_iteration
-from tests.training.fork_ranks import main_stdout, start_ranks, wait_for_text
-from tests.training.launch import losses
+from tests.helpers.launch import losses
+from tests.helpers.main_ranks import main_stdout, start_ranks, wait_for_text
 
 # NullTokenizer adds an eod id: 127 + 1 = 128 pads to 128 at TP 1, 2 and 4 alike.
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",

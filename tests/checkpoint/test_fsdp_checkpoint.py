@@ -14,9 +14,9 @@ from megafab.checkpoint import checkpointing, dcp_io, directory, megatron_keys
 from megafab.checkpoint.state import named_parameters
 from megafab.distributed.fsdp import local_tensor
 from megafab.optim.memory import measure_memory
-from tests.checkpoint.util import make_state, read_everything, train
-from tests.harness import run_ranks
-from tests.model.tiny import LLAMA_STYLE
+from megafab.run.fork_ranks import run_ranks
+from tests.helpers.checkpoint import make_state, read_everything, train
+from tests.helpers.tiny import LLAMA_STYLE
 
 FSDP = dict(dist_opt=False, use_torch_fsdp2=True, ddp_bucket_size=None)
 

@@ -13,7 +13,7 @@ from megafab.checkpoint.state import write_plan
 from megafab.distributed.data_parallel import owned_ranges, plan_buckets
 from megafab.distributed.layers import partition_of
 from megafab.model.gpt import build_model_chunks
-from tests.model.tiny import GPT2_STYLE, LLAMA_STYLE, context, tiny_config
+from tests.helpers.tiny import GPT2_STYLE, LLAMA_STYLE, context, tiny_config
 
 
 def _index(box: Box):

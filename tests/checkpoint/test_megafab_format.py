@@ -9,8 +9,8 @@ import torch
 from megafab.checkpoint import checkpointing, dcp_io, directory
 from megafab.checkpoint import state as cs
 from megafab.checkpoint.source import rng_file
-from tests.checkpoint.util import make_state, train
-from tests.harness import run_ranks
+from megafab.run.fork_ranks import run_ranks
+from tests.helpers.checkpoint import make_state, train
 
 
 def _write_megafab_format(state, root):

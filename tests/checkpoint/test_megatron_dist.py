@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from megafab.checkpoint import checkpointing
+from megafab.run.fork_ranks import run_ranks
 from megafab.training.step import train_step
-from tests.checkpoint import mcore
-from tests.checkpoint.util import full_logits, make_state, perturb
-from tests.harness import run_ranks
-from tests.model.tiny import GPT2_STYLE, LLAMA_STYLE, tiny_config
+from tests.helpers import mcore
+from tests.helpers.checkpoint import full_logits, make_state, perturb
+from tests.helpers.tiny import GPT2_STYLE, LLAMA_STYLE, tiny_config
 
 STYLES = {"gpt2": GPT2_STYLE, "llama": LLAMA_STYLE}
 TOKENS = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(3))

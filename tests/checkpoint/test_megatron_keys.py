@@ -9,8 +9,8 @@ from megafab.checkpoint.layout import ParamLayout, model_key, optim_key
 from megafab.distributed.topology import build_topology
 from megafab.model.gpt import GPTModel
 from megafab.param_names import tp_partition
-from tests.harness import run_ranks
-from tests.model.tiny import GPT2_STYLE, LLAMA_STYLE, context, tiny_config
+from megafab.run.fork_ranks import run_ranks
+from tests.helpers.tiny import GPT2_STYLE, LLAMA_STYLE, context, tiny_config
 
 
 def test_names_stack_layers_and_take_transformer_engine_norm_names():

@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 
 from megafab.checkpoint import CheckpointError, checkpointing
-from tests.checkpoint import mcore
-from tests.checkpoint.util import full_logits, make_state, perturb
-from tests.harness import run_ranks
-from tests.model.tiny import GPT2_STYLE, LLAMA_STYLE, tiny_config
+from megafab.run.fork_ranks import run_ranks
+from tests.helpers import mcore
+from tests.helpers.checkpoint import full_logits, make_state, perturb
+from tests.helpers.tiny import GPT2_STYLE, LLAMA_STYLE, tiny_config
 
 STYLES = {"gpt2": GPT2_STYLE, "llama": LLAMA_STYLE}
 TOKENS = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(4))

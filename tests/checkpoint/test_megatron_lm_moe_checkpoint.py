@@ -29,9 +29,9 @@ import torch.nn.functional as F
 
 from megafab.checkpoint.megatron_dist import read_common
 from megafab.inference.load import load_model
-from tests.harness import run_ranks
-from tests.training.fork_ranks import main_stdout, run_ranks_main
-from tests.training.launch import losses
+from megafab.run.fork_ranks import run_ranks
+from tests.helpers.launch import losses
+from tests.helpers.main_ranks import main_stdout, run_ranks_main
 
 FIXTURE = Path(__file__).parent / "fixtures" / "megatron_lm_moe"
 SAVED = FIXTURE / "iter_0000002"

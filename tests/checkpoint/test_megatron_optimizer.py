@@ -14,10 +14,10 @@ from megafab.checkpoint import checkpointing
 from megafab.checkpoint.layout import from_stored
 from megafab.checkpoint.megatron_dist import TorchDistSource
 from megafab.param_names import VOCAB_PADDED
-from tests.checkpoint import mcore
-from tests.checkpoint.util import make_state, train
-from tests.harness import run_ranks
-from tests.model.tiny import LLAMA_STYLE, tiny_config
+from megafab.run.fork_ranks import run_ranks
+from tests.helpers import mcore
+from tests.helpers.checkpoint import make_state, train
+from tests.helpers.tiny import LLAMA_STYLE, tiny_config
 
 # The saved optimizer state is a function of the weights, so any layout can check what it loaded.
 MOMENTS = {"exp_avg": lambda w: 0.5 * w + 0.01, "exp_avg_sq": lambda w: w * w + 1e-3,

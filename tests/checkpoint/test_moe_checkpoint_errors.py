@@ -11,10 +11,9 @@ from megafab.checkpoint import CheckpointError, checkpointing
 from megafab.checkpoint.megatron_args import model_arg_mismatches
 from megafab.checkpoint.moe_check import check_moe_matches
 from megafab.config.moe import MoEConfig
-from tests.checkpoint.test_moe_resume import MOE, moe_state
-from tests.checkpoint.util import make_state, train
-from tests.harness import run_ranks
-from tests.model.tiny import LLAMA_STYLE, tiny_config
+from megafab.run.fork_ranks import run_ranks
+from tests.helpers.checkpoint import MOE, make_state, moe_state, train
+from tests.helpers.tiny import LLAMA_STYLE, tiny_config
 
 
 def _args(**values):

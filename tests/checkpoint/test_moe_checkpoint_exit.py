@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from tests.training.fork_ranks import run_ranks_main
-from tests.training.tiny_corpus import TINY, assert_one_message
+from tests.helpers.main_ranks import run_ranks_main
+from tests.helpers.tiny_corpus import TINY, assert_one_message
 
 pytestmark = [pytest.mark.skipif(not hasattr(os, "fork"), reason="forks its ranks"),
               pytest.mark.slow]  # ~40 s: two saves and three refused loads on a loaded machine

@@ -15,15 +15,15 @@ from megafab.checkpoint import megatron_dist
 from megafab.checkpoint.layout import MODEL_PREFIX, from_stored
 from megafab.convert.checkpoint import write_checkpoint
 from megafab.inference.load import load_model
-from tests.checkpoint import mcore
-from tests.checkpoint.mcore_moe_gpt import (
+from megafab.run.fork_ranks import run_ranks
+from tests.helpers import mcore
+from tests.helpers.mcore_moe_gpt import (
     EXPERTS,
     global_name,
     megafab_config,
     megatron_args,
     megatron_moe_ranks,
 )
-from tests.harness import run_ranks
 
 TOKENS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
 
@@ -36,7 +36,7 @@ def _state(model, ep_rank, local):
 def _mcore_save(rank, world, root):
     from megatron.core import parallel_state as ps
 
-    from tests.checkpoint.mcore_moe_gpt import gpt_model
+    from tests.helpers.mcore_moe_gpt import gpt_model
 
     with megatron_moe_ranks(ep=world):
         model = gpt_model()
@@ -50,7 +50,7 @@ def _mcore_save(rank, world, root):
 def _mcore_load(rank, world, path):
     from megatron.core import parallel_state as ps
 
-    from tests.checkpoint.mcore_moe_gpt import gpt_model
+    from tests.helpers.mcore_moe_gpt import gpt_model
 
     with megatron_moe_ranks(ep=world):
         model = gpt_model(seed=99)  # other values: the load must overwrite every one
@@ -129,7 +129,7 @@ def _mcore_legacy_save(rank, world, root):
     from megatron.core import parallel_state as ps
 
     from megafab.param_names import rank_dir
-    from tests.checkpoint.mcore_moe_gpt import gpt_model
+    from tests.helpers.mcore_moe_gpt import gpt_model
 
     with megatron_moe_ranks(ep=world):
         model = gpt_model()
@@ -151,7 +151,7 @@ def _mcore_legacy_load(rank, world, path):
     from megatron.core import parallel_state as ps
 
     from megafab.param_names import rank_dir
-    from tests.checkpoint.mcore_moe_gpt import gpt_model
+    from tests.helpers.mcore_moe_gpt import gpt_model
 
     with megatron_moe_ranks(ep=world):
         model = gpt_model(seed=99)
@@ -185,9 +185,9 @@ def _megafab_finetune_logits(rank, world, root, ep, save=None, tp=1):
     from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
     from megafab.distributed.topology import build_topology
     from megafab.training.build import TrainState, build_model, build_optimizer, build_scheduler
-    from tests.checkpoint.mcore_moe_gpt import MODEL, MOE
-    from tests.checkpoint.util import full_logits
-    from tests.model.tiny import tiny_config
+    from tests.helpers.checkpoint import full_logits
+    from tests.helpers.mcore_moe_gpt import MODEL, MOE
+    from tests.helpers.tiny import tiny_config
 
     cfg = tiny_config(tp=tp, style={}, **{**MODEL, **MOE}, dp=world // tp, expert_model_parallel_size=ep,
                       micro_batch_size=1, global_batch_size=world // tp, load=root, finetune=True, save=save,

@@ -16,30 +16,8 @@ import torch
 
 from megafab.checkpoint import checkpointing
 from megafab.distributed.fsdp import is_dtensor
-from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
-from megafab.distributed.topology import build_topology
-from megafab.training.build import TrainState, build_model, build_optimizer, build_scheduler
-from tests.checkpoint.util import GLOBAL_BATCH, read_everything, train
-from tests.harness import run_ranks
-from tests.model.tiny import LLAMA_STYLE, tiny_config
-
-MOE = dict(num_experts=4, moe_router_topk=2, moe_router_score_function="sigmoid",
-           moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.05,
-           moe_shared_expert_intermediate_size=24, moe_ffn_hidden_size=24,
-           moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=1e-2, moe_layer_freq=(0, 1, 1, 1))
-
-
-def moe_state(dp, dist_opt, ep=1, save=None, load=None, tp=1, **overrides):
-    flat = dict(style=LLAMA_STYLE, dp=dp, vocab_size=101, make_vocab_size_divisible_by=8, micro_batch_size=1,
-                global_batch_size=GLOBAL_BATCH, use_distributed_optimizer=dist_opt, ddp_bucket_size=700,
-                lr=1e-2, train_iters=10, save=save, load=load, expert_model_parallel_size=ep, **MOE)
-    cfg = tiny_config(tp=tp, sequence_parallel=tp > 1, **{**flat, **overrides})
-    topo = build_topology(tp=tp, ep=ep)
-    tracker = RNGStatesTracker("cpu")
-    model_parallel_seed(1234, topo.tp_rank, topo.pp_rank, topo.device, tracker)
-    model = build_model(cfg, topo, tracker, dtype=torch.float64)
-    optimizer = build_optimizer(cfg, topo, model)
-    return TrainState(cfg, topo, tracker, model, optimizer, build_scheduler(cfg, optimizer))
+from megafab.run.fork_ranks import run_ranks
+from tests.helpers.checkpoint import moe_state, read_everything, train
 
 
 def _whole(p):

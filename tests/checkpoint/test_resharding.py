@@ -6,9 +6,9 @@ optimizer state for them)."""
 import torch
 
 from megafab.checkpoint import CheckpointError, checkpointing, dcp_io, directory
-from tests.checkpoint.util import make_state, read_everything, train
-from tests.harness import run_ranks
-from tests.model.tiny import LLAMA_STYLE
+from megafab.run.fork_ranks import run_ranks
+from tests.helpers.checkpoint import make_state, read_everything, train
+from tests.helpers.tiny import LLAMA_STYLE
 
 
 # ---- DP and optimizer changes ---------------------------------------------------------------------

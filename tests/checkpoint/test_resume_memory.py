@@ -8,8 +8,8 @@ import gc
 import weakref
 
 from megafab.checkpoint import checkpointing
-from tests.checkpoint.util import make_state, train
-from tests.harness import run_ranks
+from megafab.run.fork_ranks import run_ranks
+from tests.helpers.checkpoint import make_state, train
 
 ENGINES = {"ddp": dict(dist_opt=False), "dist-opt": dict(dist_opt=True),
            "fsdp2": dict(dist_opt=False, use_torch_fsdp2=True, ddp_bucket_size=None)}

@@ -10,8 +10,8 @@ from benchmarks.bench_util import peak_cpu_bytes
 from megafab.checkpoint import checkpointing
 from megafab.checkpoint.state import named_parameters
 from megafab.optim.memory import measure_memory
-from tests.checkpoint.util import make_state, train
-from tests.harness import run_ranks
+from megafab.run.fork_ranks import run_ranks
+from tests.helpers.checkpoint import make_state, train
 
 SIZES = dict(hidden_size=128, num_layers=2, ffn_hidden_size=512, ddp_bucket_size=20000)
 

@@ -10,9 +10,9 @@ from megafab.config import Config
 from megafab.convert import export_hf, import_hf, read_checkpoint, write_checkpoint
 from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
 from megafab.distributed.topology import build_topology
+from megafab.run.fork_ranks import run_ranks
 from megafab.training.build import TrainState, build_model, build_optimizer, build_scheduler
-from tests.convert.hf_tiny import VOCAB, hf_gpt2, hf_llama
-from tests.harness import run_ranks
+from tests.helpers.hf_tiny import VOCAB, hf_gpt2, hf_llama
 
 
 def _load_then_save(rank, world, flat, load_dir, save_dir):

@@ -9,7 +9,7 @@ import torch
 
 from megafab.convert import write_checkpoint
 from megafab.model.gpt import GPTModel
-from tests.model.tiny import LLAMA_STYLE, context, tiny_config
+from tests.helpers.tiny import LLAMA_STYLE, context, tiny_config
 
 BAR_MARKS = ("\r", "|#", "█", "it/s", "step/s", "s/step")
 
@@ -34,7 +34,7 @@ def test_convert_into_a_log_file_writes_no_bar(tmp_path):
 
 
 def _damaged_hf_dir(tmp_path, damage):
-    from tests.convert.hf_tiny import hf_llama
+    from tests.helpers.hf_tiny import hf_llama
 
     hf_llama(groups=2).save_pretrained(tmp_path / "hf")
     damage(tmp_path / "hf")

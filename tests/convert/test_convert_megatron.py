@@ -10,10 +10,10 @@ import torch
 
 from megafab.checkpoint import checkpointing
 from megafab.cli.convert import main as convert
-from tests.checkpoint import mcore
-from tests.checkpoint.util import full_logits, make_state
-from tests.harness import run_ranks
-from tests.model.tiny import GPT2_STYLE, LLAMA_STYLE, tiny_config
+from megafab.run.fork_ranks import run_ranks
+from tests.helpers import mcore
+from tests.helpers.checkpoint import full_logits, make_state
+from tests.helpers.tiny import GPT2_STYLE, LLAMA_STYLE, tiny_config
 
 STYLES = {"gpt2": GPT2_STYLE, "llama": {**LLAMA_STYLE, "rotary_percent": 1.0}}  # HF Llama: full rotary
 TOKENS = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(5))

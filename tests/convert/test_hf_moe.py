@@ -16,7 +16,7 @@ from megafab.convert import export_hf, import_hf  # noqa: E402
 from megafab.convert.state_dict import ConversionError, module_state_dict  # noqa: E402
 from megafab.model.moe.layer import MoELayer  # noqa: E402
 from megafab.model.transformer import LayerContext  # noqa: E402
-from tests.convert.hf_moe_tiny import EXPERTS, TOPK, hf_mixtral, hf_qwen3_moe  # noqa: E402
+from tests.helpers.hf_moe_tiny import EXPERTS, TOPK, hf_mixtral, hf_qwen3_moe  # noqa: E402
 
 
 def _imported(model, tmp_path):

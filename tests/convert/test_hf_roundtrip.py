@@ -6,7 +6,7 @@ from safetensors.torch import load_file
 
 from megafab.convert import ConversionError, export_hf, import_hf
 from megafab.convert.state_dict import WORD_EMBEDDING, pack_qkv, unpack_qkv
-from tests.convert.hf_tiny import VOCAB, hf_gpt2, hf_llama, megafab_logits, megafab_model
+from tests.helpers.hf_tiny import VOCAB, hf_gpt2, hf_llama, megafab_logits, megafab_model
 
 BUILDERS = {"gpt2": lambda: hf_gpt2(), "gpt2-untied": lambda: hf_gpt2(tied=False),
             "gpt2-gelu-new": lambda: hf_gpt2(activation="gelu_new"),

@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 from megafab.cli.convert import main as convert  # noqa: E402
 from megafab.inference.generate import SamplingParams, generate  # noqa: E402
 from megafab.inference.load import load_model  # noqa: E402
-from tests.convert.hf_moe_tiny import hf_mixtral, hf_qwen3_moe  # noqa: E402
+from tests.helpers.hf_moe_tiny import hf_mixtral, hf_qwen3_moe  # noqa: E402
 
 TOKENS = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(5))
 

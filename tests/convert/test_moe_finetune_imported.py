@@ -13,12 +13,12 @@ from megafab.config import Config  # noqa: E402
 from megafab.convert import export_hf, import_hf, read_checkpoint, write_checkpoint  # noqa: E402
 from megafab.distributed.random import RNGStatesTracker, model_parallel_seed  # noqa: E402
 from megafab.distributed.topology import build_topology  # noqa: E402
+from megafab.run.fork_ranks import run_ranks  # noqa: E402
 from megafab.training.build import TrainState, build_model, build_optimizer, build_scheduler  # noqa: E402
 from megafab.training.step import train_step  # noqa: E402
-from tests.checkpoint.util import full_logits  # noqa: E402
-from tests.convert.hf_moe_tiny import hf_mixtral  # noqa: E402
-from tests.harness import run_ranks  # noqa: E402
-from tests.model.tiny import batch  # noqa: E402
+from tests.helpers.checkpoint import full_logits  # noqa: E402
+from tests.helpers.hf_moe_tiny import hf_mixtral  # noqa: E402
+from tests.helpers.tiny import batch  # noqa: E402
 
 TOKENS = torch.randint(0, 100, (2, 10), generator=torch.Generator().manual_seed(1))
 

@@ -7,7 +7,7 @@ import pytest
 
 from megafab.convert import export_hf, import_hf
 from megafab.data.tokenizers import build_tokenizer
-from tests.convert.hf_tiny import hf_gpt2, hf_llama
+from tests.helpers.hf_tiny import hf_gpt2, hf_llama
 
 TEXT = ["the quick brown fox jumps over the lazy dog", "a lazy dog sleeps", "quick quick fox"] * 20
 SAMPLE = "the lazy fox jumps"

@@ -8,9 +8,9 @@ import torch
 from megafab.checkpoint import checkpointing
 from megafab.checkpoint.vocab import padded_rows
 from megafab.convert import write_checkpoint
-from tests.checkpoint.util import make_state, train
-from tests.harness import run_ranks
-from tests.model.tiny import LLAMA_STYLE
+from megafab.run.fork_ranks import run_ranks
+from tests.helpers.checkpoint import make_state, train
+from tests.helpers.tiny import LLAMA_STYLE
 
 EMBEDDINGS = ("embedding.word_embeddings.weight", "output_layer.weight")  # LLAMA_STYLE: untied
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from megafab.distributed import param_gather
 from megafab.distributed.data_parallel import DistributedDataParallel
-from tests.harness import run_ranks
+from megafab.run.fork_ranks import run_ranks
 
 
 def _sliced_equals_whole(rank, world):
@@ -50,7 +50,7 @@ def test_dropped_ddp_chunk_is_freed():
 def _fsdp2_sliced_equals_whole(rank, world):
     from megafab.distributed import data_parallel
     from megafab.distributed.fsdp import local_tensor
-    from tests.checkpoint.util import make_state, train
+    from tests.helpers.checkpoint import make_state, train
 
     gathers, runs = [], []
     in_slices = param_gather.all_gather_in_slices

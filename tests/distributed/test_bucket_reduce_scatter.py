@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from megafab.distributed import data_parallel
-from tests.harness import run_ranks
+from megafab.run.fork_ranks import run_ranks
 
 
 def _sliced_equals_whole(rank, world):

@@ -27,7 +27,7 @@ from megafab.distributed.random import (
     model_parallel_seed,
     restore_rng_state,
 )
-from tests.harness import run_ranks
+from megafab.run.fork_ranks import run_ranks
 
 TOL = 1e-10
 

@@ -5,8 +5,8 @@ import torch
 import torch.distributed as dist
 
 from megafab.distributed.topology import DENSE, GROUP_AXES, Layout
+from megafab.run.fork_ranks import run_ranks
 from megafab.training.step import get_batch_on_this_cp_rank
-from tests.harness import run_ranks
 
 parallel_state = pytest.importorskip("megatron.core.parallel_state")
 megatron_utils = pytest.importorskip("megatron.core.utils")

@@ -16,7 +16,7 @@ from megafab.distributed.random import (
     model_parallel_seed,
     restore_rng_state,
 )
-from tests.harness import run_ranks
+from megafab.run.fork_ranks import run_ranks
 
 # Every way a tensor's value reaches Python: on CUDA each is a device-to-host copy and a sync.
 READBACKS = ("item", "cpu", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__")

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from megafab.distributed import cross_entropy
 from megafab.distributed.cross_entropy import vocab_parallel_cross_entropy
 from megafab.distributed.topology import build_topology
-from tests.harness import run_ranks
+from megafab.run.fork_ranks import run_ranks
 
 F64 = torch.float64
 S, B, REAL_VOCAB = 8, 3, 13

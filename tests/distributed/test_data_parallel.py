@@ -10,8 +10,8 @@ from megafab.distributed.data_parallel import DataParallelConfigError, Distribut
 from megafab.distributed.finalize_grads import finalize_model_grads
 from megafab.distributed.topology import build_topology
 from megafab.optim import DistributedOptimizer, MixedPrecisionOptimizer, owned_param_ranges
-from tests.harness import run_ranks
-from tests.optim.toy import ToyMLP, ToyTPBlock, mse, regression_batch, shard_like
+from megafab.run.fork_ranks import run_ranks
+from tests.helpers.toy import ToyMLP, ToyTPBlock, mse, regression_batch, shard_like
 
 HIDDEN, GLOBAL_BATCH, MICRO_BATCHES, STEPS = 8, 8, 2, 3
 LAYOUTS = [(dist_opt, overlap) for dist_opt in (False, True) for overlap in (False, True)]

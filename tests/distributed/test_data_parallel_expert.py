@@ -23,8 +23,8 @@ from megafab.optim import DistributedOptimizer, MixedPrecisionOptimizer
 from megafab.optim.cpu_offload import OffloadConfig
 from megafab.optim.fully_sharded_optimizer import FullyShardedOptimizer
 from megafab.optim.grad_scaler import ConstantGradScaler
-from tests.harness import run_ranks
-from tests.optim.toy_expert import ToyMoE
+from megafab.run.fork_ranks import run_ranks
+from tests.helpers.toy_expert import ToyMoE
 
 HIDDEN, EXPERTS, GLOBAL_BATCH, MICRO_BATCHES, STEPS, CLIP = 6, 4, 16, 2, 2, 0.3
 # (name, wrapper, distributed optimizer, overlap grad reduce, overlap param gather, offload)

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from megafab.distributed import mappings as m
-from tests.harness import run_ranks
+from megafab.run.fork_ranks import run_ranks
 
 SIZES = [2, 3]  # rows of rank 0, rank 1
 SENDS = [[1, 2], [0, 0]]  # SENDS[r][q]: rows rank r sends rank q (all_to_all)

@@ -14,7 +14,7 @@ from megafab.distributed.topology import (
     group_name,
     layout_problems,
 )
-from tests.harness import run_ranks
+from megafab.run.fork_ranks import run_ranks
 
 # megafab's axes -> (which megatron RankGenerator, its token)
 MEGATRON = {"tp": ("dense", "tp"), "cp": ("dense", "cp"), "dp": ("dense", "dp"),

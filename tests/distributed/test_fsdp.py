@@ -9,10 +9,10 @@ from torch import nn
 
 from megafab.distributed.fsdp import FullyShardedDataParallel, data_parallel_mesh, local_tensor
 from megafab.distributed.topology import build_topology
+from megafab.run.fork_ranks import run_ranks
 from megafab.training.step import train_step
-from tests.harness import run_ranks
 from tests.helpers.driver import driver_state
-from tests.model.tiny import batch, tiny_config
+from tests.helpers.tiny import batch, tiny_config
 
 
 class _Toy(nn.Module):

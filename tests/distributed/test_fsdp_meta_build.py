@@ -10,9 +10,9 @@ import torch
 from benchmarks.bench_util import peak_cpu_bytes
 from megafab.distributed.fsdp import local_tensor, shard_range
 from megafab.model.gpt import GPTModel
-from tests.harness import run_ranks
-from tests.model.tiny import reference_model, tiny_config
-from tests.training.test_3d_parity import driver_state
+from megafab.run.fork_ranks import run_ranks
+from tests.helpers.driver import driver_state
+from tests.helpers.tiny import reference_model, tiny_config
 
 
 def _build_one_part_at_a_time(rank, world):

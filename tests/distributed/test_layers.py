@@ -20,7 +20,7 @@ from megafab.distributed.layers import (
     vocab_range,
 )
 from megafab.distributed.topology import build_topology
-from tests.harness import run_ranks
+from megafab.run.fork_ranks import run_ranks
 
 F64 = torch.float64
 S, B = 8, 2  # sequence and micro-batch, [s, b, h]

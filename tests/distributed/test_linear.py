@@ -12,8 +12,8 @@ from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
 from megafab.distributed.topology import build_topology
 from megafab.model.gpt import GPTModel, masked_mean_loss
 from megafab.optim.memory import SavedActivations
-from tests.harness import run_ranks
-from tests.model.tiny import GPT2_STYLE, LLAMA_STYLE, batch, context, tiny_config
+from megafab.run.fork_ranks import run_ranks
+from tests.helpers.tiny import GPT2_STYLE, LLAMA_STYLE, batch, context, tiny_config
 
 F64 = torch.float64
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from megafab.distributed import mappings as m
-from tests.harness import run_ranks
+from megafab.run.fork_ranks import run_ranks
 
 SHAPE = (8, 2, 12)  # [s, b, h], divisible by 2 and 4 along s and h
 

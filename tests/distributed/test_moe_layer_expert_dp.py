@@ -11,8 +11,8 @@ from megafab.distributed.finalize_grads import finalize_model_grads
 from megafab.distributed.topology import build_topology
 from megafab.model.moe.settings import MoESettings
 from megafab.optim import DistributedOptimizer, MixedPrecisionOptimizer
-from tests.harness import run_ranks
-from tests.model.moe.mcore_moe import HIDDEN, megafab_layer
+from megafab.run.fork_ranks import run_ranks
+from tests.helpers.mcore_moe import HIDDEN, megafab_layer
 
 WORLD, EP, SEQ, BATCH, CLIP = 4, 2, 4, 2, 0.05
 BASE = dict(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.0,  # aux-loss grads scale per micro-batch

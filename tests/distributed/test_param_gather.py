@@ -12,10 +12,10 @@ from megafab.checkpoint.checkpointing import save_checkpoint
 from megafab.checkpoint.megatron_legacy import FILE
 from megafab.checkpoint.state import gather_params
 from megafab.distributed.param_gather import ParamGather, finish_param_syncs
+from megafab.run.fork_ranks import run_ranks
 from megafab.training.step import evaluate, train_step
-from tests.harness import run_ranks
-from tests.model.tiny import LLAMA_STYLE, batch, tiny_config
-from tests.training.test_3d_parity import driver_state
+from tests.helpers.driver import driver_state
+from tests.helpers.tiny import LLAMA_STYLE, batch, tiny_config
 
 MICRO, STEPS = 2, 3
 

@@ -23,7 +23,7 @@ from megafab.distributed.pipeline import (
     get_forward_backward_func,
 )
 from megafab.distributed.topology import Topology, build_topology
-from tests.harness import RankFailure, RankTimeout, run_ranks
+from megafab.run.fork_ranks import RankFailure, RankTimeout, run_ranks
 
 VOCAB, HIDDEN, SEQ, MBS = 16, 16, 8, 2
 TOL = 1e-10

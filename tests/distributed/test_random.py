@@ -13,7 +13,7 @@ from megafab.distributed.random import (
     restore_rng_state,
 )
 from megafab.distributed.topology import build_topology
-from tests.harness import run_ranks
+from megafab.run.fork_ranks import run_ranks
 
 CPU = torch.device("cpu")
 

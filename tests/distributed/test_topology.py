@@ -9,8 +9,8 @@ from megafab.distributed.topology import (
     build_topology,
     group_name,
 )
+from megafab.run.fork_ranks import RankFailure, RankTimeout, run_ranks
 from megafab.run.launch import first_slurm_host, read_launch_env
-from tests.harness import RankFailure, RankTimeout, run_ranks
 
 
 def factorizations(world):

@@ -2,7 +2,7 @@
 
 Production code holds no test hooks; a test that needs one in processes it does not fork itself
 (torchrun's workers) puts a sitecustomize.py first on their PYTHONPATH, which Python runs at start-up.
-Forked ranks (megafab.run.fork_ranks, tests/training/fork_ranks.py) take a function instead.
+Forked ranks (megafab.run.fork_ranks, tests/helpers/main_ranks.py) take a function instead.
 """
 
 from __future__ import annotations

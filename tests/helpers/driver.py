@@ -12,7 +12,7 @@ from megafab.optim.mixed_precision import MixedPrecisionOptimizer
 from megafab.plan.planner import plan
 from megafab.training.build import TrainState, build_model, build_optimizer, build_scheduler
 from megafab.training.step import train_step
-from tests.model.tiny import batch, full_grad, reference_model
+from tests.helpers.tiny import batch, full_grad, reference_model
 
 STEPS = 3
 MICRO = 2  # micro-batch size

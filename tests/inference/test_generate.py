@@ -8,7 +8,7 @@ import torch
 from megafab.convert import import_hf, write_checkpoint
 from megafab.inference import GenerationError, SamplingParams, generate, load_model
 from megafab.inference.sampling import filter_logits, sample_next
-from tests.convert.hf_tiny import VOCAB, hf_gpt2, hf_llama, megafab_model
+from tests.helpers.hf_tiny import VOCAB, hf_gpt2, hf_llama, megafab_model
 
 
 def _imported(hf, tmp_path):

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from megafab.model import transformer
 from megafab.model.attention_backend import attention_backend_problems
 from megafab.model.transformer import TransformerLayer
-from tests.model.tiny import context, tiny_config
+from tests.helpers.tiny import context, tiny_config
 
 
 def _enabled():

@@ -9,7 +9,7 @@ import torch._inductor.config
 
 from megafab.arguments import config_from_args
 from megafab.model.gpt import GPTModel
-from tests.model.tiny import GPT2_STYLE, batch, context, tiny_config
+from tests.helpers.tiny import GPT2_STYLE, batch, context, tiny_config
 
 
 def _loss_and_grads(model_cfg, style_batch):

@@ -6,8 +6,8 @@ import torch.distributed as dist
 from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
 from megafab.distributed.topology import build_topology
 from megafab.model.gpt import GPTModel, masked_mean_loss
-from tests.harness import run_ranks
-from tests.model.tiny import batch, context, tiny_config
+from megafab.run.fork_ranks import run_ranks
+from tests.helpers.tiny import batch, context, tiny_config
 
 
 def _run(topo, cfg, sp, seed=1234):

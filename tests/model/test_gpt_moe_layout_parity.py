@@ -32,11 +32,11 @@ from megafab.model.moe.loss_logging import moe_loss_values
 from megafab.model.moe.router import TopKRouter, routers_of
 from megafab.model.transformer import LayerContext
 from megafab.optim.mixed_precision import MixedPrecisionOptimizer
+from megafab.run.fork_ranks import run_ranks
 from megafab.training.moe import logged_balancing_losses, num_moe_layers
 from megafab.training.step import average_loss_across_dp, run_schedule, train_step
-from tests.harness import run_ranks
 from tests.helpers.driver import MICRO, driver_state, make_samples, micro_batches
-from tests.model.tiny import LLAMA_STYLE, full_grad, tiny_config
+from tests.helpers.tiny import LLAMA_STYLE, full_grad, tiny_config
 
 TOL = 1e-10
 WORD = "embedding.word_embeddings.weight"

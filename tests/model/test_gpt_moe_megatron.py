@@ -2,7 +2,7 @@
 spec from the same --moe-layer-freq pattern) for the same weights, in float64: the logits, the
 logged balancing / z losses and every parameter gradient of the loss (with the attached balancing
 losses) within 1e-12, with a shared expert, for both dispatchers at one rank.
-The CPU workarounds are tests/model/moe/mcore_moe.py's."""
+The CPU workarounds are tests/helpers/mcore_moe.py's."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from megafab.model.moe.balancing import LossScale
 from megafab.model.moe.router import routers_of
 from megafab.model.moe.settings import MoESettings
 from megafab.model.transformer import LayerContext
-from tests.model.moe.mcore_moe import megatron_losses, megatron_moe_on_cpu, set_megatron_loss_scale
-from tests.model.tiny import LLAMA_STYLE, batch, tiny_config
+from tests.helpers.mcore_moe import megatron_losses, megatron_moe_on_cpu, set_megatron_loss_scale
+from tests.helpers.tiny import LLAMA_STYLE, batch, tiny_config
 
 PATTERN = (0, 1, 1, 1)  # --moe-layer-freq "([0]*1+[1]*3)"
 MOE = dict(num_experts=4, moe_router_topk=2, moe_layer_freq=PATTERN, moe_aux_loss_coeff=1e-2,

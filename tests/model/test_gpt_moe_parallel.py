@@ -18,8 +18,8 @@ from megafab.model.moe.loss_logging import moe_loss_values
 from megafab.model.moe.router import routers_of
 from megafab.model.moe.settings import MoESettings
 from megafab.model.transformer import LayerContext
-from tests.harness import run_ranks
-from tests.model.tiny import LLAMA_STYLE, batch, full_grad, tiny_config
+from megafab.run.fork_ranks import run_ranks
+from tests.helpers.tiny import LLAMA_STYLE, batch, full_grad, tiny_config
 
 SETTINGS = MoESettings(num_experts=4, moe_router_topk=2, moe_layer_freq=(0, 1, 1, 1), moe_aux_loss_coeff=1e-2,
                        moe_z_loss_coeff=1e-3, moe_shared_expert_intermediate_size=40)

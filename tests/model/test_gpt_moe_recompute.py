@@ -13,7 +13,7 @@ from megafab.model.moe.balancing import LossScale
 from megafab.model.moe.router import routers_of
 from megafab.model.moe.settings import MoESettings
 from megafab.model.transformer import LayerContext
-from tests.model.tiny import LLAMA_STYLE, batch, tiny_config
+from tests.helpers.tiny import LLAMA_STYLE, batch, tiny_config
 
 SETTINGS = MoESettings(num_experts=4, moe_router_topk=2, moe_layer_freq=(0, 1, 1, 1),
                        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,

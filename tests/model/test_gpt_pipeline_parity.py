@@ -9,8 +9,8 @@ from megafab.distributed.finalize_grads import finalize_model_grads
 from megafab.distributed.pipeline import get_forward_backward_func
 from megafab.distributed.topology import build_topology
 from megafab.model.gpt import WORD_EMBEDDING, build_model_chunks, masked_mean_loss
-from tests.harness import run_ranks
-from tests.model.tiny import (
+from megafab.run.fork_ranks import run_ranks
+from tests.helpers.tiny import (
     GPT2_STYLE,
     LLAMA_STYLE,
     batch,

@@ -5,8 +5,8 @@ import torch
 
 from megafab.distributed.topology import build_topology
 from megafab.model.gpt import GPTModel, masked_mean_loss
-from tests.harness import run_ranks
-from tests.model.tiny import (
+from megafab.run.fork_ranks import run_ranks
+from tests.helpers.tiny import (
     GPT2_STYLE,
     LLAMA_STYLE,
     batch,

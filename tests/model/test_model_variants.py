@@ -15,8 +15,16 @@ from megafab.distributed.finalize_grads import finalize_model_grads
 from megafab.distributed.topology import build_topology
 from megafab.model.gpt import GPTModel, masked_mean_loss
 from megafab.model.transformer import TransformerLayer, build_norm, openai_gelu
-from tests.harness import run_ranks
-from tests.model.tiny import GPT2_STYLE, LLAMA_STYLE, batch, context, full_grad, reference_model, tiny_config
+from megafab.run.fork_ranks import run_ranks
+from tests.helpers.tiny import (
+    GPT2_STYLE,
+    LLAMA_STYLE,
+    batch,
+    context,
+    full_grad,
+    reference_model,
+    tiny_config,
+)
 
 VARIANTS = {
     "plain": dict(),

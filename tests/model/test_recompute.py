@@ -15,8 +15,8 @@ from megafab.distributed.topology import build_topology
 from megafab.model.gpt import GPTModel, build_model_chunks, masked_mean_loss
 from megafab.model.recompute import RecomputeConfigError, RecomputeSettings, layer_groups
 from megafab.optim.memory import SavedActivations
-from tests.harness import run_ranks
-from tests.model.tiny import (
+from megafab.run.fork_ranks import run_ranks
+from tests.helpers.tiny import (
     GPT2_STYLE,
     LLAMA_STYLE,
     batch,

@@ -21,8 +21,8 @@ from megafab.model.te import (
     to_local_state_dict,
     to_te_state_dict,
 )
-from tests.harness import run_ranks
-from tests.model.tiny import GPT2_STYLE, LLAMA_STYLE, batch, context, reference_model, tiny_config
+from megafab.run.fork_ranks import run_ranks
+from tests.helpers.tiny import GPT2_STYLE, LLAMA_STYLE, batch, context, reference_model, tiny_config
 
 
 def test_transformer_engine_on_cpu_is_refused_before_training():

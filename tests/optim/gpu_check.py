@@ -16,7 +16,7 @@ from megafab.distributed.data_parallel import DistributedDataParallel
 from megafab.distributed.finalize_grads import finalize_model_grads
 from megafab.distributed.topology import build_topology
 from megafab.optim import DistributedOptimizer, measure_memory
-from tests.optim.toy import ToyMLP, mse, regression_batch
+from tests.helpers.toy import ToyMLP, mse, regression_batch
 
 
 def main():

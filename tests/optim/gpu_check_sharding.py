@@ -23,7 +23,7 @@ from megafab.distributed.topology import build_topology
 from megafab.optim.memory import measure_memory
 from megafab.training.build import TrainState, build_model, build_optimizer, build_scheduler
 from megafab.training.step import train_step
-from tests.model.tiny import batch, tiny_config
+from tests.helpers.tiny import batch, tiny_config
 
 LAYOUTS = {"DDP": {}, "FSDP2": dict(use_torch_fsdp2=True),
            "FSDP2 + offload 0.5": dict(use_torch_fsdp2=True, optimizer_cpu_offload=True,

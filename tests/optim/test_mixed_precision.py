@@ -17,8 +17,8 @@ from megafab.optim import (
     OptimizerConfigError,
     measure_memory,
 )
-from tests.harness import run_ranks
-from tests.optim.toy import ToyMLP, mse, regression_batch
+from megafab.run.fork_ranks import run_ranks
+from tests.helpers.toy import ToyMLP, mse, regression_batch
 
 
 def _fp16_overflow_skips(rank, world):

@@ -9,7 +9,7 @@ from megafab.plan.machines import machine
 from megafab.plan.planner import plan
 from megafab.plan.report import dry_run_prediction
 from megafab.plan.search import search
-from tests.training.launch import pretrain_in_ranks
+from tests.helpers.launch import pretrain_in_ranks
 
 MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--vocab-size", "127", "--make-vocab-size-divisible-by", "32", "--global-batch-size", "8"]

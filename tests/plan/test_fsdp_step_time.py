@@ -66,7 +66,7 @@ def test_a_layers_groups_are_megafabs_fsdp2_units(moe):
     from megafab.model.gpt import build_model_chunks
     from megafab.model.transformer import LayerContext
     from megafab.pipeline_split import PipelineSplit
-    from tests.model.tiny import LLAMA_STYLE, tiny_config
+    from tests.helpers.tiny import LLAMA_STYLE, tiny_config
 
     extra = dict(num_experts=4, moe_router_topk=2, moe_layer_freq=(0, 1)) if moe else {}
     cfg = tiny_config(style=LLAMA_STYLE, num_layers=2, **extra)

@@ -10,7 +10,7 @@ from megafab.plan.optimizer_tensors import param_tensors
 from megafab.plan.planner import plan
 from megafab.plan.profile import HOST_MODELS, _fit, _line, fit_host_overheads
 from megafab.plan.step_time import predict
-from tests.harness import run_ranks
+from megafab.run.fork_ranks import run_ranks
 from tests.helpers.flags import planned_gpt
 
 TRUE = {"none": dict(step_s=6e-4, micro_batch_s=4e-4, layer_micro_batch_s=3e-4, param_tensor_s=1.5e-5),

@@ -149,7 +149,7 @@ def mixtral_script_flags(tmp_path) -> list[str]:
     """Megatron's Mixtral 8x7B script (tests/test_megatron_launch_scripts.py), its 32000-token Llama-2
     tokenizer as a NullTokenizer of that size (Megatron's NullTokenizer adds the end-of-document
     token) and mock data: the parameter count needs the real vocabulary."""
-    from tests.test_megatron_launch_scripts import MIXTRAL_8X7B
+    from tests.helpers.megatron_scripts import MIXTRAL_8X7B
 
     text = " ".join(MIXTRAL_8X7B).replace("--tokenizer-type Llama2Tokenizer --tokenizer-model {spm}",
                                           "--tokenizer-type NullTokenizer --vocab-size 31999")
@@ -235,7 +235,7 @@ def test_search_enumerates_expert_parallel_layouts_the_rules_accept():
 def test_moe_mlp_params_are_what_megafabs_moe_layer_builds(swiglu, bias, shared, gate, grouped):
     import torch
 
-    from tests.model.moe.mcore_moe import megafab_layer, model_cfg
+    from tests.helpers.mcore_moe import megafab_layer, model_cfg
 
     settings = MoESettings(num_experts=4, moe_router_topk=2, moe_shared_expert_intermediate_size=shared,
                            moe_shared_expert_gate=gate, moe_grouped_gemm=grouped)

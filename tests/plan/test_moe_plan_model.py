@@ -10,9 +10,9 @@ from megafab.model.gpt import build_model_chunks
 from megafab.model.transformer import LayerContext
 from megafab.pipeline_split import PipelineSplit
 from megafab.plan.planner import stage_param_split
+from megafab.run.fork_ranks import run_ranks
 from megafab.training.moe import moe_context_fields
-from tests.harness import run_ranks
-from tests.model.tiny import LLAMA_STYLE, tiny_config
+from tests.helpers.tiny import LLAMA_STYLE, tiny_config
 
 MOE = dict(num_experts=4, moe_router_topk=2, moe_layer_freq=(0, 1, 1, 1),
            moe_shared_expert_intermediate_size=40, moe_shared_expert_gate=True)
@@ -86,7 +86,7 @@ def _saved_and_planned(rank, world, overrides, tp=None):
     from megafab.model.gpt import GPTModel, masked_mean_loss
     from megafab.optim.memory import SavedActivations
     from megafab.plan.planner import plan
-    from tests.model.tiny import batch
+    from tests.helpers.tiny import batch
 
     tp = world if tp is None else tp
     cfg = tiny_config(tp=tp, dp=world // tp, style=LLAMA_STYLE, num_layers=4, hidden_size=64, seq_length=32,

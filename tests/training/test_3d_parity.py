@@ -7,7 +7,7 @@ TP2 x PP2 x DP2 with sequence parallel and the distributed optimizer (and DP-onl
 import pytest
 import torch
 
-from tests.harness import run_ranks
+from megafab.run.fork_ranks import run_ranks
 from tests.helpers.driver import (
     MICRO,
     STEPS,
@@ -17,7 +17,7 @@ from tests.helpers.driver import (
     reference_run,
     train_and_compare,
 )
-from tests.model.tiny import GPT2_STYLE, LLAMA_STYLE, tiny_config
+from tests.helpers.tiny import GPT2_STYLE, LLAMA_STYLE, tiny_config
 
 
 def _driver_parity(rank, world, tp, pp, vpp, sp, dist_opt, overlap, style):

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from tests.training.fork_ranks import run_ranks_main
-from tests.training.launch import ROOT, free_port, losses
-from tests.training.tiny_corpus import TINY, assert_one_message, write_corpus
+from tests.helpers.launch import ROOT, free_port, losses
+from tests.helpers.main_ranks import run_ranks_main
+from tests.helpers.tiny_corpus import TINY, assert_one_message, write_corpus
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="the catalogue forks its ranks")
 TRACKER = "latest_checkpointed_iteration.txt"

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from tests.training.fork_ranks import main_stdout
-from tests.training.launch import losses
+from tests.helpers.launch import losses
+from tests.helpers.main_ranks import main_stdout
 
 # Llama-like (RoPE on half of each head, GQA, RMSNorm, SwiGLU); 127 + eod pads to 128 at TP 1 and 2.
 MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",

@@ -6,7 +6,7 @@ from benchmarks.bench_util import build_state, gpt_flags, repeat_batch, syntheti
 from benchmarks.memory import saved_bytes
 from megafab.arguments import config_from_args
 from megafab.plan.planner import plan
-from tests.harness import run_ranks
+from megafab.run.fork_ranks import run_ranks
 
 SEQ = 512
 

@@ -14,10 +14,10 @@ import torch
 from megafab.model.gpt import masked_mean_loss
 from megafab.optim.distributed_optimizer import owned_param_ranges
 from megafab.optim.mixed_precision import MixedPrecisionOptimizer
+from megafab.run.fork_ranks import run_ranks
 from megafab.training.step import average_loss_across_dp, run_schedule
-from tests.harness import run_ranks
 from tests.helpers.driver import driver_state
-from tests.model.tiny import GPT2_STYLE, LLAMA_STYLE, batch, full_grad, reference_model, tiny_config
+from tests.helpers.tiny import GPT2_STYLE, LLAMA_STYLE, batch, full_grad, reference_model, tiny_config
 
 MICRO = 2
 TOL = 1e-10

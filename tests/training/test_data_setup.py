@@ -4,9 +4,9 @@ from types import SimpleNamespace
 
 import torch
 
+from megafab.run.fork_ranks import run_ranks
 from megafab.training.data_setup import build_data_iterators, sample_counts
-from tests.harness import run_ranks
-from tests.model.tiny import tiny_config
+from tests.helpers.tiny import tiny_config
 
 
 def _cfg(**overrides):

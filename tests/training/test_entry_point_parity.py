@@ -3,8 +3,8 @@ ranks: torchrun's worker start-up is paid once for the test process, not per ran
 
 import pytest
 
-from tests.training.fork_ranks import main_stdout
-from tests.training.launch import losses
+from tests.helpers.launch import losses
+from tests.helpers.main_ranks import main_stdout
 
 # NullTokenizer adds an eod id: 127 + 1 = 128 pads to 128 at TP 1 and TP 2 alike.
 MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",

@@ -15,9 +15,9 @@ import shutil
 import pytest
 import torch
 
-from tests.training.fork_ranks import run_ranks_main
-from tests.training.launch import losses
-from tests.training.tiny_corpus import TINY, assert_one_message, error_lines, write_corpus
+from tests.helpers.launch import losses
+from tests.helpers.main_ranks import run_ranks_main
+from tests.helpers.tiny_corpus import TINY, assert_one_message, error_lines, write_corpus
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="the catalogue forks its ranks")
 

@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from tests.training.fork_ranks import run_ranks_main, start_ranks, wait_for_text
-from tests.training.launch import ROOT, free_port, losses
-from tests.training.tiny_corpus import TINY, assert_one_message, write_corpus
+from tests.helpers.launch import ROOT, free_port, losses
+from tests.helpers.main_ranks import run_ranks_main, start_ranks, wait_for_text
+from tests.helpers.tiny_corpus import TINY, assert_one_message, write_corpus
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="these tests fork their ranks")
 VALIDATION = re.compile(r"validation loss at (.*?) \| lm loss value: ([0-9.E+-]+)")

@@ -15,8 +15,8 @@ import torch
 
 from megafab.distributed.fsdp import local_tensor
 from megafab.optim.fully_sharded_optimizer import FullyShardedOptimizer
+from megafab.run.fork_ranks import run_ranks
 from megafab.training.step import train_step
-from tests.harness import run_ranks
 from tests.helpers.driver import (
     MICRO,
     STEPS,
@@ -26,7 +26,7 @@ from tests.helpers.driver import (
     reference_run,
     train_and_compare,
 )
-from tests.model.tiny import GPT2_STYLE, LLAMA_STYLE, batch, tiny_config
+from tests.helpers.tiny import GPT2_STYLE, LLAMA_STYLE, batch, tiny_config
 
 CLIP = 0.25
 

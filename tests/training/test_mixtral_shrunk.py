@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from megafab.cli.preprocess import main as preprocess
-from tests.test_megatron_launch_scripts import MIXTRAL_8X7B, fill, words
-from tests.training.launch import losses, pretrain_in_ranks
+from tests.helpers.launch import losses, pretrain_in_ranks
+from tests.helpers.megatron_scripts import MIXTRAL_8X7B, fill, words
 
 # Sizes, run length and layout shrunk; everything else (RMSNorm, SwiGLU, RoPE, GQA, untied
 # output, aux loss, grouped GEMM, alltoall, distributed optimizer with overlap, SP, bf16) as the

@@ -11,8 +11,8 @@ import re
 
 import pytest
 
-from tests.training.launch import losses, pretrain_in_ranks
-from tests.training.tiny_corpus import TINY
+from tests.helpers.launch import losses, pretrain_in_ranks
+from tests.helpers.tiny_corpus import TINY
 
 MOE = ["--mock-data", "--train-iters", "5", "--global-batch-size", "4", "--hidden-dropout", "0",
        "--attention-dropout", "0", "--disable-bias-linear", "--num-experts", "4", "--moe-router-topk", "2",

@@ -10,7 +10,7 @@ import torch
 
 from megafab.training.log_line import iteration_line
 from megafab.training.train_log import TrainingLog
-from tests.model.tiny import tiny_config
+from tests.helpers.tiny import tiny_config
 
 
 class _Writers:

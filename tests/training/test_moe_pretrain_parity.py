@@ -8,41 +8,19 @@ no reduce group)."""
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 
-from tests.training.launch import losses, pretrain_in_ranks
-from tests.training.tiny_corpus import TINY
+from tests.helpers.launch import pretrain_in_ranks
+from tests.helpers.moe_pretrain import MOE, assert_parity, logged
+from tests.helpers.tiny_corpus import TINY
 
-MOE = ["--mock-data", "--train-iters", "5", "--global-batch-size", "4", "--hidden-dropout", "0",
-       "--attention-dropout", "0", "--num-experts", "4", "--moe-router-topk", "2",
-       "--moe-layer-freq", "([0]*1+[1]*1)", "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3",
-       "--moe-shared-expert-intermediate-size", "24", "--moe-router-score-function", "sigmoid",
-       "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.5", "--disable-bias-linear"]
-# (the bias rate moves the step-2 lm loss by 2e-3: the bias update over the ranks is checked too)
-BALANCING = re.compile(r"iteration\s+(\d+)/.*? load_balancing_loss: (\S+) \| z_loss: (\S+) \|")
 pytestmark = pytest.mark.slow  # ~20 s each on a loaded 2-core machine (three short runs in all)
-
-
-def _logged(output: str) -> dict[int, tuple[float, float, float]]:
-    lm = losses(output)
-    return {int(m.group(1)): (lm[int(m.group(1))], float(m.group(2)), float(m.group(3)))
-            for m in BALANCING.finditer(output)}
 
 
 @pytest.fixture(scope="module")
 def single_process():
-    return _logged(pretrain_in_ranks(TINY + MOE, 1)[0])
-
-
-def _assert_parity(ours, reference):
-    assert sorted(ours) == sorted(reference) == [1, 2, 3, 4, 5]
-    for it, (lm, balancing, z) in ours.items():
-        ref_lm, ref_balancing, _ = reference[it]
-        assert abs(lm - ref_lm) < 1e-5, (it, ours[it], reference[it])
-        assert abs(balancing - ref_balancing) < 1e-5, (it, ours[it], reference[it])
-        assert balancing > 0.5 and z > 0  # logged, not zeros
+    return logged(pretrain_in_ranks(TINY + MOE, 1)[0])
 
 
 def test_data_parallel_moe_logs_the_single_process_losses(tmp_path, single_process):
@@ -51,12 +29,12 @@ def test_data_parallel_moe_logs_the_single_process_losses(tmp_path, single_proce
     flags = ["--use-distributed-optimizer", "--metrics-jsonl", str(jsonl), "--tensorboard-dir",
              str(tmp_path / "tb")]
     out = pretrain_in_ranks(TINY + MOE + flags, 2)[-1]
-    logged = _logged(out)
-    _assert_parity(logged, single_process)
+    ours = logged(out)
+    assert_parity(ours, single_process)
     records = [json.loads(line) for line in jsonl.read_text().splitlines()]
     iterations = {r["iteration"]: r for r in records if r["kind"] == "iteration"}
     assert {it: r["load_balancing_loss"] for it, r in iterations.items()} == \
-        pytest.approx({it: v[1] for it, v in logged.items()}, rel=1e-6)
+        pytest.approx({it: v[1] for it, v in ours.items()}, rel=1e-6)
     assert all("z_loss" in r for r in iterations.values())
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -64,7 +42,7 @@ def test_data_parallel_moe_logs_the_single_process_losses(tmp_path, single_proce
     events.Reload()
     assert {"load_balancing_loss", "z_loss"} <= set(events.Tags()["scalars"])
     tb = {e.step: e.value for e in events.Scalars("load_balancing_loss")}
-    assert tb == pytest.approx({it: v[1] for it, v in logged.items()}, rel=1e-6)
+    assert tb == pytest.approx({it: v[1] for it, v in ours.items()}, rel=1e-6)
 
 
 @pytest.mark.parametrize("layout", [
@@ -76,7 +54,7 @@ def test_model_parallel_moe_logs_the_single_process_losses(single_process, layou
     """The losses are summed over the stages and divided by the model's MoE layers (PP), counted
     over the TP / CP ranks' sequence shards (SP, CP), as Megatron's."""
     out = pretrain_in_ranks(TINY + MOE + layout, 2)[-1]
-    _assert_parity(_logged(out), single_process)
+    assert_parity(logged(out), single_process)
 
 
 @pytest.mark.parametrize("layout", [
@@ -87,4 +65,4 @@ def test_model_parallel_moe_logs_the_single_process_losses(single_process, layou
 def test_expert_parallel_moe_logs_the_single_process_losses(single_process, layout):
     """EP 2 over the 2 DP ranks: each holds half the experts, their grads reduce over expert-DP."""
     out = pretrain_in_ranks(TINY + MOE + layout, 2)[-1]
-    _assert_parity(_logged(out), single_process)
+    assert_parity(logged(out), single_process)

@@ -12,10 +12,10 @@ from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
 from megafab.distributed.topology import build_topology
 from megafab.model.gpt import masked_mean_loss
 from megafab.optim.lr_scheduler import OptimizerParamScheduler
+from megafab.run.fork_ranks import run_ranks
 from megafab.training.build import TrainState, build_model, build_optimizer, build_scheduler
 from megafab.training.step import train_step
-from tests.harness import run_ranks
-from tests.model.tiny import GPT2_STYLE, LLAMA_STYLE, batch, reference_model, tiny_config
+from tests.helpers.tiny import GPT2_STYLE, LLAMA_STYLE, batch, reference_model, tiny_config
 
 STEPS, MICRO = 3, 2
 

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from tests.training.fork_ranks import main_stdout
+from tests.helpers.main_ranks import main_stdout
 
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "2", "--lr", "1e-2",
@@ -76,7 +76,7 @@ def test_params_norm_goes_to_the_line_json_and_tensorboard_on_their_iterations(c
     import types
 
     from megafab.training import train_log
-    from tests.model.tiny import tiny_config
+    from tests.helpers.tiny import tiny_config
 
     calls = []
     cfg = tiny_config(log_interval=2, tensorboard_log_interval=3, log_params_norm=True,

@@ -8,9 +8,9 @@ from megafab.distributed.topology import build_topology
 from megafab.model.gpt import GPTModel, build_model_chunks, masked_mean_loss
 from megafab.optim.memory import SavedActivations
 from megafab.plan.planner import format_plan, in_flight_chunks, plan
-from tests.harness import run_ranks
+from megafab.run.fork_ranks import run_ranks
 from tests.helpers.driver import measured_after_one_step
-from tests.model.tiny import GPT2_STYLE, LLAMA_STYLE, batch, context, tiny_config
+from tests.helpers.tiny import GPT2_STYLE, LLAMA_STYLE, batch, context, tiny_config
 
 LAYOUTS = [dict(pp=1), dict(pp=2), dict(pp=2, num_layers_per_virtual_pipeline_stage=1),
            dict(pp=4, untie_embeddings_and_output_weights=True)]

@@ -13,7 +13,7 @@ from megafab.arguments import config_from_args
 from megafab.config import ConfigError
 from megafab.training.batch_size import global_batch_size_at, num_micro_batches_at, train_iterations
 from megafab.training.loop_hooks import ManualGC, StepProfiler
-from tests.model.tiny import tiny_config
+from tests.helpers.tiny import tiny_config
 
 FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--micro-batch-size", "2", "--lr", "1e-3", "--mock-data", "--vocab-size", "64"]
@@ -53,7 +53,7 @@ def test_ramp_iteration_count_and_rules():
 
 
 def test_ramp_drives_the_steps_consumed_samples_and_lr(tmp_path, mock_data_cache):
-    from tests.training.launch import pretrain_in_ranks
+    from tests.helpers.launch import pretrain_in_ranks
 
     flags = FLAGS + mock_data_cache + ["--global-batch-size", "8", "--rampup-batch-size", "2", "2", "12",
                      "--train-samples", "40",

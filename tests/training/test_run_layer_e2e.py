@@ -10,9 +10,9 @@ import re
 import pytest
 
 from tests.helpers.child_hooks import hide_packages
-from tests.training.fork_ranks import run_ranks_main
-from tests.training.launch import torchrun
-from tests.training.tiny_corpus import TINY, assert_one_message, error_lines
+from tests.helpers.launch import torchrun
+from tests.helpers.main_ranks import run_ranks_main
+from tests.helpers.tiny_corpus import TINY, assert_one_message, error_lines
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="these tests fork their ranks")
 STARTED = "process(es), tp"  # rank 0's first line once the process groups exist

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from megafab.arguments import config_from_args
-from tests.training.launch import pretrain_in_ranks
+from tests.helpers.launch import pretrain_in_ranks
 
 FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--micro-batch-size", "1", "--global-batch-size", "4", "--num-workers", "0", "--mock-data",

@@ -4,9 +4,9 @@ that really exist after a step: weights, grads, device optimizer state and host 
 import pytest
 
 from megafab.plan.planner import format_plan, plan
-from tests.harness import run_ranks
+from megafab.run.fork_ranks import run_ranks
 from tests.helpers.driver import measured_after_one_step
-from tests.model.tiny import tiny_config
+from tests.helpers.tiny import tiny_config
 
 VARIANTS = {
     "fsdp2": dict(use_torch_fsdp2=True),

@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from megafab.model.moe.balancing import update_expert_biases
 from megafab.model.moe.settings import MoESettings
-from tests.harness import run_ranks
-from tests.model.moe.mcore_moe import HIDDEN, megafab_layer
+from megafab.run.fork_ranks import run_ranks
+from tests.helpers.mcore_moe import HIDDEN, megafab_layer
 
 EP = 2
 BASE = dict(num_experts=8, moe_router_topk=2, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3,

@@ -22,9 +22,9 @@ from megafab.distributed.layers import join_partitions, partition_of
 from megafab.distributed.mappings import group_rank, group_size
 from megafab.distributed.topology import build_topology
 from megafab.model.moe.settings import MoESettings
-from tests.harness import run_ranks
-from tests.model.moe.mcore_moe import HIDDEN, megafab_layer
-from tests.model.tiny import full_grad
+from megafab.run.fork_ranks import run_ranks
+from tests.helpers.mcore_moe import HIDDEN, megafab_layer
+from tests.helpers.tiny import full_grad
 
 SEQ, BATCH = 8, 2
 BASE = dict(num_experts=8, moe_router_topk=2, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3,

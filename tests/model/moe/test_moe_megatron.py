@@ -15,7 +15,7 @@ from megafab.model.moe.experts import grouped_mm_runs
 from megafab.model.moe.loss_logging import moe_loss_values
 from megafab.model.moe.routing import expert_capacity
 from megafab.model.moe.settings import MoESettings
-from tests.model.moe.mcore_moe import (
+from tests.helpers.mcore_moe import (
     HIDDEN,
     copy_weights,
     megafab_layer,

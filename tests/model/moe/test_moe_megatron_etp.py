@@ -15,8 +15,8 @@ import torch.distributed as dist
 from megafab.model.moe.settings import MoESettings
 
 pytest.importorskip("megatron.core.transformer.moe.moe_layer")  # imported here, once: the ranks fork with it
-from tests.harness import run_ranks
-from tests.model.moe.mcore_moe import (
+from megafab.run.fork_ranks import run_ranks
+from tests.helpers.mcore_moe import (
     HIDDEN,
     copy_weights,
     megafab_layer,

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.training.launch import pretrain_in_ranks
-from tests.training.test_moe_pretrain_parity import MOE, _assert_parity, _logged
-from tests.training.tiny_corpus import TINY
+from tests.helpers.launch import pretrain_in_ranks
+from tests.helpers.moe_pretrain import MOE, assert_parity, logged
+from tests.helpers.tiny_corpus import TINY
 
 pytestmark = pytest.mark.slow  # ~20 s a run on a loaded 2-core machine (three runs)
 FLAGS = TINY + MOE + ["--disable-bias-linear"]  # megatron-core refuses expert biases at ETP > 1
@@ -20,9 +20,9 @@ LAYOUTS = {"tp2_sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"
 
 @pytest.fixture(scope="module")
 def single_process():
-    return _logged(pretrain_in_ranks(FLAGS, 1)[0])
+    return logged(pretrain_in_ranks(FLAGS, 1)[0])
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_moe_with_expert_tensor_parallel_logs_the_single_process_losses(single_process, layout):
-    _assert_parity(_logged(pretrain_in_ranks(FLAGS + LAYOUTS[layout], 2)[-1]), single_process)
+    assert_parity(logged(pretrain_in_ranks(FLAGS + LAYOUTS[layout], 2)[-1]), single_process)

@@ -15,9 +15,9 @@ import torch.distributed as dist
 
 from megafab.model.moe.loss_logging import moe_loss_values
 from megafab.model.moe.settings import MoESettings
-from tests.harness import run_ranks
-from tests.model.moe.mcore_moe import HIDDEN, megafab_layer
-from tests.model.tiny import full_grad
+from megafab.run.fork_ranks import run_ranks
+from tests.helpers.mcore_moe import HIDDEN, megafab_layer
+from tests.helpers.tiny import full_grad
 
 TP = 2
 BASE = dict(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3,

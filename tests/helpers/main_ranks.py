@@ -22,7 +22,7 @@ import torch._dynamo  # noqa: F401 - imported once here (torch.optim's first use
 import pretrain_gpt  # noqa: F401 - so that every forked rank starts warm
 from megafab.checkpoint import dcp_io  # noqa: F401
 from megafab.training import pretrain  # noqa: F401
-from tests.training.launch import free_port
+from tests.helpers.launch import free_port
 
 
 @dataclass

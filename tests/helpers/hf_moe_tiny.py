@@ -2,7 +2,7 @@
 
 import torch
 
-from tests.convert.hf_tiny import VOCAB, _randomize
+from tests.helpers.hf_tiny import VOCAB, _randomize
 
 EXPERTS, TOPK = 4, 2
 

@@ -1,5 +1,5 @@
-"""Shared by the checkpoint tests: a float64 TrainState of any layout, a training loop whose
-global samples do not depend on the DP size, and every tensor of a saved checkpoint."""
+"""Shared by the checkpoint tests: a float64 TrainState of any layout (a MoE one too), a training
+loop whose global samples do not depend on the DP size, and every tensor of a saved checkpoint."""
 
 import torch
 
@@ -8,7 +8,7 @@ from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
 from megafab.distributed.topology import build_topology
 from megafab.training.build import TrainState, build_model, build_optimizer, build_scheduler
 from megafab.training.step import train_step
-from tests.model.tiny import GPT2_STYLE, batch, tiny_config
+from tests.helpers.tiny import GPT2_STYLE, LLAMA_STYLE, batch, tiny_config
 
 GLOBAL_BATCH = 4
 
@@ -24,6 +24,27 @@ def make_state(tp, dp, dist_opt, style=GPT2_STYLE, dtype=torch.float64, save=Non
     tracker = RNGStatesTracker("cpu")
     model_parallel_seed(1234, topo.tp_rank, topo.pp_rank, topo.device, tracker)
     model = build_model(cfg, topo, tracker, dtype=dtype)
+    optimizer = build_optimizer(cfg, topo, model)
+    return TrainState(cfg, topo, tracker, model, optimizer, build_scheduler(cfg, optimizer))
+
+
+# A MoE GPT's settings: 4 experts top-2, sigmoid scores with the aux-loss-free expert bias, a shared
+# expert, alltoall (the MoE checkpoint tests).
+MOE = dict(num_experts=4, moe_router_topk=2, moe_router_score_function="sigmoid",
+           moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.05,
+           moe_shared_expert_intermediate_size=24, moe_ffn_hidden_size=24,
+           moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=1e-2, moe_layer_freq=(0, 1, 1, 1))
+
+
+def moe_state(dp, dist_opt, ep=1, save=None, load=None, tp=1, **overrides):
+    flat = dict(style=LLAMA_STYLE, dp=dp, vocab_size=101, make_vocab_size_divisible_by=8, micro_batch_size=1,
+                global_batch_size=GLOBAL_BATCH, use_distributed_optimizer=dist_opt, ddp_bucket_size=700,
+                lr=1e-2, train_iters=10, save=save, load=load, expert_model_parallel_size=ep, **MOE)
+    cfg = tiny_config(tp=tp, sequence_parallel=tp > 1, **{**flat, **overrides})
+    topo = build_topology(tp=tp, ep=ep)
+    tracker = RNGStatesTracker("cpu")
+    model_parallel_seed(1234, topo.tp_rank, topo.pp_rank, topo.device, tracker)
+    model = build_model(cfg, topo, tracker, dtype=torch.float64)
     optimizer = build_optimizer(cfg, topo, model)
     return TrainState(cfg, topo, tracker, model, optimizer, build_scheduler(cfg, optimizer))
 

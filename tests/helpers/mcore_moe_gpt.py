@@ -1,6 +1,6 @@
 """megatron-core 0.16.1's MoE GPTModel (local spec, SequentialMLP experts, a gated shared expert,
 QK-norm, alltoall) on CPU as the oracle for MoE checkpoints, and the same model as megafab's Config.
-The CPU workarounds are tests/model/moe/mcore_moe.py's and tests/checkpoint/mcore.py's."""
+The CPU workarounds are tests/helpers/mcore_moe.py's and tests/helpers/mcore.py's."""
 
 from __future__ import annotations
 
@@ -35,9 +35,9 @@ def megafab_config(**moe) -> Config:
 @contextlib.contextmanager
 def megatron_moe_ranks(ep: int):
     """megatron-core's parallel state at EP `ep` over the harness's ranks, with the MoE CPU patches
-    (tests/model/moe/mcore_moe.py) and the checkpoint ones (tests/checkpoint/mcore.py)."""
-    from tests.checkpoint import mcore
-    from tests.model.moe.mcore_moe import megatron_moe_on_cpu
+    (tests/helpers/mcore_moe.py) and the checkpoint ones (tests/helpers/mcore.py)."""
+    from tests.helpers import mcore
+    from tests.helpers.mcore_moe import megatron_moe_on_cpu
 
     with megatron_moe_on_cpu(expert_model_parallel_size=ep):
         mcore.cpu_workarounds()
