@@ -5,11 +5,10 @@ values; each broken rule is one line."""
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from megafab.config.derive import CP_COMM_TYPES, scheduler_samples
 from megafab.config.schema import SECTIONS
-from megafab.distributed.topology import layout_problems
+from megafab.layout import layout_problems
 from megafab.pipeline_split import PipelineSplit
 
 
@@ -98,10 +97,8 @@ def parallel_problems(cfg) -> list[str]:
     m, p, t = cfg.model, cfg.parallel, cfg.training
     tp, pp, world = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.world_size
     cp = p.context_parallel_size
-    ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
-    sizes = (tp, cp, pp, ep, tp if etp is None else etp)
-    # Without a known world only the sizes themselves are checked: their product divides itself.
-    out = layout_problems(world or max(1, math.prod(sizes)), tp, pp, cp, ep, etp)
+    # without a known world (world None) only the sizes themselves are checked
+    out = layout_problems(world, tp, pp, cp, p.expert_model_parallel_size, p.expert_tensor_parallel_size)
     vpp = p.virtual_pipeline_model_parallel_size
     if p.num_layers_per_virtual_pipeline_stage and p.num_virtual_stages_per_pipeline_rank:
         out.append("give only one of --num-layers-per-virtual-pipeline-stage and "
