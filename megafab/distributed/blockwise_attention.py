@@ -3,25 +3,14 @@ kernels (fused_attention.py) are tested against, and the kernel wherever none of
 (attention dropout, float64 on CUDA, devices without a flash kernel).
 
 A block is either full (every query sees every key) or causal: square, query i sees key j iff
-j <= i (the diagonal block of a causal sequence; the fused kernels' top-left convention).
-
-The forward returns, besides the output, the log-sum-exp of every query row's scores, so partial
-results over disjoint key blocks merge exactly (`LseMerge`):
+j <= i (the fused kernels' top-left convention). The forward also returns each query row's
+log-sum-exp, so partial results over disjoint key blocks merge exactly (LseMerge):
 
     lse = log(exp(lse_1) + exp(lse_2)),   out = exp(lse_1 - lse) * out_1 + exp(lse_2 - lse) * out_2
 
-The backward is flash attention's: from the *merged* output and log-sum-exp each block recomputes
-its probabilities p = exp(q k^T * scale - lse) and yields its share of dq, dk, dv, with
-delta = rowsum(dout * out) standing in for the softmax's normalisation term. Both loop over tiles
-of query rows, so no [sq, sk] tensor outlives one tile and nothing of that size is saved. Tiles
-and masks are planned from shapes alone: no host-device synchronization.
-
-Shapes: q [b, heads, sq, d], k and v [b, groups, sk, d] (GQA: query head = group * hpg + j, as
-repeat_interleave orders them), lse [b, heads, sq]. Arithmetic runs in fp32 (fp64 for fp64 inputs).
-
-Attention dropout: the keep-mask of a tile is drawn from a private generator seeded with
-(seed, block id, tile), so backward regenerates exactly the forward's mask; the caller passes
-`seed`, drawn once per attention call from the host RNG tracker (see context_parallel.py).
+The backward is flash attention's (ReferenceKernel.backward). Shapes: q [b, heads, sq, d], k and v
+[b, groups, sk, d] (GQA: query head = group * hpg + j, as repeat_interleave orders them), lse
+[b, heads, sq]. Arithmetic runs in fp32 (fp64 for fp64 inputs); no host-device synchronization.
 """
 
 from __future__ import annotations
@@ -40,7 +29,10 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @dataclass(frozen=True)
 class BlockDropout:
-    """Attention dropout of probability p whose masks are reproducible per (block, tile)."""
+    """Attention dropout of probability p whose masks are reproducible per (block, tile): a tile's
+    keep-mask is drawn from a private generator seeded with (seed, block id, tile), so backward
+    regenerates exactly the forward's mask. The caller passes `seed`, drawn once per attention call
+    from the host RNG tracker (context_parallel.py)."""
 
     p: float
     seed: int
@@ -104,7 +96,13 @@ class ReferenceKernel:
 
     def backward(self, dout, q, k, v, out, lse, causal: bool, scale: float, block_id: int = 0, aux=None):
         """This block's (dq [b, heads, sq, d], dk, dv [b, groups, sk, d]) in the compute dtype, from
-        the merged out and lse [b, heads, sq]."""
+        the merged out and lse [b, heads, sq].
+
+        Flash attention's backward: from the *merged* output and log-sum-exp the block recomputes
+        its probabilities p = exp(q k^T * scale - lse) and yields its share of dq, dk, dv, with
+        delta = rowsum(dout * out) standing in for the softmax's normalisation term. Forward and
+        backward loop over tiles of query rows, so no [sq, sk] tensor outlives one tile and nothing
+        of that size is saved; tiles and masks are planned from shapes alone."""
         acc = compute_dtype(q.dtype)
         g = k.shape[1]
         k, v = k.to(acc), v.to(acc)

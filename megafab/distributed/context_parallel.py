@@ -1,47 +1,16 @@
 """Context parallelism: every sequence split over the CP group, attention exact across the pieces.
 
-Layout (Megatron's causal load balancing): the sequence of length s is cut into 2*cp chunks of
-c = s / (2*cp) tokens; CP rank r holds chunks r and 2*cp-1-r, concatenated, so every rank gets the
-same share of causal work:
-
-    cp = 2, s = 8:   chunks [0 1 | 2 3 | 4 5 | 6 7]      rank 0: chunks 0, 3 -> tokens 0 1 6 7
-                                                         rank 1: chunks 1, 2 -> tokens 2 3 4 5
-
-Everything outside attention is token-wise, so it runs on the local s/cp tokens unchanged; only
-positions (learned or RoPE) must be the tokens' global ones (`local_token_positions`) and the loss
-is averaged over the whole sequence (`context_parallel_masked_mean`). Attention (causal, GQA) has
-three variants, Megatron's --cp-comm-type:
-
-  p2p        ring: K/V blocks travel round the CP group (cp - 1 steps, the next block's transfer
-             overlapping the current block's compute); partial results merge by log-sum-exp.
-             Backward runs the ring again, dK/dV travelling with K/V back to their owner.
-  allgather  K/V all-gathered (and re-gathered in backward, so only local K/V is saved) while
-             each query chunk's diagonal block computes on local K/V; dK/dV of the other blocks
-             reduce-scattered.
-  a2a        DeepSpeed-Ulysses: an all-to-all trades the sequence split for a head split
-             ([b, heads, s/cp, d] -> [b, heads/cp, s, d]), plain SDPA runs on whole sequences,
-             a second all-to-all trades back. Needs heads/TP and query groups/TP divisible by cp.
-
-p2p and allgather run every block on a fused kernel that returns the log-sum-exp (PyTorch's flash
-kernels, fused_attention.py; blockwise_attention.py's portable reference where none applies) and
-save only q, k, v, out and the log-sum-exp (flash attention's set) for this rank's tokens; a2a saves
-what SDPA saves, for heads/cp of the whole sequence: the same bytes. Blocks are full or causal
-(square, on the diagonal), never masked otherwise:
-
-    p2p, rank r, ring step i (K/V of rank src = r - i):   i = 0    all rows x all keys, causal
-                                                          src < r  all rows x first key chunk
-                                                          src > r  second query chunk x all keys
-    allgather, each local query chunk j:   chunk j's own keys (causal, local K/V, first),
-                                           keys of chunks before j (full, gathered K/V)
-
-The plans are host-side slices made once per (chunk length, cp, rank) and cached; no positions,
-index tensors or values are read back from the device inside attention (no host-device sync).
-
-RNG: attention dropout under p2p/allgather runs on the reference kernel with one seed per call that
-the caller takes from the host RNG tracker (random.host_seed: the model-parallel stream, which
-differs across TP and CP ranks); each block's mask derives from it (BlockDropout), so backward and
-recompute see the same masks. a2a's SDPA draws from the forked device stream directly. Masks
-differ from a CP-1 run's (different blocks).
+Layout (Megatron's causal load balancing): the sequence is cut into 2*cp chunks and CP rank r holds
+chunks r and 2*cp-1-r, concatenated, so every rank gets the same share of causal work (cp = 2,
+s = 8: rank 0 holds tokens 0 1 6 7, rank 1 tokens 2 3 4 5). Everything outside attention is
+token-wise and runs on the local s/cp tokens unchanged; only positions must be the tokens' global
+ones (local_token_positions) and the loss is averaged over the whole sequence
+(context_parallel_masked_mean). Attention (causal, GQA) has Megatron's three --cp-comm-type
+variants (context_parallel_attention): p2p (a K/V ring, ring_plan), allgather (K/V all-gathered,
+allgather_plan) and a2a (DeepSpeed-Ulysses, a head split). p2p and allgather merge blocks by
+log-sum-exp on fused kernels (fused_attention.py) and save only flash attention's set (q, k, v,
+out, lse) for this rank's tokens. Block plans are host-side slices cached per (chunk length, cp,
+rank): no host-device sync inside attention.
 """
 
 from __future__ import annotations
@@ -223,7 +192,12 @@ class Block:
 
 @functools.cache
 def ring_plan(c: int, cp: int, rank: int) -> tuple[tuple[Block, ...], ...]:
-    """Per ring step, the blocks of this rank's queries against the K/V of rank (rank - step) % cp."""
+    """Per ring step, the blocks of this rank's queries against the K/V of rank (rank - step) % cp.
+    Blocks are full or causal (square, on the diagonal), never masked otherwise:
+
+        step 0      all rows x all keys, causal
+        src < rank  all rows x the first key chunk
+        src > rank  the second query chunk x all keys"""
     steps = []
     for step in range(cp):
         src = (rank - step) % cp
@@ -384,6 +358,22 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                comm_type: str = "p2p", dropout_p: float = 0.0, seed: int | None = None,
                                implementation: str = "auto") -> torch.Tensor:
     """Causal attention of this rank's tokens against the whole sequence spread over `group`.
+
+      p2p        ring: K/V blocks travel round the CP group (cp - 1 steps, the next block's transfer
+                 overlapping the current block's compute); partial results merge by log-sum-exp.
+                 Backward runs the ring again, dK/dV travelling with K/V back to their owner.
+      allgather  K/V all-gathered (and re-gathered in backward, so only local K/V is saved) while
+                 each query chunk's diagonal block computes on local K/V; dK/dV of the other
+                 blocks reduce-scattered.
+      a2a        an all-to-all trades the sequence split for a head split ([b, heads, s/cp, d] ->
+                 [b, heads/cp, s, d]), plain SDPA runs on whole sequences, a second all-to-all
+                 trades back; it saves what SDPA saves, the same bytes. Needs heads/TP and query
+                 groups/TP divisible by cp.
+
+    Dropout under p2p/allgather runs on the reference kernel with one seed per call from the host
+    RNG tracker (the model-parallel stream, which differs across TP and CP ranks); each block's mask
+    derives from it (BlockDropout), so backward and recompute see the same masks. Masks differ from
+    a CP-1 run's (different blocks).
 
     q [b, heads, s/cp, d]; k, v [b, groups, s/cp, d] (GQA: not repeated); local token order as in
     the module docstring. Returns [b, heads, s/cp, d]. Dropout: p2p/allgather take `seed` (from

@@ -1,49 +1,17 @@
 """Data parallelism: gradients in one contiguous buffer, split into buckets, reduced over DP.
 
-Layout (Megatron's `--accumulate-allreduce-grads-in-fp32` default):
-
-    grad buffer  [ bucket 0 | bucket 1 | ... ]     one flat tensor of `grad_dtype`
+    grad buffer  [ bucket 0 | bucket 1 | ... ]            one flat tensor of `grad_dtype`
     bucket k     [ last params of the model ... | pad ]   numel divisible by DP
 
-Parameters are laid out in *reverse* order, the order backward produces their gradients, so the
-first bucket fills first. Every `param.main_grad` is a view into the buffer. The tensor-parallel
-linear layers add their weight gradients straight into `main_grad` (gradient accumulation fusion,
-megafab.distributed.linear); for every other parameter a post-accumulate-grad hook adds
-`param.grad` into `param.main_grad` and frees `param.grad`. Either way gradients accumulate over
-micro-batches in `grad_dtype` (fp32 for bf16/fp16 models), and the hook, which autograd runs for a
-fused weight too, does the bucket bookkeeping.
-
-Reduction of a bucket over the DP group, gradients averaged over DP:
-  * without the distributed optimizer: all-reduce (every rank gets the whole averaged bucket);
-  * with it: reduce-scatter (DP rank r owns the r-th contiguous 1/DP shard of every bucket and
-    only that shard is guaranteed to hold the reduced gradient).
-
-With `overlap_grad_reduce` a bucket's collective starts asynchronously during backward, as soon as
-the last of its parameters' gradients is ready, on the last micro-batch only (wrap the earlier ones
-in `no_sync()`); `finish_grad_sync()` waits for them. Without overlap, `finish_grad_sync()` runs
-every collective after backward.
-
-With the distributed optimizer the parameters also live in one contiguous buffer of their own dtype
-with the same layout (`param.data` is a view into it), so the updated shards can be all-gathered
-bucket by bucket (param_gather.py: all at once, or with `--overlap-param-gather` each bucket
-waited for by a forward pre-hook of the first module that needs it).
-
-Expert parameters (`param.is_expert = True`, the routed experts of MoE layers) are distinct across
-expert-parallel ranks and replicated only across expert-DP (megatron-core's expert grid: ETP x EP x
-expert-DP x PP over the same ranks, CP folded into expert-DP). They get buckets of their own after
-the dense ones in the same buffers (megatron-core's expert_parallel_buffers), each padded to a
-multiple of expert-DP and reduced over the expert-DP group; under the distributed optimizer each
-expert-DP rank owns the matching shard of them. Each bucket carries its group, so the reduction,
-the ownership and the parameter gather read the group off the bucket.
-
-Scaling (megatron-core's gradient_scaling_factor), so that every gradient is the average over the
-DP x CP ranks' losses, the gradient of one process over the global batch:
-  * dense: x 1/DP before a sum over DP (or ReduceOp.AVG over DP);
-  * expert: x 1/DP before a sum over expert-DP (or x expert-DP/DP before ReduceOp.AVG over
-    expert-DP). The expert-parallel token exchange already summed, into each EP rank's experts,
-    the contributions of the DP ranks of its EP group; the sum over expert-DP adds the rest, so
-    the total covers all DP ranks once and 1/DP averages it, also when expert-DP is 1 (no
-    collective, the scaling still applies).
+Parameters are laid out in reverse order, the order backward produces their gradients, so the first
+bucket fills first. Every `param.main_grad` is a view into the buffer; gradients accumulate there
+over micro-batches in `grad_dtype` (fp32 for bf16/fp16 models), added by the TP linear layers
+directly (gradient accumulation fusion, linear.py) or by a post-accumulate-grad hook that also does
+the bucket bookkeeping. A bucket is all-reduced over DP, or reduce-scattered with the distributed
+optimizer (DP rank r owns the r-th 1/DP of every bucket, and its parameters live in a param buffer
+of the same layout for param_gather.py). With `overlap_grad_reduce` a bucket's collective starts
+during the last micro-batch's backward as soon as it is full; `finish_grad_sync()` waits for them.
+Routed experts get buckets over expert-DP (_plan); the scaling to a DP average: _start_bucket_sync.
 """
 
 from __future__ import annotations
@@ -261,7 +229,15 @@ class DistributedDataParallel(nn.Module):
 
     # ---- layout -----------------------------------------------------------------------------
     def _plan(self, params: list[nn.Parameter]) -> tuple[list[Bucket], dict[nn.Parameter, int]]:
-        """Dense buckets (over DP), then expert buckets (over expert-DP), in one buffer."""
+        """Dense buckets (over DP), then expert buckets (over expert-DP), in one buffer.
+
+        Expert parameters (`param.is_expert`, the routed experts of MoE layers) are distinct across
+        expert-parallel ranks and replicated only across expert-DP (megatron-core's expert grid:
+        ETP x EP x expert-DP x PP over the same ranks, CP folded into expert-DP). Their buckets
+        come after the dense ones in the same buffers (megatron-core's expert_parallel_buffers),
+        each padded to a multiple of expert-DP; under the distributed optimizer each expert-DP rank
+        owns the matching shard. Each bucket carries its group, so the reduction, the ownership and
+        the parameter gather read the group off the bucket."""
         buckets, offsets = [], {}
         for expert, group in ((False, self.dp_group), (True, self.expert_dp_group)):
             mine = [p for p in params if is_expert_param(p) == expert]
@@ -334,8 +310,14 @@ class DistributedDataParallel(nn.Module):
         return dist.get_backend(self.dp_group) == "nccl"
 
     def _start_bucket_sync(self, bucket: Bucket, async_op: bool):
+        """Scale and reduce one bucket (megatron-core's gradient_scaling_factor), so that every
+        gradient is the average over the DP x CP ranks' losses: dense, x 1/DP before a sum over DP
+        (or ReduceOp.AVG over DP); expert, x 1/DP before a sum over expert-DP (or x expert-DP/DP
+        before ReduceOp.AVG over expert-DP). The expert-parallel token exchange already summed,
+        into each EP rank's experts, the contributions of the DP ranks of its EP group; the sum
+        over expert-DP adds the rest, so 1/DP averages the total, also when expert-DP is 1."""
         data = bucket.grad_data
-        op, factor = dist.ReduceOp.SUM, 1.0 / self.dp  # the average over DP (module docstring)
+        op, factor = dist.ReduceOp.SUM, 1.0 / self.dp  # the average over DP
         if self.average_in_collective and self._use_avg_op():
             op, factor = dist.ReduceOp.AVG, bucket.dp / self.dp  # AVG divides by the bucket's group
         if factor != 1.0:

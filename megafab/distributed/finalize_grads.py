@@ -1,36 +1,17 @@
 """Every cross-group gradient reduction after the last backward of a step, in one place.
 
 The schedule calls `finalize_model_grads(model_chunks, topology=..., sequence_parallel=...)` once,
-after the last micro-batch's backward and before the optimizer step. It does, in this order
-(Megatron's order):
+after the last micro-batch's backward and before the optimizer step. In Megatron's order:
 
-  1. Data parallel, over the DP x CP group (the DDP wrapper's group; CP ranks hold the same
-     parameters and saw different tokens of the same samples, Megatron's dp-cp group): wait for
-     (or run) every bucket's all-reduce / reduce-scatter (`DistributedDataParallel
-     .finish_grad_sync`), averaging over DP x CP. Expert params (`param.is_expert`) are reduced
-     over the expert-DP group instead, still averaged over DP x CP (data_parallel.py). FSDP2
-     chunks (megafab.distributed.fsdp, sharded over the same groups) reduce-scattered during the
-     last backward already.
-  2. TP-replicated params with partial grads, over the TP group. Under sequence parallelism each
-     TP rank sees only its slice of the sequence, so the gradient of a parameter that is replicated
-     across TP (norm weights/biases, RowParallelLinear bias: `param.sequence_parallel = True`) is
-     a partial sum; so is, with or without SP, that of a replicated param applied to this rank's
-     heads only (q/k layernorms: `param.grad_sum_over_tp = True`). All-reduce them over
-     `topology.group("tp")`. Expert params are not among them: the token dispatcher hands every
-     expert-TP rank all the tokens of its experts, so a replicated expert param's gradient is
-     whole on each (the router and shared experts are dense params and are summed).
-  3. Tied word embeddings, over the embedding group. With PP > 1 the first stage's input embedding
-     and the last stage's output layer hold two copies of one weight (`param.shared_embedding =
-     True`); all-reduce their gradients over `topology.embedding_group()` so both copies take the
-     same step. With PP = 1 the weight is one tensor and nothing is done.
+  1. data parallel, over DP x CP (expert params over expert-DP): the DDP buckets' all-reduce or
+     reduce-scatter (data_parallel.py); FSDP2 chunks reduce-scattered during backward already;
+  2. TP-replicated params whose gradients are partial on each TP rank, summed over TP
+     (allreduce_tp_partial_grads);
+  3. the two copies of the tied word embedding (PP > 1), summed over the embedding group
+     (allreduce_embedding_grads).
 
-All three are sums (DP also scales by 1/DP), so their order does not change the result. Under the
-distributed optimizer step 1 leaves only this rank's shard of each bucket reduced; 2 and 3 then sum
-whole gradients, which is still right on the owned shard because (a) TP peers have identical
-buffer layouts and (b) DistributedDataParallel gives every `shared_embedding` param a bucket of its
-own, so the first and last stage shard it the same way. Under FSDP2, 2 and 3 sum the local
-shards: TP peers and the two embedding stages share a DP rank, so they hold the same rows of
-same-shaped tensors.
+All three are sums (DP also scales by 1/DP), so their order does not change the result; under the
+distributed optimizer and FSDP2, 2 and 3 stay right on the shard this rank owns (finalize_model_grads).
 """
 
 from __future__ import annotations
@@ -76,8 +57,11 @@ def _params(model_chunks: list[nn.Module]):
 
 def allreduce_tp_partial_grads(model_chunks: list[nn.Module], tp_group, sequence_parallel: bool):
     """Step 2: sum over TP the grads of TP-replicated params that are partial on each TP rank:
-    `sequence_parallel` params under SP, and `grad_sum_over_tp` params (e.g. q/k layernorms,
-    which see only their rank's heads) always."""
+    `sequence_parallel` params under SP (norm weights/biases, RowParallelLinear's bias: each TP rank
+    sees only its slice of the sequence), and `grad_sum_over_tp` params (e.g. q/k layernorms, which
+    see only their rank's heads) always. Expert params are not among them: the token dispatcher
+    hands every expert-TP rank all the tokens of its experts, so a replicated expert param's
+    gradient is whole on each (the router and shared experts are dense params and are summed)."""
     grads = [grad_of(p) for p in _params(model_chunks) if not is_expert_param(p) and (
              getattr(p, "grad_sum_over_tp", False)
              or (sequence_parallel and getattr(p, "sequence_parallel", False)))]
@@ -85,7 +69,9 @@ def allreduce_tp_partial_grads(model_chunks: list[nn.Module], tp_group, sequence
 
 
 def allreduce_embedding_grads(model_chunks: list[nn.Module], topology):
-    """Step 2: sum the two tied-embedding copies' grads over the embedding group (PP > 1 only)."""
+    """Step 3: sum the two tied-embedding copies' grads over the embedding group (PP > 1 only): the
+    first stage's input embedding and the last stage's output layer (`param.shared_embedding`)
+    then take the same step. With PP = 1 the weight is one tensor and nothing is done."""
     if topology.pp == 1 or not topology.is_in_embedding_group:
         return
     grads = [grad_of(p) for p in _params(model_chunks) if getattr(p, "shared_embedding", False)]
@@ -97,6 +83,13 @@ def finalize_model_grads(model_chunks: list[nn.Module], *, topology, sequence_pa
 
     model_chunks: this rank's model chunks (one, or several with VPP); chunks wrapped in
     DistributedDataParallel get their DP buckets synchronised, plain modules skip step 1.
+
+    Under the distributed optimizer step 1 leaves only this rank's shard of each bucket reduced;
+    steps 2 and 3 then sum whole gradients, which is still right on the owned shard because TP
+    peers have identical buffer layouts and every `shared_embedding` param has a bucket of its own,
+    so the first and last stage shard it the same way. Under FSDP2 they sum the local shards: TP
+    peers and the two embedding stages share a DP rank, so they hold the same rows of same-shaped
+    tensors.
     """
     for chunk in model_chunks:
         if hasattr(chunk, "finish_grad_sync"):  # DDP, FSDP2

@@ -2,66 +2,16 @@
 
     FullyShardedDataParallel(chunk, mesh=..., units=layer_units(chunk.decoder.layers.values()), ...)
 
-Each of `units` is one FSDP2 group: per transformer layer its attention block, its MLP and the
-layer itself (its norms), and the chunk itself is the root group holding the rest (embedding,
-final norm, output layer, so a tied embedding and its output use live in one group). Units of
-sub-blocks rather than whole layers keep the working set small: in backward FSDP2 holds the
-unit's gathered weights and its unsharded gradient, gathers the next unit (its default backward
-prefetch) and copies the gradient flat for the reduce-scatter; with a unit per layer that was
-about 4 layers' fp32 weights at once on top of the root's (DP 8, benchmarks/README.md `memory.py
---peaks`), with these units about 1.5 layers (the next MLP's gather: its flat all-gather output
-and the per-parameter copy, beside the attention block's gradient). The root's weights are
-gathered and its gradient unsharded through the whole backward (the tied output layer's backward
-comes first, the embedding's last). Every parameter becomes a DTensor sharded on dim 0 over the DP group:
-rank r keeps rows [r * c, (r + 1) * c) of its TP block, c = ceil(rows / dp), the last ranks fewer
-(FSDP2 pads them internally). Before a group's forward FSDP2 all-gathers its parameters, after it
-(and after its backward) it frees them; gradients are reduce-scattered, averaged over DP.
-
-Built from the meta device (Megatron's --init-model-with-meta-device, always on here): the chunk
-is built on `meta` (no memory, no init), sharded, then `to_empty` allocates only this rank's
-shards, and `fill_shards` initializes them one part (one layer, or the embedding, ...) at a time:
-that part is built on the device with the same name-keyed init as a full build, this rank's rows
-are copied into its DTensor shards, and the part is freed. The values equal the non-sharded
-build's exactly, and no rank ever holds more than one part's unsharded parameters.
-
-Mixed precision as Megatron computes: the sharded parameters are kept in `main_dtype` (fp32 for a
-bf16/fp16 model: they are the fp32 master weights the optimizer steps), all-gathered in the model
-dtype (`MixedPrecisionPolicy.param_dtype`), gradients reduced and accumulated in fp32
-(`reduce_dtype`). With optimizer CPU offload the device keeps the shards in the model dtype and the
-fp32 masters live on the host (megafab.optim.cpu_offload).
-
-Gradient accumulation without extra communication: inside `no_sync()` FSDP2 does not reduce
-(`set_requires_gradient_sync(False)`) and accumulates each unsharded gradient in fp32; the last
-micro-batch's backward reduce-scatters the sum. The pipeline schedules enter `no_sync()` for every
-micro-batch but the last, exactly as for DistributedDataParallel.
-
-There is no contiguous grad buffer and no `param.main_grad`: the tensor-parallel linear core sees a
-weight without `main_grad` and returns its gradient through autograd (gradient accumulation fusion
-does not apply). The Megatron attributes of every parameter (tensor_model_parallel, partition_dim,
-sequence_parallel, shared_embedding, ...) are carried over to its sharded DTensor, so
-finalize_model_grads, the norm and the checkpoint layout treat it as the parameter it shards.
-
-On CUDA, FSDP2 overlaps its all-gathers and reduce-scatters with compute on separate streams, which
-needs CUDA_DEVICE_MAX_CONNECTIONS > 1 (Megatron requires it unset or > 1 for FSDP; the
-tensor-parallel core's warning asks for 1, which serializes those streams).
-
-The mesh is the DP x CP group (`data_parallel_mesh`, Megatron's dp-cp group: context-parallel
-ranks hold the same parameters and see other tokens of the same samples), as DistributedDataParallel
-reduces over; at CP 1 it is the DP group.
-
-Expert parameters (`param.is_expert`: a MoE layer's routed experts, distinct on every
-expert-parallel rank) are replicated only across expert-DP, so each outermost submodule whose
-parameters are all expert params (`expert_units`: `mlp.experts`) is an FSDP2 group of its own over
-the expert-DP mesh (`expert_data_parallel_mesh`, CP folded in as megatron-core's expert grid),
-sharded before the layer that holds it, so the layer's group leaves those parameters to it. Its
-gradients are reduce-scattered over expert-DP, where FSDP2 averages them over expert-DP;
-`finish_grad_sync` then scales those shards by expert-DP / (DP x CP), so they are averaged over DP
-x CP as megatron-core's expert gradient scaling does (see data_parallel.py: the expert-parallel
-token exchange already summed the EP group's contributions into each expert). (FSDP2's own
-set_gradient_divide_factor divides twice on a 1-rank mesh in torch 2.13, expert-DP 1 included.)
-
-torch.distributed.tensor costs seconds to import, so only runs that shard import it (a DTensor
-exists only once it is imported, which is how `local_tensor` tells without importing it).
+Every parameter becomes a DTensor sharded on dim 0 over the DP x CP mesh (data_parallel_mesh): rank
+r keeps rows [r * c, (r + 1) * c) of its TP block, c = ceil(rows / dp). Each unit is one FSDP2 group
+(per transformer layer its attention block, its MLP and the layer itself: layer_units), the chunk
+the root group holding the rest; FSDP2 all-gathers a group's parameters before its forward and
+backward, frees them after, and reduce-scatters gradients averaged over DP. Routed experts are
+groups of their own over expert-DP (expert_units). The chunk is built on the meta device and this
+rank's shards are filled one part at a time (fill_shards); the values equal the non-sharded
+build's. Same methods as DistributedDataParallel for the schedules, finalize_model_grads, the
+optimizers and the checkpoint layout. torch.distributed.tensor costs seconds to import, so only
+runs that shard import it (`local_tensor` tells a DTensor without importing it).
 """
 
 from __future__ import annotations
@@ -106,7 +56,12 @@ def expert_units(module: nn.Module) -> list[nn.Module]:
     """The outermost submodules of `module` whose trainable parameters are all expert params (the
     routed experts of each MoE layer; inside a ModuleList, each member), in module order. An
     expert param outside them (one held by a module that also holds dense params) cannot be
-    sharded over its own mesh: refused."""
+    sharded over its own mesh: refused.
+
+    Expert params are replicated only across expert-DP, so each unit is an FSDP2 group of its own
+    over the expert-DP mesh (CP folded in, as megatron-core's expert grid), sharded before the
+    layer that holds it so the layer's group leaves those parameters to it. FSDP2 averages its
+    gradients over expert-DP; finish_grad_sync rescales them to the DP x CP average."""
     units: list[nn.Module] = []
 
     def visit(m: nn.Module) -> None:
@@ -134,7 +89,11 @@ def layer_units(layers: Iterable[nn.Module]) -> list[nn.Module]:
     attention block and its MLP (SUB_BLOCKS, where they run a forward of their own: not the
     Transformer Engine layer's plain containers), then the layer itself (what is left: its norms).
     A unit per sub-block rather than per layer keeps FSDP2's working set (a unit's gathered
-    weights and unsharded gradient, the next unit's gather) to the MLP's two-thirds of a layer."""
+    weights and unsharded gradient, the next unit's gather) to the MLP's two-thirds of a layer:
+    about 1.5 layers at once where a unit per layer held about 4 layers' fp32 weights (DP 8,
+    benchmarks/README.md `memory.py --peaks`). The root's weights are gathered and its gradient
+    unsharded through the whole backward (the tied output layer's backward comes first, the
+    embedding's last)."""
     units: list[nn.Module] = []
     for layer in layers:
         for name in SUB_BLOCKS:
@@ -193,7 +152,12 @@ def fill_shards(module: nn.Module, parts: Iterable[tuple[str, nn.Module]]) -> No
     """Copy this rank's shard of every parameter (the whole parameter when it is not a DTensor,
     and every buffer whole) of `module` from `parts`: (name, initialized copy of submodule
     `name`), each dropped before the next is built, so no more than one part's unsharded tensors
-    exist at a time."""
+    exist at a time.
+
+    Megatron's --init-model-with-meta-device, always on here: the chunk is built on `meta` (no
+    memory, no init), sharded, `to_empty` allocates only this rank's shards, and each part is built
+    on the device with the same name-keyed init as a full build, so the values equal the
+    non-sharded build's exactly."""
     targets = dict(module.named_parameters())
     targets.update(module.named_buffers())
     filled = set()
@@ -239,6 +203,17 @@ class FullyShardedDataParallel(nn.Module):
         initialized_parts: for a meta-built chunk, yields (submodule name, that submodule built
             and initialized on the device) one at a time, together covering every parameter and
             buffer (GPTModel.initialized_parts).
+
+    Mixed precision as Megatron computes: the shards are kept in `main_dtype` (the fp32 master
+    weights the optimizer steps), all-gathered in the model dtype, gradients reduced and
+    accumulated in fp32. Inside `no_sync()` FSDP2 does not reduce and accumulates each unsharded
+    gradient; the last micro-batch's backward reduce-scatters the sum. There is no grad buffer and
+    no `param.main_grad`: the TP linear core returns a weight's gradient through autograd. The
+    Megatron attributes of every parameter (tensor_model_parallel, partition_dim,
+    sequence_parallel, shared_embedding, ...) are carried over to its DTensor, so
+    finalize_model_grads, the norm and the checkpoint layout treat it as the parameter it shards.
+    On CUDA FSDP2 overlaps its collectives with compute on separate streams, which needs
+    CUDA_DEVICE_MAX_CONNECTIONS > 1 (the TP core's warning asks for 1, which serializes them).
     """
 
     is_fully_sharded = True
@@ -317,7 +292,9 @@ class FullyShardedDataParallel(nn.Module):
     @torch.no_grad()
     def finish_grad_sync(self):
         """FSDP2 waits for its reduce-scatters at the end of backward; what is left is the expert
-        shards' scaling from FSDP2's average over expert-DP to the average over DP x CP."""
+        shards' scaling from FSDP2's average over expert-DP to the average over DP x CP: x
+        expert-DP / (DP x CP), as megatron-core's expert gradient scaling (data_parallel.py). Not
+        FSDP2's set_gradient_divide_factor: it divides twice on a 1-rank mesh in torch 2.13."""
         if self.expert_grad_scale != 1.0:
             for p in self.expert_params:
                 if p.grad is not None:

@@ -5,16 +5,11 @@
     cuda    bf16 fp16, d<=256   _scaled_dot_product_flash_attention (+ _backward); K/V heads repeated
     else    (dropout > 0, fp32/fp64 on CUDA, other devices)  blockwise_attention.ReferenceKernel
 
-Every kernel has ReferenceKernel's interface: forward(q, k, v, causal, scale, block_id) ->
-(out, lse, aux) and backward(dout, q, k, v, out, lse, causal, scale, block_id, aux) -> (dq, dk, dv),
-q [b, heads, sq, d], k/v [b, groups, sk, d], lse [b, heads, sq]; causal = square block, top-left
-diagonal. The backward takes the *merged* out and lse of all blocks (flash attention's rule), so
-each block yields exactly its share of the gradients. Neither kernel takes dropout in a form whose
-masks a later block backward could replay (the CPU kernel refuses dropout), so attention dropout
-runs on the reference kernel.
-
-UNVERIFIED on CUDA: the flash kernel's call was written from its schema in torch 2.13 on a CPU
-machine; benchmarks/gpu_cp_check.py checks it against the reference on a GPU.
+Every kernel has ReferenceKernel's interface (forward -> (out, lse, aux); backward from the *merged*
+out and lse of all blocks -> (dq, dk, dv)). Neither fused kernel takes dropout in a form whose masks
+a later block backward could replay, so attention dropout runs on the reference kernel. The CUDA
+call was written from its schema in torch 2.13 on a CPU machine; benchmarks/gpu_cp_check.py checks
+it against the reference on a GPU.
 """
 
 from __future__ import annotations

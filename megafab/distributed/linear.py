@@ -2,32 +2,13 @@
 LinearWithGradAccumulationAndAsyncCommunication, used by ColumnParallelLinear, RowParallelLinear
 and the GPT output layer.
 
-    forward    SP: all-gather the input [s/tp, b, in] -> [s, b, in]; output = input @ W^T (+ bias)
-               saved for backward: the input AS GIVEN (the sharded [s/tp, b, in] under SP, never
-               the gathered one) and W
-    backward   SP: start the all-gather of the saved input again (async)
-               dgrad = grad_output @ W                       [s, b, in]
-               start dgrad's reduction (async): SP reduce-scatter -> [s/tp, b, in], or without SP
-               an all-reduce when allreduce_dgrad (Megatron's f folded into the layer)
-               wait for the input; wgrad = grad_output^T @ input, computed while dgrad's
-               reduction is in flight; with gradient accumulation fusion it is added straight into
-               the DDP buffer `weight.main_grad` and no `weight.grad` is made
-               wait for the reduction
-
-With sequence parallel this is what makes activation memory shrink by TP in the norm/dropout
-region (Korthikanti et al. 2022, sec. 4.2.2: "we only store the sharded input ... and perform an
-extra all-gather in the backward pass").
-
-Gradient accumulation fusion (Megatron's --gradient-accumulation-fusion, on by default): when the
-weight has a `main_grad` (it is wrapped in DistributedDataParallel) the weight gradient is
-accumulated into it in place (addmm_ when the dtypes match; a float32 buffer for a bf16/fp16 model
-takes the product computed in the model dtype, or in float32 where torch offers mm(out_dtype) on
-that device). The backward returns None for the weight: autograd still runs the weight's
-post-accumulate-grad hook (DDP's bucket bookkeeping), with `weight.grad` None, and a second use of
-the same weight (a tied embedding on one stage) arrives there as an ordinary `.grad`.
-
-On NCCL the overlap needs the communication kernels issued in order with the GEMMs
-(CUDA_DEVICE_MAX_CONNECTIONS=1, as Megatron requires); megafab warns once if it is not set.
+Under sequence parallelism it saves the input as given (sharded [s/tp, b, in]) and all-gathers it
+again in backward, which is what makes activation memory shrink by TP in the norm/dropout region
+(Korthikanti et al. 2022, sec. 4.2.2). The backward overlaps the input gradient's reduction with
+the weight-gradient GEMM, and with gradient accumulation fusion (Megatron's
+--gradient-accumulation-fusion, on by default) adds the weight gradient straight into the DDP
+buffer `weight.main_grad`. On NCCL the overlap needs CUDA_DEVICE_MAX_CONNECTIONS=1, as Megatron
+requires; megafab warns once if it is not set.
 """
 
 from __future__ import annotations
@@ -76,11 +57,29 @@ def _accumulate_wgrad(main_grad: torch.Tensor, grad_output: torch.Tensor, total_
 
 
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
-    """See the module docstring. Arguments after bias:
+    """input @ W^T (+ bias) with the tensor-parallel communication folded in. Arguments after bias:
 
     gradient_accumulation_fusion: add wgrad into weight.main_grad (only if the weight has one)
     allreduce_dgrad: all-reduce the input gradient over `group` (ColumnParallel without SP)
     sequence_parallel: the input is sharded along dim 0 over `group`; gather it here
+
+        forward    SP: all-gather the input [s/tp, b, in] -> [s, b, in]; output = input @ W^T (+ bias)
+                   saved for backward: the input AS GIVEN (the sharded [s/tp, b, in] under SP,
+                   never the gathered one) and W
+        backward   SP: start the all-gather of the saved input again (async)
+                   dgrad = grad_output @ W                       [s, b, in]
+                   start dgrad's reduction (async): SP reduce-scatter -> [s/tp, b, in], or
+                   without SP an all-reduce when allreduce_dgrad (Megatron's f folded in)
+                   wait for the input; wgrad = grad_output^T @ input, computed while dgrad's
+                   reduction is in flight, added into `weight.main_grad` under fusion
+                   wait for the reduction
+
+    Under fusion the weight gradient is accumulated in place (_accumulate_wgrad: addmm_ when the
+    dtypes match; a float32 buffer for a bf16/fp16 model takes the product computed in the model
+    dtype, or in float32 where torch offers mm(out_dtype)) and the backward returns None for the
+    weight: autograd still runs its post-accumulate-grad hook (DDP's bucket bookkeeping) with
+    `weight.grad` None, and a second use of the same weight (a tied embedding on one stage)
+    arrives there as an ordinary `.grad`.
     """
 
     @staticmethod

@@ -2,20 +2,9 @@
 
 Activations flow forward (stage r -> r+1), their gradients flow backward (r+1 -> r). Every
 message has a shape known ahead from the config ([s/tp if SP else s, b, h]), so no shape is ever
-exchanged: the receiver allocates a fresh buffer and posts a receive into it.
-
-Deadlock freedom. gloo runs each op of `batch_isend_irecv` as a separate isend/irecv, and NCCL
-matches the sends and receives between a pair in posting order. One exchange therefore:
-  1. builds its ops in one canonical order: forward-direction traffic (send to next, receive
-     from prev) before backward-direction traffic (send to prev, receive from next);
-  2. tags each message with its direction, so with PP=2 (where next and prev are the same rank,
-     and an interleaved step sends an activation and a gradient to it at once) an activation
-     can never be taken for a gradient;
-  3. posts every op without blocking -- even pipeline ranks their sends first, odd ranks their
-     receives first, so neighbours never both wait to be served -- and only then waits on
-     every request.
-On NCCL the ops go through one `batch_isend_irecv` (one NCCL group), which is deadlock-free by
-construction; its first call must involve every rank of the group (NCCL lazy init).
+exchanged: the receiver allocates a fresh buffer and posts a receive into it. An exchange is
+deadlock-free on gloo (whose batch_isend_irecv runs each op as a separate isend/irecv) and on
+NCCL (one batch_isend_irecv, one NCCL group) alike: see P2PCommunicator.exchange.
 """
 
 from __future__ import annotations
@@ -95,6 +84,17 @@ class P2PCommunicator:
         send_next: activation for the next stage; send_prev: gradient for the previous stage;
         recv_prev: expect an activation from the previous stage; recv_next: expect a gradient
         from the next stage. Returns only after every posted op has completed.
+
+        Deadlock freedom (NCCL matches the sends and receives between a pair in posting order):
+          1. ops are built in one canonical order: forward-direction traffic (send to next,
+             receive from prev) before backward-direction traffic (send to prev, receive from next);
+          2. each message is tagged with its direction, so with PP=2 (next and prev the same rank,
+             and an interleaved step sending it an activation and a gradient at once) an activation
+             is never taken for a gradient;
+          3. every op is posted without blocking (even pipeline ranks their sends first, odd ranks
+             their receives first, so neighbours never both wait to be served), then every request
+             is waited on.
+        On NCCL the first batch_isend_irecv must involve every rank of the group (lazy init).
         """
         topo = self.topology
         from_prev = self._empty() if recv_prev else None

@@ -1,35 +1,14 @@
 """The distributed optimizer's parameter all-gather, bucket by bucket (`--overlap-param-gather`).
 
 After an optimizer step each DP rank holds fresh values only in its own shard of every bucket of
-the parameter buffer (data_parallel.py); an all-gather per bucket over the bucket's group brings the
-rest: DP for dense buckets, expert-DP for the expert params' buckets (each expert-DP rank owns a
-shard of its EP rank's experts). Dense and expert buckets share one forward order, so either kind
-travels while the other computes.
-
-Without overlap, `sync()` gathers every bucket before step() returns.
-
-With overlap (Megatron's design, `DistributedDataParallel._make_forward_pre_hook`):
-  * step() only marks every bucket *stale* (`defer()`); nothing is sent.
-  * The next `optimizer.zero_grad()` (the first call of the next train step) dispatches the
-    all-gather of the first bucket the forward needs (`dispatch_first()`), asynchronously.
-  * A forward pre-hook on every module that owns bucketed parameters runs the first time that
-    module runs after the step: it dispatches the gather of the *next* bucket in forward order,
-    then waits for the module's own bucket(s). So bucket k+1 travels while the modules of bucket
-    k compute, and the first layer's forward starts while later buckets are still in flight.
-    (Forward order and which module waits for what: see ParamGather.)
-  * Each model chunk (VPP) has its own buckets and hooks: the interleaved schedule's first
-    forward of chunk k waits only for chunk k's buckets; `zero_grad()` dispatches the first
-    bucket of every chunk.
-  * A chunk's forward ends by waiting for whatever its hooks did not consume (parameters no
-    module's forward touched), so nothing is in flight when backward or the next step runs.
-
-What overlaps: with overlap, the gather of a chunk's first bucket with the host work between
-zero_grad() and its first forward (batch loading, the pipeline's warmup receives), and the gather
-of each later bucket with the forward compute of the bucket before it. A forward that runs with
-stale buckets and no dispatch (evaluation right after a step) gathers through the same hooks;
-one that runs before any step finds nothing stale and waits for nothing. Nothing is dispatched
-after the last step of a run, so nothing is left in flight at exit; anything that reads the
-weights outside a forward (checkpoint save) calls `sync()` first (`finish_param_syncs`).
+the parameter buffer (data_parallel.py); an all-gather per bucket over the bucket's group (DP, or
+expert-DP for expert buckets) brings the rest. Without overlap, `sync()` gathers every bucket
+before step() returns. With overlap (Megatron's design): step() only marks every bucket stale,
+the next zero_grad() dispatches the first bucket the forward needs, and a forward pre-hook on each
+module that owns bucketed parameters dispatches the *next* bucket and waits for its own, so bucket
+k+1 travels while the modules of bucket k compute (ParamGather). Each VPP chunk has its own
+buckets and hooks. A chunk's forward ends with nothing in flight; anything that reads the weights
+outside a forward (checkpoint save) calls `finish_param_syncs` first.
 """
 
 from __future__ import annotations
@@ -92,7 +71,16 @@ class ParamGather:
     the first step, so nothing is stale then): a parameter's bucket is waited for by its owner's
     pre-hook if the owner's forward ran, else by the nearest ancestor whose forward ran (a weight
     used by the parent directly, e.g. the output layer's in GPTModel.forward). Forward order is the
-    order those modules first ran.
+    order those modules first ran; dense and expert buckets share it, so either kind travels while
+    the other computes.
+
+    What overlaps: the gather of a chunk's first bucket with the host work between zero_grad() and
+    its first forward (batch loading, the pipeline's warmup receives), and the gather of each later
+    bucket with the forward compute of the bucket before it. The interleaved schedule's first
+    forward of chunk k waits only for chunk k's buckets. A forward with stale buckets and no
+    dispatch (evaluation right after a step) gathers through the same hooks; one before any step
+    finds nothing stale. A chunk's forward ends by waiting for whatever its hooks did not consume
+    (parameters no module's forward touched); nothing is dispatched after a run's last step.
     """
 
     def __init__(self, module: nn.Module, buckets: list, param_to_bucket: dict):

@@ -1,28 +1,15 @@
 """Random streams for tensor parallelism, on CPU or CUDA (Megatron's scheme).
 
-Which state differs across which ranks:
-
     stream                 seed                               same across      differs across
     default                seed + 100*pp + 10007*cp           TP, DP ranks     PP stages, CP ranks
     'data-parallel-rng'    seed + 100*pp + 10007*cp           TP, DP ranks     PP stages, CP ranks
     'model-parallel-rng'   seed + 100*pp + 10007*cp + 2718 + tp    DP ranks    TP, CP ranks, PP stages
 
-(pp, cp, tp: this rank's pipeline, context-parallel and tensor-parallel coordinates.) CP ranks hold
-different tokens, so every activation dropout differs across them; Megatron leaves CP out of the
-seeds (equal masks on different tokens), megafab does not. At CP 1 the seeds are Megatron's.
-
-Dropout on activations that are replicated across the TP group (after a RowParallelLinear, on the
-embedding, with sequence parallel off) draws from the default stream, so every TP rank drops the
-same elements. Dropout on activations split across TP ranks (attention probabilities of each
-rank's heads; anything in the sequence-parallel region) runs inside `tracker.fork()` so each rank
-draws its own mask. Context-parallel attention dropout takes one seed per call from the stream's
-host counter (`host_seed`: plain integer arithmetic, no tensor read back from the device) and
-derives every block's mask from it (context_parallel.py); the counters are part of the RNG snapshot
-(checkpoint_rng_state), so backward, recompute and a resumed checkpoint replay them.
-
-The tracker works on the generator of one device: torch.default_generator for CPU, the CUDA
-device's generator for CUDA. States are CPU ByteTensors on both, so checkpoints are portable.
-There is no global tracker; the one made at initialize is passed to whatever needs it.
+(pp, cp, tp: this rank's coordinates.) Dropout on activations replicated across TP draws from the
+default stream, dropout on activations split across TP inside `tracker.fork()` (RNGStatesTracker).
+The tracker works on the generator of one device (torch.default_generator for CPU, the CUDA
+device's for CUDA); states are CPU ByteTensors on both, so checkpoints are portable. There is no
+global tracker; the one made at initialize is passed to whatever needs it.
 """
 
 from __future__ import annotations
@@ -83,6 +70,15 @@ class RNGStatesTracker:
         model_parallel_seed(1234, tp_rank, pp_rank, device, tracker)
         with tracker.fork():                      # the model-parallel stream
             probs = F.dropout(probs, p)
+
+    Dropout on activations that are replicated across the TP group (after a RowParallelLinear, on
+    the embedding, with sequence parallel off) draws from the default stream, so every TP rank drops
+    the same elements. Dropout on activations split across TP ranks (attention probabilities of
+    each rank's heads; anything in the sequence-parallel region) runs inside `fork()` so each rank
+    draws its own mask. Context-parallel attention dropout takes one seed per call from a stream's
+    host counter (host_seed: plain integer arithmetic, no tensor read back from the device); the
+    counters are part of the RNG snapshot, so backward, recompute and a resumed checkpoint replay
+    them.
     """
 
     def __init__(self, device="cpu"):
@@ -153,6 +149,9 @@ class RNGStatesTracker:
 def model_parallel_seed(seed: int, tp_rank: int, pp_rank: int, device, tracker: RNGStatesTracker,
                         cp_rank: int = 0) -> dict:
     """Seed the default streams and (re)fill `tracker` per the table in this module's docstring.
+    CP ranks hold different tokens, so every activation dropout differs across them: Megatron
+    leaves CP out of the seeds (equal masks on different tokens), megafab does not. At CP 1 the
+    seeds are Megatron's.
 
     The CPU generator is always seeded with the default seed (layers build their master weights
     on the CPU), and the CUDA device's generator too when `device` is a CUDA device. Returns the
