@@ -1,20 +1,56 @@
+import importlib
 import json
+import pkgutil
 import subprocess
 import sys
 import time
 
 import pytest
 
-from megafab.checkpoint import CheckpointError
+import megafab
 from megafab.config import ConfigError
 from megafab.data.errors import DataError
-from megafab.errors import JobFault, MegafabError, ReportedElsewhere
+from megafab.errors import EXIT_USER_ERROR, JobFault, MegafabError, ReportedElsewhere
 from megafab.run.report import exit_on_user_error, exit_status, should_print
 
+# The two that end a job on every rank rather than report a user mistake (megafab/errors.py; tested
+# below): a job fault exits 3, a rank stopped by another rank's report exits silently.
+JOB_LEVEL = {JobFault, ReportedElsewhere}
+MESSAGE = "--some-flag 7: must divide 8; pass a divisor of 8"
 
-def test_user_errors_share_one_base():
-    for cls in (ConfigError, DataError, CheckpointError):
-        assert issubclass(cls, MegafabError)
+
+def _raise(name):
+    raise ImportError(f"{name} does not import")
+
+
+def megafab_errors() -> list[type]:
+    """Every subclass of MegafabError (at any depth), with every megafab module imported first."""
+    for info in pkgutil.walk_packages(megafab.__path__, "megafab.", onerror=_raise):
+        importlib.import_module(info.name)
+    found, todo = [], [MegafabError]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub not in found:
+                found.append(sub)
+                todo.append(sub)
+    return sorted(found, key=lambda c: f"{c.__module__}.{c.__qualname__}")
+
+
+def test_every_user_error_exits_2_with_one_message(capsys):
+    errors = megafab_errors()
+    assert JOB_LEVEL | {ConfigError, DataError} <= set(errors) and len(errors) > len(JOB_LEVEL) + 10
+    assert JobFault.exit_code == 3 and ReportedElsewhere.silent
+    for cls in errors:
+        if cls in JOB_LEVEL:
+            continue
+        error = cls([MESSAGE]) if issubclass(cls, ConfigError) else cls(MESSAGE)
+        assert (error.exit_code, error.silent) == (EXIT_USER_ERROR, False), cls
+        with pytest.raises(SystemExit) as exit_info, exit_on_user_error(rank=0):
+            raise error
+        assert exit_info.value.code == 2, cls
+        captured = capsys.readouterr()
+        assert captured.out == "", cls
+        assert captured.err == f"megafab: error: {error}\n" and MESSAGE in captured.err, cls
 
 
 def test_only_rank_zero_prints_an_error_every_rank_sees():
