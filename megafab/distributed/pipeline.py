@@ -5,15 +5,14 @@
                             num_microbatches=m, seq_length=s, micro_batch_size=b, hidden_size=h,
                             topology=topo, dtype=torch.bfloat16)
 
-Every schedule takes the same keyword arguments (Megatron's contract, see pipeline_steps.py) and
-returns the list of per-micro-batch loss logs on the last stage (empty elsewhere). The loss of a
-call is the mean over micro-batches; its backward accumulates into .grad of every parameter.
-finalize_model_grads_func(models) runs once, after the last backward.
+Every schedule takes the same keyword arguments (Megatron's contract, see pipeline_steps.py;
+microbatch_group_size_per_vp_stage shapes only the interleaved one) and returns the per-micro-batch
+loss logs on the last stage (empty elsewhere). The loss of a call is the mean over micro-batches;
+its backward accumulates into .grad. finalize_model_grads_func(models) runs once, at the end.
 
-1F1B with p stages and m micro-batches: stage r first runs p-r-1 warmup forwards, then
-alternates one forward / one backward (steady state), then drains the remaining backwards
-(cooldown). At most p-r micro-batches are in flight on stage r, instead of m for GPipe.
-Idle ("bubble") fraction: (p-1)/(m+p-1), about (p-1)/m.
+1F1B runs schedule_table's order: stage r's p-r-1 warmup forwards, one forward / one backward
+(steady), the remaining backwards (cooldown); at most p-r micro-batches in flight, instead of m for
+GPipe. Idle ("bubble") fraction: (p-1)/(m+p-1), about (p-1)/m.
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ from megafab.distributed.pipeline_steps import (
     custom_backward,
     deallocate_output_tensor,
 )
+from megafab.distributed.schedule_table import STEADY, schedule_table
 from megafab.distributed.topology import Topology
 
 __all__ = [
@@ -44,6 +44,8 @@ __all__ = [
     "forward_backward_pipelining_without_interleaving",
     "get_forward_backward_func",
 ]
+
+_NOTHING = object()  # no tensor received ahead for the next pass
 
 
 def get_forward_backward_func(pp_size: int, vpp_size: int | None = 1) -> Callable:
@@ -72,7 +74,7 @@ def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator
                                    finalize_model_grads_func: Callable | None = None,
                                    no_sync_func=None, grad_sync_func: Callable | None = None,
                                    loss_scale=1.0, deallocate_pipeline_outputs: bool = True,
-                                   timers=None) -> list:
+                                   timers=None, microbatch_group_size_per_vp_stage=None) -> list:
     """Gradient accumulation over micro-batches on one stage (pipeline size 1)."""
     models, iterators = as_list(model), as_list(data_iterator)
     if len(models) != 1:
@@ -103,7 +105,8 @@ def forward_backward_pipelining_without_interleaving(
         forward_only: bool = False, sequence_parallel: bool = False,
         finalize_model_grads_func: Callable | None = None, no_sync_func=None,
         grad_sync_func: Callable | None = None, loss_scale=1.0,
-        deallocate_pipeline_outputs: bool = True, timers=None) -> list:
+        deallocate_pipeline_outputs: bool = True, timers=None,
+        microbatch_group_size_per_vp_stage=None) -> list:
     """1F1B: warmup forwards, steady one-forward-one-backward, cooldown backwards."""
     models, iterators = as_list(model), as_list(data_iterator)
     if len(models) != 1:
@@ -125,12 +128,9 @@ def forward_backward_pipelining_without_interleaving(
         if not last:
             deallocate_output_tensor(output, deallocate_pipeline_outputs)
 
-    num_warmup = num_microbatches if forward_only else min(topology.pp - topology.pp_rank - 1,
-                                                           num_microbatches)
-    num_steady = num_microbatches - num_warmup
-    # Micro-batches whose forward ran and whose backward has not, oldest first.
-    input_tensors: list = []
-    output_tensors: list = []
+    table = schedule_table(topology.pp_rank, topology.pp, num_microbatches, forward_only=forward_only)
+    # Micro-batches whose forward ran and whose backward has not: (micro-batch, input, output).
+    in_flight: list = []
     sync = None if forward_only else GradSync(models, num_microbatches, no_sync_func, grad_sync_func)
 
     def backward(input_tensor, output, output_grad):
@@ -139,40 +139,34 @@ def forward_backward_pipelining_without_interleaving(
         sync.after_backward(0)
         return input_grad
 
+    # In the steady state a pass's exchange sends its result and receives the input of the next
+    # pass, which goes the other way; every other pass receives its input on its own just before
+    # it runs and sends its result on its own.
+    received = _NOTHING
     try:
-        for _ in range(num_warmup):
-            input_tensor = comm.recv_forward()
-            output = forward(input_tensor)
-            comm.send_forward(output)
-            if not forward_only:
-                input_tensors.append(input_tensor)
-                output_tensors.append(output)
-            free(output)
-
-        input_tensor = comm.recv_forward() if num_steady > 0 else None
-        for i in range(num_steady):
-            last_iteration = i == num_steady - 1
-            output = forward(input_tensor)
-            if forward_only:
-                comm.send_forward(output)
-                input_tensor = None if last_iteration else comm.recv_forward()
-                continue
-            output_grad = comm.send_forward_recv_backward(output)
-            input_tensors.append(input_tensor)
-            output_tensors.append(output)
-            free(output)
-            input_grad = backward(input_tensors.pop(0), output_tensors.pop(0), output_grad)
-            if last_iteration:
-                input_tensor = None
-                comm.send_backward(input_grad)
+        for i, p in enumerate(table):
+            turn = p.phase == STEADY and i + 1 < len(table) and table[i + 1].phase == STEADY
+            if p.forward:
+                input_tensor = comm.recv_forward() if received is _NOTHING else received
+                output = forward(input_tensor)
+                if turn:
+                    received = comm.send_forward_recv_backward(output)
+                else:
+                    comm.send_forward(output)
+                    received = _NOTHING
+                if not forward_only:
+                    in_flight.append((p.microbatch, input_tensor, output))
+                free(output)
             else:
-                input_tensor = comm.send_backward_recv_forward(input_grad)
-
-        if not forward_only:
-            for _ in range(num_warmup):
-                output_grad = comm.recv_backward()
-                input_grad = backward(input_tensors.pop(0), output_tensors.pop(0), output_grad)
-                comm.send_backward(input_grad)
+                output_grad = comm.recv_backward() if received is _NOTHING else received
+                microbatch, input_tensor, output = in_flight.pop(0)
+                assert microbatch == p.microbatch, (microbatch, p)
+                input_grad = backward(input_tensor, output, output_grad)
+                if turn:
+                    received = comm.send_backward_recv_forward(input_grad)
+                else:
+                    comm.send_backward(input_grad)
+                    received = _NOTHING
     finally:
         if sync is not None:
             sync.close()

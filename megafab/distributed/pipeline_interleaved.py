@@ -1,16 +1,17 @@
-"""Interleaved 1F1B (Megatron's virtual pipeline schedule).
+"""Interleaved 1F1B (Megatron's virtual pipeline schedule), running schedule_table's order.
 
 Each of the p pipeline ranks holds v model chunks; chunk c on rank r is virtual stage c*p + r,
 so a micro-batch visits rank 0, 1, ..., p-1, then rank 0 again (chunk 1), and so on: the
 activation leaving rank p-1's chunk c enters rank 0's chunk c+1 (the ring wraps).
 
-Forward passes are issued in groups of p micro-batches per chunk: for "virtual step" k (v*m of
-them per rank),
-    chunk(k)       = (k mod (p*v)) // p              (backward order reverses the chunks)
-    micro-batch(k) = (k // (p*v)) * p + k mod p
-which needs m to be a multiple of p. Warmup is 2*(p-r-1) + (v-1)*p forwards (all of them when
-m == p), then 1F1B steps that each send one activation and one gradient at once, then cooldown.
-The bubble shrinks to about (p-1)/(v*m) at the price of v times more p2p messages.
+The passes and their order come from megafab.distributed.schedule_table (micro-batches in groups
+of N = microbatch_group_size_per_vp_stage, default p). Communication is Megatron's, each exchange
+blocking: after a warmup forward its activation goes out and the next input comes in; a steady
+forward + backward pair sends and receives both ways in one exchange; a cooldown backward sends its
+gradient and receives the next. What arrives is the input of this rank's next pass, except on the
+leading rank of a direction (rank 0 forward, rank p-1 backward), which receives what the ending
+rank made p-1 passes earlier, for the following chunk. The bubble shrinks to about (p-1)/(v*m) at
+the price of v times more p2p messages.
 """
 
 from __future__ import annotations
@@ -28,10 +29,17 @@ from megafab.distributed.pipeline_steps import (
     check_common,
     deallocate_output_tensor,
 )
+from megafab.distributed.schedule_table import (
+    COOLDOWN,
+    STEADY,
+    interleaving_problem,
+    schedule_table,
+)
 from megafab.distributed.topology import Topology
 
 
-def check_interleaving(num_microbatches: int, pp: int, num_chunks: int, num_iterators: int) -> None:
+def check_interleaving(num_microbatches: int, pp: int, num_chunks: int, num_iterators: int,
+                       group_size: int | None = None) -> None:
     if num_chunks < 2:
         raise PipelineScheduleError(
             f"the interleaved schedule got {num_chunks} model chunk(s); it needs the list of this "
@@ -40,11 +48,9 @@ def check_interleaving(num_microbatches: int, pp: int, num_chunks: int, num_iter
         raise PipelineScheduleError(
             f"the interleaved schedule needs one data iterator per model chunk ({num_chunks}), "
             f"got {num_iterators}")
-    if num_microbatches % pp != 0:
-        raise PipelineScheduleError(
-            f"num_microbatches {num_microbatches} is not divisible by pipeline-model-parallel-size "
-            f"{pp}; the interleaved schedule runs micro-batches in groups of {pp}, so pick a global "
-            f"batch size giving a multiple of {pp} micro-batches, or drop virtual pipeline stages")
+    problem = interleaving_problem(num_microbatches, pp, group_size)
+    if problem is not None:
+        raise PipelineScheduleError(problem)
 
 
 def forward_backward_pipelining_with_interleaving(
@@ -53,26 +59,40 @@ def forward_backward_pipelining_with_interleaving(
         forward_only: bool = False, sequence_parallel: bool = False,
         finalize_model_grads_func: Callable | None = None, no_sync_func=None,
         grad_sync_func: Callable | None = None, loss_scale=1.0,
-        deallocate_pipeline_outputs: bool = True, timers=None) -> list:
+        deallocate_pipeline_outputs: bool = True, timers=None,
+        microbatch_group_size_per_vp_stage: int | None = None) -> list:
     """Interleaved 1F1B over this rank's model chunks `model` (a list, chunk c = virtual stage c*p+r)."""
     models, iterators = as_list(model), as_list(data_iterator)
     pp, rank, vpp, m = topology.pp, topology.pp_rank, len(models), num_microbatches
+    group = microbatch_group_size_per_vp_stage
     check_common(m, models, iterators)
-    check_interleaving(m, pp, vpp, len(iterators))
+    check_interleaving(m, pp, vpp, len(iterators), group)
     shape = pipeline_tensor_shape(seq_length, micro_batch_size, hidden_size, topology.tp, sequence_parallel)
     comm = P2PCommunicator(topology, shape, dtype, timers)
     first_rank, last_rank = topology.is_first_stage, topology.is_last_stage
     runner = StepRunner(forward_step_func, m, forward_only, loss_scale, collect_logs=last_rank,
                         timers=timers)
 
+    table = schedule_table(rank, pp, m, vpp, group, forward_only)
+    forwards = [p for p in table if p.forward]
+    backwards = [p for p in table if not p.forward]
     total = m * vpp
-    all_warmup = forward_only or m == pp
-    num_warmup = total if all_warmup else min((pp - rank - 1) * 2 + (vpp - 1) * pp, total)
-    num_steady = total - num_warmup
 
-    def chunk_id(k: int, forward: bool) -> int:
-        c = (k % (pp * vpp)) // pp
-        return c if forward else vpp - 1 - c
+    def arriving(k: int, forward: bool) -> tuple[int, int] | None:
+        """(micro-batch, chunk) whose input arrives in the exchange after this rank's pass k of
+        that direction (an activation for a forward, a gradient for a backward), or None."""
+        if k == total - 1:
+            return None
+        passes = forwards if forward else backwards
+        if not (first_rank if forward else last_rank):
+            return passes[k + 1].microbatch, passes[k + 1].chunk
+        if k < pp - 1:  # the ending rank has made nothing yet
+            return None
+        # what the ending rank sent after its pass k - (p-1), the same (micro-batch, chunk) as ours
+        made = passes[k - (pp - 1)]
+        if made.chunk == (vpp - 1 if forward else 0):  # the last virtual stage sends nothing on
+            return None
+        return made.microbatch, made.chunk + 1 if forward else made.chunk - 1
 
     def is_first_virtual(c: int) -> bool:
         return first_rank and c == 0
@@ -80,106 +100,73 @@ def forward_backward_pipelining_with_interleaving(
     def is_last_virtual(c: int) -> bool:
         return last_rank and c == vpp - 1
 
-    # Per chunk, oldest first: inputs received, outputs made, gradients received for them.
-    input_tensors: list[list] = [[] for _ in range(vpp)]
-    output_tensors: list[list] = [[] for _ in range(vpp)]
-    output_grads: list[list] = [[] for _ in range(vpp)]
+    # Keyed by (micro-batch, chunk): inputs received, outputs made, gradients received for them.
+    inputs: dict = {}
+    outputs: dict = {}
+    output_grads: dict = {}
     sync = None if forward_only else GradSync(models, m, no_sync_func, grad_sync_func)
 
-    def forward_step(k: int):
-        c = chunk_id(k, forward=True)
-        if is_first_virtual(c) and len(input_tensors[c]) == len(output_tensors[c]):
-            input_tensors[c].append(None)
-        output = runner.forward(models[c], iterators[c], input_tensors[c][-1], is_last_virtual(c))
-        output_tensors[c].append(output)
+    def run_forward(p):
+        """The forward; returns the activation to send, or None on the very last virtual stage."""
+        key = (p.microbatch, p.chunk)
+        if is_first_virtual(p.chunk):
+            inputs[key] = None
+        output = runner.forward(models[p.chunk], iterators[p.chunk], inputs[key], is_last_virtual(p.chunk))
         if forward_only:  # nothing will run backward: keep no references
-            input_tensors[c].pop()
-            output_tensors[c].pop()
-        return output
+            del inputs[key]
+        else:
+            outputs[key] = output
+        return None if is_last_virtual(p.chunk) else output
 
-    def backward_step(k: int):
-        c = chunk_id(k, forward=False)
-        if is_last_virtual(c) and not output_grads[c]:
-            output_grads[c].append(None)
-        sync.before_backward(c)
-        input_grad = runner.backward(input_tensors[c].pop(0), output_tensors[c].pop(0),
-                                     output_grads[c].pop(0))
-        sync.after_backward(c)
-        return input_grad
+    def run_backward(p):
+        """The backward; returns the gradient to send, or None on the very first virtual stage."""
+        key = (p.microbatch, p.chunk)
+        output_grad = None if is_last_virtual(p.chunk) else output_grads.pop(key)
+        sync.before_backward(p.chunk)
+        input_grad = runner.backward(inputs.pop(key), outputs.pop(key), output_grad)
+        sync.after_backward(p.chunk)
+        return None if is_first_virtual(p.chunk) else input_grad
 
-    def sent(output, c):
-        """The activation to send forward, or None on the very last virtual stage (the loss)."""
-        return None if is_last_virtual(c) else output
+    def store(where: dict, key, tensor) -> None:
+        if key is not None:
+            where[key] = tensor
 
     try:
-        input_tensors[0].append(comm.recv_forward())  # None on rank 0
-
-        for k in range(num_warmup):
-            c = chunk_id(k, forward=True)
-            output = sent(forward_step(k), c)
-            next_c = chunk_id(k + 1, forward=True)
-            recv_prev = not (first_rank and next_c == 0) and k != total - 1
-            if k == num_warmup - 1 and not all_warmup:
-                recv_next = not last_rank
+        store(inputs, (forwards[0].microbatch, forwards[0].chunk), comm.recv_forward())  # None on rank 0
+        sent = forward_step = None  # a steady forward's activation and step, sent with its backward
+        for i, p in enumerate(table):
+            after = table[i + 1] if i + 1 < len(table) else None
+            if p.forward:
+                output = run_forward(p)
+                if p.phase == STEADY:
+                    sent, forward_step = output, p.step
+                    continue
+                next_input = arriving(p.step, forward=True)
+                if after is not None and after.phase == STEADY:
+                    # the last warmup forward also receives the first backward's gradient
+                    grad_key = None if last_rank else (backwards[0].microbatch, backwards[0].chunk)
+                    input_tensor, output_grad = comm.send_forward_backward_recv_forward_backward(
+                        output, None, next_input is not None, grad_key is not None)
+                    store(output_grads, grad_key, output_grad)
+                else:
+                    input_tensor = comm.send_forward_recv_forward(output, next_input is not None)
+                store(inputs, next_input, input_tensor)
+                deallocate_output_tensor(output, deallocate_pipeline_outputs)
+                continue
+            if p.phase == COOLDOWN and p.step == 0 and not last_rank:
+                # every forward ran in the warmup: the first gradient is received on its own
+                output_grads[(p.microbatch, p.chunk)] = comm.recv_backward()
+            input_grad = run_backward(p)
+            next_grad = arriving(p.step, forward=False)
+            if p.phase == STEADY:
+                next_input = arriving(forward_step, forward=True)
                 input_tensor, output_grad = comm.send_forward_backward_recv_forward_backward(
-                    output, None, recv_prev, recv_next)
-                if recv_next:
-                    output_grads[vpp - 1].append(output_grad)
+                    sent, input_grad, next_input is not None, next_grad is not None)
+                deallocate_output_tensor(sent, deallocate_pipeline_outputs)
+                store(inputs, next_input, input_tensor)
             else:
-                input_tensor = comm.send_forward_recv_forward(output, recv_prev)
-            if recv_prev:
-                input_tensors[next_c].append(input_tensor)
-            deallocate_output_tensor(output, deallocate_pipeline_outputs)
-
-        for i in range(num_steady):
-            forward_k, backward_k = i + num_warmup, i
-            forward_c = chunk_id(forward_k, forward=True)
-            output = sent(forward_step(forward_k), forward_c)
-            backward_c = chunk_id(backward_k, forward=False)
-            input_grad = backward_step(backward_k)
-            if is_first_virtual(backward_c):
-                input_grad = None
-
-            # Which chunk the next received activation / gradient belongs to. The ring wraps:
-            # rank 0 receives what rank p-1 sent p-1 steps ago, for the following chunk.
-            if first_rank:
-                next_fc = chunk_id(forward_k - (pp - 1), forward=True)
-                recv_prev = next_fc != vpp - 1
-                next_fc += 1
-            else:
-                next_fc = chunk_id(forward_k + 1, forward=True)
-                recv_prev = True
-            if last_rank:
-                next_bc = chunk_id(backward_k - (pp - 1), forward=False)
-                recv_next = next_bc != 0
-                next_bc -= 1
-            else:
-                next_bc = chunk_id(backward_k + 1, forward=False)
-                recv_next = True
-            if i == num_steady - 1:
-                recv_prev = False
-
-            input_tensor, output_grad = comm.send_forward_backward_recv_forward_backward(
-                output, input_grad, recv_prev, recv_next)
-            deallocate_output_tensor(output, deallocate_pipeline_outputs)
-            if recv_prev:
-                input_tensors[next_fc].append(input_tensor)
-            if recv_next:
-                output_grads[next_bc].append(output_grad)
-
-        if not forward_only:
-            if all_warmup:
-                output_grads[vpp - 1].append(comm.recv_backward())
-            for k in range(num_steady, total):
-                c = chunk_id(k, forward=False)
-                input_grad = backward_step(k)
-                if is_first_virtual(c):
-                    input_grad = None
-                next_c = chunk_id(k + 1, forward=False)
-                recv_next = not (last_rank and next_c == vpp - 1) and k != total - 1
-                output_grad = comm.send_backward_recv_backward(input_grad, recv_next)
-                if recv_next:
-                    output_grads[next_c].append(output_grad)
+                output_grad = comm.send_backward_recv_backward(input_grad, next_grad is not None)
+            store(output_grads, next_grad, output_grad)
     finally:
         if sync is not None:
             sync.close()

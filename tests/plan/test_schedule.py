@@ -2,7 +2,9 @@
 
 import pytest
 
-from megafab.plan.schedule import StagePass, pipeline_time, schedule_order, shared_pipeline_time
+import megafab.plan.schedule as schedule
+from megafab.distributed.schedule_table import schedule_table
+from megafab.plan.schedule import StagePass, pipeline_time, shared_pipeline_time
 
 
 def test_one_f_one_b_waits_a_transfer_each_way_per_micro_batch_and_the_fill():
@@ -49,9 +51,19 @@ def test_ranks_waiting_in_the_fill_and_drain_leave_their_cores_to_the_others():
     assert comm.total == pytest.approx(9 * (2 * 2.0 + 1.0))
 
 
-def test_the_order_is_megafabs_interleaved_schedule():
+def test_the_simulation_runs_the_executors_order(monkeypatch):
     # stage 0 of 2, 4 micro-batches, 2 chunks: (p - 1) * 2 + (v - 1) * p = 4 warm-up forwards
-    order = schedule_order(0, 2, 4, 2)
+    order = [(p.forward, p.microbatch, p.chunk) for p in schedule_table(0, 2, 4, 2)]
     assert order[:4] == [(True, 0, 0), (True, 1, 0), (True, 0, 1), (True, 1, 1)]
     assert order[4:6] == [(True, 2, 0), (False, 0, 1)]
     assert sorted(order) == sorted([(f, mb, c) for f in (True, False) for mb in range(4) for c in range(2)])
+    # shared_pipeline_time reads megafab.distributed's table (the one the executors run), no copy
+    asked = []
+
+    def recording_table(*args):
+        asked.append(args)
+        return schedule_table(*args)
+
+    monkeypatch.setattr(schedule, "schedule_table", recording_table)
+    shared_pipeline_time([StagePass(1.0, 0.0)] * 2, [StagePass(2.0, 0.0)] * 2, 4, 2, 0.0, lambda busy: 1.0)
+    assert asked == [(0, 2, 4, 2), (1, 2, 4, 2)]
