@@ -7,20 +7,10 @@
     selective           only core attention (the SDPA call: scores, softmax, dropout, context) is
                         recomputed; q, k, v and its output are kept, the [b, heads, s, s] terms are not
 
-Dropout masks of a recomputed forward equal the original ones: the CPU generator, the device
-generator and every tracker stream are snapshot before the original forward and put back around
-the recompute (afterwards the states of the backward are restored, so later forwards draw on).
-With TP/SP the recompute re-runs the region's collectives; every TP rank walks the same backward
-graph, so they recompute in the same order.
-
-Side effects of a forward (the MoE router's balancing-loss log, its token counts for the expert
-bias and global_aux_loss's running counts) must happen once per micro-batch. megatron-core gets
-that from its reentrant checkpoint (the first forward runs under no_grad, where the router does
-none of them; the recompute does them). Here the first forward runs with autograd (non-reentrant),
-so a module asks `recompute_phase()`: "forward" inside a checkpointed first pass (do the effect,
-keep what the recompute must see again), "recompute" while it re-runs (replay, do nothing new),
-None elsewhere. Recomputes run in backward order, which per layer is the micro-batches' forward
-order in every schedule, so a FIFO per module pairs them.
+Dropout masks of a recomputed forward equal the original ones (recompute snapshots every RNG
+stream). With TP/SP the recompute re-runs the region's collectives; every TP rank walks the same
+backward graph, so they recompute in the same order. A forward's side effects (the MoE router's
+counts and logs) happen once per micro-batch: modules ask recompute_phase().
 """
 
 from __future__ import annotations
@@ -115,7 +105,15 @@ _PHASE = _Phase()
 
 
 def recompute_phase() -> str | None:
-    """"forward" (a checkpointed first pass), "recompute" (its re-run) or None; see the docstring."""
+    """"forward" (a checkpointed first pass), "recompute" (its re-run) or None elsewhere.
+
+    Side effects of a forward (the MoE router's balancing-loss log, its token counts for the expert
+    bias and global_aux_loss's running counts) must happen once per micro-batch. megatron-core gets
+    that from its reentrant checkpoint (the first forward runs under no_grad, where the router does
+    none of them; the recompute does them). Here the first forward runs with autograd, so a module
+    does the effect in "forward" (keeping what the recompute must see again) and replays it in
+    "recompute", doing nothing new. Recomputes run in backward order, which per layer is the
+    micro-batches' forward order in every schedule, so a FIFO per module pairs them."""
     return _PHASE.stack[-1] if _PHASE.stack else None
 
 
@@ -141,7 +139,10 @@ def _replay_rng(snapshot: dict, tracker, device):
 
 
 def recompute(fn, *args, tracker=None, device="cpu"):
-    """fn(*args), keeping only the inputs for backward; the rest is recomputed with the same RNG."""
+    """fn(*args), keeping only the inputs for backward; the rest is recomputed with the same RNG:
+    the CPU generator, the device generator and every tracker stream are snapshot before the
+    original forward and put back around the recompute (afterwards the backward's states are
+    restored, so later forwards draw on)."""
     if not torch.is_grad_enabled():
         return fn(*args)
     snapshot = checkpoint_rng_state(tracker, device)

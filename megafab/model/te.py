@@ -1,33 +1,15 @@
 """Transformer Engine backend (--transformer-impl transformer_engine) and FP8 (--fp8-*).
 
-UNVERIFIED: transformer_engine was not installable where this was written (no TE wheel on the CPU
-box or on the GPU check machine), so the TE layer below has never run. It follows TE's documented
-API (transformer_engine.pytorch.LayerNormLinear / Linear / DotProductAttention, fp8_autocast,
-transformer_engine.common.recipe). What is tested on CPU: the checks that refuse TE/FP8 where TE or
-a capable GPU is missing, and the parameter-name mapping. tests/model/test_te.py holds the TE-vs-
-local parity test that runs where TE is installed.
+UNVERIFIED: transformer_engine was not installable where this was written, so TETransformerLayer
+has never run; it follows TE's documented API (LayerNormLinear / Linear / DotProductAttention,
+fp8_autocast, transformer_engine.common.recipe). Tested on CPU: the checks that refuse TE/FP8
+where TE or a capable GPU is missing (transformer_engine_problems, te_layer_problems) and the
+parameter-name mapping; tests/model/test_te.py holds the TE-vs-local parity test that runs where
+TE is installed.
 
-Layout (megatron-core's TE spec): the input norm is fused into linear_qkv and the pre-MLP norm
-into linear_fc1 (LayerNormLinear), so TE names differ from the local ones only there:
-
-    local                                         transformer_engine
-    decoder.layers.N.input_layernorm.weight       decoder.layers.N.self_attention.linear_qkv.layer_norm_weight
-    decoder.layers.N.input_layernorm.bias         decoder.layers.N.self_attention.linear_qkv.layer_norm_bias
-    decoder.layers.N.pre_mlp_layernorm.weight     decoder.layers.N.mlp.linear_fc1.layer_norm_weight
-    decoder.layers.N.pre_mlp_layernorm.bias       decoder.layers.N.mlp.linear_fc1.layer_norm_bias
-
-TE modules also carry `_extra_state` (FP8 scaling metadata); converting to local names drops it.
-
-FP8 (megatron-core's TransformerBlock): one `fp8_autocast` around each model chunk's layers
-(`fp8_chunk_context`, entered once per chunk forward by GPTModel), its amax reductions over the
-TP x DP x CP group (`fp8_amax_group`, Megatron's get_amax_reduction_group(with_context_parallel=
-True)). A TE layer run outside a chunk's region (full recompute re-running layers during backward)
-enters its own.
-
-The TE layer shares the local layer's settings: weights are the same name-keyed shards of the same
-seeded full tensors (`_init_shard`, as the local linears' init), attention is causal with scale
-1/sqrt(kv_channels), GQA over the same query groups, attention dropout from the same RNG tracker,
-and context parallelism over the same CP group and comm type (TE's own CP attention).
+Layout is megatron-core's TE spec: the input norm fused into linear_qkv and the pre-MLP norm into
+linear_fc1, so TE names differ from the local ones only there (param_names.TE_NAMES). FP8: one
+fp8_autocast per model chunk's layers, amax reduced over TP x DP x CP (fp8_chunk_context).
 """
 
 from __future__ import annotations
@@ -172,7 +154,11 @@ def fp8_amax_group(topo):
 
 @contextlib.contextmanager
 def fp8_chunk_context(ctx):
-    """One fp8_autocast around a model chunk's layers (LayerContext: precision, fp8_group)."""
+    """One fp8_autocast around a model chunk's layers (LayerContext: precision, fp8_group), as
+    megatron-core's TransformerBlock: entered once per chunk forward by GPTModel, its amax
+    reductions over fp8_amax_group (Megatron's get_amax_reduction_group(with_context_parallel=
+    True)). A TE layer run outside a chunk's region (full recompute re-running layers during
+    backward) enters its own (_layer_fp8_context)."""
     if not fp8_enabled(ctx.precision):
         yield
         return
@@ -215,9 +201,21 @@ def _init_shard(param, seed, name, std, partition_dim, stride, tp_group):
 
 
 class TETransformerLayer(nn.Module):
-    """One pre-norm layer from TE modules with megatron-core's TE names (see the module docstring).
+    """One pre-norm layer from TE modules with megatron-core's TE names:
+
+        local (decoder.layers.N.)     transformer_engine (decoder.layers.N.)
+        input_layernorm.weight        self_attention.linear_qkv.layer_norm_weight
+        input_layernorm.bias          self_attention.linear_qkv.layer_norm_bias
+        pre_mlp_layernorm.weight      mlp.linear_fc1.layer_norm_weight
+        pre_mlp_layernorm.bias        mlp.linear_fc1.layer_norm_bias
+
+    TE modules also carry `_extra_state` (FP8 scaling metadata); converting to local names drops it.
 
     Expects the same inputs as TransformerLayer: x [s(/tp), b, h], RoPE angles, Megatron's mask.
+    It shares the local layer's settings: weights are the same name-keyed shards of the same
+    seeded full tensors (_init_shard), attention is causal with scale 1/sqrt(kv_channels), GQA
+    over the same query groups, attention dropout from the same RNG tracker, and context
+    parallelism over the same CP group and comm type (TE's own CP attention).
     """
 
     def __init__(self, cfg, ctx, layer_number: int):

@@ -4,22 +4,13 @@ Both take this rank's tokens [N, h] with their routing (probs, routing_map [N, E
 local experts their rows grouped by expert ([M, h], tokens per local expert, row probabilities);
 `combine` returns the experts' rows as [N, h]. Every rank's N tokens are its own (under attention
 TP the sequence-parallel [s/tp, b, h] slices; megatron-core requires SP for MoE with TP > 1).
+Groups are megatron-core's (TokenDispatcher): ep_group splits the experts, etp_group shards each
+expert, tp_ep_group is their product.
 
-Groups (None: one rank, no process group needed), megatron-core's:
-    ep_group     splits the E experts into equal contiguous blocks, rank r holding experts
-                 [r * E/ep, (r + 1) * E/ep)
-    etp_group    expert tensor parallelism: the ranks sharing those experts, each holding a shard
-                 of every local expert (experts.py); each computes partial outputs for all their
-                 rows, summed by the reduce-scatter of combine
-    tp_ep_group  the ETP x EP ranks (megatron's "expert tensor and model parallel" group); needed
-                 only when both are > 1, else it is whichever of the two is > 1
-
-    allgather  all-gather every rank's tokens and routing over tp_ep, keep the rows of the local
-               experts; combine scatters back into the gathered token order and reduce-scatters
-               over tp_ep (which also sums the ETP ranks' partial outputs).
-    alltoall   permute locally by expert, exchange only the routed rows over EP (all-to-all with
-               the per-rank counts), all-gather the ETP ranks' rows, regroup by local expert;
-               combine runs the same steps backwards (the all-gather's reverse a reduce-scatter).
+    allgather  all-gather every rank's tokens and routing over tp_ep, keep the local experts' rows;
+               combine scatters back and reduce-scatters over tp_ep (summing the ETP partials).
+    alltoall   permute locally by expert, exchange only the routed rows over EP, all-gather the
+               ETP ranks' rows, regroup by local expert; combine runs the same steps backwards.
 """
 
 from __future__ import annotations
@@ -53,6 +44,17 @@ class Dispatched:
 
 
 class TokenDispatcher:
+    """The groups both dispatchers share (None: one rank, no process group needed):
+
+        ep_group     splits the E experts into equal contiguous blocks, rank r holding experts
+                     [r * E/ep, (r + 1) * E/ep)
+        etp_group    expert tensor parallelism: the ranks sharing those experts, each holding a
+                     shard of every local expert (experts.py); each computes partial outputs for
+                     all their rows, summed by the reduce-scatter of combine
+        tp_ep_group  the ETP x EP ranks (megatron's "expert tensor and model parallel" group);
+                     needed only when both are > 1, else whichever of the two is > 1
+    """
+
     def __init__(self, num_experts: int, ep_group=None, etp_group=None, tp_ep_group=None):
         self.ep_group, self.etp_group = ep_group, etp_group
         self.ep, self.etp = group_size(ep_group), group_size(etp_group)

@@ -4,27 +4,14 @@ routing probabilities (applied after the activation, before fc2, as megatron-cor
     SequentialExperts  local_experts.{i}.linear_fc1.weight [f(*2), h], .linear_fc2.weight [h, f]:
                        one GEMM pair per local expert (megatron-core's SequentialMLP names)
     GroupedExperts     linear_fc1.weight [E_local, f(*2), h], linear_fc2.weight [E_local, h, f]:
-                       torch's grouped matmul where it runs (CPU fp32/bf16, CUDA bf16, 16-byte
-                       aligned rows), else the same loop of GEMMs; the same numbers either way
+                       torch's grouped matmul where it runs (grouped_mm_runs), else the same loop
+                       of GEMMs; the same numbers either way
 
 Each expert's weights are drawn from (seed, "<prefix>experts.<global index>.linear_fcN.weight"),
-so both classes hold the same weights and an EP rank holds exactly its experts' weights.
-
-Expert tensor parallelism (etp_group, None: ETP 1) splits every expert as the dense MLP splits over
-TP: fc1 column-parallel (SwiGLU's packed [gate; up] strided, each rank [gate_r; up_r]), fc2
-row-parallel; rank r keeps exactly its partition of the one-process weight (layers.partition_of)
-and at ETP > 1 the split params carry the dense layers' attributes (tensor_model_parallel,
-partition_dim, partition_stride: dims of the local layout, so the grouped weights' are one higher),
-read as "split over etp_group". At ETP 1 they carry none (megatron-core sets them at any size):
-readers that know only the attention TP group (checkpoint layout, grad-norm) then see expert
-params as TP-replicated, which they are at ETP 1, instead of split over TP, which they are not. The linears
-do no communication: the dispatcher hands every ETP rank the rows of all of them and sums their
-partial fc2 outputs. Expert biases under ETP > 1 are refused by megatron-core's config (and
-megafab's, megafab/checks/rules.py); the layer still takes them: the fc2 bias is replicated, its value
-added on ETP rank 0 only (the reduce-scatter sums the ranks' outputs), its gradient taken on every
-rank.
-
-Every routed-expert parameter is marked `is_expert` (its gradient is reduced over expert-DP, not DP).
+so both classes hold the same weights and an EP rank holds exactly its experts' weights. Expert
+tensor parallelism splits every expert as the dense MLP splits over TP (ExpertSplit); the linears
+do no communication. Every routed-expert parameter is marked `is_expert` (its gradient is reduced
+over expert-DP, not DP).
 """
 
 from __future__ import annotations
@@ -66,7 +53,18 @@ class ExpertShape:
 
 
 class ExpertSplit:
-    """How one ETP rank holds an expert: its rank and size in etp_group."""
+    """How one ETP rank holds an expert: its rank and size in etp_group (None: ETP 1).
+
+    fc1 is column-parallel (SwiGLU's packed [gate; up] strided, each rank [gate_r; up_r]), fc2
+    row-parallel; rank r keeps exactly its partition of the one-process weight (partition_of). At
+    ETP > 1 the split params carry the dense layers' attributes (tensor_model_parallel,
+    partition_dim, partition_stride: dims of the local layout, so the grouped weights' are one
+    higher: _mark_split), read as "split over etp_group". At ETP 1 they carry none (megatron-core
+    sets them at any size): readers that know only the attention TP group (checkpoint layout,
+    grad-norm) then see expert params as TP-replicated, which they are at ETP 1. The dispatcher
+    hands every ETP rank the rows of all of them and sums their partial fc2 outputs. Expert biases
+    under ETP > 1 are refused by megatron-core's config (and megafab's checks) but still taken
+    here: output_bias."""
 
     def __init__(self, shape: ExpertShape, etp_group, params_dtype: torch.dtype):
         self.shape = shape

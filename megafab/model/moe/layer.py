@@ -6,13 +6,6 @@
 Parameter names are megatron-core's: router.weight (router.expert_bias buffer),
 experts.local_experts.{i}.linear_fc1.weight (sequential) or experts.linear_fc1.weight
 [E_local, ...] (grouped), shared_experts.linear_fc1.weight, shared_experts.gate_weight.
-
-Groups (None: one rank; EP 1 needs no process group): ep_group splits the experts, etp_group
-shards each expert, tp_ep_group is their product (dispatcher.py, experts.py); tp_cp_group and
-tp_dp_cp_group are the router's token-count groups (see router.py).
-
-moe_shared_expert_overlap computes the same sum (megatron-core adds the shared output inside the
-dispatcher's combine); here the shared experts simply run first, no side stream yet.
 """
 
 from __future__ import annotations
@@ -34,7 +27,10 @@ class MoELayer(nn.Module):
                  loss_scale: LossScale | None = None, calculate_per_token_loss: bool = False):
         """cfg: the model config (hidden_size, ffn_hidden_size, swiglu, add_bias_linear,
         init_method_std, num_layers); ctx: the LayerContext; prefix: this MLP's global parameter
-        name prefix ("decoder.layers.L.mlp."), which keys the initialization."""
+        name prefix ("decoder.layers.L.mlp."), which keys the initialization. Groups (None: one
+        rank; EP 1 needs no process group): ep_group splits the experts, etp_group shards each
+        expert, tp_ep_group is their product (dispatcher.py, experts.py); tp_cp_group and
+        tp_dp_cp_group are the router's token-count groups (router.py)."""
         super().__init__()
         self.settings = settings
         self.router = TopKRouter(
@@ -62,7 +58,9 @@ class MoELayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, None]:
         """hidden [s, b, h] -> ([s, b, h], None): the routed (and shared) experts' output; the
-        second value is megatron-core's mlp_bias, always None for MoE."""
+        second value is megatron-core's mlp_bias, always None for MoE. moe_shared_expert_overlap
+        computes the same sum (megatron-core adds the shared output inside the dispatcher's
+        combine); here the shared experts simply run first, no side stream yet."""
         shared = self.shared_experts(hidden) if self.shared_experts is not None else None
         probs, routing_map = self.router(hidden)  # [s*b, E]
         rows, tokens_per_expert, row_probs, state = self.dispatcher.dispatch(
