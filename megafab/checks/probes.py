@@ -1,6 +1,7 @@
 """Start-up checks of what a configuration names on this machine: the data prefixes' .idx files,
-the tokenizer files, a writable --save; and the tokenizer's vocabulary size, which the config needs
-before it is finalized (the padded vocabulary is derived from it).
+the tokenizer files (opened: the tokenizer is built from them here), a writable --save; and the
+tokenizer's vocabulary size, which the config needs before it is finalized (the padded vocabulary
+is derived from it).
 
 Not rules (checks/rules.py is pure): the entry point runs `start_up_problems` with its machine
 checks, before any process group, so these problems join the rule problems in one message.
@@ -11,8 +12,9 @@ from __future__ import annotations
 import os
 
 from megafab.checks.run_rules import DATA_PATH_FLAGS
-
-TOKENIZER_FILES = {"GPT2BPETokenizer": ("vocab_file", "merge_file")}  # others read --tokenizer-model
+from megafab.data.blend_spec import parse_blend
+from megafab.data.errors import DataError
+from megafab.data.tokenizers import TOKENIZER_FILES, build_tokenizer, file_problems
 
 
 def start_up_problems(cfg) -> list[str]:
@@ -21,9 +23,6 @@ def start_up_problems(cfg) -> list[str]:
 
 
 def data_file_problems(cfg) -> list[str]:
-    from megafab.data.blend_spec import parse_blend
-    from megafab.data.errors import DataError
-
     out = []
     for flag in DATA_PATH_FLAGS:
         try:
@@ -38,12 +37,21 @@ def data_file_problems(cfg) -> list[str]:
 
 
 def tokenizer_file_problems(cfg) -> list[str]:
+    """Each file the tokenizer reads: missing, a directory where a file belongs, empty, unreadable,
+    or of the wrong kind (the tokenizer is built from them; kept for tokenizer_vocab_size)."""
     d = cfg.data
-    if d.tokenizer_type in (None, "NullTokenizer"):
-        return []
-    names = TOKENIZER_FILES.get(d.tokenizer_type, ("tokenizer_model",))
-    return [f"--{name.replace('_', '-')} {getattr(d, name)}: no such file or directory"
-            for name in names if getattr(d, name) is not None and not os.path.exists(getattr(d, name))]
+    files = TOKENIZER_FILES.get(d.tokenizer_type, ())
+    given = {name: getattr(d, name) for _, name, _ in files}
+    if not files or None in given.values():
+        return []  # no file to read (NullTokenizer), or a flag missing: data_problems says which
+    problems = file_problems(d.tokenizer_type, **given)
+    if problems or d.tokenizer_type == "TikTokenizer" and d.tiktoken_pattern is None:
+        return problems
+    try:
+        _built(d, cfg.model.vocab_size)
+    except DataError as e:
+        return [str(e)]
+    return []
 
 
 def save_directory_problems(cfg) -> list[str]:
@@ -70,15 +78,17 @@ def _tokenizer_settings(d) -> tuple:
             tuple(d.tokenizer_special_tokens) if d.tokenizer_special_tokens else None)
 
 
-# The tokenizers this process sized a configuration with, by (settings, vocabulary size): the data
+# The tokenizers this process built, by (settings, the vocabulary size asked for), and those it sized
+# a configuration with, by (settings, vocabulary size): the probe builds a tokenizer once, and the data
 # pipeline tokenizes with the very tokenizer the padded vocabulary was derived from.
+_BUILT: dict[tuple, object] = {}
 _SIZED: dict[tuple, object] = {}
 
 
 def tokenizer_vocab_size(cfg) -> int:
     """The vocabulary size of the run's tokenizer (NullTokenizer, --vocab-size ids plus one eod,
     without --tokenizer-type), built here from the files the flags name."""
-    tokenizer = _build(cfg.data, cfg.model.vocab_size)
+    tokenizer = _built(cfg.data, cfg.model.vocab_size)
     _SIZED[_tokenizer_settings(cfg.data) + (tokenizer.vocab_size,)] = tokenizer
     return tokenizer.vocab_size
 
@@ -90,9 +100,14 @@ def tokenizer_of(data_cfg, vocab_size: int | None):
     return sized if sized is not None else _build(data_cfg, vocab_size)
 
 
-def _build(data_cfg, vocab_size: int | None):
-    from megafab.data.tokenizers import build_tokenizer
+def _built(data_cfg, vocab_size: int | None):
+    key = _tokenizer_settings(data_cfg) + (vocab_size,)
+    if key not in _BUILT:
+        _BUILT[key] = _build(data_cfg, vocab_size)
+    return _BUILT[key]
 
+
+def _build(data_cfg, vocab_size: int | None):
     kind, vocab_file, merge_file, model, pattern, num_special, special = _tokenizer_settings(data_cfg)
     return build_tokenizer(kind, vocab_file, merge_file, model, vocab_size, pattern, num_special,
                            list(special) if special else None)

@@ -7,6 +7,7 @@ from megafab.checks.rules import required
 from megafab.config.schema import CKPT_FORMATS
 from megafab.data.blend_spec import parse_blend, parse_split
 from megafab.data.errors import DataError
+from megafab.data.tokenizers import TOKENIZER_FILES
 
 DATA_PATH_FLAGS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
 
@@ -107,18 +108,9 @@ def data_problems(cfg) -> list[str]:
     if d.data_path and d.train_data_path:
         out.append("give either --data-path or --train-data-path/--valid-data-path/--test-data-path")
     kind = d.tokenizer_type
-    if kind in ("GPT2BPETokenizer",):
-        for flag, value in (("--vocab-file", d.vocab_file), ("--merge-file", d.merge_file)):
-            if value is None:
-                out.append(f"--tokenizer-type {kind} needs {flag}")
-    elif kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
-                  "HuggingFaceTokenizer"):
-        if d.tokenizer_model is None:
-            out.append(f"--tokenizer-type {kind} needs --tokenizer-model")
-    elif kind == "TikTokenizer":
-        if d.tokenizer_model is None:
-            out.append("--tokenizer-type TikTokenizer needs --tokenizer-model (Megatron's tiktoken "
-                       "vocabulary .json)")
+    out += [f"--tokenizer-type {kind} needs {flag} ({what})"
+            for flag, name, what in TOKENIZER_FILES.get(kind, ()) if getattr(d, name) is None]
+    if kind == "TikTokenizer":
         if d.tiktoken_pattern is None:
             out.append("--tokenizer-type TikTokenizer needs --tiktoken-pattern v1 or v2")
     elif kind == "NullTokenizer":

@@ -1,10 +1,14 @@
 """Tokenizers behind Megatron's --tokenizer-type; each offers tokenize, detokenize, vocab_size, eod, pad.
 
-Everything loads from local files: nothing downloads.
+Everything loads from local files: nothing downloads. The files each type reads are TOKENIZER_FILES;
+`file_problems` says why a given path cannot be one (missing, a directory, empty, unreadable), and
+building a tokenizer turns every library's complaint about a file of the wrong kind into one
+DataError naming the flag, the file and what the type reads (the start-up probe reports both).
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 
@@ -12,6 +16,61 @@ from megafab.data.errors import DataError
 
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
                    "Llama2Tokenizer", "HuggingFaceTokenizer", "TikTokenizer", "NullTokenizer")
+_SENTENCEPIECE = (("--tokenizer-model", "tokenizer_model",
+                   "a SentencePiece model file (tokenizer.model, as sentencepiece's trainer writes it)"),)
+# (flag, the data config's field, what the file is) of every file a tokenizer type reads
+TOKENIZER_FILES = {
+    "GPT2BPETokenizer": (("--vocab-file", "vocab_file", "GPT-2's vocab.json (a JSON object token -> id)"),
+                         ("--merge-file", "merge_file", "GPT-2's merges.txt (one 'a b' merge per line)")),
+    "SentencePieceTokenizer": _SENTENCEPIECE, "GPTSentencePieceTokenizer": _SENTENCEPIECE,
+    "Llama2Tokenizer": _SENTENCEPIECE,
+    "HuggingFaceTokenizer": (("--tokenizer-model", "tokenizer_model",
+                              "a tokenizer.json file or a directory written by save_pretrained"),),
+    "TikTokenizer": (("--tokenizer-model", "tokenizer_model", "Megatron's tiktoken vocabulary .json (a "
+                                                              "JSON list of rank/token_bytes/token_str)"),),
+    "NullTokenizer": (),
+}
+# any of these makes a directory one transformers' AutoTokenizer may load
+HF_DIRECTORY_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                      "spiece.model")
+
+
+def unusable(tokenizer_type: str, flag: str, path: str, wrong: str) -> str:
+    """One line: the flag, the file, what is wrong with it, and what this type reads instead."""
+    what = next((w for f, _, w in TOKENIZER_FILES.get(tokenizer_type, ()) if f == flag), "its file")
+    return f"{flag} {path}: {wrong}; --tokenizer-type {tokenizer_type} reads {what}"
+
+
+def _reason(error: BaseException) -> str:
+    """A library's complaint, short: its first line."""
+    return ((str(error).strip().splitlines() or [type(error).__name__])[0])[:160]
+
+
+def file_problem(tokenizer_type: str, flag: str, path: str) -> str | None:
+    """Why `path` given to `flag` cannot be the file this type reads, before any library opens it
+    (missing, a directory where a file belongs, a directory with no tokenizer, empty, unreadable)."""
+    if not os.path.exists(path):
+        return unusable(tokenizer_type, flag, path, "no such file or directory")
+    if os.path.isdir(path):
+        if tokenizer_type != "HuggingFaceTokenizer":
+            return unusable(tokenizer_type, flag, path, "is a directory, not a file")
+        if not any(os.path.isfile(os.path.join(path, n)) for n in HF_DIRECTORY_FILES):
+            return unusable(tokenizer_type, flag, path, f"the directory holds no tokenizer (none of "
+                                                        f"{', '.join(HF_DIRECTORY_FILES)})")
+        return None
+    try:
+        with open(path, "rb") as f:
+            empty = not f.read(1)
+    except OSError as e:
+        return unusable(tokenizer_type, flag, path, f"cannot be read ({e.strerror or _reason(e)})")
+    return unusable(tokenizer_type, flag, path, "is empty (0 bytes)") if empty else None
+
+
+def file_problems(tokenizer_type: str, **paths: str | None) -> list[str]:
+    """file_problem of every file this type reads that `paths` (field name -> path) gives."""
+    return [problem for flag, name, _ in TOKENIZER_FILES.get(tokenizer_type, ())
+            if paths.get(name) is not None
+            and (problem := file_problem(tokenizer_type, flag, paths[name])) is not None]
 
 
 def _need_file(path: str | None, flag: str, tokenizer_type: str) -> str:
@@ -19,6 +78,9 @@ def _need_file(path: str | None, flag: str, tokenizer_type: str) -> str:
         raise DataError(f"--tokenizer-type {tokenizer_type} needs {flag}")
     if not os.path.exists(path):
         raise DataError(f"{flag} {path}: file not found")
+    problem = file_problem(tokenizer_type, flag, path)
+    if problem is not None:
+        raise DataError(problem)
     return path
 
 
@@ -28,14 +90,26 @@ class GPT2BPETokenizer:
     def __init__(self, vocab_file: str, merge_file: str):
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-        with open(vocab_file, encoding="utf-8") as f:
-            try:
+        kind = "GPT2BPETokenizer"
+        try:
+            with open(vocab_file, encoding="utf-8") as f:
                 vocab = json.load(f)
-            except json.JSONDecodeError as e:
-                raise DataError(f"--vocab-file {vocab_file}: not a JSON vocabulary ({e})") from None
+        except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8 text
+            raise DataError(unusable(kind, "--vocab-file", vocab_file,
+                                     f"not a JSON vocabulary ({_reason(e)})")) from None
+        if not isinstance(vocab, dict) or not all(isinstance(i, int) for i in vocab.values()):
+            raise DataError(unusable(kind, "--vocab-file", vocab_file, "not a JSON object of token -> id"))
         if "<|endoftext|>" not in vocab:
-            raise DataError(f"--vocab-file {vocab_file}: has no <|endoftext|> token; is it a GPT-2 vocab?")
-        self._tok = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
+            raise DataError(unusable(kind, "--vocab-file", vocab_file, "has no <|endoftext|> token (not a "
+                                                                       "GPT-2 vocabulary?)"))
+        _check_merges(merge_file)
+        try:
+            bpe = models.BPE.from_file(vocab_file, merge_file)
+        except Exception as e:  # noqa: BLE001 - the library raises a bare Exception on bad files
+            raise DataError(f"--vocab-file {vocab_file} and --merge-file {merge_file} do not make a BPE "
+                            f"tokenizer ({_reason(e)}); give GPT-2's vocab.json and the merges.txt made "
+                            f"with it") from None
+        self._tok = Tokenizer(bpe)
         self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         self._tok.decoder = decoders.ByteLevel()
         # As transformers' GPT-2 tokenizer (Megatron's): '<|endoftext|>' written in text is that token.
@@ -51,6 +125,20 @@ class GPT2BPETokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
 
+def _check_merges(merge_file: str) -> None:
+    """A merges.txt is UTF-8 text of 'a b' lines (an optional '#version' line first)."""
+    try:
+        with open(merge_file, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, ValueError) as e:
+        raise DataError(unusable("GPT2BPETokenizer", "--merge-file", merge_file,
+                                 f"not text ({_reason(e)})")) from None
+    for number, line in enumerate(lines, start=1):
+        if line and not (number == 1 and line.startswith("#version")) and len(line.split(" ")) != 2:
+            raise DataError(unusable("GPT2BPETokenizer", "--merge-file", merge_file,
+                                     f"line {number} {line[:40]!r} is not one merge 'a b'"))
+
+
 class GPTSentencePieceTokenizer:
     """A SentencePiece model used as is; eod is its eos id, pad its pad id (None when absent)."""
 
@@ -61,14 +149,16 @@ class GPTSentencePieceTokenizer:
 
         try:
             self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
-        except (OSError, RuntimeError) as e:
-            raise DataError(f"--tokenizer-model {model_file}: not a SentencePiece model ({e})") from None
+        except Exception as e:  # noqa: BLE001 - sentencepiece raises RuntimeError/OSError/its own
+            raise DataError(unusable(type(self).__name__, "--tokenizer-model", model_file,
+                                     f"not a SentencePiece model ({_reason(e)})")) from None
         self.vocab_size = self._sp.get_piece_size()
         self.eod = self._sp.eos_id()
         self.bos = self._sp.bos_id()
         self.pad = self._sp.pad_id() if self._sp.pad_id() >= 0 else None
         if self.eod < 0:
-            raise DataError(f"--tokenizer-model {model_file}: the model has no eos piece to end documents")
+            raise DataError(unusable(type(self).__name__, "--tokenizer-model", model_file,
+                                     "the model has no eos piece to end documents"))
 
     def tokenize(self, text: str) -> list[int]:
         ids = self._sp.encode(text)
@@ -119,30 +209,40 @@ class HuggingFaceTokenizer:
     """A local tokenizer.json (tokenizers library) or a saved transformers tokenizer directory."""
 
     def __init__(self, path: str):
+        kind, eos_names = "HuggingFaceTokenizer", ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
         if os.path.isdir(path):
             from transformers import AutoTokenizer
 
-            hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            try:
+                hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            except Exception as e:  # noqa: BLE001 - transformers fails in many ways on a bad directory
+                raise DataError(unusable(kind, "--tokenizer-model", path,
+                                         f"transformers cannot load a tokenizer from it ({_reason(e)})")) \
+                    from None
             self._encode = lambda text: hf.encode(text, add_special_tokens=False)
             self._decode = lambda ids: hf.decode(ids)
             self.vocab_size = len(hf)
-            eos, pad = hf.eos_token_id, hf.pad_token_id
+            vocab = hf.get_vocab()
+            eos = hf.eos_token_id if hf.eos_token_id is not None else \
+                next((vocab[t] for t in eos_names if t in vocab), None)
+            pad = hf.pad_token_id
         else:
             from tokenizers import Tokenizer
 
             try:
                 tok = Tokenizer.from_file(path)
             except Exception as e:  # noqa: BLE001 - the library raises a bare Exception on bad files
-                raise DataError(f"--tokenizer-model {path}: not a tokenizer.json ({e})") from None
+                raise DataError(unusable(kind, "--tokenizer-model", path,
+                                         f"not a tokenizer.json ({_reason(e)})")) from None
             self._encode = lambda text: tok.encode(text, add_special_tokens=False).ids
             self._decode = lambda ids: tok.decode(ids, skip_special_tokens=False)
             self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
             vocab = tok.get_vocab(with_added_tokens=True)
-            eos_names = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
             eos = next((vocab[t] for t in eos_names if t in vocab), None)
             pad = next((vocab[t] for t in ("<pad>", "<|pad|>", "[PAD]") if t in vocab), None)
         if eos is None:
-            raise DataError(f"--tokenizer-model {path}: no end-of-document token (eos) found")
+            raise DataError(unusable(kind, "--tokenizer-model", path, f"no end-of-document token (eos: none "
+                                                                      f"of {', '.join(eos_names)})"))
         self.eod, self.pad = eos, pad
 
     def tokenize(self, text: str) -> list[int]:
@@ -174,8 +274,6 @@ class TikTokenizer:
 
     def __init__(self, path: str, pattern: str, vocab_size: int | None = None, num_special_tokens: int = 1000,
                  special_tokens: list[str] | None = None):
-        import base64
-
         import tiktoken
 
         vocab_size = vocab_size or 2**17
@@ -191,16 +289,20 @@ class TikTokenizer:
                 entries = json.load(f)
             ranks = {base64.b64decode(e["token_bytes"]): int(e["rank"]) + num_special_tokens
                      for e in entries[:vocab_size - num_special_tokens]}
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise DataError(f"--tokenizer-model {path}: not a Megatron tiktoken vocabulary (a JSON list of "
-                            f"rank/token_bytes/token_str entries): {e}") from None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise DataError(unusable("TikTokenizer", "--tokenizer-model", path,
+                                     f"not a Megatron tiktoken vocabulary ({_reason(e)})")) from None
         if sorted(ranks.values()) != list(range(num_special_tokens, vocab_size)):
             raise DataError(f"--tokenizer-model {path}: holds {len(ranks)} BPE ranks, fewer than the "
                             f"{vocab_size - num_special_tokens} that --vocab-size {vocab_size} minus "
                             f"{num_special_tokens} special tokens needs (or its ranks are not 0, 1, 2, ...)")
-        self._enc = tiktoken.Encoding(name=os.path.basename(path), pat_str=TIKTOKEN_PATTERNS[pattern],
-                                      mergeable_ranks=ranks,
-                                      special_tokens={t: i for i, t in enumerate(specials)})
+        try:
+            self._enc = tiktoken.Encoding(name=os.path.basename(path), pat_str=TIKTOKEN_PATTERNS[pattern],
+                                          mergeable_ranks=ranks,
+                                          special_tokens={t: i for i, t in enumerate(specials)})
+        except Exception as e:  # noqa: BLE001 - tiktoken's own checks of the ranks raise several kinds
+            raise DataError(unusable("TikTokenizer", "--tokenizer-model", path,
+                                     f"tiktoken refuses its ranks ({_reason(e)})")) from None
         self.num_special_tokens = num_special_tokens
         self.vocab_size = vocab_size
         self.eod, self.bos, self.pad = specials.index("</s>"), specials.index("<s>"), specials.index("<pad>")
