@@ -18,7 +18,7 @@ Printed per world: each layout's predicted and measured seconds and their ratio,
 |predicted/measured - 1|, the Spearman rank correlation, and the measured time of the predicted-best
 layout relative to the measured best. Issue 25 asks <= 15%, >= 0.8 and within 10%.
 Each round starts by re-launching the profile's calibration layouts of the world once
-(step_calibration.speed_drift) and prints their steps over the profile's: a shared VM's speed
+(megafab.calibrate.steps.speed_drift) and prints their steps over the profile's: a shared VM's speed
 moves by up to 2x over minutes, and that drift, not the model, then decides the error. The
 drift-corrected error (each round's times over its drift) is printed apart, as a diagnostic.
 """
@@ -44,10 +44,10 @@ from benchmarks.bench_util import (  # noqa: E402
     repeat_batch,
     synthetic_batch,
 )
+from megafab.calibrate.steps import speed_drift  # noqa: E402
 from megafab.plan.machines import Machine  # noqa: E402
 from megafab.plan.planner import plan  # noqa: E402
 from megafab.plan.search import every_valid_layout  # noqa: E402
-from megafab.plan.step_calibration import speed_drift  # noqa: E402
 from megafab.plan.step_time import predict  # noqa: E402
 from megafab.run.fork_ranks import run_ranks  # noqa: E402
 from megafab.training.step import train_step  # noqa: E402

@@ -12,6 +12,7 @@ MoE models (--num-experts): the plan prints total and active parameters and the 
 expert state per EP x ETP rank over expert-DP, and --search also ranks EP and ETP.
 
 Memory: megafab/plan/planner.py. Step time: megafab/plan/step_time.py. Search: megafab/plan/search.py.
+--profile: megafab/calibrate/.
 Also: python -m megafab.cli.estimate, python tools/estimate_memory.py.
 """
 
@@ -23,6 +24,7 @@ import os
 import sys
 
 from megafab.arguments import config_or_exit
+from megafab.config import ConfigError
 from megafab.plan.machines import BUILTIN, MachineError, machine
 from megafab.plan.planner import ROUTING, format_plan, plan
 from megafab.plan.report import HEADER, candidate_row, prediction_line
@@ -69,8 +71,6 @@ def split_args(argv):
 
 def _evaluated(own, megatron_argv, target):
     """The layout the flags give, or None where it is not valid for this many devices."""
-    from megafab.config import ConfigError
-
     try:
         return candidate_from_flags(megatron_argv, own.world_size, target, own.tp_comm_overlap,
                                     own.attention_kernels, own.moe_routing)
@@ -115,7 +115,8 @@ def main(argv=None) -> int:
         return 0
     own, megatron_argv = split_args(argv)
     if own.profile:
-        from megafab.plan.profile import measure
+        # deferred: measuring imports torch and the training stack, which --help and estimates skip
+        from megafab.calibrate.profile import measure
 
         with exit_on_user_error():
             _check_writable(own.profile)  # before the minute of measuring

@@ -19,8 +19,9 @@ the fastest protocol: LL for small messages, Simple for large ones, LL128 betwee
     all-to-all          (n-1)/n S / busbw + (n-1) alpha  (grouped send/recv, no ring: alpha = the
                         inter-node step latency once the group spans nodes, else the NVLink one)
     send/recv           S / link + alpha
-On one node N = 1: base + (n-1) intra (all-reduce 2(n-1)). A measured profile (profile.py) has its
-own alpha per step and bus bandwidth per op and group size (fitted; one protocol, no base).
+On one node N = 1: base + (n-1) intra (all-reduce 2(n-1)). A measured profile (megafab.calibrate)
+has its own alpha per step and bus bandwidth per op and group size (fitted; one protocol, no base),
+a CPU profile also in-step entries per kind of call (host_terms: STEP_SUFFIX, FSDP_SUFFIX).
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ import itertools
 from dataclasses import dataclass, field
 
 from megafab.distributed.topology import Layout
+from megafab.plan.host_terms import FSDP_SUFFIX, STEP_SUFFIX, in_step_entry
+
+__all__ = ["FSDP_SUFFIX", "STEP_SUFFIX", "Placement", "collective_seconds", "group_placement", "p2p_seconds",
+           "placement"]
 
 
 @dataclass(frozen=True)
@@ -71,23 +76,16 @@ def _link(machine, where: Placement) -> tuple[float, float]:
     return machine.inter_latency_s, min(machine.intra_busbw, where.per_node * machine.nic_bandwidth)
 
 
-STEP_SUFFIX = ":step"  # a measured profile's entry for the data-parallel reduction issued once a step
-FSDP_SUFFIX = ":fsdp"  # and for FSDP2's per-group gathers and reduce-scatters
-
-
-def measured_key(n: int, world: int, suffix: str = "") -> str:
-    """A measured profile's collectives key for a group of n in a job of `world` ranks."""
-    return f"{n}@{world}{suffix}"
-
-
 def _measured(machine, op: str, n: int, world: int, suffix: str = ""):
-    """A measured profile's [alpha, busbw] for a group of n: as a step of a job of `world` ranks
-    sees it ("n@world", and "n@world:step" for a once-a-step reduction, "n@world:fsdp" for FSDP2's:
-    step_calibration.py), else the loop's of n ranks (the nearest size)."""
-    table = machine.collectives.get(op) or {}
-    for key in (measured_key(n, world, suffix), measured_key(n, world)):
-        if key in table:
-            return table[key]
+    """A measured profile's [alpha, busbw] for a group of n: a CPU profile's in-step entry
+    (host_terms.in_step_entry), else the loop's of n ranks (the nearest size); None for a built-in
+    profile."""
+    table = machine.collectives.get(op)
+    if not table:
+        return None
+    entry = in_step_entry(table, n, world, suffix)
+    if entry is not None:
+        return entry
     sizes = [k for k in table if k.isdigit()]
     if not sizes:
         return None

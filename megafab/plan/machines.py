@@ -14,6 +14,8 @@ Compute times come from shapes, not from one efficiency number:
       attention_fwd/bwd_efficiency x peak, lower for short keys (s / (s + attention_seq_half)).
   element-wise kernels (norms, activations, dropout, residual adds, softmax): bytes over
       HBM bandwidth x hbm_efficiency.
+A measured CPU profile also carries CPU-only terms (host overheads, compute slots and their busy
+slowdown, in-step collective entries): megafab.plan.host_terms prices them; a GPU's have none.
 """
 
 from __future__ import annotations
@@ -28,10 +30,6 @@ from megafab.errors import MegafabError
 
 class MachineError(MegafabError):
     """A machine name or profile file that cannot be used."""
-
-
-HOST_TERMS = ("step_s", "micro_batch_s", "layer_micro_batch_s", "param_tensor_s",
-              "recomputed_layer_micro_batch_s", "selective_layer_micro_batch_s")
 
 
 @dataclass
@@ -73,36 +71,24 @@ class Machine:
     # forward and backward calls, autograd, DDP's / FSDP2's per-parameter and per-unit hooks),
     # "param_tensor_s": per parameter tensor the rank's optimizer steps (grad norm, clipping, Adam's
     # per-tensor lists, zeroing), "recomputed_layer_micro_batch_s": per fully recomputed layer per
-    # micro-batch on top (its checkpointed forward again, RNG states saved and restored)}. A
-    # measured CPU profile fits them from megafab's own train_step (profile.py); built-in GPU
+    # micro-batch on top (its checkpointed forward again, RNG states saved and restored),
+    # "selective_layer_micro_batch_s": per selectively recomputed layer}. A measured CPU profile
+    # fits them from megafab's own train_step (megafab.calibrate.host); built-in GPU
     # profiles have none (0): the host runs ahead of the kernels, whose launch cost is
     # kernel_overhead_s, and iteration_overhead_s is the step's host sync.
     host_overheads: dict = field(default_factory=dict)
     compute_slots: int = 0  # devices of a node that compute at once (CPU: its cores); 0: every device
     # how much slower one rank's step runs when every slot computes than when it computes alone
-    # (a CPU's shared caches, memory bandwidth and clocks; measured by profile.py, 1 on GPUs)
+    # (a CPU's shared caches, memory bandwidth and clocks; megafab.calibrate.host, 1 on GPUs)
     busy_slowdown: float = 1.0
-    # Measured profiles: [m, n, k, dtype, seconds] rows and fitted collectives (see profile.py).
+    # Measured profiles: [m, n, k, dtype, seconds] rows and fitted collectives (megafab.calibrate).
     gemm_points: list = field(default_factory=list)
-    collectives: dict = field(default_factory=dict)  # op -> group size -> [alpha_s, busbw bytes/s]
-    # a CPU profile's in-step calibration rows with their measured steps (step_calibration.py), kept
+    # op -> group size -> [alpha_s, busbw bytes/s]; a CPU profile's in-step keys: host_terms
+    collectives: dict = field(default_factory=dict)
+    # a CPU profile's in-step calibration rows with their measured steps (calibrate.steps), kept
     # so a later run on the machine can tell how far its speed has moved since the profile
     calibration_steps: list = field(default_factory=list)
     source: str = "built-in"
-
-    def sharing(self, devices_on_node: int) -> float:
-        """How much longer a device's compute takes than alone: the devices sharing one compute slot
-        (> 1 when a CPU runs more ranks than it has cores), times the busy slowdown of the slots
-        in use (none with one, all of it with every slot)."""
-        if not self.compute_slots:
-            return 1.0
-        busy = (min(devices_on_node, self.compute_slots) - 1) / max(self.compute_slots - 1, 1)
-        return max(1.0, devices_on_node / self.compute_slots) * (1.0 + (self.busy_slowdown - 1.0) * busy)
-
-    def host_overhead(self, sharding: str) -> dict[str, float]:
-        """host_overheads' terms for a sharding ("none", "distributed_optimizer", "fsdp2"), 0 if none."""
-        terms = self.host_overheads.get(sharding) or self.host_overheads.get("none") or {}
-        return {k: terms.get(k, 0.0) for k in HOST_TERMS}
 
     def peak(self, dtype: str) -> float:
         """FLOP/s at peak for dtype (bf16 when the profile has no such entry)."""

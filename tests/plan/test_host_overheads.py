@@ -5,10 +5,13 @@ import dataclasses
 
 import pytest
 
-from megafab.plan.machines import BUILTIN, HOST_TERMS
+from megafab.calibrate.collectives import fit as _fit
+from megafab.calibrate.host import HOST_MODELS, fit_host_overheads
+from megafab.calibrate.stats import line as _line
+from megafab.plan.host_terms import HOST_TERMS
+from megafab.plan.machines import BUILTIN
 from megafab.plan.optimizer_tensors import param_tensors
 from megafab.plan.planner import plan
-from megafab.plan.profile import HOST_MODELS, _fit, _line, fit_host_overheads
 from megafab.plan.step_time import predict
 from megafab.run.fork_ranks import run_ranks
 from tests.helpers.flags import planned_gpt

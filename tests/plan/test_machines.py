@@ -7,6 +7,7 @@ import pytest
 
 from megafab.errors import MegafabError
 from megafab.plan.collectives import Placement, collective_seconds, placement
+from megafab.plan.host_terms import sharing
 from megafab.plan.machines import BUILTIN, Machine, machine
 
 
@@ -31,12 +32,12 @@ def test_unknown_machine_and_bad_files_are_user_errors(tmp_path):
 
 def test_ranks_sharing_cores_take_turns_and_busy_cores_run_slower():
     cpu = dataclasses.replace(BUILTIN["h100-sxm-80gb"], compute_slots=2, busy_slowdown=1.2)
-    assert cpu.sharing(1) == 1.0  # alone: nothing shared
-    assert cpu.sharing(2) == pytest.approx(1.2)  # every core busy
-    assert cpu.sharing(4) == pytest.approx(2 * 1.2)  # two ranks per core, every core busy
+    assert sharing(cpu, 1) == 1.0  # alone: nothing shared
+    assert sharing(cpu, 2) == pytest.approx(1.2)  # every core busy
+    assert sharing(cpu, 4) == pytest.approx(2 * 1.2)  # two ranks per core, every core busy
     four = dataclasses.replace(cpu, compute_slots=4)
-    assert four.sharing(2) == pytest.approx(1 + 0.2 / 3)  # one of the 3 other cores busy
-    assert BUILTIN["h100-sxm-80gb"].sharing(8) == 1.0  # a GPU per rank
+    assert sharing(four, 2) == pytest.approx(1 + 0.2 / 3)  # one of the 3 other cores busy
+    assert sharing(BUILTIN["h100-sxm-80gb"], 8) == 1.0  # a GPU per rank
 
 
 def test_small_gemms_run_far_below_peak_and_large_ones_near_the_sustained_rate():
@@ -116,9 +117,9 @@ def test_ring_latency_counts_the_steps_that_cross_nodes_and_grows_with_the_group
 @pytest.mark.slow
 def test_profile_measures_this_machine_and_the_model_uses_it(tmp_path, monkeypatch):
     from megafab.arguments import config_from_args
-    from megafab.plan import step_calibration
+    from megafab.calibrate import steps as step_calibration
+    from megafab.calibrate.profile import measure
     from megafab.plan.planner import plan
-    from megafab.plan.profile import measure
     from megafab.plan.step_time import predict
 
     monkeypatch.setattr(step_calibration, "ROUNDS", 1)  # what is measured, not how well (a minute less)
@@ -128,7 +129,7 @@ def test_profile_measures_this_machine_and_the_model_uses_it(tmp_path, monkeypat
     assert here.gemm_points and here.peak("float32") > 0
     assert {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"} <= set(here.collectives)
     assert "2" in here.collectives["all_gather"]
-    # in-step alphas from megafab's own steps at world 2 and 4 (step_calibration.py)
+    # in-step alphas from megafab's own steps at world 2 and 4 (megafab.calibrate.steps)
     assert {"2@2", "2@2:step", "4@4", "2@4", "2@4:step"} <= set(here.collectives["all_reduce"])
     assert "2@2" in here.collectives["send_recv"] and "2@4" not in here.collectives["send_recv"]
     assert {"2@2:fsdp", "4@4:fsdp", "2@4:fsdp"} <= set(here.collectives["all_gather"])

@@ -7,16 +7,16 @@ import dataclasses
 import pytest
 
 from megafab.arguments import config_from_args
-from megafab.plan import step_calibration
-from megafab.plan.collectives import collective_seconds, placement
-from megafab.plan.machines import BUILTIN
-from megafab.plan.planner import plan
-from megafab.plan.step_calibration import (
+from megafab.calibrate import steps as step_calibration
+from megafab.calibrate.steps import (
     CALIBRATION_FLAGS,
     CALIBRATION_LAYOUTS,
     TERM_SUFFIX,
     fit_step_collectives,
 )
+from megafab.plan.collectives import collective_seconds, placement
+from megafab.plan.machines import BUILTIN
+from megafab.plan.planner import plan
 from megafab.plan.step_time import predict
 
 LOOP = {op: {"2": [4e-4, 8e8], "4": [9e-4, 6e8]}

@@ -1,6 +1,6 @@
 """Collective latency as a training step sees it, on a CPU: megafab's own train_step at world 2 and 4.
 
-The profile's collective loop (profile.measure_collectives) times calls between GEMMs; inside a
+The profile's collective loop (collectives.measure_collectives) times calls between GEMMs; inside a
 step the ranks also run autograd, the schedule and gloo's worker threads on the same cores, and
 that loop's per-call cost was off by 2-3x either way from one machine to the next. So a CPU
 profile also launches a tiny GPT (CALIBRATION_FLAGS) under one layout per collective it prices
@@ -18,8 +18,17 @@ from __future__ import annotations
 import statistics
 import time
 
-from megafab.plan.collectives import FSDP_SUFFIX, STEP_SUFFIX, measured_key
-from megafab.plan.profile import host_batches, host_flags
+import torch.distributed as dist
+
+from megafab.arguments import config_from_args
+from megafab.calibrate.host import host_batches, host_flags
+from megafab.plan.host_terms import FSDP_SUFFIX, STEP_SUFFIX, measured_key
+from megafab.plan.planner import plan
+from megafab.plan.step_time import predict
+from megafab.run.fork_ranks import run_ranks
+from megafab.training.build import init_distributed
+from megafab.training.pretrain import setup
+from megafab.training.step import train_step
 
 CALIBRATION_FLAGS = host_flags(2, 4, heads=4)  # the host-overhead GPT, with heads for TP 4
 _TP = "--tensor-model-parallel-size"
@@ -69,13 +78,6 @@ MAX_ALPHA_S = 0.1
 
 def _median_step(rank: int, world: int, flags: list[str]) -> float:
     """In a forked rank: the layout's model built as pretrain does, then its median train_step."""
-    import torch.distributed as dist
-
-    from megafab.arguments import config_from_args
-    from megafab.training.build import init_distributed
-    from megafab.training.pretrain import setup
-    from megafab.training.step import train_step
-
     cfg = config_from_args(flags, world_size=world)
     topo, tracker = init_distributed(cfg)
     state = setup(cfg, topo, tracker)
@@ -98,11 +100,6 @@ def measure_calibration_steps(worlds: list[int], timeout: float = 60.0) -> list[
 
 
 def _measured_rows(layouts: list[tuple], rounds: int, timeout: float) -> list[dict]:
-    import megafab.arguments  # noqa: F401 - imported once here, not in every forked rank
-    import megafab.training.pretrain  # noqa: F401
-    import megafab.training.step  # noqa: F401
-    from megafab.run.fork_ranks import run_ranks
-
     launches: list[list[float]] = [[] for _ in layouts]
     for _ in range(rounds):
         for (world, _, _, _, extra), steps in zip(layouts, launches):
@@ -113,8 +110,6 @@ def _measured_rows(layouts: list[tuple], rounds: int, timeout: float) -> list[di
 
 
 def _predicted(machine, cfg, stages) -> float:
-    from megafab.plan.step_time import predict
-
     return predict(cfg, machine, stages).step_time_s
 
 
@@ -133,9 +128,6 @@ def fit_step_collectives(rows: list[dict], machine) -> None:
     so the model predicts the row's measured step, in FIT_SWEEPS sweeps over the rows (each solved
     with the others' latest); 0 where the model without the row's collectives is already slower
     than the step."""
-    from megafab.arguments import config_from_args
-    from megafab.plan.planner import plan
-
     built = []
     for row in rows:
         cfg = config_from_args(CALIBRATION_FLAGS + row["flags"], world_size=row["world"])
