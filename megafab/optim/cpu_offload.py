@@ -3,24 +3,9 @@
 The first entries of the optimizer (in model order) that make up `fraction` of this rank's
 elements keep their fp32 main params and Adam state in host memory, and torch's AdamW steps them
 on the CPU (fused where torch has it, else foreach). The device keeps the model weights and
-gradients (16-bit weights for a bf16/fp16 model; fp32 DDP grads, or FSDP2's sharded grads in the
-model dtype) and the other entries' state.
-
-One step, after the device-side norm and clip (megafab.optim.mixed_precision):
-
-    device grads ──D2H──> host grad buffers       piece 0 | piece 1 | piece 2 | piece 3
-    host AdamW step (piece k)                      while piece k+1 is still copying
-    host mains ──H2D──> device weights (model dtype)   while piece k+1 steps
-
-On CUDA the copies run on their own streams and every piece waits only for its own copy, so the
-transfers overlap the CPU's optimizer math (Megatron's --overlap-cpu-optimizer-d2h-h2d; megafab
-always overlaps); host buffers are pinned unless --no-pin-cpu-grads / --no-pin-cpu-params. The
-current stream waits for the last H2D before the step returns, so the parameter all-gather of the
-distributed optimizer or FSDP2 reads the new weights. On a CPU device the same code copies
-between tensors in one memory (the layout and the math are what CPU tests check).
-
-The loss scale (fp16) and the clip coefficient reach the host grads as one multiplier applied in
-fp32 after the copy, so 16-bit device grads are never unscaled in 16 bits.
+gradients and the other entries' state. One step (HostOptimizer.step), after the device-side norm
+and clip, pipelines pieces of the entries: piece k's grads are copied to the host, stepped while
+piece k+1 copies, and its new weights copied back while piece k+1 steps.
 
 Host bytes per offloaded element: main 4 + Adam 8 + grad buffer 4 (+ the device grad's own dtype
 for the copy when it is not fp32, + the model dtype for the H2D copy when it is not the main's).
@@ -117,7 +102,7 @@ class _Piece:
 
 
 class HostOptimizer:
-    """The host side of one optimizer: see the module docstring.
+    """The host side of one optimizer: host mains, their Adam state and the grads' host buffers.
 
     entries: the MainParams to offload; each gets a host main (a copy of its current main).
     make_optimizer(mains) -> the torch optimizer over those host tensors (param groups included).
@@ -181,7 +166,20 @@ class HostOptimizer:
     @torch.no_grad()
     def step(self, multiplier: float, device_grads: list[torch.Tensor]) -> None:
         """Copy the grads to the host, scale them by `multiplier` (1/loss scale x clip coefficient),
-        step each piece as soon as its copy landed, and copy the new weights back."""
+        step each piece as soon as its copy landed, and copy the new weights back:
+
+            device grads ──D2H──> host grad buffers           piece 0 | piece 1 | piece 2 | ...
+            host AdamW step (piece k)                          while piece k+1 is still copying
+            host mains ──H2D──> device weights (model dtype)   while piece k+1 steps
+
+        On CUDA the copies run on their own streams and every piece waits only for its own copy,
+        so the transfers overlap the CPU's optimizer math (Megatron's
+        --overlap-cpu-optimizer-d2h-h2d; megafab always overlaps); host buffers are pinned unless
+        --no-pin-cpu-grads / --no-pin-cpu-params. The current stream waits for the last H2D before
+        the step returns, so the distributed optimizer's or FSDP2's all-gather reads the new
+        weights. On a CPU device the same code copies between tensors in one memory. The
+        multiplier is applied in fp32 after the copy, so 16-bit device grads are never unscaled in
+        16 bits."""
         self._start_copies_to_host(device_grads)
         for piece in self.pieces:
             if piece.copied is not None:

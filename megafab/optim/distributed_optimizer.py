@@ -1,10 +1,8 @@
 """The distributed optimizer (ZeRO-1, Megatron's `--use-distributed-optimizer`).
 
-Data flow of one step, per DP rank r of DP ranks d (with context parallelism "DP" here is the
-DP x CP group, d = dp * cp, as Megatron's: CP ranks hold the same parameters):
+One step, per DP rank r of d DP ranks (with context parallelism the DP x CP group, d = dp * cp):
 
     grad buffer (fp32)  [ bucket 0: s0 | s1 | .. | s(d-1) ][ bucket 1: s0 | .. ] ...
-                                    ^ rank r owns shard s_r of every bucket
     1. backward fills the buffer; DDP reduce-scatters each bucket -> s_r holds the DP-mean grad
     2. for every param overlapping s_r, its fp32 main shard takes that slice of grad
     3. norm / clip / inf check on the owned slices, reduced over DP and model parallel
@@ -12,16 +10,8 @@ DP x CP group, d = dp * cp, as Megatron's: CP ranks hold the same parameters):
     5. the main shards are written into the param buffer (model dtype) and every bucket is
        all-gathered over DP, so every rank again holds all parameters
 
-Expert params (`is_expert`, a MoE layer's routed experts) sit in buckets of their own that are
-reduce-scattered and all-gathered over expert-DP instead (data_parallel.py): expert-DP rank r owns
-shard s_r of each expert bucket, so their main params and Adam state are sharded over expert-DP
-(megatron-core's expert optimizer over intra_expt_dp_group); steps 2-5 are the same for them, and
-the norm of step 3 counts every rank's owned slices of either kind once (optim/clip_grads.py).
-
-Memory per parameter (bf16 model, fp32 grads), Megatron's table: weights 2 + grads 4 bytes,
-unsharded; fp32 main param 4 + Adam exp_avg 4 + exp_avg_sq 4 = 12 bytes sharded over d:
-6 + 12/d bytes per parameter (18 without the distributed optimizer). For fp32 models the main
-shard is a view of the param buffer (no copy), so the sharded part is 8/d.
+Memory per parameter (bf16 model, fp32 grads, Megatron's table): 6 + 12/d bytes (18 without the
+distributed optimizer); for fp32 models the main shard is a view of the param buffer, 8/d sharded.
 """
 
 from __future__ import annotations
@@ -53,6 +43,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     bucket by bucket (megafab.distributed.param_gather: zero_grad() dispatches each chunk's first
     bucket, forward pre-hooks dispatch the next and wait for their own); without it step()
     gathers every bucket before it returns.
+
+    Expert params (`is_expert`, a MoE layer's routed experts) sit in buckets of their own that are
+    reduce-scattered and all-gathered over expert-DP instead (data_parallel.py): expert-DP rank r
+    owns shard s_r of each expert bucket, so their main params and Adam state are sharded over
+    expert-DP (megatron-core's expert optimizer over intra_expt_dp_group); the other steps are the
+    same, and the norm counts every rank's owned slices of either kind once (clip_grads.py).
     """
 
     shards_across_dp = True

@@ -1,24 +1,16 @@
 """The optimizer of FSDP2 chunks (ZeRO-3): AdamW over each DP rank's local parameter shards.
 
-FSDP2 keeps every parameter as a DTensor sharded on dim 0 over DP (megafab.distributed.fsdp).
-This rank's shard of a parameter is a row range of its TP block, i.e. a flat range [lo, hi) of
-it, like a distributed-optimizer shard; the optimizer steps the local tensor of that shard with
-its local gradient shard (already reduce-scattered and averaged over DP):
-
-    bf16/fp16 model   the shards are fp32 (FSDP2 casts them to the model dtype when it gathers):
-                      they are the master weights, Adam steps them in place, no copy
-    fp32/fp64 model   the same, in the model dtype
-    CPU offload       the shards stay in the model dtype on the device; the host keeps fp32
-                      masters and Adam state (megafab.optim.cpu_offload) and writes the weights back
-
-Norm, clipping, inf checks and the fp16 loss scaler are MixedPrecisionOptimizer's; shards are
-disjoint across DP, so the norm sums over DP and model parallel. Expert params are sharded over
-expert-DP instead (megafab.distributed.fsdp), their shards disjoint across the world as well.
+FSDP2 keeps every parameter as a DTensor sharded on dim 0 over DP (megafab.distributed.fsdp), a
+flat range [lo, hi) of its TP block like a distributed-optimizer shard; the optimizer steps the
+local tensor of that shard with its local gradient shard (already reduce-scattered and averaged
+over DP). For a bf16/fp16 model the shards are fp32, the master weights, stepped in place with no
+copy; with CPU offload they stay in the model dtype and the host keeps the fp32 masters
+(megafab.optim.cpu_offload). Norm, clipping, inf checks and the fp16 loss scaler are
+MixedPrecisionOptimizer's; shards are disjoint across DP (expert params' across expert-DP).
 
 Memory per parameter per rank (bf16 model, Adam): fp32 shard 4 + fp32 grad shard 4 + exp_avg 4 +
 exp_avg_sq 4 = 16/d bytes at rest; the gathered 16-bit weights and the unsharded fp32 gradients of
-the groups in use exist only during forward/backward (all of them, with gradient accumulation over
-several micro-batches: they accumulate unreduced).
+the groups in use exist only during forward/backward.
 """
 
 from __future__ import annotations

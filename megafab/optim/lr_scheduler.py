@@ -5,11 +5,8 @@ With n = samples consumed so far, W = warmup samples, D = decay samples:
   * constant:        lr = max
   * n > D:           lr = min
   * inverse-square-root: lr = max(min, max * sqrt(max(W, 1)) / sqrt(max(n, 1)))
-  * otherwise r = (n - W) / (D - W) and lr = min + c * (max - min) with
-      linear c = 1 - r;  cosine c = (1 + cos(pi r)) / 2;
-      WSD: c = 1 until the last `wsd_decay_samples` of D, then over that stretch with its own
-      ratio q: linear 1 - q, cosine (1 + cos(pi q)) / 2, exponential 2 * 0.5^q - 1,
-      minus_sqrt 1 - sqrt(q).
+  * otherwise r = (n - W) / (D - W) and lr = min + c * (max - min) with linear c = 1 - r,
+    cosine c = (1 + cos(pi r)) / 2, WSD c = 1 until its last wsd_decay_samples (_wsd_coeff).
 Weight decay goes from start_wd to end_wd over wd_incr_samples (constant | linear | cosine).
 Each param group's lr is lr * group["lr_mult"], its weight decay wd * group["wd_mult"]; a group
 with "max_lr" / "min_lr" (--decoupled-lr / --decoupled-min-lr) uses those bounds instead.
@@ -123,6 +120,9 @@ class OptimizerParamScheduler:
         return min_lr + coeff * (max_lr - min_lr)
 
     def _wsd_coeff(self, n: int) -> float:
+        """WSD's c: 1 until the last `wsd_decay_samples` of D, then over that stretch with its own
+        ratio q: linear 1 - q, cosine (1 + cos(pi q)) / 2, exponential 2 * 0.5^q - 1, minus_sqrt
+        1 - sqrt(q)."""
         anneal_start = self.lr_decay_samples - self.wsd_decay_samples
         if n <= anneal_start:
             return 1.0

@@ -1,27 +1,12 @@
 """AdamW (or SGD) with fp32 main parameters for bf16/fp16 models, grad clipping and loss scaling.
 
-One step (`step()`), Megatron's order:
-  1. main grads: each main param's `.grad` is its model param's `main_grad` (DDP buffer) or `.grad`,
-     cast to the main dtype if needed;
-  2. fp16 only: unscale by 1/loss_scale, look for inf/nan on every rank; if found, update the scaler
-     and skip the step (model and main params untouched) -> (False, None, None);
-  3. global L2 norm over all TP/PP(/DP) shards, each value counted once (expert params' over
-     their own groups, megafab.optim.clip_grads); clip to `clip_grad`;
-     a non-finite norm without a loss scaler (bf16/fp32) raises NonFiniteGradError naming the
-     iteration (parameters untouched), unless `raise_on_non_finite=False`, then the step is skipped;
-  4. optional count of zeros;
-  5. torch AdamW, or torch SGD with --optimizer sgd (fused where the device supports it), on the
-     main params;
-  6. main params copied back into the model dtype.
-Returns (update_successful, grad_norm, num_zeros_in_grad).
-
-For fp32/fp64 models the main param *is* the model param (no copy).
-
-With optimizer CPU offload (`cpu_offload=OffloadConfig(...)`, megafab.optim.cpu_offload) a share
-of the entries keeps its main params and Adam state on the host: steps 2-4 read those entries'
-gradients where backward left them (the device), and the host applies 1/loss scale x the clip
-coefficient to its own fp32 copies before its own step (5: the same torch optimizer, on the CPU),
-which also writes the new weights back to the device (6).
+MixedPrecisionOptimizer.step() runs Megatron's order: main grads from the model's, fp16 unscale
+and inf/nan check (skip the step when found), the global L2 norm over every shard counted once and
+clipping to `clip_grad`, torch AdamW (or SGD) on the main params, and the mains copied back into
+the model dtype. For fp32/fp64 models the main param *is* the model param (no copy). The
+distributed optimizer and FSDP2's optimizer are this class over their shards (MainParam); with
+optimizer CPU offload a share of the entries keeps its mains and optimizer state on the host
+(megafab.optim.cpu_offload).
 """
 
 from __future__ import annotations
@@ -307,7 +292,24 @@ class MixedPrecisionOptimizer:
 
     @torch.no_grad()
     def step(self) -> tuple[bool, float | None, int | None]:
-        """One optimizer step; returns (update_successful, grad_norm, num_zeros_in_grad)."""
+        """One optimizer step; returns (update_successful, grad_norm, num_zeros_in_grad).
+
+          1. main grads: each main param's `.grad` is its model param's `main_grad` (DDP buffer) or
+             `.grad`, cast to the main dtype if needed;
+          2. fp16 only: unscale by 1/loss_scale, look for inf/nan on every rank; if found, update
+             the scaler and skip the step (model and main params untouched) -> (False, None, None);
+          3. global L2 norm over all TP/PP(/DP) shards, each value counted once (expert params'
+             over their own groups, clip_grads.py); clip to `clip_grad`; a non-finite norm without
+             a loss scaler (bf16/fp32) raises NonFiniteGradError naming the iteration (parameters
+             untouched), unless `raise_on_non_finite=False`, then the step is skipped;
+          4. optional count of zeros;
+          5. torch AdamW, or torch SGD with --optimizer sgd (fused where the device supports it),
+             on the main params;
+          6. main params copied back into the model dtype.
+        Offloaded entries: steps 2-4 read their gradients where backward left them (the device),
+        and the host applies 1/loss scale x the clip coefficient to its own fp32 copies before its
+        own step (5, the same torch optimizer on the CPU), which also writes the weights back (6).
+        """
         self.iteration += 1
         grads = self._load_main_grads()
         # Offloaded entries: their gradients where backward left them, still loss-scaled.
