@@ -1,39 +1,17 @@
 """Parameter names: the one place their grammar is written (built, parsed, renumbered) and the one
-table of how tensor parallelism splits each parameter. The model builds its names here, the layers
-take their partition attributes from here, every checkpoint reader and writer parses here.
-
-Names are megatron-core's (GPTModel.state_dict, local spec):
+table of how tensor parallelism splits each parameter (TP_SPLITS, tp_partition). The model builds
+its names here, the layers take their partition attributes from here, every checkpoint reader and
+writer parses here. Names are megatron-core's (GPTModel.state_dict, local spec):
 
     embedding.word_embeddings.weight          [V_padded, h]  vocab rows split over TP
     embedding.position_embeddings.weight      learned absolute positions only
-    decoder.layers.<N>.<suffix>               layer N: global numbers in megafab's state dicts and
-                                              checkpoints, numbered from 0 within each pipeline
-                                              stage / virtual chunk in Megatron's legacy rank files
+    decoder.layers.<N>.<suffix>               layer N: global numbers in state dicts and checkpoints,
+                                              from 0 per pipeline stage in Megatron's legacy files
     decoder.final_layernorm.{weight,bias}
     output_layer.weight                       untied output layer (or a tied last stage's copy)
 
-Megatron's torch_dist stacks the layers: `decoder.layers.<suffix>` [L, ...] (stacked_name);
-Transformer Engine's spec fuses the layer norms into the linears (te_name); the legacy format names
-its files mp_rank_<TP:02d>[_<PP:03d>] and its model chunks model / model0, model1, ... (rank_dir,
-chunk_key).
-
-A numbered family is `<root><N>.<rest>` (parse_index): layers under `decoder.layers.`, and
-mixture-of-experts' sequential experts under `mlp.experts.local_experts.` inside a layer's suffix;
-a new parameter family is one TP_SPLITS entry.
-
-Mixture of experts (megatron-core 0.16.1's MoELayer names):
-
-    mlp.router.weight [E, h] (.bias [E]), mlp.router.expert_bias [E] (an fp32 buffer)
-    mlp.shared_experts.linear_fc1.weight / linear_fc2.weight / gate_weight [1, h]   (dense-like, TP)
-    mlp.experts.local_experts.<i>.linear_fc{1,2}.weight   SequentialMLP: i = this EP rank's i-th expert
-    mlp.experts.linear_fc{1,2}.weight [E_local, out, in]  grouped GEMM: the local experts stacked
-
-Checkpoints and full state dicts hold the routed experts under the grouped names with the *global*
-expert axis, `mlp.experts.linear_fc1.weight` [E, 2f, h] (experts_name): expert g is row g whatever
-the EP size, the sequential or grouped layout, so any EP/ETP/TP/PP layout reads any other (a rank
-holding experts [first, first + E_local) holds those rows: layout.ExpertPlacement). Megatron's
-torch_dist keeps the same tensor as `mlp.experts.experts.linear_fc1.weight` (dist_expert_name),
-stacked over layers to [L, E, 2f, h].
+A numbered family is `<root><N>.<rest>` (parse_index): layers, and MoE's experts (is_moe_name). Also here:
+torch_dist's stacked layers, TE's fused norms (local_to_te_name), legacy rank files (rank_dir, chunk_key).
 """
 
 from __future__ import annotations
@@ -122,7 +100,14 @@ def _with_suffix(layer: int | None, suffix: str) -> str:
 
 
 def is_moe_name(name: str) -> bool:
-    """A router, shared-expert or routed-expert tensor (of a layer, or a layer's suffix)."""
+    """A router, shared-expert or routed-expert tensor (of a layer, or a layer's suffix). Mixture of
+    experts' names are megatron-core 0.16.1's MoELayer names:
+
+        mlp.router.weight [E, h] (.bias [E]), mlp.router.expert_bias [E] (an fp32 buffer)
+        mlp.shared_experts.linear_fc1.weight / linear_fc2.weight / gate_weight [1, h]  (dense-like, TP)
+        mlp.experts.local_experts.<i>.linear_fc{1,2}.weight   SequentialMLP: this EP rank's i-th expert
+        mlp.experts.linear_fc{1,2}.weight [E_local, out, in]  grouped GEMM: the local experts stacked
+    """
     return _layer_suffix(name)[1].startswith((ROUTER, SHARED_EXPERTS, EXPERTS))
 
 
@@ -146,13 +131,18 @@ def sequential_expert_name(grouped: str, expert: int) -> str:
 
 
 def experts_name(name: str) -> str:
-    """The checkpoint name of a routed-expert parameter (the grouped name; others unchanged)."""
+    """The checkpoint name of a routed-expert parameter (the grouped name; others unchanged).
+    Checkpoints and full state dicts hold the routed experts under the grouped names with the
+    *global* expert axis, `mlp.experts.linear_fc1.weight` [E, 2f, h]: expert g is row g whatever
+    the EP size and the sequential or grouped layout, so any EP/ETP/TP/PP layout reads any other (a
+    rank holding experts [first, first + E_local) holds those rows: layout.ExpertPlacement)."""
     sequential = sequential_expert(name)
     return name if sequential is None else sequential[1]
 
 
 def dist_expert_name(name: str) -> str:
-    """The torch_dist key of a checkpoint name: routed experts `mlp.experts.experts.<rest>`."""
+    """The torch_dist key of a checkpoint name: routed experts `mlp.experts.experts.<rest>` (the
+    same [E, 2f, h] tensor, which torch_dist stacks over layers to [L, E, 2f, h])."""
     layer, suffix = _layer_suffix(name)
     if suffix.startswith(EXPERTS) and not suffix.startswith(DIST_EXPERTS):
         return _with_suffix(layer, DIST_EXPERTS + suffix[len(EXPERTS):])
