@@ -24,6 +24,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_util import load_average  # noqa: E402
+from megafab import checks
 from megafab.config import Config  # noqa: E402
 from megafab.distributed.random import RNGStatesTracker, model_parallel_seed  # noqa: E402
 from megafab.model.gpt import GPTModel, masked_mean_loss  # noqa: E402
@@ -54,7 +55,7 @@ def config(args, style: str, recompute: str, tp: int, sp: bool, layers: int) -> 
     if style == "llama":
         flat["num_query_groups"] = args.heads // 2
     cfg = Config.from_flat(flat)
-    cfg.finalize(world_size=tp)
+    checks.finalize(cfg, world_size=tp)
     return cfg
 
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megafab import checks
 from megafab.checkpoint import checkpointing
 from megafab.config import Config
 from megafab.convert import export_hf, import_hf, read_checkpoint, write_checkpoint
@@ -19,7 +20,7 @@ def _load_then_save(rank, world, flat, load_dir, save_dir):
     cfg = Config.from_flat({**flat, "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
                             "micro_batch_size": 1, "train_iters": 1, "lr": 1e-3, "mock_data": True,
                             "padded_vocab_size": None, "load": load_dir, "save": save_dir, "finetune": True})
-    cfg.finalize(world_size=world)
+    checks.finalize(cfg, world_size=world)
     topo = build_topology(tp=2, pp=2)
     tracker = RNGStatesTracker("cpu")
     model_parallel_seed(cfg.training.seed, topo.tp_rank, topo.pp_rank, topo.device, tracker)

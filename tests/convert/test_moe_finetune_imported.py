@@ -8,6 +8,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from megafab import checks
 from megafab.checkpoint import checkpointing  # noqa: E402
 from megafab.config import Config  # noqa: E402
 from megafab.convert import export_hf, import_hf, read_checkpoint, write_checkpoint  # noqa: E402
@@ -28,7 +29,7 @@ def _state(world, ep, flat, load_dir, save_dir=None):
                             "lr": 3e-3, "min_lr": 3e-3, "mock_data": True, "padded_vocab_size": None,
                             "load": load_dir, "save": save_dir, "finetune": True,
                             "expert_model_parallel_size": ep, "seq_length": 16})
-    cfg.finalize(world_size=world)
+    checks.finalize(cfg, world_size=world)
     topo = build_topology(ep=ep)
     tracker = RNGStatesTracker("cpu")
     model_parallel_seed(cfg.training.seed, topo.tp_rank, topo.pp_rank, topo.device, tracker)
