@@ -5,29 +5,13 @@
         ...
 
 Every rank keeps private connections to the job's rendezvous store and a watcher thread blocked on
-one key, ABORT. The first rank that stops (a user error only it saw, a collective that failed
-because a peer died or froze, an internal bug) claims the report with an atomic counter, publishes
-it under ABORT and collects acknowledgements before it exits. Every other rank's watcher wakes at
-once and acknowledges; its main thread, which usually fails at once in a collective with the
-departed rank (gloo notices a closed connection), then exits without a word; a main thread still
-stuck after GRACE_S seconds (an NCCL collective never notices a departed peer, a rank that talks to
-nobody yet) is ended by its watcher with the reporter's exit status. The ranks that never
-acknowledge are the unreachable ones a fault report names.
-
-What stopped a rank is told by the exception's type and where it was raised, never by its text:
-- a MegafabError: a user error; its message from one rank, its status (2);
-- a job fault: torch.distributed's own errors (DistError: DistBackendError, DistStoreError,
-  DistNetworkError), a CollectiveFailure (an asynchronous collective megafab waited on through
-  `wait`), or a RuntimeError raised inside a torch.distributed call (gloo raises plain ones); the
-  report names the collective, its group, what the job was doing and the ranks that did not
-  answer; status 3;
-- a SystemExit: this rank's own status, which the other ranks then exit with;
-- anything else (a DataLoader worker that timed out or died, a bug): this rank's error; its
-  traceback in this rank's log, status 1.
-
-The store is the job's rendezvous store: torchrun's agent hosts it, so it outlives any worker;
-without torchrun rank 0 hosts it, and a report then cannot be shared once rank 0 is gone: each
-survivor prints its own.
+one key, ABORT. The first rank that stops claims the report with an atomic counter, publishes it
+and collects acknowledgements before it exits; every other rank's watcher wakes at once and
+acknowledges, and its main thread exits without a word (or is ended by its watcher after GRACE_S
+seconds if it is stuck). The ranks that never acknowledge are the unreachable ones the report
+names. What stopped a rank is told by the exception's type and where it was raised, never by its
+text (FaultWatch._settle): a user error (exit 2), a job fault (3), a SystemExit (its status) or
+anything else (1).
 """
 
 from __future__ import annotations
@@ -139,7 +123,14 @@ def describe_reason(exc: BaseException, timeout_s: float | None) -> str:
 # ---- the job-wide report -------------------------------------------------------------------------
 class FaultWatch:
     """This rank's link to the job-wide report (see the module docstring); a context manager that
-    turns whatever stops this rank into one report for the job, or into silence."""
+    turns whatever stops this rank into one report for the job, or into silence.
+
+    A stopped rank's peers usually fail at once in a collective with it (gloo notices a closed
+    connection); a main thread still stuck after grace_s (an NCCL collective never notices a
+    departed peer, a rank that talks to nobody yet) is ended by its watcher with the reporter's
+    exit status. The store is the job's rendezvous store: torchrun's agent hosts it, so it outlives
+    any worker; without torchrun rank 0 hosts it, and a report then cannot be shared once rank 0
+    is gone: each survivor prints its own."""
 
     def __init__(self, store, rank: int, world_size: int, timeout_s: float | None = None,
                  grace_s: float = GRACE_S, ack_window_s: float = ACK_WINDOW_S, hosts_store: bool = False,
@@ -291,7 +282,18 @@ class FaultWatch:
         return False
 
     def _settle(self, exc: BaseException) -> BaseException | None:
-        """Who speaks for `exc`; returns the exception to raise instead, or None to re-raise it."""
+        """Who speaks for `exc`; returns the exception to raise instead, or None to re-raise it.
+
+        - a MegafabError: a user error; its message from one rank, its status (2);
+        - a job fault: torch.distributed's own errors (DistError: DistBackendError, DistStoreError,
+          DistNetworkError), a CollectiveFailure (an asynchronous collective megafab waited on
+          through `wait`), or a RuntimeError raised inside a torch.distributed call (gloo raises
+          plain ones); the report names the collective, its group, what the job was doing and the
+          ranks that did not answer; status 3;
+        - a SystemExit: this rank's own status, which the other ranks then exit with;
+        - anything else (a DataLoader worker that timed out or died, a bug): this rank's error; its
+          traceback in this rank's log, status 1.
+        """
         user_error = isinstance(exc, MegafabError)
         fault = not user_error and is_collective_failure(exc)
         try:

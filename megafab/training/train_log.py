@@ -2,16 +2,11 @@
 
 - every --log-interval iterations and after the run's first one (as Megatron 0.16): Megatron's
   iteration line (+ ETA) on the last rank, the same values as one JSON line (--metrics-jsonl), the
-  timers (--timing-log-level) and, after the first logged iterations, the memory line. As
-  Megatron's total_loss_dict, the lm loss (and an MoE model's balancing losses) is the mean over
-  the window's applied iterations, the skipped and nan counts are the window's; the first
-  iteration's line does not close the window (at --log-interval 1 every line is one iteration's:
-  Megatron 0.16.1 then prints the mean of iterations 1 and 2 at iteration 2);
-- every --tensorboard-log-interval iterations: the scalars under Megatron's TensorBoard tags
-  (learning-rate, batch-size, lm loss, loss-scale, grad-norm, params-norm (--log-params-norm), ...
-  and each "<tag> vs samples";
-  an MoE model's balancing losses every iteration as load_balancing_loss, z_loss, ...; in the
-  line and JSON averaged over the logged iterations, as Megatron's), to wandb as well;
+  timers (--timing-log-level) and, after the first logged iterations, the memory line; the losses
+  are means over the window's applied iterations (TrainingLog._log_iteration);
+- every --tensorboard-log-interval iterations: the scalars under Megatron's TensorBoard tags and
+  each "<tag> vs samples", to wandb as well (TrainingLog._step_scalars); an MoE model's balancing
+  losses every iteration;
 - after each evaluation: Megatron's validation line, "lm loss validation" (+ "ppl" with
   --log-validation-ppl-to-tensorboard), and its JSON line.
 """
@@ -99,6 +94,10 @@ class TrainingLog:
                 self._window(time.time())
 
     def _step_scalars(self, state, metrics: dict) -> None:
+        """Megatron's TensorBoard tags: learning-rate, batch-size, lm loss, loss-scale, grad-norm,
+        params-norm (--log-params-norm), ..., each also "<tag> vs samples". An MoE model's
+        balancing losses go out every iteration as load_balancing_loss, z_loss, ... (in the line
+        and JSON averaged over the logged iterations, as Megatron's)."""
         lg = self.cfg.logging
         scaler = state.optimizer.grad_scaler
         loss_scale = scaler.scale if scaler else 1.0
@@ -115,7 +114,11 @@ class TrainingLog:
                                                    for k, v in usage.items()}, wandb=False)
 
     def _log_iteration(self, state, metrics: dict, elapsed: float, closes_window: bool) -> None:
-        """The iteration line timed over the iterations since the last one; then memory and timers."""
+        """The iteration line timed over the iterations since the last one; then memory and timers.
+        As Megatron's total_loss_dict, the lm loss (and an MoE model's balancing losses) is the
+        mean over the window's applied iterations, the skipped and nan counts are the window's; the
+        first iteration's line does not close the window (at --log-interval 1 every line is one
+        iteration's: Megatron 0.16.1 then prints the mean of iterations 1 and 2 at iteration 2)."""
         cfg, topo, lg = self.cfg, self.topo, self.cfg.logging
         samples_per_iteration = self.window_samples / self.window_iters
         tflops = flops_per_iteration(cfg, samples_per_iteration) / elapsed / topo.world_size / 1e12
