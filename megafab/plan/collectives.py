@@ -5,23 +5,10 @@ Megatron's tp-cp-ep-dp-pp order, TP fastest; MoE experts on the etp-ep-edp-pp gr
 holds ranks [i*G, (i+1)*G) for G GPUs per node. A group inside one node runs on NVLink at the
 node's NCCL bus bandwidth; a group across nodes runs its rings through the NICs of its ranks: with
 p of its ranks on each node, p NICs carry it (one per GPU, rail-aligned), bus bandwidth
-min(intra, p x NIC).
-
-Ring algorithms over n ranks on N nodes, S the full (unsharded) message, as NCCL's own tuning model
-prices them (src/graph/tuning.cc, ncclTopoTuneModel / ncclTopoGetAlgoTime): for each protocol a
-base latency per call, each ring step inside a node at its NVLink step latency (at least the
-network post overhead in a multi-node ring) and each step that crosses the network at its network
-step latency, plus the bytes at its share of the bus bandwidth (nccl-tests' factors); NCCL runs
-the fastest protocol: LL for small messages, Simple for large ones, LL128 between.
-    all-reduce          2 (n-1)/n S / (share busbw) + base + (2(n-1) - 2N) intra + 2N inter  (N > 1)
-    all-gather,
-    reduce-scatter      (n-1)/n S / (share busbw) + base + (n-N) intra + (N-1) inter
-    all-to-all          (n-1)/n S / busbw + (n-1) alpha  (grouped send/recv, no ring: alpha = the
-                        inter-node step latency once the group spans nodes, else the NVLink one)
-    send/recv           S / link + alpha
-On one node N = 1: base + (n-1) intra (all-reduce 2(n-1)). A measured profile (megafab.calibrate)
-has its own alpha per step and bus bandwidth per op and group size (fitted; one protocol, no base),
-a CPU profile also in-step entries per kind of call (host_terms: STEP_SUFFIX, FSDP_SUFFIX).
+min(intra, p x NIC). Rings are priced as NCCL's own tuning model prices them (_ring_seconds).
+A measured profile (megafab.calibrate) has its own alpha per step and bus bandwidth per op and
+group size (fitted; one protocol, no base), a CPU profile also in-step entries per kind of call
+(host_terms: STEP_SUFFIX, FSDP_SUFFIX).
 """
 
 from __future__ import annotations
@@ -93,8 +80,20 @@ def _measured(machine, op: str, n: int, world: int, suffix: str = ""):
 
 
 def _ring_seconds(machine, op: str, nbytes: float, where: Placement, busbw: float) -> float:
-    """NCCL's ring time of one call (see the module docstring): the fastest of its protocols, each
-    its base latency, its per-step latencies and its share of the bus bandwidth."""
+    """NCCL's ring time of one call, as its tuning model prices it (src/graph/tuning.cc,
+    ncclTopoTuneModel / ncclTopoGetAlgoTime): for each protocol a base latency per call, each ring
+    step inside a node at its NVLink step latency (at least the network post overhead in a
+    multi-node ring) and each step that crosses the network at its network step latency, plus the
+    bytes at its share of the bus bandwidth (nccl-tests' factors); NCCL runs the fastest protocol:
+    LL for small messages, Simple for large ones, LL128 between. Over n ranks on N nodes, S the full
+    (unsharded) message:
+        all-reduce          2 (n-1)/n S / (share busbw) + base + (2(n-1) - 2N) intra + 2N inter
+        all-gather,
+        reduce-scatter      (n-1)/n S / (share busbw) + base + (n-N) intra + (N-1) inter
+    On one node N = 1: base + (n-1) intra (all-reduce 2(n-1)). collective_seconds prices an
+    all-to-all as (n-1)/n S / busbw + (n-1) alpha (grouped send/recv, no ring: alpha the inter-node
+    step latency once the group spans nodes, else the NVLink one); p2p_seconds a send/recv as
+    S / link + alpha."""
     n, nodes = where.size, where.nodes
     steps = 2 * (n - 1) if op == "all_reduce" else n - 1
     across = 0 if nodes == 1 else (2 * nodes if op == "all_reduce" else nodes - 1)

@@ -5,29 +5,13 @@ Notation as megafab.plan.planner: s sequence, b micro-batch, h hidden, a heads, 
 d head width, f ffn width, V padded vocab, t TP, c CP, e bytes per element; M = b s / c tokens per
 rank in every GEMM (under SP the GEMMs run on the TP-gathered sequence).
 
-  GEMMs     forward QKV [M, h] x [h, (a+2g)d/t], projection [M, ad/t] x [ad/t, h], fc1 [M, h] x
-            [h, f/t] (2f/t with SwiGLU), fc2 [M, f/t] x [f/t, h]; backward for each one the data
-            gradient [M, n] x [n, k] and the weight gradient [k, M] x [M, n] (2x the forward).
+  GEMMs     forward QKV, projection, fc1, fc2 (_linear_shapes; an MoE layer's router and experts
+            too); backward the data and the weight gradient of each (2x the forward).
   attention flash kernels doing the causal half of the 4 b s^2 (a/t) d / c forward FLOPs (the
             backward recomputes the scores: 2.5x), at the machine's attention efficiency.
   memory    norms, bias/dropout/residual adds, activation, RoPE: bytes over HBM (backward 2x).
-  TP        with SP: forward 2 all-gathers + 2 reduce-scatters of e M h bytes; backward 2 + 2 more,
-            and the SP input re-gathered for the weight gradient (2 all-gathers, which the linear
-            layer overlaps with the data-gradient GEMM); without SP: 2 + 2 all-reduces.
-            tp_comm_overlap (Transformer Engine's userbuffers, Megatron's --tp-comm-overlap)
-            pipelines each collective with its GEMM in t chunks: one chunk stays exposed, and what
-            the GEMM cannot cover.
-  CP        p2p: c-1 K/V ring steps per layer, each hidden behind one attention block, backward
-            sending dK/dV too; allgather: K/V gathered, their gradients reduce-scattered; a2a:
-            q, k, v and the output re-sharded between sequence and heads.
-  recompute full: the layer's forward again in backward (with its TP collectives); selective: the
-            attention forward again.
-  MoE       an MoE layer's MLP (megafab.plan.moe): the router [N, h] x [h, E], each local expert's
-            fc1/fc2 on its share of the balanced routed rows (N k t_e / E_l), the shared experts as
-            a dense MLP (with its TP pair of collectives; without shared experts the MLP has none);
-            dispatch + combine: alltoall, 2 all-to-alls of e N k h over EP and the ETP all-gather /
-            reduce-scatter of the rows; allgather, the EP x ETP group's tokens gathered and the
-            outputs reduce-scattered; the same again in backward (not overlapped).
+  comm      TP/SP (_tp_comm), CP (_cp_comm), MoE token dispatch (_ep_comm): exposed seconds.
+  recompute full: the layer's forward again in backward; selective: the attention forward again.
 First stage: the embedding (memory-bound); last stage: final norm, output layer [M, h] x [h, V/t]
 and the fp32 cross entropy over [M, V/t].
 """
@@ -117,8 +101,12 @@ def _mlp_shapes(x: Shapes, rows: int, f: int, parts: int) -> list[tuple[int, int
 
 
 def _linear_shapes(x: Shapes, moe_layer: bool = False) -> list[tuple[int, int, int]]:
-    """(m, n, k) of the layer's forward GEMMs on one TP rank: QKV, projection, then fc1 and fc2 of the
-    dense MLP, or of an MoE layer's shared experts (if any), its router and each local expert."""
+    """(m, n, k) of the layer's forward GEMMs on one TP rank: QKV [M, h] x [h, (a+2g)d/t], projection
+    [M, ad/t] x [ad/t, h], then fc1 [M, h] x [h, f/t] (2f/t with SwiGLU) and fc2 [M, f/t] x [f/t, h]
+    of the dense MLP; or of an MoE layer (megafab.plan.moe) its shared experts as a dense MLP (if
+    any), the router [N, h] x [h, E] and each local expert's fc1/fc2 on its share of the balanced
+    routed rows (N k t_e / E_l). Backward: the data gradient [M, n] x [n, k] and the weight gradient
+    [k, M] x [M, n] of each."""
     attention = [(x.M, (x.a + 2 * x.g) * x.d // x.tp, x.h), (x.M, x.h, x.a * x.d // x.tp)]
     if not moe_layer:
         return attention + _mlp_shapes(x, x.M, x.f, x.tp)
@@ -156,7 +144,12 @@ def _overlapped(comm: float, gemm: float, chunks: int) -> float:
 def _tp_comm(x: Shapes, gemms_fwd: list[float], gemms_dgrad: list[float],
              overlap: bool, mlp: bool = True) -> tuple[float, float]:
     """(forward, backward) exposed TP/SP collectives of one layer; mlp: the MLP's pair too (an MoE
-    layer has it only for its shared experts: the routed tokens travel by the dispatcher)."""
+    layer has it only for its shared experts: the routed tokens travel by the dispatcher). With SP:
+    forward 2 all-gathers + 2 reduce-scatters of e M h bytes; backward 2 + 2 more, and the SP input
+    re-gathered for the weight gradient (2 all-gathers, which the linear layer overlaps with the
+    data-gradient GEMM); without SP: 2 + 2 all-reduces. overlap (Transformer Engine's userbuffers,
+    Megatron's --tp-comm-overlap) pipelines each collective with its GEMM in t chunks: one chunk
+    stays exposed, and what the GEMM cannot cover."""
     if x.tp == 1:
         return 0.0, 0.0
     size = x.e * x.M * x.h
@@ -183,7 +176,8 @@ def _tp_comm(x: Shapes, gemms_fwd: list[float], gemms_dgrad: list[float],
 
 
 def _ep_comm(x: Shapes) -> float:
-    """One MoE layer's token dispatch and combine, forward (backward moves the same bytes back):
+    """One MoE layer's token dispatch and combine, forward (backward moves the same bytes back, not
+    overlapped):
     alltoall, 2 all-to-alls over EP of the N k routed copies and, ETP > 1, the ETP all-gather and
     reduce-scatter of the rows; allgather, the EP x ETP group's tokens (and their fp32
     probabilities) gathered and the outputs reduce-scattered."""
@@ -200,6 +194,9 @@ def _ep_comm(x: Shapes) -> float:
 
 
 def _cp_comm(x: Shapes, attention_fwd: float, attention_bwd: float) -> tuple[float, float]:
+    """(forward, backward) exposed CP communication of one layer. p2p: c-1 K/V ring steps, each
+    hidden behind one attention block, backward sending dK/dV too; allgather: K/V gathered, their
+    gradients reduce-scattered; a2a: q, k, v and the output re-sharded between sequence and heads."""
     if x.cp == 1:
         return 0.0, 0.0
     p = x.cfg.parallel

@@ -1,21 +1,12 @@
 """Machine profiles: what one device and its links achieve, as the step-time model needs it.
 
 A profile is a Machine dataclass: built in for common 8-GPU nodes (`--gpu NAME`), or a JSON file
-(`--machine FILE`, written by `megafab-estimate --profile`, which measures the machine it runs on).
-
-Compute times come from shapes, not from one efficiency number:
-  GEMM [m, k] x [k, n]: 2mnk FLOPs at peak x gemm_efficiency (what large GEMMs sustain at the
-      clocks a training run holds), times two shape losses: wave quantization (output tiles of
-      gemm_tile_m x gemm_tile_n spread over sm_count SMs; the last wave runs partly empty) and the
-      per-tile prologue/epilogue, k / (k + gemm_k_overhead) (a short inner dimension pays it
-      often); plus kernel_overhead_s per kernel (launch and tail). Bounded below by the bytes it
-      moves over HBM. A measured profile replaces the curve by its own points (gemm_points).
-  attention: the FLOPs the kernel really does (causal: half of the full matrices) at
-      attention_fwd/bwd_efficiency x peak, lower for short keys (s / (s + attention_seq_half)).
-  element-wise kernels (norms, activations, dropout, residual adds, softmax): bytes over
-      HBM bandwidth x hbm_efficiency.
-A measured CPU profile also carries CPU-only terms (host overheads, compute slots and their busy
-slowdown, in-step collective entries): megafab.plan.host_terms prices them; a GPU's have none.
+(`--machine FILE`, written by `megafab-estimate --profile`, which measures the machine it runs on:
+megafab.calibrate). Compute times come from shapes, not from one efficiency number
+(gemm_seconds, attention_seconds, memory_seconds); collectives from the link fields
+(megafab.plan.collectives). A measured CPU profile also carries CPU-only terms (host overheads,
+compute slots and their busy slowdown, in-step collective entries): megafab.plan.host_terms
+prices them; a GPU's profile has none.
 """
 
 from __future__ import annotations
@@ -96,7 +87,13 @@ class Machine:
 
     # -- compute -----------------------------------------------------------------------------------
     def gemm_seconds(self, m: int, n: int, k: int, dtype: str, e: int) -> float:
-        """One [m, k] x [k, n] GEMM of dtype with e-byte elements."""
+        """One [m, k] x [k, n] GEMM of dtype with e-byte elements: 2mnk FLOPs at peak x gemm_efficiency
+        (what large GEMMs sustain at the clocks a training run holds), times two shape losses: wave
+        quantization (output tiles of gemm_tile_m x gemm_tile_n spread over sm_count SMs; the last
+        wave runs partly empty) and the per-tile prologue/epilogue, k / (k + gemm_k_overhead) (a
+        short inner dimension pays it often); plus kernel_overhead_s per kernel (launch and tail).
+        Bounded below by the bytes it moves over HBM. A measured profile's gemm_points replace the
+        curve (the achieved rate interpolated by GEMM size)."""
         flops = 2.0 * m * n * k
         if flops == 0:
             return 0.0
@@ -112,7 +109,9 @@ class Machine:
         return max(flops / rate, memory) + self.kernel_overhead_s
 
     def attention_seconds(self, flops: float, keys: int, dtype: str, backward: bool) -> float:
-        """Flash attention doing `flops` (what the kernel computes) over `keys` keys per query."""
+        """Flash attention doing `flops` (what the kernel computes: causal, half of the full matrices)
+        over `keys` keys per query, at attention_fwd/bwd_efficiency x peak, lower for short keys
+        (s / (s + attention_seq_half))."""
         if flops == 0:
             return 0.0
         eff = self.attention_bwd_efficiency if backward else self.attention_fwd_efficiency
@@ -120,7 +119,8 @@ class Machine:
         return flops / (self.peak(dtype) * eff) + self.kernel_overhead_s
 
     def memory_seconds(self, nbytes: float, kernels: int = 0) -> float:
-        """Element-wise work moving nbytes over HBM in `kernels` kernels."""
+        """Element-wise work (norms, activations, dropout, residual adds, softmax) moving nbytes over
+        HBM bandwidth x hbm_efficiency in `kernels` kernels."""
         return nbytes / (self.hbm_bandwidth * self.hbm_efficiency) + kernels * self.kernel_overhead_s
 
     # -- files -------------------------------------------------------------------------------------

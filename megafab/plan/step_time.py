@@ -1,23 +1,13 @@
 """One training iteration's time, from the FLOPs and bytes of a finalized Config on a Machine.
 
-Per micro-batch, each pipeline stage's forward and backward: its layers' passes (layer_time.py:
-GEMMs, attention, memory-bound kernels, TP / CP / EP collectives, recompute), the embedding on the
-first stage and the output layer and loss on the last.
-
-Per step: the pipeline schedule (schedule.py) over m micro-batches; the step's small collectives
-after the backward (step_syncs.py: gradient norm, loss, SP and tied-embedding sums);
-data-parallel reductions over the dp-cp group, and an MoE model's routed-expert parameters over
-expert-DP (all-reduce, or reduce-scatter + parameter all-gather with the distributed optimizer),
-hidden by --overlap-grad-reduce behind the last micro-batch's backward and by
---overlap-param-gather behind the first one's forward, except one bucket; FSDP2's per-unit
-gathers, reduce-scatters and copies against each layer's own compute (megafab.plan.fsdp: what every
-micro-batch exposes goes into its stage's time in the schedule, the reducing micro-batch's extra
-after it), without Transformer Engine's TP overlap (megafab runs FSDP2 without TE); the optimizer
-step, memory-bound (bytes of state / HBM bandwidth) and, offloaded, PCIe copies plus the CPU's Adam.
-
-The machine's host (host_terms.host_model): a GPU's adds its per-step sync; a CPU profile's adds
-host overheads per micro-batch (in the schedule) and per step, stretches compute by the ranks
-sharing its cores and runs a shared-core pipeline through time.
+Per micro-batch, each pipeline stage's forward and backward: its layers' passes (layer_time.py),
+the embedding on the first stage, the output layer and loss on the last; FSDP2's exposed unit work
+(fsdp_stages); the machine's host work (host_terms: a CPU profile's, none on a GPU).
+Per step: the pipeline schedule over m micro-batches (the host's: schedule.py's closed form, or a
+CPU's shared cores run through time); the data-parallel reductions (data_parallel_seconds) or
+FSDP2's reducing micro-batch; the step's small collectives (step_syncs.py); the optimizer
+(optimizer_seconds); the host's per-step work. A CPU profile's host also stretches compute by the
+ranks sharing its cores (host_terms.host_model is this module's one view of the machine's host).
 
 Throughput is reported as Megatron does: model FLOPs (megafab.plan.flops, no recompute) per
 second per GPU, and MFU = that / the machine's peak for the model dtype.
@@ -60,8 +50,6 @@ class Prediction:
     tflops_per_gpu: float
     mfu: float
     breakdown: dict[str, float] = field(default_factory=dict)  # seconds per part of the step
-
-
 
 
 def _stage_layers(cfg) -> list[list[list[tuple[int, bool]]]]:
@@ -147,8 +135,11 @@ def _over(machine, op: str, bytes_per_param: float, groups) -> float:
 
 def data_parallel_seconds(cfg, machine, stages, passes) -> float:
     """Exposed gradient reduction + parameter gather per step (DDP and the distributed optimizer;
-    FSDP2's are fsdp_stages'); an MoE stage's expert-DP reduction adds to its DP x CP one (both
-    hide behind the same backward)."""
+    FSDP2's are fsdp_stages'): the dense parameters over the dp-cp group, an MoE model's routed
+    experts over expert-DP (all-reduce, or reduce-scatter + parameter all-gather with the
+    distributed optimizer; both hide behind the same backward), hidden by --overlap-grad-reduce
+    behind the last micro-batch's backward and by --overlap-param-gather behind the first one's
+    forward, except one bucket."""
     p = cfg.parallel
     if p.fully_sharded or not any(_groups(cfg, machine, stage) for stage in stages):
         return 0.0
@@ -172,8 +163,11 @@ def data_parallel_seconds(cfg, machine, stages, passes) -> float:
 
 
 def fsdp_stages(cfg, machine, parts: _Parts, shared: float) -> list[fsdp.StageFsdp]:
-    """FSDP2's exposed time on each pipeline stage (megafab.plan.fsdp), each unit's collectives
-    against its own layer's compute (stretched by `shared`, the host's compute scale)."""
+    """FSDP2's exposed time on each pipeline stage (megafab.plan.fsdp): each unit's gathers,
+    reduce-scatters and copies against its own layer's compute (stretched by `shared`, the host's
+    compute scale); what every micro-batch exposes goes into its stage's time in the schedule, the
+    reducing micro-batch's extra after it. Never with Transformer Engine's TP overlap (megafab runs
+    FSDP2 without TE)."""
     x, kinds, _, output, layers, moe_layers = parts
     m = cfg.model
     ep, etp = expert_sizes(cfg)
@@ -203,8 +197,9 @@ def fsdp_stages(cfg, machine, parts: _Parts, shared: float) -> list[fsdp.StageFs
 
 
 def optimizer_seconds(cfg, machine, stages) -> float:
-    """Adam over this rank's shard: fp32 main params, grads, m, v read and written, the 16-bit copy
-    written, the gradient norm read; offloaded, PCIe both ways and the CPU's Adam."""
+    """Adam over this rank's shard, memory-bound (bytes of state / HBM bandwidth): fp32 main params,
+    grads, m, v read and written, the 16-bit copy written, the gradient norm read; offloaded, PCIe
+    both ways and the CPU's Adam."""
     p, o = cfg.parallel, cfg.optimizer
     sharded = p.use_distributed_optimizer or p.fully_sharded
     shards = (p.data_parallel_size or 1) * p.context_parallel_size if sharded else 1

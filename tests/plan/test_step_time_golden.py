@@ -1,5 +1,6 @@
 """The step-time model's predictions, pinned: a refactor of step_time.py and its CPU terms must give
-every layout the same step and breakdown on a built-in GPU node and on a measured CPU profile.
+every layout the same step and breakdown on a built-in GPU node and on a measured CPU profile; and
+a GPU node's prediction never reaches a CPU-only term (megafab.plan.host_terms).
 
 A deliberate change to the model re-records them: python -m tests.plan.test_step_time_golden
 (it rewrites step_time_golden.json beside this file; say in the commit why the numbers moved).
@@ -10,6 +11,7 @@ import os
 
 import pytest
 
+from megafab.plan import collectives, host_terms
 from megafab.plan.machines import BUILTIN, Machine
 from megafab.plan.planner import plan
 from megafab.plan.step_time import predict
@@ -110,6 +112,22 @@ def test_predictions_are_the_recorded_ones():
     # the CPU terms are in the CPU profile's steps, and none of them in a GPU node's
     assert any(v["breakdown.host_micro_batches"] > 0 for k, v in now.items() if k.endswith("@cpu"))
     assert all(v["breakdown.host_micro_batches"] == 0 for k, v in now.items() if not k.endswith("@cpu"))
+
+
+def test_a_gpu_node_never_reaches_the_cpu_terms(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a CPU-only term priced")
+
+    for name in ("sharing", "host_overhead", "_host_seconds", "shared_pipeline_time"):
+        monkeypatch.setattr(host_terms, name, refuse)
+    monkeypatch.setattr(collectives, "in_step_entry", refuse)
+    for _, flags, world, overlap in CASES:
+        cfg = planned_gpt(flags, world)
+        stages = plan(cfg)
+        for gpu in ("h100", "a100-4"):
+            assert predict(cfg, MACHINES[gpu], stages, tp_comm_overlap=overlap).step_time_s > 0
+        with pytest.raises(AssertionError, match="CPU-only"):
+            predict(cfg, MACHINES["cpu"], stages, tp_comm_overlap=overlap)
 
 
 if __name__ == "__main__":
