@@ -17,6 +17,12 @@ def problems(cfg: Config) -> list[str]:
             + run_rules.checkpoint_problems(cfg) + run_rules.sharding_problems(cfg))
 
 
+def model_layout_problems(cfg: Config) -> list[str]:
+    """The rules a model at its parallel layout breaks, whatever the run around it: what a converted
+    checkpoint records (megafab.convert checks every configuration it writes with these)."""
+    return rules.model_problems(cfg) + rules.parallel_problems(cfg) + rules.moe_problems(cfg)
+
+
 def validate(cfg: Config) -> None:
     found = problems(cfg)
     if found:

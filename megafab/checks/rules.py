@@ -78,6 +78,10 @@ def model_problems(cfg) -> list[str]:
     if m.hidden_size and heads and m.kv_channels is None and m.hidden_size % heads:
         out.append(f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {heads}; "
                    f"give --kv-channels explicitly or change one of them")
+    ffn = m.ffn_hidden_size
+    if ffn and cfg.moe.num_experts is None and tp >= 1 and ffn % tp:  # experts: moe_problems
+        out.append(f"--ffn-hidden-size {ffn} is not divisible by --tensor-model-parallel-size {tp}; each "
+                   f"TP rank holds an equal slice of the MLP: pick a TP size that divides {ffn}")
     if m.seq_length and m.max_position_embeddings and m.seq_length > m.max_position_embeddings:
         out.append(f"--seq-length {m.seq_length} exceeds --max-position-embeddings "
                    f"{m.max_position_embeddings}; raise --max-position-embeddings or shorten sequences")

@@ -21,16 +21,22 @@
 
 Converted checkpoints hold weights only: continue from them with --finetune. Flags are named as in
 Megatron-LM's tools/checkpoint/convert.py (--load-dir, --save-dir, --saver, --target-*-parallel-size).
+The target layout is checked against the model (megafab.checks) before any tensor is read.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 
 from megafab.checkpoint.formats import CKPT_FORMATS
+from megafab.config import Config
 from megafab.convert import export_hf, import_hf, read_checkpoint, write_checkpoint
+from megafab.convert.checkpoint import open_checkpoint, target_config
+from megafab.convert.hf_dir import ARCHITECTURES, read_hf_config
+from megafab.convert.state_dict import finalize_model_config
 from megafab.run.report import exit_status
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -88,25 +94,42 @@ def parse(argv=None) -> argparse.Namespace:
     return args
 
 
+def _hf_config(hf_dir: str, tp: int, make_vocab_size_divisible_by: int) -> Config:
+    """The Config import_hf gives a HF directory, from its config.json alone (no weights read)."""
+    c = read_hf_config(hf_dir)
+    flat = {**ARCHITECTURES[c["model_type"]].from_hf_config(c), "tensor_model_parallel_size": tp,
+            "make_vocab_size_divisible_by": make_vocab_size_divisible_by}
+    return dataclasses.replace(Config.from_flat(flat), model=finalize_model_config(flat, tp))
+
+
 def convert(args) -> str:
     dtype = DTYPES[args.dtype] if args.dtype else None
-    tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
+    tp, pp, ep = args.target_tensor_parallel_size, args.target_pipeline_parallel_size, \
+        args.target_expert_parallel_size
+    opened = None
+    if args.hf_dir:
+        source_cfg = _hf_config(args.hf_dir, 1, args.make_vocab_size_divisible_by)  # padded again below
+    else:
+        opened = open_checkpoint(args.load_dir, args.iteration)
+        source_cfg = opened[1]
+    # every rule the target layout breaks, before a tensor is read (HF: one chunk, any layout)
+    target_config(source_cfg, *((1, 1, 1) if args.saver == "hf" else (tp, pp, ep)))
     if args.hf_dir:
         sd, cfg = import_hf(args.hf_dir, tp or 1, args.make_vocab_size_divisible_by, dtype)
         what = f"{args.hf_dir} (HF {cfg.model.num_layers} layers)"
     else:
-        sd, cfg = read_checkpoint(args.load_dir, args.iteration)
+        sd, cfg = read_checkpoint(args.load_dir, args.iteration, opened)
         if dtype is not None:
             sd = {k: v.to(dtype) for k, v in sd.items()}
         what = args.load_dir
     if args.saver == "hf":
         arch = export_hf(sd, cfg, args.save_dir, dtype)
         return f"converted {what} to HF {arch} in {args.save_dir}"
-    path = write_checkpoint(args.save_dir, sd, cfg, ckpt_format=args.saver, tp=tp, pp=pp,
-                            ep=args.target_expert_parallel_size)
-    p = cfg.parallel
+    path = write_checkpoint(args.save_dir, sd, cfg, ckpt_format=args.saver, tp=tp, pp=pp, ep=ep)
+    target = target_config(cfg, tp, pp, ep)  # what write_checkpoint recorded
+    p = target.parallel
     return (f"converted {what} ({sum(t.numel() for t in sd.values()):,} parameters, vocabulary "
-            f"{cfg.model.vocab_size} padded to {cfg.model.padded_vocab_size}) to {args.saver} for TP "
+            f"{target.model.vocab_size} padded to {target.model.padded_vocab_size}) to {args.saver} for TP "
             f"{p.tensor_model_parallel_size} x PP {p.pipeline_model_parallel_size} in {path}; continue with "
             f"pretrain_gpt.py --load {args.save_dir} --finetune")
 
@@ -114,3 +137,9 @@ def convert(args) -> str:
 def main(argv=None) -> int:
     args = parse(argv)
     return exit_status(lambda: print(convert(args)))
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

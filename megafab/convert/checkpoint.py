@@ -1,5 +1,8 @@
 """The seam between a full megafab state dict (+ Config) and checkpoint directories of every format.
 
+    target_config(cfg, tp, pp, ep)
+                            the Config a converted checkpoint records; every rule its layout breaks
+                            (megafab.checks) is one ConversionError, before anything is read or written
     read_checkpoint(DIR)    any checkpoint --load reads (Megatron torch_dist, Megatron legacy torch,
                             megafab's earlier format; saved with any TP/PP/DP) -> (full state dict,
                             the Config it records)
@@ -20,8 +23,10 @@ import shutil
 
 import torch
 
+from megafab import checks
 from megafab import param_names as keys
-from megafab.checkpoint import formats, layout, megatron_dist, megatron_keys
+from megafab.checkpoint import formats, layout, megatron_dist, megatron_keys, megatron_legacy
+from megafab.checkpoint.checkpointing import open_source
 from megafab.checkpoint.directory import TRACKER, commit_checkpoint, iteration_dir
 from megafab.checkpoint.errors import CheckpointError
 from megafab.checkpoint.megatron_args import unknown_model
@@ -40,8 +45,6 @@ def _phase(items, desc: str):
 
 def open_checkpoint(load_dir: str, iteration: int | None = None):
     """(CheckpointSource, Config) of the checkpoint in load_dir (the tracker's, or `iteration`)."""
-    from megafab.checkpoint.checkpointing import open_source
-
     if iteration is None:
         found = formats.find_checkpoint(load_dir)
         if found is None:
@@ -61,9 +64,11 @@ def open_checkpoint(load_dir: str, iteration: int | None = None):
     return open_source(found, cfg.model), cfg
 
 
-def read_checkpoint(load_dir: str, iteration: int | None = None) -> tuple[dict[str, torch.Tensor], Config]:
-    """The full megafab state dict and the Config of a checkpoint (latest by default)."""
-    source, cfg = open_checkpoint(load_dir, iteration)
+def read_checkpoint(load_dir: str, iteration: int | None = None,
+                    opened=None) -> tuple[dict[str, torch.Tensor], Config]:
+    """The full megafab state dict and the Config of a checkpoint (latest by default; `opened`: what
+    open_checkpoint returned for it)."""
+    source, cfg = opened or open_checkpoint(load_dir, iteration)
     names = sorted(megatron_keys.model_names(source.stored), key=keys.layer_order)
     if not names:
         raise ConversionError(f"{source.path} holds no model tensors; it cannot be converted")
@@ -97,40 +102,47 @@ def repad_vocab(sd: dict[str, torch.Tensor], padded: int) -> dict[str, torch.Ten
     return out
 
 
-def _check_layout(m, tp: int, pp: int) -> None:
-    """The TP/PP a written checkpoint records must be one training can run (Megatron's rules)."""
-    problems = [f"{what} {value} is not divisible by the target tensor-parallel size {tp}"
-                for what, value in (("--num-attention-heads", m.num_attention_heads),
-                                    ("--num-query-groups", m.num_query_groups),
-                                    ("--ffn-hidden-size", m.ffn_hidden_size)) if value % tp]
-    if m.num_layers % pp:
-        problems.append(f"--num-layers {m.num_layers} is not divisible by the target pipeline size {pp}")
+def target_config(cfg: Config, tp: int | None = None, pp: int | None = None, ep: int | None = None) -> Config:
+    """The Config a checkpoint converted from `cfg`'s model records: TP `tp` x PP `pp` x EP `ep`
+    (default: the source's; ETP = TP; one model chunk per stage), the vocabulary padded for `tp`.
+    Every rule of megafab.checks that this layout breaks with this model -> one ConversionError."""
+    p, m = cfg.parallel, cfg.model
+    sizes = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+             "expert_model_parallel_size": ep}
+    sizes = {k: (getattr(p, k) or 1) if v is None else v for k, v in sizes.items()}
+    tp = sizes["tensor_model_parallel_size"]
+    target = dataclasses.replace(cfg, parallel=dataclasses.replace(
+        p, **sizes, expert_tensor_parallel_size=tp, virtual_pipeline_model_parallel_size=None,
+        num_layers_per_virtual_pipeline_stage=None, num_virtual_stages_per_pipeline_rank=None))
+    # Checked for any world the run launches, with the sequence parallelism MoE under TP needs: the
+    # run that loads the checkpoint chooses both.
+    checked = dataclasses.replace(target, parallel=dataclasses.replace(
+        target.parallel, world_size=None, sequence_parallel=p.sequence_parallel or tp > 1,
+        expert_tensor_parallel_size=tp if tp >= 1 else None))  # a bad TP is reported once
+    problems = checks.model_layout_problems(checked)
     if problems:
-        raise ConversionError("; ".join(problems) + "; choose target sizes that divide them")
+        lines = "\n".join(f"  - {line}" for line in problems)
+        given = " x ".join(f"--target-{axis}-parallel-size {sizes[f'{name}_model_parallel_size']}"
+                           for axis, name in (("tensor", "tensor"), ("pipeline", "pipeline"),
+                                              ("expert", "expert")))
+        raise ConversionError(f"{given} (a size not given is the source's) cannot hold this model; "
+                              f"{len(problems)} problem(s), named by the training flags these sizes "
+                              f"become:\n{lines}")
+    padded = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
+    return dataclasses.replace(target, model=dataclasses.replace(m, padded_vocab_size=padded))
 
 
 def write_checkpoint(save_dir: str, sd: dict[str, torch.Tensor], cfg: Config, iteration: int = 0,
                      ckpt_format: str = formats.TORCH_DIST, tp: int | None = None,
                      pp: int | None = None, ep: int | None = None) -> str:
     """Write `sd` (full megafab state dict) as a weights-only checkpoint of iteration `iteration`,
-    recorded as saved at TP `tp` x PP `pp` x EP `ep` (default: the config's; EP names the legacy
-    format's expert files, torch_dist is the same at any EP), the vocabulary padded for `tp`; see
-    the module docstring."""
-    p, m = cfg.parallel, cfg.model
-    tp = tp or p.tensor_model_parallel_size or 1
-    pp = pp or p.pipeline_model_parallel_size or 1
-    ep = ep or p.expert_model_parallel_size or 1
-    _check_layout(m, tp, pp)
-    if ep > 1 and (cfg.moe.num_experts or 1) % ep:
-        raise ConversionError(f"--num-experts {cfg.moe.num_experts} is not divisible by the target "
-                              f"expert-parallel size {ep}; choose one that divides it")
-    padded = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
-    layout = dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                  expert_model_parallel_size=ep, expert_tensor_parallel_size=tp)
-    cfg = dataclasses.replace(  # the caller's config stays as it is; this one records the target layout
-        cfg, parallel=dataclasses.replace(p, **layout),
-        model=dataclasses.replace(m, padded_vocab_size=padded))
-    sd = repad_vocab(sd, padded)
+    recorded as saved at TP `tp` x PP `pp` x EP `ep` (target_config; EP names the legacy format's
+    expert files, torch_dist is the same at any EP); see the module docstring."""
+    if ckpt_format not in (formats.TORCH_DIST, formats.TORCH):
+        raise ConversionError(f"checkpoint format {ckpt_format!r} is not one of {formats.CKPT_FORMATS}")
+    cfg = target_config(cfg, tp, pp, ep)  # the caller's config stays as it is
+    tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
+    sd = repad_vocab(sd, cfg.model.padded_vocab_size)
     final = iteration_dir(save_dir, iteration)
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -138,15 +150,14 @@ def write_checkpoint(save_dir: str, sd: dict[str, torch.Tensor], cfg: Config, it
     record = CommonRecord(iteration, run_layout(tp, pp, 1), cfg.to_flat())  # weights only
     if ckpt_format == formats.TORCH_DIST:
         _write_torch_dist(tmp, sd, cfg, record)
-    elif ckpt_format == formats.TORCH:
-        _write_legacy(tmp, sd, cfg, record, tp, pp)
     else:
-        raise ConversionError(f"checkpoint format {ckpt_format!r} is not one of {formats.CKPT_FORMATS}")
+        _write_legacy(tmp, sd, cfg, record, tp, pp)
     commit_checkpoint(save_dir, iteration)  # the training saver's rename + tracker, same guarantees
     return final
 
 
 def _write_torch_dist(tmp, sd, cfg, record) -> None:
+    # deferred: torch.distributed.checkpoint costs seconds to import; only torch_dist writes pay it
     from megafab.checkpoint import dcp_io
 
     shards = {layout.model_key(n): layout.Shard.whole(layout.to_stored(n, t.contiguous(), cfg.model))
@@ -163,8 +174,6 @@ def _write_torch_dist(tmp, sd, cfg, record) -> None:
 
 
 def _write_legacy(tmp, sd, cfg, record, tp, pp) -> None:
-    from megafab.checkpoint import megatron_legacy
-
     common = megatron_dist.megatron_common(cfg, record, formats.TORCH, None)
     ep = cfg.parallel.expert_model_parallel_size if cfg.moe.num_experts is not None else 1
     ranks = [(t, p, e) for p in range(pp) for e in range(ep) for t in range(tp)]
@@ -174,4 +183,5 @@ def _write_legacy(tmp, sd, cfg, record, tp, pp) -> None:
                                         ep_rank, ep)
 
 
-__all__ = ["CheckpointError", "ConversionError", "open_checkpoint", "read_checkpoint", "write_checkpoint"]
+__all__ = ["CheckpointError", "ConversionError", "open_checkpoint", "read_checkpoint", "target_config",
+           "write_checkpoint"]
