@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from megafab.arguments import config_from_args
 from megafab.config import ConfigError, pad_vocab_size, swiglu_ffn_size
-from tests.helpers.flags import BASE
+from tests.helpers.flags import BASE, tiny_flags
 
 
 def test_megatron_derived_defaults():
@@ -61,11 +61,10 @@ def test_three_mistakes_one_error_listing_all_before_any_process_group():
 
 
 def test_world_size_layers_gqa_and_seq_length_violations_are_all_reported():
-    argv = ["--num-layers", "5", "--hidden-size", "64", "--num-attention-heads", "8",
-            "--group-query-attention", "--num-query-groups", "3", "--seq-length", "64",
-            "--max-position-embeddings", "32", "--micro-batch-size", "1", "--train-iters", "1",
-            "--lr", "1", "--mock-data", "--vocab-size", "10",
-            "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    argv = tiny_flags(num_layers=5, hidden_size=64, num_attention_heads=8, seq_length=64) + [
+        "--group-query-attention", "--num-query-groups", "3", "--max-position-embeddings", "32",
+        "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1", "--mock-data", "--vocab-size", "10",
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
     with pytest.raises(ConfigError) as info:
         config_from_args(argv, world_size=6)
     text = str(info.value)
@@ -105,10 +104,10 @@ def test_missing_tokenizer_files_are_named(tmp_path):
 
 
 def test_entry_point_prints_one_message_and_exits_2():
-    proc = subprocess.run([sys.executable, "pretrain_gpt.py", "--num-layers", "3",
-                           "--pipeline-model-parallel-size", "2", "--hidden-size", "64",
-                           "--num-attention-heads", "8", "--seq-length", "16", "--micro-batch-size",
-                           "1"], capture_output=True, text=True, timeout=120,
+    proc = subprocess.run([sys.executable, "pretrain_gpt.py",
+                           *tiny_flags(num_layers=3, hidden_size=64, num_attention_heads=8),
+                           "--pipeline-model-parallel-size", "2", "--micro-batch-size", "1"],
+                          capture_output=True, text=True, timeout=120,
                           env={"WORLD_SIZE": "2", "RANK": "0", "PATH": ""})
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr

@@ -5,12 +5,13 @@ import pytest
 
 from megafab.arguments import config_from_args
 from megafab.config import ConfigError
+from tests.helpers.flags import tiny_flags
 
-FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10", "--lr", "3e-4",
-         "--min-lr", "1e-5", "--lr-decay-style", "cosine", "--swiglu", "--disable-bias-linear",
-         "--norm-epsilon", "1e-6", "--mock-data", "--vocab-size", "128", "--tensor-model-parallel-size", "2",
-         "--sequence-parallel", "--profile-ranks", "0", "1", "--no-mmap-bin-files"]
+FLAGS = tiny_flags(num_layers=2, hidden_size=64, seq_length=32) + [
+    "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10", "--lr", "3e-4",
+    "--min-lr", "1e-5", "--lr-decay-style", "cosine", "--swiglu", "--disable-bias-linear",
+    "--norm-epsilon", "1e-6", "--mock-data", "--vocab-size", "128", "--tensor-model-parallel-size", "2",
+    "--sequence-parallel", "--profile-ranks", "0", "1", "--no-mmap-bin-files"]
 
 TOML = """
 [model]
@@ -134,9 +135,9 @@ def test_no_effect_flags_in_a_file_are_announced(tmp_path):
 
 def test_moe_layer_pattern_round_trips_through_a_file(tmp_path):
     """A pattern is written back as a TOML list (run_record's resolved config) and read as one."""
-    flags = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-             "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "1", "--mock-data",
-             "--vocab-size", "128", "--lr", "1e-3", "--num-experts", "4", "--moe-layer-freq", "([0]*1+[1]*3)"]
+    flags = tiny_flags() + [
+        "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "1", "--mock-data",
+        "--vocab-size", "128", "--lr", "1e-3", "--num-experts", "4", "--moe-layer-freq", "([0]*1+[1]*3)"]
     assert resolved(flags)["moe_layer_freq"] == (0, 1, 1, 1)
     (tmp_path / "moe.toml").write_text("moe_layer_freq = [0, 1, 1, 1]\n")
     assert resolved(flags[:-2] + ["--config", str(tmp_path / "moe.toml")])["moe_layer_freq"] == (0, 1, 1, 1)

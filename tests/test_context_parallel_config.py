@@ -4,10 +4,7 @@ import pytest
 
 from megafab.arguments import config_from_args
 from megafab.config import ConfigError
-
-BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8", "--seq-length", "32",
-        "--micro-batch-size", "2", "--train-iters", "10", "--lr", "1e-3", "--mock-data",
-        "--vocab-size", "1000"]
+from tests.helpers.flags import BASE
 
 
 def problems(argv, world):

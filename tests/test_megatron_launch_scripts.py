@@ -31,6 +31,7 @@ from megafab.config import SECTIONS
 from megafab.data.indexed_dataset import IndexedDatasetWriter
 from megafab.megatron_flags import NO_EFFECT, REFUSED
 from megafab.model.te import te_available
+from tests.helpers.flags import tiny_flags
 from tests.helpers.megatron_scripts import MIXTRAL_8X7B, fill, words
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -272,11 +273,11 @@ def test_shrunk_llama3_8b_trains_three_iterations_on_cpu(paths, tmp_path):
 def test_three_mistakes_under_torchrun_print_one_message_once():
     from tests.helpers.launch import torchrun
 
-    flags = words("""--num-layers 4 --hidden-size 64 --num-attention-heads 8 --seq-length 32
-                     --micro-batch-size 1 --train-iters 2 --lr 1e-3 --mock-data --vocab-size 100""") + [
-             "--hiden-dropout", "0.0",  # misspelled
-             "--moe-use-upcycling",  # refused
-             "--tensor-model-parallel-size", "3"]  # 8 heads over 3 TP ranks
+    flags = tiny_flags(hidden_size=64, num_attention_heads=8, seq_length=32) + words(
+        "--micro-batch-size 1 --train-iters 2 --lr 1e-3 --mock-data --vocab-size 100") + [
+        "--hiden-dropout", "0.0",  # misspelled
+        "--moe-use-upcycling",  # refused
+        "--tensor-model-parallel-size", "3"]  # 8 heads over 3 TP ranks
     proc = torchrun(4, flags, timeout=300)
     assert proc.returncode != 0
     ours = proc.stderr + proc.stdout

@@ -14,6 +14,8 @@ import sysconfig
 
 import pytest
 
+from tests.helpers.flags import tiny_flags
+
 try:
     import tomllib
 except ImportError:  # Python 3.10
@@ -95,10 +97,10 @@ def test_console_scripts_help_from_outside_the_checkout(installed):
 @pytest.mark.slow
 def test_a_three_iteration_mock_data_run_through_the_console_script(installed):
     _, _, env, work = installed
-    out = run(["megafab-pretrain", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-               "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "3", "--lr", "1e-3",
-               "--mock-data", "--vocab-size", "128", "--log-interval", "1", "--eval-iters", "0",
-               "--num-workers", "0", "--save", "ckpt", "--save-interval", "3"], cwd=work, env=env).stdout
+    out = run(["megafab-pretrain", *tiny_flags(num_layers=2), "--micro-batch-size", "2", "--train-iters", "3",
+               "--lr", "1e-3", "--mock-data", "--vocab-size", "128", "--log-interval", "1",
+               "--eval-iters", "0", "--num-workers", "0", "--save", "ckpt", "--save-interval", "3"],
+              cwd=work, env=env).stdout
     assert [line.split("iteration")[1].split("|")[0].split()[0] for line in out.splitlines()
             if " iteration " in line and "lm loss:" in line] == ["1/", "2/", "3/"]
     assert (work / "ckpt" / "iter_0000003").is_dir() and (work / "ckpt" / "resolved_config.toml").is_file()

@@ -12,6 +12,7 @@ from megafab.convert import write_checkpoint
 from megafab.model.gpt import GPTModel
 from megafab.run.fork_ranks import run_ranks
 from tests.helpers.checkpoint import GLOBAL_BATCH, make_state, train
+from tests.helpers.flags import tiny_flags
 from tests.helpers.tiny import context, tiny_config
 
 
@@ -47,9 +48,8 @@ def test_ckpt_step_pretrained_checkpoint_and_exit_on_missing(tmp_path):
 
 
 def test_checkpoint_flags_without_use_are_announced_and_unimplemented_ones_refused():
-    base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-            "--micro-batch-size", "1", "--train-iters", "1", "--mock-data", "--vocab-size", "64",
-            "--lr", "1e-3"]
+    base = tiny_flags(num_layers=2) + [
+        "--micro-batch-size", "1", "--train-iters", "1", "--mock-data", "--vocab-size", "64", "--lr", "1e-3"]
     cfg = config_from_args([*base, "--ckpt-fully-parallel-load", "--dist-ckpt-optim-fully-reshardable",
                             "--dist-ckpt-strictness", "assume_ok_unexpected"], world_size=1)
     assert any("--dist-ckpt-optim-fully-reshardable" in n for n in cfg.no_effect)
@@ -90,9 +90,8 @@ def test_a_schedule_that_differs_from_the_checkpoints_needs_a_flag_saying_which_
 
 
 def test_both_schedule_flags_contradict():
-    base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-            "--micro-batch-size", "1", "--train-iters", "1", "--mock-data", "--vocab-size", "64",
-            "--lr", "1e-3"]
+    base = tiny_flags(num_layers=2) + [
+        "--micro-batch-size", "1", "--train-iters", "1", "--mock-data", "--vocab-size", "64", "--lr", "1e-3"]
     with pytest.raises(ConfigError, match="contradict"):
         config_from_args([*base, "--override-opt-param-scheduler", "--use-checkpoint-opt_param-scheduler"],
                          world_size=1)

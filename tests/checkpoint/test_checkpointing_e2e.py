@@ -9,14 +9,15 @@ import signal
 import pytest
 
 from megafab.checkpoint.directory import latest_iteration
+from tests.helpers.flags import tiny_flags
 from tests.helpers.launch import losses
 from tests.helpers.main_ranks import main_stdout, start_ranks, wait_for_text
 
 # NullTokenizer adds an eod id: 127 + 1 = 128 pads to 128 at TP 1, 2 and 4 alike.
-TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-        "--micro-batch-size", "1", "--num-workers", "0", "--mock-data", "--vocab-size", "127",
-        "--make-vocab-size-divisible-by", "32", "--lr", "1e-2", "--lr-warmup-iters", "1",
-        "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1"]
+TINY = tiny_flags() + [
+    "--micro-batch-size", "1", "--num-workers", "0", "--mock-data", "--vocab-size", "127",
+    "--make-vocab-size-divisible-by", "32", "--lr", "1e-2", "--lr-warmup-iters", "1", "--log-interval", "1",
+    "--eval-interval", "1000", "--eval-iters", "1"]
 
 
 def pause_before_committing_iteration_20(rank: int) -> None:

@@ -9,10 +9,10 @@ import torch.distributed
 from megafab.arguments import config_from_args
 from megafab.cli.pretrain import main
 from megafab.config import ConfigError
+from tests.helpers.flags import tiny_flags
 
-BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-        "--micro-batch-size", "1", "--mock-data", "--vocab-size", "100", "--lr", "1e-4",
-        "--train-iters", "10"]
+BASE = tiny_flags() + [
+    "--micro-batch-size", "1", "--mock-data", "--vocab-size", "100", "--lr", "1e-4", "--train-iters", "10"]
 MOE = ["--num-experts", "8", "--moe-router-topk", "2"]
 
 # (what, flags, world size, the one line)

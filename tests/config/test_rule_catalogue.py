@@ -8,9 +8,11 @@ import sys
 
 import pytest
 
+from tests.helpers.flags import tiny_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-        "--micro-batch-size", "1", "--vocab-size", "100", "--lr", "1e-4", "--train-iters", "10", "--dry-run"]
+BASE = tiny_flags(num_layers=2) + [
+    "--micro-batch-size", "1", "--vocab-size", "100", "--lr", "1e-4", "--train-iters", "10", "--dry-run"]
 
 # (what, flags, a line of the message), each a rule whose only check used to be at run time:
 CATALOGUE = [

@@ -15,6 +15,7 @@ from megafab.arguments import build_parser, config_from_args
 from megafab.config import Config
 from megafab.config.fields import field_default
 from megafab.config.schema import SECTIONS, flag_fields
+from tests.helpers.flags import tiny_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -105,8 +106,8 @@ def test_help_text_is_unchanged_line_for_line():
     assert Counter(out.stdout.splitlines()) == Counter(open(BEFORE_TEXT).read().splitlines())
 
 
-BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-        "--micro-batch-size", "1", "--mock-data", "--vocab-size", "100", "--train-iters", "2", "--lr", "1e-3"]
+BASE = tiny_flags(num_layers=2) + [
+    "--micro-batch-size", "1", "--mock-data", "--vocab-size", "100", "--train-iters", "2", "--lr", "1e-3"]
 
 
 def test_a_finalized_config_cannot_be_changed():

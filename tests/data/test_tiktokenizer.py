@@ -11,6 +11,7 @@ from megafab.arguments import config_from_args
 from megafab.config import ConfigError
 from megafab.data.errors import DataError
 from megafab.data.tokenizers import TIKTOKEN_PATTERNS, build_tokenizer
+from tests.helpers.flags import tiny_flags
 
 MERGES = [b"th", b"he", b"the", b" t", b" the", b"in", b"ing", b"er", b"Th", b"12"]
 TEXT = "The thing\nthe other THING 1234, ünïcode? the end\r\n  spaces"
@@ -53,8 +54,8 @@ def test_vocabulary_errors_and_config_rules(tmp_path):
     with pytest.raises(DataError, match="not a Megatron tiktoken vocabulary"):
         build_tokenizer("TikTokenizer", tokenizer_model=str(tmp_path / "bad.json"), vocab_size=300,
                         tiktoken_pattern="v2", num_special_tokens=16)
-    base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-            "--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "1", "--mock-data"]
+    base = tiny_flags(num_layers=2) + [
+        "--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "1", "--mock-data"]
     with pytest.raises(ConfigError) as info:
         config_from_args(base + ["--tokenizer-type", "TikTokenizer", "--tokenizer-model", str(path)],
                          world_size=1)

@@ -1,14 +1,17 @@
-"""Tiny GPT configurations and gradient gathering shared by the model and pipeline parity tests."""
+"""Tiny GPT configurations (the sizes of tests/helpers/flags.py's TINY_GPT) and gradient gathering
+shared by the model and pipeline parity tests."""
 
 import functools
 
 import torch
 import torch.distributed as dist
 
+from megafab import checks
 from megafab.config import Config
 from megafab.distributed.layers import join_partitions
 from megafab.model.gpt import GPTModel, masked_mean_loss
 from megafab.model.transformer import LayerContext
+from tests.helpers.flags import TINY_GPT
 
 GPT2_STYLE = dict(position_embedding_type="learned_absolute", normalization="LayerNorm", swiglu=False,
                   untie_embeddings_and_output_weights=False, add_bias_linear=True)
@@ -18,14 +21,13 @@ LLAMA_STYLE = dict(position_embedding_type="rope", normalization="RMSNorm", swig
 
 
 def tiny_config(tp=1, pp=1, style=GPT2_STYLE, **overrides):
-    flat = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=101,
-                make_vocab_size_divisible_by=8, hidden_dropout=0.0, attention_dropout=0.0,
-                micro_batch_size=2, train_iters=1, lr=1e-3, mock_data=True,
+    flat = dict(TINY_GPT, vocab_size=101, make_vocab_size_divisible_by=8, hidden_dropout=0.0,
+                attention_dropout=0.0, micro_batch_size=2, train_iters=1, lr=1e-3, mock_data=True,
                 tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     flat.update(style)
     flat.update(overrides)
     cfg = Config.from_flat(flat)
-    cfg.finalize(world_size=tp * pp * flat.get("dp", 1))
+    checks.finalize(cfg, world_size=tp * pp * flat.get("dp", 1))
     return cfg
 
 

@@ -7,14 +7,14 @@ import re
 import numpy as np
 
 from megafab.data.indexed_dataset import IndexedDatasetWriter
+from tests.helpers.flags import tiny_flags
 
 # NullTokenizer appends eod: --vocab-size 127 -> ids 0..127, padded to 128 at TP 1 and 2.
 EOD = 127
-TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-        "--micro-batch-size", "1", "--num-workers", "0", "--tokenizer-type", "NullTokenizer",
-        "--vocab-size", "127", "--make-vocab-size-divisible-by", "32", "--lr", "1e-3",
-        "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1",
-        "--distributed-timeout-minutes", "0.5"]
+TINY = tiny_flags(num_layers=2) + [
+    "--micro-batch-size", "1", "--num-workers", "0", "--tokenizer-type", "NullTokenizer",
+    "--vocab-size", "127", "--make-vocab-size-divisible-by", "32", "--lr", "1e-3", "--log-interval", "1",
+    "--eval-interval", "1000", "--eval-iters", "1", "--distributed-timeout-minutes", "0.5"]
 # One message: the error line, and for configuration errors the problems listed under it.
 ERROR_LINE = re.compile(r"^megafab: error: .*(?:\n  - .*)*", re.M)
 

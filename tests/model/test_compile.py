@@ -9,6 +9,7 @@ import torch._inductor.config
 
 from megafab.arguments import config_from_args
 from megafab.model.gpt import GPTModel
+from tests.helpers.flags import tiny_flags
 from tests.helpers.tiny import GPT2_STYLE, batch, context, tiny_config
 
 
@@ -41,9 +42,9 @@ def _compare(style):
 
 
 def test_compile_flag_is_parsed_and_off_by_default():
-    base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-            "--max-position-embeddings", "16", "--vocab-size", "64", "--micro-batch-size", "1",
-            "--train-iters", "1", "--lr", "1e-3", "--mock-data"]
+    base = tiny_flags(num_layers=2) + [
+        "--max-position-embeddings", "16", "--vocab-size", "64", "--micro-batch-size", "1",
+        "--train-iters", "1", "--lr", "1e-3", "--mock-data"]
     assert config_from_args(base, world_size=1).model.compile_layers is False
     assert config_from_args(base + ["--compile"], world_size=1).model.compile_layers is True
 

@@ -14,6 +14,7 @@ from megafab.distributed.topology import build_topology
 from megafab.model.gpt import WORD_EMBEDDING, build_model_chunks, masked_mean_loss
 from megafab.pipeline_split import PipelineSplit
 from megafab.run.fork_ranks import run_ranks
+from tests.helpers.flags import tiny_flags
 from tests.helpers.tiny import (
     GPT2_STYLE,
     LLAMA_STYLE,
@@ -67,11 +68,10 @@ def test_layer_placement_equals_megatron_core(split):
 def test_impossible_splits_are_named_together_with_the_other_problems():
     from megafab.arguments import config_from_args
 
-    argv = ["--num-layers", "7", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-            "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3", "--mock-data",
-            "--vocab-size", "64",
-            "--pipeline-model-parallel-size", "3", "--decoder-first-pipeline-num-layers", "2",
-            "--account-for-loss-in-pipeline-split", "--fp16", "--bf16"]
+    argv = tiny_flags(num_layers=7) + [
+        "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--vocab-size", "64",
+        "--pipeline-model-parallel-size", "3", "--decoder-first-pipeline-num-layers", "2",
+        "--account-for-loss-in-pipeline-split", "--fp16", "--bf16"]
     with pytest.raises(ConfigError) as info:
         config_from_args(argv, world_size=3)
     text = str(info.value)

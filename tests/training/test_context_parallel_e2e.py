@@ -6,17 +6,18 @@ import os
 
 import pytest
 
+from tests.helpers.flags import tiny_flags
 from tests.helpers.launch import losses
 from tests.helpers.main_ranks import main_stdout
 
 # Llama-like (RoPE on half of each head, GQA, RMSNorm, SwiGLU); 127 + eod pads to 128 at TP 1 and 2.
-MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-         "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "5", "--lr", "1e-2",
-         "--num-workers", "0", "--mock-data", "--vocab-size", "127", "--make-vocab-size-divisible-by", "32",
-         "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "1", "--hidden-dropout", "0",
-         "--attention-dropout", "0", "--lr-warmup-iters", "1", "--position-embedding-type", "rope",
-         "--rotary-percent", "0.5", "--group-query-attention", "--num-query-groups", "2",
-         "--normalization", "RMSNorm", "--swiglu", "--ffn-hidden-size", "64"]
+MODEL = tiny_flags() + [
+    "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "5", "--lr", "1e-2",
+    "--num-workers", "0", "--mock-data", "--vocab-size", "127", "--make-vocab-size-divisible-by", "32",
+    "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "1", "--hidden-dropout", "0",
+    "--attention-dropout", "0", "--lr-warmup-iters", "1", "--position-embedding-type", "rope",
+    "--rotary-percent", "0.5", "--group-query-attention", "--num-query-groups", "2",
+    "--normalization", "RMSNorm", "--swiglu", "--ffn-hidden-size", "64"]
 
 
 def _close(got: dict, expected: dict, iterations) -> None:

@@ -3,15 +3,16 @@ ranks: torchrun's worker start-up is paid once for the test process, not per ran
 
 import pytest
 
+from tests.helpers.flags import tiny_flags
 from tests.helpers.launch import losses
 from tests.helpers.main_ranks import main_stdout
 
 # NullTokenizer adds an eod id: 127 + 1 = 128 pads to 128 at TP 1 and TP 2 alike.
-MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-         "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "5", "--lr", "1e-2",
-         "--num-workers", "0", "--mock-data", "--vocab-size", "127", "--make-vocab-size-divisible-by", "32",
-         "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "1", "--hidden-dropout", "0",
-         "--attention-dropout", "0", "--lr-warmup-iters", "1"]
+MODEL = tiny_flags() + [
+    "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "5", "--lr", "1e-2",
+    "--num-workers", "0", "--mock-data", "--vocab-size", "127", "--make-vocab-size-divisible-by", "32",
+    "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "1", "--hidden-dropout", "0",
+    "--attention-dropout", "0", "--lr-warmup-iters", "1"]
 LAYOUT = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
           "--num-layers-per-virtual-pipeline-stage", "1", "--sequence-parallel",
           "--use-distributed-optimizer"]

@@ -12,13 +12,14 @@ import math
 import pytest
 import torch
 
+from tests.helpers.flags import tiny_flags
 from tests.helpers.main_ranks import main_stdout
 
-MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-         "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "2", "--lr", "1e-2",
-         "--num-workers", "0", "--mock-data", "--vocab-size", "127", "--make-vocab-size-divisible-by", "32",
-         "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "0", "--hidden-dropout", "0",
-         "--attention-dropout", "0", "--log-params-norm"]
+MODEL = tiny_flags(num_layers=2) + [
+    "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "2", "--lr", "1e-2",
+    "--num-workers", "0", "--mock-data", "--vocab-size", "127", "--make-vocab-size-divisible-by", "32",
+    "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "0", "--hidden-dropout", "0",
+    "--attention-dropout", "0", "--log-params-norm"]
 
 
 def _norms(path) -> dict[int, float]:

@@ -13,10 +13,11 @@ from megafab.arguments import config_from_args
 from megafab.config import ConfigError
 from megafab.training.batch_size import global_batch_size_at, num_micro_batches_at, train_iterations
 from megafab.training.loop_hooks import ManualGC, StepProfiler
+from tests.helpers.flags import tiny_flags
 from tests.helpers.tiny import tiny_config
 
-FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-         "--micro-batch-size", "2", "--lr", "1e-3", "--mock-data", "--vocab-size", "64"]
+FLAGS = tiny_flags(num_layers=2) + [
+    "--micro-batch-size", "2", "--lr", "1e-3", "--mock-data", "--vocab-size", "64"]
 
 
 @pytest.mark.parametrize("start,incr,samples,gbs,dp", [(16, 16, 5000, 128, 2), (4, 4, 333, 32, 1),

@@ -8,14 +8,15 @@ import re
 import pytest
 
 from megafab.arguments import config_from_args
+from tests.helpers.flags import tiny_flags
 from tests.helpers.launch import pretrain_in_ranks
 
-FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-         "--micro-batch-size", "1", "--global-batch-size", "4", "--num-workers", "0", "--mock-data",
-         "--vocab-size", "127", "--make-vocab-size-divisible-by", "32", "--lr", "1e-2",
-         "--pipeline-model-parallel-size", "2", "--train-iters", "4", "--log-interval", "2",
-         "--tensorboard-log-interval", "1", "--eval-interval", "2", "--eval-iters", "1",
-         "--timing-log-level", "2", "--log-timers-to-tensorboard", "--log-validation-ppl-to-tensorboard"]
+FLAGS = tiny_flags(num_layers=2) + [
+    "--micro-batch-size", "1", "--global-batch-size", "4", "--num-workers", "0", "--mock-data",
+    "--vocab-size", "127", "--make-vocab-size-divisible-by", "32", "--lr", "1e-2",
+    "--pipeline-model-parallel-size", "2", "--train-iters", "4", "--log-interval", "2",
+    "--tensorboard-log-interval", "1", "--eval-interval", "2", "--eval-iters", "1", "--timing-log-level", "2",
+    "--log-timers-to-tensorboard", "--log-validation-ppl-to-tensorboard"]
 
 # " [time] iteration N/ T | key: value | ... |": the fields after the iteration count.
 FIELDS = re.compile(r"\| ([^|:]+): ([^|]+?) (?=\|)")
