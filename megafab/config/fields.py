@@ -42,6 +42,20 @@ class Section:
     def freeze(self) -> None:
         object.__setattr__(self, "_frozen", True)
 
+    def replaced(self, **changes):
+        """A writable copy with `changes` assigned (frozen or not, `self` is left as it is): what
+        dataclasses.replace gives for sections (no __post_init__, no init=False fields), without
+        calling __init__ field by field (the layout search builds tens of thousands of configs)."""
+        unknown = changes.keys() - self.__dataclass_fields__.keys()
+        if unknown:
+            raise TypeError(f"{type(self).__name__} has no field {', '.join(sorted(unknown))}")
+        copy = object.__new__(type(self))
+        state = copy.__dict__
+        state.update(self.__dict__)
+        state.pop("_frozen", None)
+        state.update(changes)
+        return copy
+
     @property
     def frozen(self) -> bool:
         return self.__dict__.get("_frozen", False)

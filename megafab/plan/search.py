@@ -1,11 +1,12 @@
 """The layout search: every layout the config accepts for a model, global batch and device count,
 what it needs in memory (megafab.plan.planner) and how long its step takes (step_time), ranked.
 
-Each candidate is the user's flags with the layout flags replaced (TP, PP, VPP, CP, micro-batch,
-recompute, sharding, sequence parallel). Its Config is built from the resolved base config's values
-with those fields changed and finalized again, and the config's own rules (Config.problems) decide
-whether it is valid: nothing is restated here. Every candidate shown is then rebuilt from its exact
-command line through megafab.arguments.config_from_args, so the printed flags are ones that start.
+Each candidate (megafab.plan.layout_candidate: config field names, flags spelled from the schema)
+is the user's flags with the layout flags replaced (TP, PP, VPP, CP, EP, ETP, micro-batch, recompute,
+sharding, sequence parallel). Its Config is the resolved base config with those fields replaced and
+finalized again, and the config's own rules (megafab.checks) decide whether it is valid: nothing is
+restated here. Every candidate shown is then rebuilt from its exact command line through
+megafab.arguments.config_from_args, so the printed flags are ones that start.
 
 Pruning, none of which drops a candidate that could rank first:
   - a candidate identical to a fitting one except for more recompute is slower by construction: for
@@ -32,25 +33,13 @@ from dataclasses import dataclass
 from megafab import checks
 from megafab.arguments import config_from_args
 from megafab.config import Config, ConfigError
+from megafab.config.schema import SECTIONS
+from megafab.layout import data_parallel_size, expert_data_parallel_size
+from megafab.plan.layout_candidate import RECOMPUTE, SHARDING, LayoutCandidate, strip_layout_flags
 from megafab.plan.planner import plan
 from megafab.plan.step_time import Prediction, predict
 
 GiB = 2.0**30
-
-# The flags a candidate sets (removed from the user's command line first), with their value counts.
-LAYOUT_FLAGS = {"--tensor-model-parallel-size": 1, "--pipeline-model-parallel-size": 1,
-                "--context-parallel-size": 1, "--num-layers-per-virtual-pipeline-stage": 1,
-                "--num-virtual-stages-per-pipeline-rank": 1, "--micro-batch-size": 1,
-                "--recompute-granularity": 1, "--recompute-method": 1, "--recompute-num-layers": 1,
-                "--recompute-modules": "*", "--sequence-parallel": 0, "--use-distributed-optimizer": 0,
-                "--use-torch-fsdp2": 0, "--overlap-param-gather": 0, "--dry-run": 0,
-                "--expert-model-parallel-size": 1, "--expert-tensor-parallel-size": 1}
-RECOMPUTE = {"none": [], "selective": ["--recompute-granularity", "selective"],
-             "full": ["--recompute-granularity", "full", "--recompute-method", "uniform",
-                      "--recompute-num-layers", "1"]}
-SHARDING = {"none": [], "distributed_optimizer": ["--use-distributed-optimizer"],
-            "fsdp2": ["--use-torch-fsdp2"]}
-
 
 @dataclass
 class Candidate:
@@ -84,27 +73,6 @@ class Candidate:
                 "host_gib": round(self.host_gib, 3), "step_time_s": p.step_time_s,
                 "tokens_per_s": p.tokens_per_s, "tflops_per_gpu": p.tflops_per_gpu, "mfu": p.mfu,
                 "breakdown": p.breakdown}
-
-
-def strip_layout_flags(argv: list[str]) -> list[str]:
-    """The user's flags without those a candidate sets."""
-    out, i = [], 0
-    while i < len(argv):
-        token = argv[i]
-        name = token.split("=", 1)[0]
-        if name not in LAYOUT_FLAGS:
-            out.append(token)
-            i += 1
-            continue
-        i += 1
-        if "=" in token or LAYOUT_FLAGS[name] == 0:
-            continue
-        if LAYOUT_FLAGS[name] == "*":
-            while i < len(argv) and not argv[i].startswith("--"):
-                i += 1
-        else:
-            i += 1
-    return out
 
 
 def _describe(cfg) -> tuple[str, str]:
@@ -148,35 +116,25 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _expert_layouts(base: Config, world: int, tp: int, pp: int) -> list[tuple[int, int]]:
-    """(EP, ETP) of an MoE model's candidates at (TP, PP): EP dividing the experts, ETP = TP or 1,
-    where the expert grid ETP x EP x PP divides the world (the rules judge each one); a dense model
-    has (1, TP) only."""
+def _expert_layouts(base: Config, world: int, tp: int, pp: int) -> list[dict]:
+    """EP and ETP (candidate fields) of an MoE model's candidates at (TP, PP): EP dividing the
+    experts, ETP = TP (unset) or 1, where the expert grid divides the world (the rules judge each
+    one); a dense model has EP 1, ETP unset only."""
     experts = base.moe.num_experts
     if experts is None:
-        return [(1, tp)]
-    return [(ep, etp) for etp in sorted({tp, 1}, reverse=True) for ep in _divisors(experts)
-            if world % (etp * ep * pp) == 0]
+        return [{}]
+    return [{"expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp}
+            for etp in ([None, 1] if tp > 1 else [None]) for ep in _divisors(experts)
+            if expert_data_parallel_size(world, tp, pp, ep, etp) is not None]
 
 
-def _layout_flags(tp, pp, vpp, cp, mbs, sp, sharding, recompute, overlap_param_gather, ep=1,
-                  etp=None) -> list[str]:
-    flags = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
-    if vpp > 1:
-        flags += ["--num-virtual-stages-per-pipeline-rank", str(vpp)]
-    if cp > 1:
-        flags += ["--context-parallel-size", str(cp)]
-    if ep > 1:
-        flags += ["--expert-model-parallel-size", str(ep)]
-    if etp is not None and etp != tp:
-        flags += ["--expert-tensor-parallel-size", str(etp)]
-    flags += ["--micro-batch-size", str(mbs)]
-    if sp:
-        flags.append("--sequence-parallel")
-    flags += SHARDING[sharding] + RECOMPUTE[recompute]
-    if overlap_param_gather and sharding == "distributed_optimizer":
-        flags.append("--overlap-param-gather")
-    return flags
+def _layout(tp, pp, vpp, cp, sp, sharding, experts: dict, **more) -> LayoutCandidate:
+    """The candidate of the search's loop values (vpp 1: not interleaved; sharding: a SHARDING name;
+    experts: an _expert_layouts entry; more: other candidate fields)."""
+    return LayoutCandidate(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                           num_virtual_stages_per_pipeline_rank=vpp if vpp > 1 else None,
+                           context_parallel_size=cp, sequence_parallel=sp, **experts, **SHARDING[sharding],
+                           **more)
 
 
 class _Builder:
@@ -189,57 +147,31 @@ class _Builder:
     def __init__(self, base: Config, user_flags: list[str], world: int, routing: str = "bound"):
         self.base, self.world, self.routing = base, world, routing
         self.memo: dict = {}  # layer passes shared by the layouts of this one model
-        self.section = {f.name: section.name for section in dataclasses.fields(Config)
-                        if dataclasses.is_dataclass(section.type if not isinstance(section.type, str)
-                                                    else getattr(base, section.name))
-                        for f in dataclasses.fields(getattr(base, section.name))}
-        self.reset = dict.fromkeys(self.DERIVED)
+        self.section = {f.name: name for name, section in SECTIONS.items()
+                        for f in dataclasses.fields(section)}
+        reset = list(self.DERIVED)
         if not any(f.split("=")[0] == "--ddp-bucket-size" for f in user_flags):
-            self.reset["ddp_bucket_size"] = None
+            reset.append("ddp_bucket_size")
+        self.reset: dict[str, dict] = {name: {} for name in SECTIONS}  # {section: {field: None}}
+        for name in reset:
+            self.reset[self.section[name]][name] = None
 
-    def build(self, tp, pp, vpp, cp, mbs, sp, sharding, recompute, overlap_param_gather, ep=1,
-              etp=None) -> Config | None:
-        values = dict(self.reset)
-        values.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                      context_parallel_size=cp, expert_model_parallel_size=ep,
-                      expert_tensor_parallel_size=tp if etp is None else etp,
-                      num_virtual_stages_per_pipeline_rank=vpp if vpp > 1 else None,
-                      num_layers_per_virtual_pipeline_stage=None, micro_batch_size=mbs, sequence_parallel=sp,
-                      use_distributed_optimizer=sharding == "distributed_optimizer",
-                      use_torch_fsdp2=sharding == "fsdp2",
-                      overlap_param_gather=overlap_param_gather and sharding == "distributed_optimizer",
-                      recompute_granularity=None if recompute == "none" else recompute,
-                      recompute_method="uniform" if recompute == "full" else None,
-                      recompute_num_layers=1 if recompute == "full" else None,
-                      recompute_modules=None)
-        by_section: dict[str, dict] = {name: {} for name in set(self.section.values())}
-        for name, value in values.items():
-            by_section[self.section[name]][name] = value
-        sections = {name: _writable_copy(getattr(self.base, name), changes)
-                    for name, changes in by_section.items()}
+    def build(self, cand: LayoutCandidate) -> Config | None:
+        """The candidate's finalized config, or None where a rule refuses it."""
+        changes = {section: dict(values) for section, values in self.reset.items()}
+        for name, value in cand.values().items():
+            changes[self.section[name]][name] = value
+        sections = {name: getattr(self.base, name).replaced(**values) for name, values in changes.items()}
         cfg = Config(**sections).finalize(self.world)
         return None if checks.problems(cfg) else cfg
 
 
-def _writable_copy(section, changes: dict):
-    """dataclasses.replace(section, **changes) of a frozen config section, a writable one with the
-    same fields (sections have no __post_init__ and no init=False fields), without calling
-    __init__ field by field: the search builds tens of thousands of configs."""
-    state = dict(section.__dict__)
-    state.pop("_frozen", None)
-    state.update(changes)
-    copy = object.__new__(type(section))
-    copy.__dict__.update(state)
-    return copy
-
-
-def _best_micro_batch(builder, machine, layout, dp, gbs, micro_batch_sizes, overlap_param_gather,
+def _best_micro_batch(builder, machine, layout: LayoutCandidate, dp, gbs, micro_batch_sizes,
                       tp_comm_overlap, kernels):
     """((built, valid, fitting), fastest fitting candidate) over micro-batch sizes and recompute for one
     layout and sharding. No recompute is planned first: where it fits, it is the fastest; where
     not, full recompute: where even that does not fit, nothing does, nor at any larger
     micro-batch; then selective."""
-    tp, pp, vpp, cp, sp, sharding, ep, etp = layout
     built = valid = fitting = 0
     best = None
     for mbs in micro_batch_sizes:
@@ -248,13 +180,14 @@ def _best_micro_batch(builder, machine, layout, dp, gbs, micro_batch_sizes, over
         planned, valid_here = {}, 0
         for recompute in ("none", "full", "selective"):
             built += 1
-            cfg = builder.build(tp, pp, vpp, cp, mbs, sp, sharding, recompute, overlap_param_gather, ep, etp)
+            cand = dataclasses.replace(layout, micro_batch_size=mbs, **RECOMPUTE[recompute])
+            cfg = builder.build(cand)
             if cfg is None:
                 continue
             valid, valid_here = valid + 1, valid_here + 1
             stages = plan(cfg, kernels, builder.routing)
             if fits(stages, machine):
-                planned[recompute] = (cfg, stages)
+                planned[recompute] = (cand, cfg, stages)
                 if recompute == "none":
                     break
             elif recompute == "full":
@@ -264,13 +197,12 @@ def _best_micro_batch(builder, machine, layout, dp, gbs, micro_batch_sizes, over
                 break  # valid but too big: larger micro-batches need more memory still
             continue
         recompute = next(r for r in RECOMPUTE if r in planned)
-        cfg, stages = planned[recompute]
+        cand, cfg, stages = planned[recompute]
         fitting += 1
-        cand = evaluate(cfg, machine, _layout_flags(tp, pp, vpp, cp, mbs, sp, sharding, recompute,
-                                                    overlap_param_gather, ep, etp), tp_comm_overlap, kernels,
-                        stages, builder.memo, builder.routing)
-        if best is None or cand.prediction.step_time_s < best.prediction.step_time_s:
-            best = cand
+        evaluated = evaluate(cfg, machine, cand.flags(), tp_comm_overlap, kernels, stages, builder.memo,
+                             builder.routing)
+        if best is None or evaluated.prediction.step_time_s < best.prediction.step_time_s:
+            best = evaluated
     return (built, valid, fitting), best
 
 
@@ -300,20 +232,20 @@ def search(user_argv: list[str], num_gpus: int, machine, top: int = 10, tp_comm_
     for tp in tps:
         for cp in [d for d in _divisors(num_gpus // tp) if d <= 16]:
             for pp in [d for d in _divisors(num_gpus // (tp * cp)) if d <= m.num_layers]:
-                dp = num_gpus // (tp * cp * pp)
+                dp = data_parallel_size(num_gpus, tp, cp, pp)
                 if gbs and gbs % dp:
                     continue
                 vpps = [1] + ([v for v in _divisors(m.num_layers // pp) if v > 1] if pp > 1 and
                               m.num_layers % pp == 0 else [])
-                for vpp, (ep, etp) in itertools.product(vpps, _expert_layouts(base, num_gpus, tp, pp)):
+                for vpp, experts in itertools.product(vpps, _expert_layouts(base, num_gpus, tp, pp)):
                     for sharding in ("distributed_optimizer", "fsdp2", "none"):
                         if sharding == "none" and dp * cp > 1:
                             continue
                         for sp in ([True, False] if tp > 1 else [False]):
-                            layout = (tp, pp, vpp, cp, sp, sharding, ep, etp)
-                            counts, cand = _best_micro_batch(
-                                builder, machine, layout, dp, gbs, micro_batch_sizes, overlap_param_gather,
-                                tp_comm_overlap, kernels)
+                            layout = _layout(tp, pp, vpp, cp, sp, sharding, experts, overlap_param_gather=(
+                                overlap_param_gather and sharding == "distributed_optimizer"))
+                            counts, cand = _best_micro_batch(builder, machine, layout, dp, gbs,
+                                                             micro_batch_sizes, tp_comm_overlap, kernels)
                             considered, valid = considered + counts[0], valid + counts[1]
                             fitting += counts[2]
                             if cand is None:
@@ -351,14 +283,14 @@ def every_valid_layout(user_argv: list[str], num_gpus: int, micro_batch_sizes=(1
             for pp in _divisors(num_gpus // (tp * cp)):
                 vpps = [1] + ([v for v in _divisors(layers // pp) if v > 1 and pp > 1]
                               if layers % pp == 0 else [])
-                for vpp, mbs, sharding, recompute, sp, (ep, etp) in itertools.product(
+                for vpp, mbs, sharding, recompute, sp, experts in itertools.product(
                         vpps, micro_batch_sizes, shardings, recomputes, [False, True] if tp > 1 else [False],
                         _expert_layouts(base, num_gpus, tp, pp)):
-                    cfg = builder.build(tp, pp, vpp, cp, mbs, sp, sharding, recompute, False, ep, etp)
+                    cand = _layout(tp, pp, vpp, cp, sp, sharding, experts, micro_batch_size=mbs,
+                                   **RECOMPUTE[recompute])
+                    cfg = builder.build(cand)
                     if cfg is not None:
-                        flags = user + _layout_flags(tp, pp, vpp, cp, mbs, sp, sharding, recompute, False, ep,
-                                                     etp)
-                        out.append((flags, cfg))
+                        out.append((user + cand.flags(), cfg))
     return out
 
 
