@@ -1,19 +1,17 @@
-"""The configuration's schema: one dataclass per concern, Megatron's names and defaults.
+"""The configuration's schema: one dataclass per concern, Megatron's names and defaults. Here: the
+run's sections (precision, optimizer, data, training, checkpoint, logging) and SECTIONS, the list of
+them all; the model's, the parallel layout's and MoE's are config/model.py, parallel.py and moe.py.
 
-Field names equal the `dest` of Megatron's argparse flags (``--num-layers`` -> ``num_layers``), so a
-Megatron user finds every knob under the name they know. Each field is declared once, with
-`option(...)`: its default, its help text and, where they differ from what the field implies, its
-flag spellings, choices, nargs, action, negation flag and argparse group. megafab/arguments.py
-builds the command line from these declarations and nothing else. Adding a flag is one field:
+Field names equal the `dest` of Megatron's argparse flags (``--num-layers`` -> ``num_layers``). Each
+field is declared once, with `option(...)`: its default, its help text and, where they differ from
+what the field implies, its flag spellings, choices, nargs, action, negation flag and argparse
+group; megafab/arguments.py builds the command line from these declarations and nothing else:
 
     window_size: int | None = option(None, help="Sliding attention window.")
 
-gives `--window-size N` (type int from the annotation, default None, the help in --help). A bool
-field with default False is a store_true flag; `flags=("--no-x",), action="store_false"` spells a
-field whose flag turns it off; `negation="--no-x"` adds a second, turning-off flag for a store_true
-field. Fields made by `derived(...)` have no flag: config/derive.py computes them in finalize.
-
-After `Config.finalize` every section is frozen: assigning a field raises FrozenInstanceError.
+gives `--window-size N`; a bool field with default False is a store_true flag (`negation="--no-x"`
+adds a turning-off one). `derived(...)` fields have no flag: config/derive.py computes them. After
+`Config.finalize` every section is frozen: assigning a field raises FrozenInstanceError.
 """
 
 from __future__ import annotations
@@ -23,211 +21,15 @@ import functools
 from dataclasses import dataclass
 
 from megafab.config.fields import Section, derived, option
+from megafab.config.model import ATTENTION_BACKENDS, ModelConfig
 from megafab.config.moe import MoEConfig
+from megafab.config.parallel import MEGATRON_FSDP_STRATEGIES, ParallelConfig
 
 CKPT_FORMATS = ("torch_dist", "torch")  # Megatron's distributed and legacy checkpoint formats
-ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
                    "Llama2Tokenizer", "HuggingFaceTokenizer", "TikTokenizer", "NullTokenizer")
-MEGATRON_FSDP_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-
-
-@dataclass
-class ModelConfig(Section):
-    num_layers: int | None = option(
-        None, help="Number of transformer layers in the whole model (all pipeline stages together).")
-    hidden_size: int | None = option(None, help="Width of the residual stream, h.")
-    ffn_hidden_size: int | None = option(
-        None, help="MLP inner width; default 4h, or int((4h * 2/3) / 64) * 64 with --swiglu.")
-    num_attention_heads: int | None = option(None, help="Number of query heads.")
-    kv_channels: int | None = option(
-        None, help="Width of one attention head; default hidden_size / num_attention_heads.")
-    group_query_attention: bool = option(
-        False, help="Share key/value heads among groups of query heads (GQA).")
-    num_query_groups: int | None = option(
-        None, help="Number of key/value heads with GQA; equals num_attention_heads without it.")
-    seq_length: int | None = option(None, help="Tokens per sample.")
-    max_position_embeddings: int | None = option(
-        None, help="Size of the learned position table; default seq_length.")
-    position_embedding_type: str = option(
-        "learned_absolute", choices=("learned_absolute", "rope", "none"),
-        help="learned_absolute, rope or none.")
-    rotary_base: int = option(10000, help="RoPE base (theta).")
-    rotary_percent: float = option(1.0, help="Fraction of each head's channels that RoPE rotates.")
-    normalization: str = option("LayerNorm", choices=("LayerNorm", "RMSNorm"), help="LayerNorm or RMSNorm.")
-    norm_epsilon: float = option(1e-5, help="Epsilon of every norm.")
-    swiglu: bool = option(False, help="SwiGLU MLP (gated SiLU) instead of GELU.")
-    openai_gelu: bool = option(
-        False, help="GELU in its tanh approximation (OpenAI GPT-2's gelu_new) instead of the exact erf GELU.")
-    squared_relu: bool = option(False, help="relu(x)^2 as the MLP activation instead of GELU.")
-    apply_layernorm_1p: bool = option(
-        False,
-        help="Zero-centered norm weight: every LayerNorm/RMSNorm computes norm(x) * (1 + weight) and its "
-             "weight starts at 0 (megatron-core's layernorm_zero_centered_gamma).")
-    qk_layernorm: bool = option(
-        False,
-        help="Normalize each head's queries and keys (q_layernorm / k_layernorm over kv_channels, the "
-             "--normalization type) before RoPE and attention.")
-    apply_residual_connection_post_layernorm: bool = option(
-        False,
-        help="Take the residual from the norm's output instead of its input (the original BERT order).")
-    attention_backend: str = option(
-        "auto", choices=ATTENTION_BACKENDS,
-        help="Attention kernel: auto (PyTorch SDPA picks), flash, fused (cuDNN / memory-efficient, CUDA "
-             "only), unfused or local (SDPA's math kernel).")
-    cross_entropy_loss_fusion: bool = option(
-        False,
-        help="Vocab-parallel cross entropy with the target logit and the sum of exponentials reduced over "
-             "TP in one all-reduce instead of two (megatron-core's fused cross entropy); same values.")
-    untie_embeddings_and_output_weights: bool = option(
-        False, help="Give the output layer its own weight instead of reusing the word embedding.")
-    add_bias_linear: bool = option(
-        True, flags=("--disable-bias-linear",), action="store_false",
-        help="Biases in the linear layers (--disable-bias-linear turns them off).")
-    add_qkv_bias: bool = option(
-        False, help="Bias in the QKV projection even when --disable-bias-linear is given.")
-    hidden_dropout: float = option(0.1, help="Dropout on the residual branches.")
-    attention_dropout: float = option(0.1, help="Dropout on attention probabilities.")
-    init_method_std: float = option(
-        0.02, help="Std of the normal init; output projections use std / sqrt(2 * num_layers).")
-    make_vocab_size_divisible_by: int = option(
-        128, help="Pad the vocabulary to a multiple of this times the tensor-parallel size.")
-    vocab_size: int | None = option(
-        None, help="Tokenizer vocabulary size (set from the tokenizer, or --vocab-size with NullTokenizer).")
-    padded_vocab_size: int | None = derived(
-        None, help="Derived: vocab_size padded to a multiple of make_vocab_size_divisible_by * tp.")
-    recompute_granularity: str | None = option(
-        None, choices=("full", "selective"), group="activation recompute",
-        help="Activation recompute: full or selective (core attention).")
-    recompute_method: str | None = option(
-        None, choices=("uniform", "block"), group="activation recompute",
-        help="With full recompute: uniform or block.")
-    recompute_num_layers: int | None = option(
-        None, group="activation recompute",
-        help="Layers per recompute unit (uniform) or recomputed layers per stage (block).")
-    recompute_modules: list[str] | None = option(
-        None, nargs="*", group="activation recompute",
-        help="With selective recompute: which modules (core_attn is supported).")
-    transformer_impl: str = option(
-        "local", choices=("local", "transformer_engine"),
-        flag_help="default: local, or transformer_engine with --fp8-format (TE needs a GPU)",
-        help="local (pure PyTorch) or transformer_engine (GPU only).")
-    compile_layers: bool = option(
-        False, flags=("--compile",),
-        flag_help="megafab only, not a Megatron flag: torch.compile each transformer layer",
-        help="megafab's own --compile (not a Megatron flag): wrap each transformer layer in torch.compile.")
-
-
-@dataclass
-class ParallelConfig(Section):
-    tensor_model_parallel_size: int = option(1, help="TP degree: ranks that split each layer's weights.")
-    pipeline_model_parallel_size: int = option(1, help="PP degree: stages the layers are split over.")
-    num_layers_per_virtual_pipeline_stage: int | None = option(
-        None, help="Layers per model chunk for the interleaved schedule.")
-    num_virtual_stages_per_pipeline_rank: int | None = option(
-        None, help="Model chunks per pipeline rank for the interleaved schedule (alternative to the above).")
-    decoder_first_pipeline_num_layers: int | None = option(
-        None, help="Transformer layers on the first pipeline stage; the other stages share the rest evenly.")
-    decoder_last_pipeline_num_layers: int | None = option(
-        None, help="Transformer layers on the last pipeline stage; the other stages share the rest evenly.")
-    account_for_embedding_in_pipeline_split: bool = option(
-        False,
-        help="Count the embedding as one layer when splitting layers over stages: the first stage (its "
-             "first virtual chunk) holds one transformer layer fewer.")
-    account_for_loss_in_pipeline_split: bool = option(
-        False,
-        help="Count the output layer + loss as one layer when splitting: the last stage (its last virtual "
-             "chunk) holds one transformer layer fewer.")
-    virtual_pipeline_model_parallel_size: int | None = derived(
-        None, help="Derived: model chunks per pipeline rank (vpp); None without interleaving.")
-    sequence_parallel: bool = option(
-        False, help="Shard activations along the sequence in the non-TP regions (needs TP > 1).")
-    context_parallel_size: int = option(
-        1,
-        help="CP degree: ranks that split every sequence; rank r holds chunks r and 2*cp-1-r of 2*cp "
-             "(Megatron's causal load balancing) and attention is exact across them.")
-    cp_comm_type: str = option(
-        "p2p", nargs="+",
-        flag_help="p2p, allgather (or all_gather) or a2a; one value for every layer",
-        help="How CP attention exchanges keys/values: p2p (ring, partial results merged by log-sum-exp), "
-             "allgather (all K/V gathered), a2a (DeepSpeed-Ulysses: heads scattered, sequence gathered).")
-    expert_model_parallel_size: int = option(
-        1,
-        help="EP degree: ranks that split each MoE layer's routed experts (each holds num_experts / EP), "
-             "folded over the same ranks as TP x CP x DP x PP.")
-    expert_tensor_parallel_size: int | None = option(
-        None,
-        help="ETP degree: ranks that split each routed expert's weights; default "
-             "--tensor-model-parallel-size (resolved at start-up).")
-    data_parallel_size: int | None = derived(None, help="Derived: world_size / (tp * cp * pp).")
-    world_size: int | None = derived(None, help="Derived: number of processes.")
-    use_distributed_optimizer: bool = option(
-        False, help="Shard fp32 main params and optimizer state across data-parallel ranks.")
-    overlap_grad_reduce: bool = option(False, help="Start each gradient bucket's reduction during backward.")
-    overlap_param_gather: bool = option(
-        False, help="Overlap the distributed optimizer's parameter all-gather with the next forward.")
-    ddp_bucket_size: int | None = option(
-        None, help="Elements per gradient bucket; default max(40M, 1M * dp).")
-    ddp_average_in_collective: bool = option(
-        False, help="Average the gradients inside the data-parallel collective (NCCL's ReduceOp.AVG) "
-                    "instead of scaling them by 1/DP before a sum; on gloo, which has no AVG, the "
-                    "sum after scaling is kept (the same values).")
-    gradient_accumulation_fusion: bool = option(
-        True, action="store_true", negation="--no-gradient-accumulation-fusion",
-        help="Add the linear layers' weight gradients straight into the fp32 main-grad buffer (Megatron's "
-             "default); --no-gradient-accumulation-fusion goes through param.grad and a hook instead.")
-    accumulate_allreduce_grads_in_fp32: bool = option(
-        True, action="store_true",
-        help="Keep main gradients in fp32 for bf16/fp16 models (turned off by --grad-reduce-in-bf16).")
-    grad_reduce_in_bf16: bool = option(
-        False,
-        help="Accumulate and reduce gradients over data parallel in bf16 (the DDP grad buffer's dtype); "
-             "the optimizer still steps fp32 main params.")
-    distributed_backend: str | None = option(
-        None, choices=("nccl", "gloo"), help="nccl or gloo; default nccl with CUDA, gloo without.")
-    distributed_timeout_minutes: float = option(
-        10,
-        help="Timeout of every collective; a frozen rank fails the others after this long (fractions of a "
-             "minute are accepted).")
-    use_torch_fsdp2: bool = option(
-        False, group="ZeRO-2/3 (FSDP) and optimizer CPU offload",
-        help="ZeRO-3 with torch FSDP2: parameters, gradients and optimizer state sharded over "
-             "data-parallel ranks, one FSDP unit per transformer layer plus the embedding/output (weight "
-             "gradients go through autograd: there is no main_grad buffer for gradient accumulation "
-             "fusion).")
-    use_megatron_fsdp: bool = option(
-        False,
-        flags=("--use-megatron-fsdp", "--use-custom-fsdp"),
-        group="ZeRO-2/3 (FSDP) and optimizer CPU offload",
-        help="Megatron-FSDP's flag: megafab runs the --data-parallel-sharding-strategy it asks for with "
-             "its own engines (DDP, the distributed optimizer, FSDP2), announced at start-up.")
-    data_parallel_sharding_strategy: str | None = option(
-        None,
-        choices=MEGATRON_FSDP_STRATEGIES,
-        group="ZeRO-2/3 (FSDP) and optimizer CPU offload",
-        help="With --use-megatron-fsdp: no_shard (ZeRO-0, replicated), optim (ZeRO-1, the distributed "
-             "optimizer), optim_grads (ZeRO-2: FSDP2 keeping gathered weights to the backward), "
-             "optim_grads_params (ZeRO-3: FSDP2, Megatron's default).")
-    torch_fsdp2_reshard_after_forward: bool = option(
-        True,
-        flags=("--torch-fsdp2-no-reshard-after-forward",),
-        action="store_false",
-        group="ZeRO-2/3 (FSDP) and optimizer CPU offload",
-        help="FSDP2 frees each unit's gathered weights after its forward and gathers them again for the "
-             "backward; --torch-fsdp2-no-reshard-after-forward keeps them (more memory, one all-gather "
-             "less).")
-    fully_sharded: bool = derived(
-        False,
-        help="Derived: FSDP2 runs (--use-torch-fsdp2, or --use-megatron-fsdp with optim_grads(_params)).")
-
-    @property
-    def fsdp_reshard_after_forward(self) -> bool:
-        """Whether FSDP2 frees gathered weights after forward (ZeRO-3; not Megatron-FSDP's optim_grads)."""
-        if self.use_megatron_fsdp and not self.use_torch_fsdp2:
-            return self.data_parallel_sharding_strategy != "optim_grads"
-        return self.torch_fsdp2_reshard_after_forward
 
 
 @dataclass
@@ -516,3 +318,9 @@ def flag_fields() -> list[tuple[str, dataclasses.Field]]:
 def field_docs() -> dict[str, str]:
     """{field name: its help text} for every field of every section."""
     return {f.name: f.metadata["help"] for section in SECTIONS.values() for f in dataclasses.fields(section)}
+
+
+__all__ = ["ATTENTION_BACKENDS", "CKPT_FORMATS", "DECAY_STYLES", "MEGATRON_FSDP_STRATEGIES", "SECTIONS",
+           "TOKENIZER_TYPES", "WSD_DECAY_STYLES", "CheckpointConfig", "DataConfig", "LoggingConfig",
+           "ModelConfig", "MoEConfig", "OptimizerConfig", "ParallelConfig", "PrecisionConfig", "Section",
+           "TrainingConfig", "derived", "field_docs", "flag_fields", "option"]

@@ -1,0 +1,98 @@
+"""The model section of the configuration (`cfg.model`): the GPT architecture (layers, widths, attention,
+positions, norms, activation, vocabulary), under Megatron's names and defaults. Fields are declared
+with `option(...)` as megafab/config/schema.py describes; the MoE fields are config/moe.py's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megafab.config.fields import Section, derived, option
+
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+
+
+@dataclass
+class ModelConfig(Section):
+    num_layers: int | None = option(
+        None, help="Number of transformer layers in the whole model (all pipeline stages together).")
+    hidden_size: int | None = option(None, help="Width of the residual stream, h.")
+    ffn_hidden_size: int | None = option(
+        None, help="MLP inner width; default 4h, or int((4h * 2/3) / 64) * 64 with --swiglu.")
+    num_attention_heads: int | None = option(None, help="Number of query heads.")
+    kv_channels: int | None = option(
+        None, help="Width of one attention head; default hidden_size / num_attention_heads.")
+    group_query_attention: bool = option(
+        False, help="Share key/value heads among groups of query heads (GQA).")
+    num_query_groups: int | None = option(
+        None, help="Number of key/value heads with GQA; equals num_attention_heads without it.")
+    seq_length: int | None = option(None, help="Tokens per sample.")
+    max_position_embeddings: int | None = option(
+        None, help="Size of the learned position table; default seq_length.")
+    position_embedding_type: str = option(
+        "learned_absolute", choices=("learned_absolute", "rope", "none"),
+        help="learned_absolute, rope or none.")
+    rotary_base: int = option(10000, help="RoPE base (theta).")
+    rotary_percent: float = option(1.0, help="Fraction of each head's channels that RoPE rotates.")
+    normalization: str = option("LayerNorm", choices=("LayerNorm", "RMSNorm"), help="LayerNorm or RMSNorm.")
+    norm_epsilon: float = option(1e-5, help="Epsilon of every norm.")
+    swiglu: bool = option(False, help="SwiGLU MLP (gated SiLU) instead of GELU.")
+    openai_gelu: bool = option(
+        False, help="GELU in its tanh approximation (OpenAI GPT-2's gelu_new) instead of the exact erf GELU.")
+    squared_relu: bool = option(False, help="relu(x)^2 as the MLP activation instead of GELU.")
+    apply_layernorm_1p: bool = option(
+        False,
+        help="Zero-centered norm weight: every LayerNorm/RMSNorm computes norm(x) * (1 + weight) and its "
+             "weight starts at 0 (megatron-core's layernorm_zero_centered_gamma).")
+    qk_layernorm: bool = option(
+        False,
+        help="Normalize each head's queries and keys (q_layernorm / k_layernorm over kv_channels, the "
+             "--normalization type) before RoPE and attention.")
+    apply_residual_connection_post_layernorm: bool = option(
+        False,
+        help="Take the residual from the norm's output instead of its input (the original BERT order).")
+    attention_backend: str = option(
+        "auto", choices=ATTENTION_BACKENDS,
+        help="Attention kernel: auto (PyTorch SDPA picks), flash, fused (cuDNN / memory-efficient, CUDA "
+             "only), unfused or local (SDPA's math kernel).")
+    cross_entropy_loss_fusion: bool = option(
+        False,
+        help="Vocab-parallel cross entropy with the target logit and the sum of exponentials reduced over "
+             "TP in one all-reduce instead of two (megatron-core's fused cross entropy); same values.")
+    untie_embeddings_and_output_weights: bool = option(
+        False, help="Give the output layer its own weight instead of reusing the word embedding.")
+    add_bias_linear: bool = option(
+        True, flags=("--disable-bias-linear",), action="store_false",
+        help="Biases in the linear layers (--disable-bias-linear turns them off).")
+    add_qkv_bias: bool = option(
+        False, help="Bias in the QKV projection even when --disable-bias-linear is given.")
+    hidden_dropout: float = option(0.1, help="Dropout on the residual branches.")
+    attention_dropout: float = option(0.1, help="Dropout on attention probabilities.")
+    init_method_std: float = option(
+        0.02, help="Std of the normal init; output projections use std / sqrt(2 * num_layers).")
+    make_vocab_size_divisible_by: int = option(
+        128, help="Pad the vocabulary to a multiple of this times the tensor-parallel size.")
+    vocab_size: int | None = option(
+        None, help="Tokenizer vocabulary size (set from the tokenizer, or --vocab-size with NullTokenizer).")
+    padded_vocab_size: int | None = derived(
+        None, help="Derived: vocab_size padded to a multiple of make_vocab_size_divisible_by * tp.")
+    recompute_granularity: str | None = option(
+        None, choices=("full", "selective"), group="activation recompute",
+        help="Activation recompute: full or selective (core attention).")
+    recompute_method: str | None = option(
+        None, choices=("uniform", "block"), group="activation recompute",
+        help="With full recompute: uniform or block.")
+    recompute_num_layers: int | None = option(
+        None, group="activation recompute",
+        help="Layers per recompute unit (uniform) or recomputed layers per stage (block).")
+    recompute_modules: list[str] | None = option(
+        None, nargs="*", group="activation recompute",
+        help="With selective recompute: which modules (core_attn is supported).")
+    transformer_impl: str = option(
+        "local", choices=("local", "transformer_engine"),
+        flag_help="default: local, or transformer_engine with --fp8-format (TE needs a GPU)",
+        help="local (pure PyTorch) or transformer_engine (GPU only).")
+    compile_layers: bool = option(
+        False, flags=("--compile",),
+        flag_help="megafab only, not a Megatron flag: torch.compile each transformer layer",
+        help="megafab's own --compile (not a Megatron flag): wrap each transformer layer in torch.compile.")
