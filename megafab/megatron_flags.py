@@ -7,12 +7,14 @@ so is a refused flag given one of its `no_effect` values (--rerun-mode validate_
 default). Both take the values Megatron's parser gives them (NARGS), so the rest of a Megatron
 command line parses as Megatron's would. Every other Megatron flag megafab knows is parsed into the
 config and honoured. tests/config/test_megatron_flag_census.py checks all of Megatron-LM 0.16.1's
-flags against this.
+flags against this. The no-effect entries and their reasons are megatron_flags_no_effect.py's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from megafab import megatron_flags_no_effect as no_effect_flags
 
 NOT_YET = "not implemented in megafab yet"
 FSDP = ("megafab runs Megatron-FSDP's sharding strategies on torch FSDP2 (--use-megatron-fsdp), "
@@ -116,48 +118,8 @@ REFUSED: dict[str, Refused] = {
         "checkpoint keys are ignored (Megatron's default)", off=("assume_ok_unexpected",)),
 }
 
-KERNELS = "a kernel-fusion choice of Megatron's; megafab runs these ops in eager PyTorch (--compile fuses)"
-
-NO_EFFECT: dict[str, str] = {
-    "--moe-extended-tp": "deprecated since megatron-core 0.10, which ignores it too; "
-                         "--expert-tensor-parallel-size sets the experts' TP",
-    "--use-mcore-models": "megafab's model is megatron-core's GPTModel; there is no other to choose",
-    "--use-flash-attn": "PyTorch SDPA uses flash attention where it can; choose with --attention-backend",
-    "--no-masked-softmax-fusion": "the softmax runs inside PyTorch's SDPA kernel",
-    "--masked-softmax-fusion": "the softmax runs inside PyTorch's SDPA kernel",
-    "--attention-softmax-in-fp32": "the softmax runs inside PyTorch's SDPA kernel",
-    "--no-bias-gelu-fusion": KERNELS,
-    "--bias-gelu-fusion": KERNELS,
-    "--bias-swiglu-fusion": KERNELS,
-    "--no-bias-swiglu-fusion": KERNELS,
-    "--no-bias-dropout-fusion": KERNELS,
-    "--bias-dropout-fusion": KERNELS,
-    "--no-rope-fusion": KERNELS,
-    "--no-persist-layer-norm": "persistent LayerNorm is an Apex kernel; megafab uses PyTorch's norms",
-    "--no-async-tensor-model-parallel-allreduce": "deprecated in Megatron-LM; nothing to turn off",
-    "--use-torch-optimizer-for-cpu-offload": "megafab's optimizer CPU offload always steps with torch's "
-                                             "AdamW (fused where torch has it)",
-    "--overlap-cpu-optimizer-d2h-h2d": "megafab's optimizer CPU offload always overlaps its copies with "
-                                       "the CPU step on CUDA (and has nothing to overlap on CPU)",
-    "--init-model-with-meta-device": "always on with --use-torch-fsdp2 (Megatron: FSDP only): the model "
-                                     "is built on the meta device, each rank's shards filled one layer "
-                                     "at a time; DDP and the distributed optimizer hold every weight",
-    "--use-dist-ckpt": "deprecated in Megatron-LM (see --ckpt-format); torch_dist is the default",
-    "--ckpt-fully-parallel-save": "every rank writes only its own boxes of a torch_dist checkpoint",
-    "--no-ckpt-fully-parallel-save": "every rank writes only its own boxes of a torch_dist checkpoint",
-    "--ckpt-fully-parallel-load": "every rank reads only its own boxes of a torch_dist checkpoint",
-    "--dist-ckpt-optim-fully-reshardable": "megafab's torch_dist optimizer state is always fully "
-                                           "reshardable (Megatron's fully_reshardable layout)",
-    "--ckpt-assume-constant-structure": "megafab plans every save anew",
-}
-
-
 def _refuse(reason: str, spec: str) -> None:
     REFUSED.update(dict.fromkeys(_values(spec), Refused(reason)))
-
-
-def _no_effect(reason: str, spec: str) -> None:
-    NO_EFFECT.update(dict.fromkeys(_values(spec), reason))
 
 
 # ---- Megatron-LM 0.16.1's other flags, by family (tests/config/test_megatron_flag_census.py checks
@@ -207,10 +169,6 @@ _PROCESS_GROUPS = f"this process-group option is {NOT_YET}"
 _VALIDATION = f"this validation mode is {NOT_YET}; megafab evaluates --eval-iters batches of the " \
     f"validation split"
 _DETERMINISM = f"deterministic / batch-invariant kernels are {NOT_YET}"
-_TIMING = "changes only when or how fast communication or GPU work runs, never a result; megafab has " \
-    "no such setting"
-_ONLY_WITH = "only with {}, which megafab refuses; Megatron ignores it too without that"
-
 REFUSED.update({
     "--batch-size": Refused("removed in Megatron-LM, which stops on it; use --micro-batch-size"),
     "--warmup": Refused("removed in Megatron-LM, which stops on it; use --lr-warmup-fraction, "
@@ -385,53 +343,12 @@ _refuse(f"this training-loop option of Megatron's is {NOT_YET}", """--iterations
     --phase-transition-iterations V --decrease-batch-size-if-needed
     --check-weight-hash-across-dp-replicas-interval V --enable-experimental --test-mode""")
 
-NO_EFFECT.update({
-    "--disable-async-tensor-model-parallel-allreduce":
-        NO_EFFECT["--no-async-tensor-model-parallel-allreduce"],
-    "--disable-ckpt-fully-parallel-save": NO_EFFECT["--no-ckpt-fully-parallel-save"],
-    "--dist-ckpt-format": "deprecated in Megatron-LM, which ignores it too; --ckpt-format selects the format",
-    "--fp8-interval": "deprecated: Transformer Engine ignores it since v1.8, and megafab does not pass it",
-    "--use-cpu-initialization": "megafab always draws each weight's full tensor on the CPU from its own "
-                                "(seed, parameter name) generator, so every TP / PP layout starts from the "
-                                "one-process values (what Megatron's CPU initialization is for)",
-    "--no-initialization": "megafab always initializes the weights; --load then overwrites them",
-    "--local-rank": "megafab takes the local rank from LOCAL_RANK, which torchrun sets (Megatron's default "
-                    "for this flag)",
-    "--disable-gloo-process-groups": "megafab makes every process group on the run's one backend: no Gloo "
-                                     "side groups beside NCCL ones",
-    "--disable-jit-fuser": "megafab leaves megatron-core's jit_fuser as it is: it fuses elementwise kernels, "
-                           "it does not change their formulas",
-    "--no-gradient-reduce-div-fusion": "megafab scales gradients by 1/DP itself (or reduces with AVG); it "
-                                       "has no fused division to turn off",
-    "--no-clone-scatter-output-in-embedding": "a memory-release detail of the embedding under sequence "
-                                              "parallelism; values are the same either way",
-    "--disable-clone-scatter-output-in-embedding": "a memory-release detail of the embedding under sequence "
-                                                   "parallelism; values are the same either way",
-    "--no-one-logger": "megafab has no one-logger telemetry to turn off",
-    "--disable-msc": "megafab reads local files only; there is no Multi-Storage Client to turn off",
-    "--no-strict-fsdp-dtensor-load": "only with --ckpt-format fsdp_dtensor, a format megafab does not have",
-    "--disable-strict-fsdp-dtensor-load": "only with --ckpt-format fsdp_dtensor, a format megafab does not "
-                                          "have",
-    "--no-use-tokenizer-model-from-checkpoint-args": _ONLY_WITH.format("--use-checkpoint-args"),
-    "--disable-use-tokenizer-model-from-checkpoint-args": _ONLY_WITH.format("--use-checkpoint-args"),
-    "--use-persistent-ckpt-worker": _ONLY_WITH.format("--async-save"),
-    "--memory-snapshot-path": _ONLY_WITH.format("--record-memory-history"),
-    "--disable-straggler-on-startup": _ONLY_WITH.format("--log-straggler"),
-    "--ep-overlap-early-attn-memory-release": _ONLY_WITH.format("--overlap-moe-expert-parallel-comm"),
-    "--disable-symmetric-registration": _ONLY_WITH.format("--use-nccl-ub"),
-})
-_no_effect(_ONLY_WITH.format("--tp-comm-overlap"), """--no-tp-comm-bulk-wgrad --disable-tp-comm-bulk-wgrad
-    --no-tp-comm-bulk-dgrad --disable-tp-comm-bulk-dgrad --no-tp-comm-overlap-ag
-    --disable-tp-comm-overlap-ag --no-tp-comm-overlap-rs --disable-tp-comm-overlap-rs
-    --tp-comm-overlap-rs-dgrad --no-tp-comm-split-ag --disable-tp-comm-split-ag --no-tp-comm-split-rs
-    --disable-tp-comm-split-rs --tp-comm-overlap-cfg V --tp-comm-bootstrap-backend V""")
-_no_effect(_TIMING, """--no-align-grad-reduce --no-align-param-gather --no-overlap-p2p-communication
-    --overlap-p2p-communication-warmup-flush --overlap-param-gather-with-optimizer-step
-    --no-scatter-gather-tensors-in-pipeline --high-priority-stream-groups V* --create-all-gather-group
-    --defer-embedding-wgrad-compute --wgrad-deferral-limit V --train-sync-interval V""")
+# Flags accepted without effect (megatron_flags_no_effect.py): the listed ones, then each family.
+NO_EFFECT: dict[str, str] = dict(no_effect_flags.LISTED)
+for _reason, _spec in no_effect_flags.FAMILIES:
+    NO_EFFECT.update(dict.fromkeys(_values(_spec), _reason))
 
-
-# The valued flags of the dicts above (the families' specs name their own). Flags of other Megatron-LM
+# The valued flags of REFUSED's entries above (the families' specs name their own). Flags of other Megatron-LM
 # versions than 0.16.1: --retro-project-dir (older) takes one value; --step-batch-size-schedule (after
 # 0.16) takes whatever follows it up to the next flag, as a schedule split into words.
 _values("--retro-project-dir V --step-batch-size-schedule V*")
@@ -444,8 +361,8 @@ _values("""--hierarchical-context-parallel-sizes V+ --moe-upcycling-granularity 
     --error-injection-rate V --cuda-graph-impl V --cpu-offloading-num-layers V --softmax-type V
     --rope-type V --glu-linear-offset V --head-lr-mult V --weight-decay-incr-style V
     --main-grads-dtype V --main-params-dtype V --exp-avg-dtype V --exp-avg-sq-dtype V
-    --cross-entropy-fusion-impl V --outer-dp-sharding-strategy V --dataloader-type V --vocab-extra-ids V
-    --dist-ckpt-format V --fp8-interval V --local-rank V --memory-snapshot-path V""")
+    --cross-entropy-fusion-impl V --outer-dp-sharding-strategy V --dataloader-type V --vocab-extra-ids V""")
+_values(no_effect_flags.VALUED)
 
 
 def refused_problem(flag: str) -> str:
