@@ -89,9 +89,8 @@ def layer_units(layers: Iterable[nn.Module]) -> list[nn.Module]:
     attention block and its MLP (SUB_BLOCKS, where they run a forward of their own: not the
     Transformer Engine layer's plain containers), then the layer itself (what is left: its norms).
     A unit per sub-block rather than per layer keeps FSDP2's working set (a unit's gathered
-    weights and unsharded gradient, the next unit's gather) to the MLP's two-thirds of a layer:
-    about 1.5 layers at once where a unit per layer held about 4 layers' fp32 weights (DP 8,
-    benchmarks/README.md `memory.py --peaks`). The root's weights are gathered and its gradient
+    weights and unsharded gradient, the next unit's gather) to the MLP's two-thirds of a layer
+    (measured: benchmarks/README.md, `memory.py --peaks`). The root's weights are gathered and its gradient
     unsharded through the whole backward (the tied output layer's backward comes first, the
     embedding's last)."""
     units: list[nn.Module] = []

@@ -174,7 +174,7 @@ def _post_processor_wrap(tok) -> tuple[list[int], list[int]]:
 
 def _gigatoken(spec: TokenizerSpec, vocab_size: int, eod: int) -> Encoder | None:
     """The gigatoken engine for spec, or None where gigatoken does not cover this tokenizer. Its Rust
-    kernels run GPT-2 BPE ~10-20x faster than the tokenizers library on one core."""
+    kernels run GPT-2 BPE far faster than the tokenizers library (benchmarks/README.md, Data)."""
     import gigatoken
 
     kind = spec.tokenizer_type

@@ -139,10 +139,10 @@ def _run_pass(ray, plan: Plan, units: list[Unit], phase: str, drops: dict, parts
 
 
 def run_ray(plan: Plan, address: str, parts_dir: str | None = None) -> Summary:
-    """The plan's input through Ray into prefix_KEY_document.bin/.idx. The driver holds the
-    fingerprints (16 bytes + one 128-permutation signature per document) and the LSH buckets
-    (~0.7 KB a document in flight, ~130 B kept): tens of millions of documents per run; beyond
-    that, shard the corpus into runs and merge."""
+    """The plan's input through Ray into prefix_KEY_document.bin/.idx. With dedup the driver holds
+    every document's fingerprints (16 bytes + one 128-permutation signature) and the LSH buckets, so
+    one run takes tens of millions of documents (benchmarks/README.md, Data); beyond that, shard the
+    corpus into runs and merge."""
     ray = _start_ray(address, plan.workers)
     workers = plan.workers if address == "local" else int(ray.cluster_resources().get("CPU", plan.workers))
     parts_dir = parts_dir or f"{plan.output_prefix}_parts"
