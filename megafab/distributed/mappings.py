@@ -1,27 +1,14 @@
 """Paired autograd collectives for tensor, sequence and expert parallelism.
 
-Each public function applies one collective in the forward pass and its adjoint in the backward
-pass, over the process group it is given. With `group=None` or a group of one rank every function
-returns its input unchanged (the 1-rank bypass), so single-process code runs the same layers.
+Each public function applies one collective forward and its adjoint backward, over the group it is
+given; with `group=None` or a one-rank group it returns its input unchanged, so single-process code
+runs the same layers. Megatron-LM's names (f, g: Shoeybi et al. 2019; SP's: Korthikanti et al. 2022):
 
-Names follow Megatron-LM; the paper names are
-
-    Megatron-LM (Shoeybi et al. 2019), Fig. 3:
-        f      copy_to_tensor_model_parallel_region          fwd identity      bwd all-reduce
-        g      reduce_from_tensor_model_parallel_region      fwd all-reduce    bwd identity
-    Sequence parallelism (Korthikanti et al. 2022), Fig. 5:
-        g      gather_from_sequence_parallel_region          fwd all-gather    bwd reduce-scatter
-        g-bar  reduce_scatter_to_sequence_parallel_region    fwd reduce-scatter bwd all-gather
-
-    Expert parallelism (megatron-core's MoE token dispatchers):
-        all_to_all                                   fwd all-to-all    bwd all-to-all reversed
-
-The two SP functions also take uneven dim-0 sizes (output_split_sizes / input_split_sizes), which
-the MoE dispatchers need: every rank holds however many rows its router sent.
-
-Neither paper names an f-bar: with SP the f before a column-parallel block becomes g and the g
-after a row-parallel block becomes g-bar. The last-dim scatter/gather and the sequence scatter have
-no paper name; they convert between layouts.
+    f      copy_to_tensor_model_parallel_region        fwd identity        bwd all-reduce
+    g      reduce_from_tensor_model_parallel_region    fwd all-reduce      bwd identity
+    g      gather_from_sequence_parallel_region        fwd all-gather      bwd reduce-scatter
+    g-bar  reduce_scatter_to_sequence_parallel_region  fwd reduce-scatter  bwd all-gather
+           all_to_all (MoE token dispatchers)          fwd all-to-all      bwd all-to-all reversed
 
 Tensors are [s, b, h]: the tensor-parallel split is along the last dim, the sequence-parallel split
 along dim 0. Collectives run on contiguous tensors and never write into the caller's tensor.
@@ -293,7 +280,11 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, group, tensor_parallel
     consumer (a ColumnParallelLinear) leaves each rank a partial gradient of the full sequence.
     With tensor_parallel_output_grad=False the consumer's gradient is already complete and
     identical on every rank, so backward only keeps this rank's chunk. output_split_sizes[r]: the
-    rows of rank r when they differ (None: every rank holds x.shape[0]).
+    rows of rank r when they differ (None: every rank holds x.shape[0]), as the MoE dispatchers
+    need: every rank holds however many rows its router sent.
+
+    Neither paper names an f-bar: with SP the f before a column-parallel block becomes this g, and
+    the g after a row-parallel block becomes g-bar.
     """
     if group_size(group) == 1:
         return x
