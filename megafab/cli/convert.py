@@ -21,7 +21,6 @@
 
 Converted checkpoints hold weights only: continue from them with --finetune. Flags are named as in
 Megatron-LM's tools/checkpoint/convert.py (--load-dir, --save-dir, --saver, --target-*-parallel-size).
-The target layout is checked against the model (megafab.checks) before any tensor is read.
 """
 
 from __future__ import annotations
