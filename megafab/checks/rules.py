@@ -79,7 +79,8 @@ def model_problems(cfg) -> list[str]:
         out.append(f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {heads}; "
                    f"give --kv-channels explicitly or change one of them")
     ffn = m.ffn_hidden_size
-    if ffn and cfg.moe.num_experts is None and tp >= 1 and ffn % tp:  # experts: moe_problems
+    # experts: moe_problems; heads that TP cannot split are the one mistake (a derived width follows)
+    if ffn and cfg.moe.num_experts is None and tp >= 1 and ffn % tp and not (heads and heads % tp):
         out.append(f"--ffn-hidden-size {ffn} is not divisible by --tensor-model-parallel-size {tp}; each "
                    f"TP rank holds an equal slice of the MLP: pick a TP size that divides {ffn}")
     if m.seq_length and m.max_position_embeddings and m.seq_length > m.max_position_embeddings:
