@@ -17,16 +17,16 @@ from megafab.checkpoint.vocab import padded_rows
 from megafab.config import Config, ModelConfig
 from megafab.config.derive import derive_model
 from megafab.errors import MegafabError
-from megafab.param_names import (
-    EXPERT_BIAS,
-    EXPERTS,
+from megafab.param_names import (  # noqa: F401 (OUTPUT_LAYER, WORD_EMBEDDING: the formats read them here)
     OUTPUT_LAYER,
-    ROUTER,
-    SHARED_EXPERTS,
     WORD_EMBEDDING,
+    experts_name,
+    is_moe_name,
     layer_prefix,
+    parse_index,
     sequential_expert,
 )
+from megafab.plan.inventory import Inventory
 
 POSITION_EMBEDDING = "embedding.position_embeddings.weight"
 FINAL_NORM = "decoder.final_layernorm"
@@ -85,46 +85,22 @@ def finalize_model_config(flat: dict, tp: int = 1) -> ModelConfig:
 
 def expected_keys(m: ModelConfig, moe=None) -> set[str]:
     """Every key a full megafab state dict of this model has (moe: cfg.moe of a mixture-of-experts
-    model; its MoE layers hold moe_keys instead of the dense MLP)."""
-    keys = {WORD_EMBEDDING, FINAL_NORM + ".weight"}
-    if m.position_embedding_type == "learned_absolute":
-        keys.add(POSITION_EMBEDDING)
-    if m.normalization == "LayerNorm":
-        keys.add(FINAL_NORM + ".bias")
-    if m.untie_embeddings_and_output_weights:
-        keys.add(OUTPUT_LAYER)
+    model): the state-dict keys of the one-process model the engine builds (megafab.plan.inventory),
+    routed experts under their checkpoint names; a tied output layer has none."""
+    inv = Inventory(m, moe)
+    keys = {experts_name(k) for k in inv.ends(True, True).keys}
     for i in range(m.num_layers):
-        p = layer_prefix(i)
-        linears = ["self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
-                   "mlp.linear_fc2"]
-        if moe is not None and moe.is_moe_layer(i):
-            linears = linears[:2]
-            keys.update(p + n for n in moe_keys(m, moe))
-        keys.update(p + n + ".weight" for n in linears)
-        if m.add_bias_linear:
-            keys.update(p + n + ".bias" for n in linears)
-        elif m.add_qkv_bias:
-            keys.add(p + "self_attention.linear_qkv.bias")
-        for norm in layer_norm_names(m):
-            keys.add(p + norm + ".weight")
-            if m.normalization == "LayerNorm":
-                keys.add(p + norm + ".bias")
+        keys.update(experts_name(k) for k in inv.named_layer(i).keys)
     return keys
 
 
 def moe_keys(m: ModelConfig, moe) -> list[str]:
     """The layer-relative keys of an MoE layer's MLP in a full state dict: the router, the routed
     experts under their grouped names [E, out, in] (param_names.py), the shared experts."""
-    out = [ROUTER + "weight", EXPERTS + "linear_fc1.weight", EXPERTS + "linear_fc2.weight"]
-    if m.add_bias_linear:
-        out += [ROUTER + "bias", EXPERTS + "linear_fc1.bias", EXPERTS + "linear_fc2.bias"]
-    if moe.moe_router_enable_expert_bias:
-        out.append(EXPERT_BIAS)
-    if moe.moe_shared_expert_intermediate_size is not None:
-        out += [SHARED_EXPERTS + "linear_fc1.weight", SHARED_EXPERTS + "linear_fc2.weight"]
-        if moe.moe_shared_expert_gate:
-            out.append(SHARED_EXPERTS + "gate_weight")
-    return out
+    inv = Inventory(m, moe)
+    index = next(i for i in range(m.num_layers) if inv.layer(i).expert)
+    suffixes = (parse_index(experts_name(k))[1] for k in inv.named_layer(index).keys)
+    return list(dict.fromkeys(k for k in suffixes if is_moe_name(k)))
 
 
 def module_state_dict(sd: dict[str, torch.Tensor], names) -> dict[str, torch.Tensor]:

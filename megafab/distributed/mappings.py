@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megafab.distributed.sized_group import SizedGroup
 from megafab.errors import MegafabError
 
 # torch renamed the single-tensor collectives; the old names still work but warn.
@@ -31,13 +32,17 @@ class ShardingError(MegafabError):
 
 
 def group_size(group) -> int:
-    """Ranks in `group`; None means no parallelism (1)."""
-    return 1 if group is None else dist.get_world_size(group)
+    """Ranks in `group`; None means no parallelism (1); a SizedGroup (building without groups) its size."""
+    if group is None:
+        return 1
+    return group.size if isinstance(group, SizedGroup) else dist.get_world_size(group)
 
 
 def group_rank(group) -> int:
     """This process's rank inside `group`; 0 when group is None."""
-    return 0 if group is None else dist.get_rank(group)
+    if group is None:
+        return 0
+    return group.rank if isinstance(group, SizedGroup) else dist.get_rank(group)
 
 
 def _check_divisible(size: int, world: int, what: str) -> None:

@@ -7,34 +7,52 @@ dense model FLOPs of forward + backward (backward = 2x forward) without recomput
 
 derived from: per layer 24 B s h^2 in the QKV/projection/MLP matmuls (ffn = 4h) plus 4 B s^2 h in
 attention scores and context, and 2 B s h V for the logits; times 3 for forward + backward.
-Here the general form counts GQA, SwiGLU and any ffn size, and reduces to the above for the
-GPT-3 shape. An MoE layer's MLP counts its k routed experts and the shared experts, as Megatron's
-num_floating_point_operations does (megafab.plan.moe.mlp_flops_per_token). Attention counts the full
-s x s score and context matrices (Megatron-LM up to core 0.15; 0.16 counts the causal half, 2 s^2
-a d less per layer and sequence in forward).
+Here each layer's matmuls are read off the layer the engine builds (megafab.plan.inventory): 2 FLOPs
+per token for each element of its linear weights, as Megatron's num_floating_point_operations counts
+(GQA, SwiGLU, any ffn size; an MoE layer's k routed experts and its shared experts, not the router's
+2 h E nor the shared experts' gate); it reduces to the above for the GPT-3 shape. Attention counts the
+full s x s score and context matrices (Megatron-LM up to core 0.15; 0.16 counts the causal half,
+2 s^2 a d less per layer and sequence in forward).
 """
 
 from __future__ import annotations
 
+import functools
+
 from megafab.config.moe import moe_settings
-from megafab.plan.moe import is_moe_layer, mlp_flops_per_token
+from megafab.param_names import ROUTER, parse_index
+from megafab.plan.inventory import Inventory, Part
 
 # Dense bf16 peak TFLOP/s by GPU name fragment (vendor datasheets).
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "V100": 125.0}
 
 
+@functools.cache
+def matmul_weights(part: Part, topk: int = 0) -> int:
+    """Linear-weight elements one token passes through in a layer: its `.weight` tensors of two or
+    more dims (norms, biases and the shared experts' gate vector are not matmuls), the router's left
+    out as Megatron does, the routed experts at topk of the rank's local ones."""
+    dense = expert = 0
+    for t in part.tensors:
+        if len(t.shape) < 2 or not t.name.endswith(".weight") or parse_index(t.name)[1].startswith(ROUTER):
+            continue
+        if t.expert:
+            expert += t.numel
+        else:
+            dense += t.numel
+    return dense + (expert // part.local_experts * topk if expert else 0)
+
+
 def flops_per_iteration(cfg, batch_samples: int) -> float:
     m = cfg.model
-    s, h, n_layers = m.seq_length, m.hidden_size, m.num_layers
-    d, heads, groups = m.kv_channels, m.num_attention_heads, m.num_query_groups
-    vocab = m.padded_vocab_size
-    qkv = 2 * s * h * (heads + 2 * groups) * d
-    proj = 2 * s * heads * d * h
-    attn = 2 * 2 * s * s * heads * d  # scores and context (full matrices: see the docstring)
+    s, h = m.seq_length, m.hidden_size
     moe = moe_settings(cfg)
-    mlp = sum(s * mlp_flops_per_token(m, moe, is_moe_layer(moe, i)) for i in range(n_layers))
-    logits = 2 * s * h * vocab
-    forward = n_layers * (qkv + proj + attn) + mlp + logits
+    layers = Inventory(m, moe)  # TP 1: the whole layers
+    topk = moe.moe_router_topk if moe is not None else 0
+    matmuls = sum(matmul_weights(layers.layer(i), topk) for i in range(m.num_layers))
+    attn = 2 * 2 * s * s * m.num_attention_heads * m.kv_channels  # scores and context (see the docstring)
+    logits = 2 * s * h * m.padded_vocab_size
+    forward = 2 * s * matmuls + m.num_layers * attn + logits
     return 3.0 * forward * batch_samples
 
 

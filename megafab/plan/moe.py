@@ -1,26 +1,13 @@
-"""Mixture-of-experts terms of the plan, from the model's sizes and the MoE settings alone.
+"""Mixture-of-experts terms of the plan: an MoE layer's parameters as the engine builds them
+(megafab.plan.inventory: router, shared experts, the rank's routed experts), its routed rows, what
+its MLP keeps for backward and its dispatcher's buffers.
 
-Notation as megafab.plan.planner; E routed experts, k = --moe-router-topk, f_e each expert's
-width (--moe-ffn-hidden-size, default f), f_s the shared experts' width, t_e ETP, p_e EP, E_l = E/p_e
-local experts; f_1 = 2 f_e with SwiGLU, else f_e (likewise f_s1).
-
-Parameters of one MoE MLP (the layer's attention and norms are the dense layer's):
-    router          E h (+ E with --add-bias-linear)      replicated over TP; reduced over DP x CP
-    routed experts  E (h f_1 + f_e h) (+ E (f_1 + h))      expert params: / (t_e p_e) per rank,
-                                                          reduced and sharded over expert-DP
-    shared experts  h f_s1 + f_s h (+ h: the gate)         / TP like the dense MLP (the gate replicated)
-Active parameters count k of the E routed experts (what one token passes through). Megatron's
-compute_weight_and_optimizer_memory counts the same minus the router (E h per layer, < 0.1%).
-
-Routed rows on one rank (the expert input after the dispatcher), N = b s / (c r) tokens entering the
-router on each rank (r = t under SP):
-    expected        N k t_e                               (balanced routing; the step time uses it)
-    bound           N p_e t_e min(k, E_l)                 no capacity factor: every token of the EP x
-                                                          ETP group picks this rank's experts (the
-                                                          memory plan's worst case)
-                    E_l p_e t_e ceil(N k / E cf)          --moe-expert-capacity-factor cf: each source
-                                                          rank sends each expert at most its capacity
-                                                          (exactly that with padding)
+Notation as megafab.plan.planner; E routed experts, k = --moe-router-topk, f_e each expert's width
+(--moe-ffn-hidden-size, default f), f_s the shared experts' width, t_e ETP, p_e EP, E_l = E/p_e local
+experts; f_1 = 2 f_e with SwiGLU, else f_e (likewise f_s1). Routed experts are reduced and sharded
+over expert-DP, the router and shared experts over DP x CP. Active parameters count k of the E
+routed experts (what one token passes through); Megatron's compute_weight_and_optimizer_memory
+counts the same minus the router (E h per layer, < 0.1%).
 """
 
 from __future__ import annotations
@@ -30,6 +17,8 @@ import math
 from dataclasses import dataclass
 
 from megafab.layout import Layout, expert_tensor_parallel_size
+from megafab.param_names import ROUTER, SHARED_EXPERTS, parse_index
+from megafab.plan.inventory import Inventory
 from megafab.plan.state_memory import StateBytes, state_bytes
 
 
@@ -58,27 +47,18 @@ def expert_sizes(cfg) -> tuple[int, int]:
 
 
 def moe_mlp_params(m, moe, tp: int = 1, etp: int = 1, ep: int = 1, experts: int | None = None) -> MoEParams:
-    """One MoE MLP on one (TP, ETP, EP) rank; experts: how many routed experts to count in all
-    (default E / ep: the rank's local ones; k for the active count)."""
-    h, f_e = m.hidden_size, moe.ffn_hidden_size(m.ffn_hidden_size)
-    count = moe.num_experts // ep if experts is None else experts
-    bias = m.add_bias_linear
-    fc1 = f_e * (2 if m.swiglu else 1)
-    per_expert = h * fc1 // etp + f_e // etp * h + ((fc1 // etp + h) if bias else 0)
-    router = moe.num_experts * h + (moe.num_experts if bias else 0)
-    shared = 0
-    f_s = moe.moe_shared_expert_intermediate_size
-    if f_s:
-        fs1 = f_s * (2 if m.swiglu else 1)
-        shared = h * fs1 // tp + f_s // tp * h + (h if moe.moe_shared_expert_gate else 0)
-    return MoEParams(router=router, shared=shared, experts=count * per_expert)
+    """One MoE MLP on one (TP, ETP, EP) rank, as the engine builds it (megafab.plan.inventory); experts:
+    how many routed experts to count in all (default E / ep: the rank's local ones; k for the active
+    count)."""
+    inv = Inventory(m, moe, tp, etp, ep)
+    part = next(p for p in map(inv.layer, range(m.num_layers)) if p.expert)
+    count = part.local_experts if experts is None else experts
 
+    def under(prefix: str) -> int:
+        return sum(t.numel for t in part.tensors if parse_index(t.name)[1].startswith(prefix))
 
-def dense_mlp_params(m, tp: int = 1) -> int:
-    """The dense MLP of one layer on one TP rank (fc2's bias replicated)."""
-    fc1 = m.ffn_hidden_size * (2 if m.swiglu else 1)
-    n = m.hidden_size * fc1 // tp + m.ffn_hidden_size * m.hidden_size // tp
-    return n + ((fc1 // tp + m.hidden_size) if m.add_bias_linear else 0)
+    return MoEParams(router=under(ROUTER), shared=under(SHARED_EXPERTS),
+                     experts=part.expert // part.local_experts * count)
 
 
 def expert_data_parallel_size(cfg) -> int:
@@ -117,7 +97,12 @@ def expected_rows(cfg, moe) -> int:
 
 
 def bound_rows(cfg, moe) -> int:
-    """The most routed rows one rank's experts can take per micro-batch (see the module docstring)."""
+    """The most routed rows one rank's experts can take per micro-batch. With N tokens entering each
+    rank's router (router_tokens) the expected rows are N k t_e (balanced routing; the step time uses
+    them); the bound is N p_e t_e min(k, E_l) without a capacity factor (every token of the EP x ETP
+    group picks this rank's experts: the memory plan's worst case), and with
+    --moe-expert-capacity-factor cf E_l p_e t_e ceil(N k / E cf) (each source rank sends each expert
+    at most its capacity; exactly that with padding)."""
     ep, etp = expert_sizes(cfg)
     n, k, experts = router_tokens(cfg), moe.moe_router_topk, moe.num_experts
     local = experts // ep
@@ -166,15 +151,3 @@ def dispatcher_bytes(cfg, moe, rows: int, e: int) -> int:
         return e * h * (n * moe.moe_router_topk + rows // etp)
     gathered = n * ep * etp
     return gathered * (e * h + 5 * moe.num_experts)
-
-
-def mlp_flops_per_token(m, moe, layer_is_moe: bool) -> float:
-    """Forward FLOPs of one layer's MLP per token, as Megatron's num_floating_point_operations counts
-    them: 2 h f (3 with SwiGLU, else 2) for the dense MLP; for an MoE MLP k routed experts of width f_e
-    plus the shared experts (f_s); the router's 2 h E and the shared gate are not counted."""
-    factor = 3 if m.swiglu else 2
-    if not layer_is_moe:
-        return 2.0 * m.hidden_size * m.ffn_hidden_size * factor
-    width = moe.ffn_hidden_size(m.ffn_hidden_size) * moe.moe_router_topk \
-        + (moe.moe_shared_expert_intermediate_size or 0)
-    return 2.0 * m.hidden_size * width * factor

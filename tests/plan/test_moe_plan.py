@@ -5,7 +5,6 @@ against the shapes of megafab's MoE modules."""
 import pytest
 
 from megafab.arguments import config_from_args
-from megafab.model.moe.settings import MoESettings
 from megafab.plan.flops import flops_per_iteration
 from megafab.plan.machines import machine
 from megafab.plan.moe import bound_rows, expected_rows, expert_data_parallel_size, moe_mlp_params
@@ -234,13 +233,19 @@ def test_search_enumerates_expert_parallel_layouts_the_rules_accept():
     (False, False, None, False, False), (True, True, None, False, True), (True, False, 24, True, False)])
 def test_moe_mlp_params_are_what_megafabs_moe_layer_builds(swiglu, bias, shared, gate, grouped):
     import torch
+    import torch.nn.functional as F
 
-    from tests.helpers.mcore_moe import megafab_layer, model_cfg
+    from megafab.model.moe.layer import MoELayer
+    from megafab.model.transformer import LayerContext
 
-    settings = MoESettings(num_experts=4, moe_router_topk=2, moe_shared_expert_intermediate_size=shared,
-                           moe_shared_expert_gate=gate, moe_grouped_gemm=grouped)
-    layer = megafab_layer(settings, swiglu, torch.float32, bias=bias)
-    counted = moe_mlp_params(model_cfg(swiglu, bias), settings)
+    flags = [f for f in SMALL if f != "--disable-bias-linear"] + ["--swiglu"] * swiglu + \
+        ["--disable-bias-linear"] * (not bias) + ["--moe-grouped-gemm"] * grouped + \
+        ["--moe-shared-expert-gate"] * gate
+    extra = {"moe_shared_expert_intermediate_size": shared} if shared else {}
+    cfg = with_moe(flags, num_experts=4, moe_router_topk=2, **extra)
+    layer = MoELayer(cfg.moe, cfg.model, LayerContext(None, False, torch.float32, torch.device("cpu"), 5),
+                     "decoder.layers.0.mlp.", activation=F.silu if swiglu else F.gelu)
+    counted = moe_mlp_params(cfg.model, cfg.moe)
     assert counted.total == sum(p.numel() for p in layer.parameters())
     assert counted.router == sum(p.numel() for p in layer.router.parameters())
     assert counted.experts == sum(p.numel() for p in layer.experts.parameters()) \
