@@ -6,13 +6,13 @@ import sys
 
 import pytest
 
-from tests.helpers.benchmarks import ROOT, TINY_GPT, run_script
+from tests.helpers.benchmarks import ROOT, TINY_BENCH, run_script
 from tests.helpers.launch import free_port
 
 
 @pytest.mark.timeout(300)
 def test_step_throughput_prints_every_implementation_and_precision():
-    out = run_script("step_throughput.py", *TINY_GPT, "--batch", "2", "--steps", "1", "--rounds", "2",
+    out = run_script("step_throughput.py", *TINY_BENCH, "--batch", "2", "--steps", "1", "--rounds", "2",
                      "--warmup", "1")
     assert "tokens/s med [min-max]" in out
     rows = [line.split() for line in out.splitlines() if line.startswith(("fp32", "bf16"))]
@@ -36,7 +36,7 @@ def test_scaling_prints_an_efficiency_per_layout():
 
 @pytest.mark.timeout(300)
 def test_memory_prints_measured_and_planned_bytes():
-    out = run_script("memory.py", *TINY_GPT, "--batch", "2")
+    out = run_script("memory.py", *TINY_BENCH, "--batch", "2")
     rows = {line[:24].strip(): line[24:].split() for line in out.splitlines() if line.startswith("DP")}
     assert {"DP1", "DP2", "DP4", "DP4 dist-opt", "DP2 recompute", "DP2 dist-opt recompute"} <= set(rows), out
     # the distributed optimizer divides the optimizer state by DP on each rank
@@ -95,7 +95,7 @@ def test_context_parallel_prints_memory_per_layout_and_cp2_efficiency():
 
 @pytest.mark.timeout(300)
 def test_moe_prints_speed_parts_ep_efficiency_and_expert_bytes():
-    out = run_script("moe.py", *TINY_GPT, "--batch", "2", "--steps", "1", "--warmup", "1", "--rounds", "1",
+    out = run_script("moe.py", *TINY_BENCH, "--batch", "2", "--steps", "1", "--warmup", "1", "--rounds", "1",
                      "--part-reps", "1", "--layouts", "alltoall", "--memory-worlds", "1,2")
     rows = {line[:18].strip(): line[18:].split() for line in out.splitlines() if line.startswith("EP")}
     assert {"EP1", "EP2", "EP2 alltoall"} <= set(rows), out

@@ -5,12 +5,12 @@ throughput script prints a ratio per round."""
 
 import pytest
 
-from tests.helpers.benchmarks import TINY_GPT, run_script
+from tests.helpers.benchmarks import TINY_BENCH, run_script
 
 
 @pytest.mark.timeout(600)
 def test_memory_sharding_rows_are_zero3_and_match_the_planner():
-    out = run_script("memory.py", *TINY_GPT, "--batch", "1", "--sharding", timeout=540)
+    out = run_script("memory.py", *TINY_BENCH, "--batch", "1", "--sharding", timeout=540)
     rows = {line[:24].strip(): line[24:].split() for line in out.splitlines()
             if line.startswith(("FSDP2", "DP2 dist-opt"))}
     assert set(rows) == {"FSDP2 DP1", "FSDP2 DP2", "FSDP2 DP4", "FSDP2 DP2 offload", "FSDP2 DP2 offload 0.5",
@@ -27,7 +27,7 @@ def test_memory_sharding_rows_are_zero3_and_match_the_planner():
 
 @pytest.mark.timeout(600)
 def test_fsdp_throughput_prints_a_ratio_per_round():
-    out = run_script("fsdp_throughput.py", *TINY_GPT, "--batch", "4", "--steps", "1", "--rounds", "1",
+    out = run_script("fsdp_throughput.py", *TINY_BENCH, "--batch", "4", "--steps", "1", "--rounds", "1",
                      timeout=540)
     assert "median FSDP2/dist-opt tokens/s ratio" in out
     row = next(line for line in out.splitlines() if line.startswith("0 "))

@@ -1,8 +1,10 @@
 """What several test modules share (test modules import from here, never from each other;
 tests/test_test_layout.py holds it):
 
-    tiny.py           the tiny GPT: its one size declaration (TINY_GPT, tiny_flags), tiny_config, batches,
-                      the single-process reference model and full gradients for parity tests
+    flags.py          the tiny GPT's sizes, declared once (TINY_GPT; tiny_flags as Megatron flags), and a
+                      small valid model's flags for configuration tests
+    tiny.py           tiny_config (TINY_GPT's sizes), batches, the single-process reference model and
+                      full gradients for parity tests
     driver.py         the training driver on a rank and the single-process reference it must equal
     checkpoint.py     a float64 TrainState of any layout (MoE too), a DP-independent training loop,
                       every tensor of a saved checkpoint
@@ -20,6 +22,5 @@ tests/test_test_layout.py holds it):
     megatron_scripts.py  Megatron-LM's example launch scripts as argument lists
     child_hooks.py    code a test installs in processes it starts (faults, hidden packages)
     benchmarks.py     running a benchmarks/ script at its smallest flags
-    flags.py          a small valid model's flags for configuration tests
     preprocess.py     the fixture tokenizers' flags
 """

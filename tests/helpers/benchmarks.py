@@ -4,8 +4,12 @@ import os
 import subprocess
 import sys
 
+from tests.helpers.flags import TINY_GPT
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TINY_GPT = ["--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--vocab", "128"]
+# The benchmark scripts' own flags for a GPT of the tiny sizes' hidden and sequence length.
+TINY_BENCH = ["--layers", "1", "--hidden", str(TINY_GPT["hidden_size"]), "--heads", "2", "--seq",
+              str(TINY_GPT["seq_length"]), "--vocab", "128"]
 
 
 def run_script(name: str, *flags: str, timeout: float = 240) -> str:

@@ -13,10 +13,11 @@ import torch.nn.functional as F
 
 from megafab.config import Config
 from megafab.convert.state_dict import finalize_model_config
+from tests.helpers.flags import TINY_GPT
 
 EXPERTS, TOPK, LAYERS = 4, 2, 2
-MODEL = dict(num_layers=LAYERS, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, kv_channels=8,
-             group_query_attention=False, num_query_groups=4, max_position_embeddings=64, seq_length=16,
+MODEL = dict(TINY_GPT, num_layers=LAYERS, ffn_hidden_size=48, kv_channels=8,
+             group_query_attention=False, num_query_groups=4, max_position_embeddings=64,
              position_embedding_type="rope", rotary_base=10000, rotary_percent=1.0, normalization="RMSNorm",
              norm_epsilon=1e-5, swiglu=True, add_bias_linear=False, qk_layernorm=True,
              untie_embeddings_and_output_weights=True, vocab_size=128, make_vocab_size_divisible_by=128,
