@@ -46,9 +46,9 @@ class Section:
         """A writable copy with `changes` assigned (frozen or not, `self` is left as it is): what
         dataclasses.replace gives for sections (no __post_init__, no init=False fields), without
         calling __init__ field by field (the layout search builds tens of thousands of configs)."""
-        unknown = changes.keys() - self.__dataclass_fields__.keys()
-        if unknown:
-            raise TypeError(f"{type(self).__name__} has no field {', '.join(sorted(unknown))}")
+        if not changes.keys() <= self.__dataclass_fields__.keys():
+            unknown = sorted(changes.keys() - self.__dataclass_fields__.keys())
+            raise TypeError(f"{type(self).__name__} has no field {', '.join(unknown)}")
         copy = object.__new__(type(self))
         state = copy.__dict__
         state.update(self.__dict__)

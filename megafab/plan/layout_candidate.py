@@ -39,7 +39,17 @@ class LayoutCandidate:
 
     def values(self) -> dict:
         """{config field name: value}: what the search's config of this candidate is given."""
-        return {name: getattr(self, name) for name in NAMES}
+        return dict(vars(self))  # the fields, nothing else (no slots, no cached values)
+
+    def replaced(self, **changes) -> LayoutCandidate:
+        """dataclasses.replace(self, **changes) without __init__ (the search makes one per config
+        it builds); the fields are plain values, nothing is derived from them at construction."""
+        if not changes.keys() <= vars(self).keys():
+            unknown = sorted(changes.keys() - vars(self).keys())
+            raise TypeError(f"LayoutCandidate has no field {', '.join(unknown)}")
+        copy = object.__new__(LayoutCandidate)
+        vars(copy).update(vars(self), **changes)
+        return copy
 
     def flags(self) -> list[str]:
         """The candidate on the command line, in declaration order (see the module docstring)."""
