@@ -180,7 +180,7 @@ def _best_micro_batch(builder, machine, layout: LayoutCandidate, dp, gbs, micro_
         planned, valid_here = {}, 0
         for recompute in ("none", "full", "selective"):
             built += 1
-            cand = dataclasses.replace(layout, micro_batch_size=mbs, **RECOMPUTE[recompute])
+            cand = layout.replaced(micro_batch_size=mbs, **RECOMPUTE[recompute])
             cfg = builder.build(cand)
             if cfg is None:
                 continue
