@@ -1,6 +1,6 @@
 """The catalogue of bad inputs (issue 18): each ends with one `megafab: error:` line naming the
 problem, exit 2, no traceback on any rank, no hang. Ranks are forked from the test process
-(tests/training/fork_ranks.py), so the imports are paid once for the whole catalogue.
+(tests/helpers/main_ranks.py), so the imports are paid once for the whole catalogue.
 
 Checkpoint files: tests/training/test_checkpoint_catalogue.py; dead, frozen and restarted ranks:
 tests/training/test_faults.py. Preprocess inputs are tests/data's (tools/preprocess_data.py).
