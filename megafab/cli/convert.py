@@ -1,26 +1,16 @@
-"""Convert checkpoints between megafab, Megatron-LM (torch_dist and legacy torch) and HuggingFace
-(GPT-2, Llama), from any TP/PP layout to any other.
+"""Convert checkpoints between megafab, Megatron-LM (torch_dist and legacy torch) and HuggingFace,
+from any TP/PP/EP layout to any other; flags named as Megatron-LM's tools/checkpoint/convert.py.
 
-    # any checkpoint --load reads (Megatron torch_dist or torch, megafab; format told by its files)
-    # -> Megatron legacy torch files for TP 2 x PP 2 (what Megatron-LM loads with --ckpt-format torch)
     megafab-convert convert --load-dir checkpoints/gpt --save-dir gpt_torch \\
         --saver torch --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
-
-    # -> torch_dist (megafab's and Megatron's default; any layout loads it, the vocabulary is padded
-    #    for the target TP as Megatron expects), or a HF directory
-    megafab-convert convert --load-dir gpt_torch --save-dir gpt_dist --saver torch_dist
-    megafab-convert convert --load-dir gpt_dist --save-dir gpt_hf --saver hf
-
-    # a HF directory -> any checkpoint format; then pretrain_gpt.py --load gpt_dist --finetune ...
+    megafab-convert convert --load-dir gpt_torch --save-dir gpt_hf --saver hf
     megafab-convert convert --hf-dir llama_hf --save-dir llama_dist --saver torch_dist \\
         --target-tensor-parallel-size 2 --make-vocab-size-divisible-by 128
-
-    # shorthands kept from earlier releases
-    megafab-convert import-hf --hf-dir llama_hf --save megafab_ckpt
+    megafab-convert import-hf --hf-dir llama_hf --save megafab_ckpt      # shorthands
     megafab-convert export-hf --load checkpoints/gpt --hf-dir gpt_hf
 
-Converted checkpoints hold weights only: continue from them with --finetune. Flags are named as in
-Megatron-LM's tools/checkpoint/convert.py (--load-dir, --save-dir, --saver, --target-*-parallel-size).
+The target layout is checked against the model before any tensor is read. Converted
+checkpoints hold weights only: continue from them with --finetune (README: HuggingFace conversion).
 """
 
 from __future__ import annotations

@@ -1,26 +1,16 @@
 """The layout search: every layout the config accepts for a model, global batch and device count,
-what it needs in memory (megafab.plan.planner) and how long its step takes (step_time), ranked.
+what it needs in memory (plan.planner) and how long its step takes (plan.step_time), ranked.
 
-Each candidate (megafab.plan.layout_candidate: config field names, flags spelled from the schema)
-is the user's flags with the layout flags replaced (TP, PP, VPP, CP, EP, ETP, micro-batch, recompute,
-sharding, sequence parallel). Its Config is the resolved base config with those fields replaced and
-finalized again, and the config's own rules (megafab.checks) decide whether it is valid: nothing is
-restated here. Every candidate shown is then rebuilt from its exact command line through
-megafab.arguments.config_from_args, so the printed flags are ones that start.
+A candidate (plan.layout_candidate: config field names, flags spelled from the schema) replaces the
+user's layout flags; its Config is the resolved base config with those fields replaced, and
+megafab.checks decides whether it is valid. Each candidate shown is rebuilt from its printed command
+line, so the printed flags are ones that start.
 
-Pruning, none of which drops a candidate that could rank first:
-  - a candidate identical to a fitting one except for more recompute is slower by construction: for
-    each (layout, micro-batch, sharding) recompute none is tried; where it does not fit, full (where
-    even full does not fit, less recompute or a larger micro-batch does not either), then selective;
-    the first of none, selective, full that fits is kept;
-  - sequence parallel off at TP > 1 does the same communication as on (all-reduce = reduce-scatter
-    + all-gather) with more element-wise work and memory: tried only where SP cannot run;
-  - without sharding is the distributed optimizer's communication with more memory and a longer
-    optimizer step: tried only at DP x CP = 1, where both are the same;
-  - TP stays inside one node (TP's per-layer collectives across nodes are never competitive).
-An MoE model's candidates also vary EP (dividing the experts) and ETP (TP or 1).
-Ranking keeps each rank grid's (TP, PP, CP, EP, ETP, DP) best setting (VPP, micro-batch, recompute, sharding,
-SP), so the top K are K different grids.
+Pruning never drops a candidate that could rank first: more recompute than the first of none,
+selective, full that fits is slower by construction; SP off at TP > 1 only where SP cannot run; no
+sharding only at DP x CP = 1 (where it equals the distributed optimizer); TP inside one node. MoE
+candidates also vary EP (dividing the experts) and ETP (TP or 1). Ranking keeps each rank grid's
+(TP, PP, CP, EP, ETP, DP) best setting, so the top K are K different grids.
 """
 
 from __future__ import annotations
