@@ -187,6 +187,8 @@ class Inventory:
     _built: dict[tuple, Part | Ends] = {}  # shared by every Inventory: (key, part) -> what was built
 
     def __init__(self, m, moe=None, tp: int = 1, etp: int = 1, ep: int = 1):
+        if moe is not None and moe.num_experts is None:  # a dense model's (empty) MoE section
+            moe = None
         if moe is None:
             etp = ep = 1
         self.m, self.moe, self.sizes = m, moe, (tp, etp, ep)
