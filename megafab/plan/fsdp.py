@@ -1,46 +1,13 @@
 """FSDP2's communication in a training step, as megafab runs it (megafab.distributed.fsdp: torch's
 fully_shard with groups per transformer layer -- the layer itself for its norms, its attention
-block, its MLP, and an MoE layer's routed experts over expert-DP (plan.planner.fsdp_layer_units)
+block, its MLP, and an MoE layer's routed experts over expert-DP (plan.params.fsdp_layer_units)
 -- and each model chunk the root group holding the rest: embedding, final norm, output layer).
 
-Per group ("unit") with U parameters on this rank (its TP shard, before DP sharding), e bytes of the
-model dtype and r bytes of the reduction dtype (fp32 by default: megafab's MixedPrecisionPolicy
-reduces in fp32; the model dtype with --grad-reduce-in-bf16):
-  all-gather      e U: the fp32 shards are cast to the model dtype before the gather
-                  (MixedPrecisionPolicy.param_dtype)
-  reduce-scatter  r U
-  copy-out        the gathered flat buffer split into the unit's parameters, e U read and e U
-                  written on the compute stream once the gather is waited for
-                  (torch.distributed.fsdp._fully_shard._fsdp_collectives.foreach_all_gather_copy_out)
-  copy-in         the unsharded gradients copied into the reduce-scatter's flat input, e U read and
-                  r U written on the compute stream, before the reduce-scatter stream waits for it
-                  (foreach_reduce)
-  accumulate      with gradient accumulation (megafab's no_sync: set_requires_gradient_sync(False))
-                  each micro-batch's unsharded gradient added into the accumulator in the
-                  reduction dtype, e U + r U read and r U written (FSDPParam.
-                  accumulate_unsharded_grad_if_needed)
-Each collective is its own NCCL call over the unit's group, so each pays the ring's latency
-(megafab.plan.collectives): at DP 384 that is milliseconds per group, and a layer has 3 groups
-(4 with routed experts), even the norms' few kilobytes. A measured CPU profile prices FSDP2's calls
-by their own fitted entries (collectives.FSDP_SUFFIX, step_calibration.py): on gloo each call also
-carries torch's host work around it (foreach_all_gather's copy-in and output allocation,
-foreach_reduce's), ~2x the latency of a TP collective of the same group there.
-
-One micro-batch through one chunk of L layers, a layer's groups taken together (their gathers back
-to back on the all-gather stream, as the CPU runs ahead of the device), FSDP2's all-gather and
-reduce-scatter streams both on the group's links (FSDP2 docs: implicit forward prefetch, one group
-of explicit backward prefetch):
-  forward   the root's gather and the first layer's gathers wait (nothing computes before them:
-            FSDP2 does not prefetch across the chunk's calls); layer i+1's gathers run behind layer
-            i's forward: max(0, gather - forward_i)
-  backward  with reshard after forward (ZeRO-3, megafab's default) the last layer's gathers run
-            behind the output layer's backward (last stage) or wait; during layer i's backward the
-            links carry layer i-1's prefetched gathers and, in the micro-batch that reduces, layer
-            i+1's reduce-scatters: max(0, gather + reduce-scatter - backward_i)
-  tail      in the micro-batch that reduces, the first layer's and the root's reduce-scatters after
-            the chunk's last backward (the root's post-backward runs in FSDP2's final callback)
-Every micro-batch but the last runs in no_sync: gathers in forward and (resharded) in backward
-each micro-batch, reduce-scatters only in the last one.
+unit() prices one group's gather, reduce-scatter and copies; stage_seconds() what of them a
+pipeline stage's compute does not hide, under FSDP2's prefetching (each function's docstring
+writes the terms out). Each collective is its own call over the unit's group, so each pays the
+ring's latency (megafab.plan.collectives); a measured CPU profile prices FSDP2's calls by their own
+fitted entries (collectives.FSDP_SUFFIX).
 """
 
 from __future__ import annotations
@@ -54,7 +21,7 @@ from megafab.plan.state_memory import BYTES, grad_bytes
 
 @dataclass(frozen=True)
 class Unit:
-    """Seconds of one FSDP2 group's operations (see the module docstring)."""
+    """Seconds of one FSDP2 group's operations (see unit())."""
     gather: float = 0.0
     reduce: float = 0.0
     copy_out: float = 0.0
@@ -64,7 +31,31 @@ class Unit:
 
 def unit(cfg, machine, dense: int, expert: int = 0) -> Unit:
     """A group of `dense` parameters sharded over DP x CP, or `expert` ones over expert-DP (an MoE
-    layer's routed experts); both: the two groups' collectives."""
+    layer's routed experts); both: the two groups' collectives.
+
+    Per group ("unit") with U parameters on this rank (its TP shard, before DP sharding), e bytes of the
+    model dtype and r bytes of the reduction dtype (fp32 by default: megafab's MixedPrecisionPolicy
+    reduces in fp32; the model dtype with --grad-reduce-in-bf16):
+      all-gather      e U: the fp32 shards are cast to the model dtype before the gather
+                      (MixedPrecisionPolicy.param_dtype)
+      reduce-scatter  r U
+      copy-out        the gathered flat buffer split into the unit's parameters, e U read and e U
+                      written on the compute stream once the gather is waited for
+                      (torch.distributed.fsdp._fully_shard._fsdp_collectives.foreach_all_gather_copy_out)
+      copy-in         the unsharded gradients copied into the reduce-scatter's flat input, e U read and
+                      r U written on the compute stream, before the reduce-scatter stream waits for it
+                      (foreach_reduce)
+      accumulate      with gradient accumulation (megafab's no_sync: set_requires_gradient_sync(False))
+                      each micro-batch's unsharded gradient added into the accumulator in the
+                      reduction dtype, e U + r U read and r U written (FSDPParam.
+                      accumulate_unsharded_grad_if_needed)
+    Each collective is its own NCCL call over the unit's group, so each pays the ring's latency
+    (megafab.plan.collectives): at DP 384 that is milliseconds per group, and a layer has 3 groups
+    (4 with routed experts), even the norms' few kilobytes. A measured CPU profile prices FSDP2's calls
+    by their own fitted entries (collectives.FSDP_SUFFIX, megafab.calibrate): on gloo each call also
+    carries torch's host work around it (foreach_all_gather's copy-in and output allocation,
+    foreach_reduce's), ~2x the latency of a TP collective of the same group there.
+    """
     e, r = BYTES[cfg.precision.params_dtype_name], grad_bytes(cfg)
     parts = [(dense, group_placement(cfg, machine, "dp", "cp"))]
     if expert:
@@ -105,7 +96,24 @@ def stage_seconds(cfg, chunks: list[tuple[Unit, list[Layer]]], output_cover: flo
                   accumulating: bool) -> StageFsdp:
     """FSDP2's exposed time on one pipeline stage: chunks, each (root unit, its layers in order);
     output_cover: the output layer's backward (the last stage's last chunk), behind which the
-    last layer's backward gather runs; accumulating: more than one micro-batch per step."""
+    last layer's backward gather runs; accumulating: more than one micro-batch per step.
+
+    One micro-batch through one chunk of L layers, a layer's groups taken together (their gathers back
+    to back on the all-gather stream, as the CPU runs ahead of the device), FSDP2's all-gather and
+    reduce-scatter streams both on the group's links (FSDP2 docs: implicit forward prefetch, one group
+    of explicit backward prefetch):
+      forward   the root's gather and the first layer's gathers wait (nothing computes before them:
+                FSDP2 does not prefetch across the chunk's calls); layer i+1's gathers run behind layer
+                i's forward: max(0, gather - forward_i)
+      backward  with reshard after forward (ZeRO-3, megafab's default) the last layer's gathers run
+                behind the output layer's backward (last stage) or wait; during layer i's backward the
+                links carry layer i-1's prefetched gathers and, in the micro-batch that reduces, layer
+                i+1's reduce-scatters: max(0, gather + reduce-scatter - backward_i)
+      tail      in the micro-batch that reduces, the first layer's and the root's reduce-scatters after
+                the chunk's last backward (the root's post-backward runs in FSDP2's final callback)
+    Every micro-batch but the last runs in no_sync: gathers in forward and (resharded) in backward
+    each micro-batch, reduce-scatters only in the last one.
+    """
     regather = cfg.parallel.fsdp_reshard_after_forward
     per_mb = reducing = tail = 0.0
     last_chunk = len(chunks) - 1
