@@ -239,7 +239,7 @@ class Inventory:
                            **groups)
         m = self.m
         if m.transformer_impl != "local" or m.compile_layers:
-            m = dataclasses.replace(m, transformer_impl="local", compile_layers=False)
+            m = m.replaced(transformer_impl="local", compile_layers=False)
         with torch.device("meta"), _MetaShapes():
             return GPTModel(m, ctx, first, last, pre_process, post_process)
 
