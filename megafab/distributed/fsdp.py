@@ -25,13 +25,13 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from megafab.distributed.data_parallel import is_expert_param, reduce_scatter_bucket
-from megafab.distributed.param_gather import all_gather_in_slices, sliced_on_gloo
+from megafab.distributed import data_parallel, param_gather
+from megafab.distributed.data_parallel import is_expert_param
 
 # Megatron's per-parameter attributes that the rest of megafab reads off the parameters.
 PARAM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel",
                     "grad_sum_over_tp", "shared_embedding", "is_embedding_or_output_parameter",
-                    "is_expert")
+                    "is_expert", "embedding_copy")
 
 
 def data_parallel_mesh(topology):
@@ -324,17 +324,18 @@ def _gloo_comms():
 
     class SlicedAllGather(Allocate, AllGather):
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            if not sliced_on_gloo(input_tensor.numel(), group):
+            if not param_gather.sliced_on_gloo(input_tensor.numel(), group):
                 return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
-            all_gather_in_slices(output_tensor, dist.get_world_size(group), dist.get_rank(group), group)
+            param_gather.all_gather_in_slices(output_tensor, dist.get_world_size(group), dist.get_rank(group),
+                                              group)
             return None
 
     class SlicedReduceScatter(Allocate, ReduceScatter):
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            if not sliced_on_gloo(output_tensor.numel(), group):
+            if not param_gather.sliced_on_gloo(output_tensor.numel(), group):
                 return dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op,
                                                   async_op=async_op)
-            reduce_scatter_bucket(output_tensor, input_tensor, op, group, async_op=False)
+            data_parallel.reduce_scatter_bucket(output_tensor, input_tensor, op, group, async_op=False)
             return None
 
     return SlicedAllGather(), SlicedReduceScatter()
