@@ -283,11 +283,11 @@ def test_megafab_convert_process_impossible_layout(tmp_path):
 
 
 def test_write_checkpoint_checks_the_layout_before_writing(tmp_path):
-    cfg = config_from_args(DRY + ["--vocab-size", "100", "--ffn-hidden-size", "48"], world_size=1)
-    with pytest.raises(ConversionError, match=r"--ffn-hidden-size 48 is not divisible by "
-                                              r"--tensor-model-parallel-size 5") as info:
-        write_checkpoint(str(tmp_path / "ck"), {}, cfg, tp=5, pp=1)
-    assert "--num-attention-heads 4 is not divisible" in str(info.value)
+    cfg = config_from_args(DRY + ["--vocab-size", "100", "--ffn-hidden-size", "50"], world_size=1)
+    with pytest.raises(ConversionError, match=r"--ffn-hidden-size 50 is not divisible by "
+                                              r"--tensor-model-parallel-size 4") as info:
+        write_checkpoint(str(tmp_path / "ck"), {}, cfg, tp=4, pp=3)
+    assert "--num-layers 2 is not divisible by pipeline stages x virtual stages = 3 x 1" in str(info.value)
     assert not (tmp_path / "ck").exists()
     target = target_config(cfg, tp=2, pp=2)
     assert (target.parallel.tensor_model_parallel_size, target.parallel.pipeline_model_parallel_size,
