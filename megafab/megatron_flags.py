@@ -62,7 +62,6 @@ REFUSED: dict[str, Refused] = {
         "routing-map padding for FP8/FP4 grouped GEMMs is a Transformer Engine GPU path not in megafab"),
     "--moe-router-padding-for-fp8": Refused(
         "routing-map padding for FP8/FP4 grouped GEMMs is a Transformer Engine GPU path not in megafab"),
-    "--moe-router-force-load-balancing": Refused(f"forced (benchmark-only) balanced routing is {NOT_YET}"),
     "--moe-use-legacy-grouped-gemm": Refused(
         "the legacy GroupedMLP needs the GPU-only grouped_gemm package; --moe-grouped-gemm uses torch's "
         "grouped matmul"),
@@ -70,8 +69,6 @@ REFUSED: dict[str, Refused] = {
     "--moe-flex-dispatcher-backend": Refused(DEEPEP),
     "--moe-deepep-num-sms": Refused(DEEPEP),
     "--moe-hybridep-num-sms": Refused(DEEPEP),
-    "--moe-per-layer-logging": Refused(f"per-layer MoE loss logging is {NOT_YET} (the losses are logged "
-                                       f"summed over layers, under Megatron's names)"),
     "--moe-layer-recompute": Refused(f"recomputing the MoE layer is {NOT_YET} (Megatron deprecates the "
                                      f"flag for --recompute-modules moe)"),
     "--moe-apply-probs-on-input": Refused(f"applying routing probabilities to the expert input is {NOT_YET}"),
@@ -113,9 +110,6 @@ REFUSED: dict[str, Refused] = {
     "--non-persistent-ckpt-type": Refused(f"non-persistent checkpoints are {NOT_YET}"),
     "--ckpt-convert-format": Refused(
         "convert with tools/convert_checkpoint.py convert --saver torch|torch_dist"),
-    "--dist-ckpt-strictness": Refused(
-        "megafab loads strictly: a key the model needs and the checkpoint lacks is an error, extra "
-        "checkpoint keys are ignored (Megatron's default)", off=("assume_ok_unexpected",)),
 }
 
 def _refuse(reason: str, spec: str) -> None:
@@ -341,7 +335,7 @@ _refuse(_PROCESS_GROUPS, """--distributed-timeout-seconds-after-init V --lazy-mp
 _refuse(_DETERMINISM, "--deterministic-mode --batch-invariant-mode")
 _refuse(f"this training-loop option of Megatron's is {NOT_YET}", """--iterations-to-skip V+
     --phase-transition-iterations V --decrease-batch-size-if-needed
-    --check-weight-hash-across-dp-replicas-interval V --enable-experimental --test-mode""")
+    --check-weight-hash-across-dp-replicas-interval V --test-mode""")
 
 # Flags accepted without effect (megatron_flags_no_effect.py): the listed ones, then each family.
 NO_EFFECT: dict[str, str] = dict(no_effect_flags.LISTED)
@@ -356,7 +350,7 @@ _values("""--hierarchical-context-parallel-sizes V+ --moe-upcycling-granularity 
     --moe-flex-dispatcher-backend V --moe-deepep-num-sms V --moe-hybridep-num-sms V --moe-latent-size V
     --mtp-num-layers V --num-distributed-optimizer-instances V --spec V* --encoder-num-layers V
     --decoder-num-layers V --pipeline-model-parallel-layout V --non-persistent-save-interval V
-    --non-persistent-ckpt-type V --ckpt-convert-format V --dist-ckpt-strictness V --batch-size V
+    --non-persistent-ckpt-type V --ckpt-convert-format V --batch-size V
     --warmup V --model-parallel-size V --exit-signal V --rerun-mode V
     --error-injection-rate V --cuda-graph-impl V --cpu-offloading-num-layers V --softmax-type V
     --rope-type V --glu-linear-offset V --head-lr-mult V --weight-decay-incr-style V

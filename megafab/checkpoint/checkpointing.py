@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from megafab.checkpoint import formats, megatron_dist, megatron_keys, megatron_legacy
 from megafab.checkpoint import state as cs
+from megafab.checkpoint import strictness as strict_load
 from megafab.checkpoint.directory import (  # noqa: F401
     FORMAT_VERSION,
     TRACKER,
@@ -211,8 +212,14 @@ def load_checkpoint(state) -> int | None:
         optim_shards, targets = cs.optimizer_shards_for_load(state, with_main=with_main)
         shards.update(optim_shards)
     notes, padding = [], []
+    # --dist-ckpt-strictness (checkpoint/strictness.py): DCP checkpoints only, as Megatron's
+    strictness = ck.dist_ckpt_strictness if source.format in ("torch_dist", "megafab") else \
+        "assume_ok_unexpected"
+    mismatched = strict_load.mismatches(strictness, shards, stored)
 
     def prepare():
+        warning = strict_load.apply(strictness, shards, source.path, *mismatched)
+        notes.extend([warning] if warning else [])
         vocab = source.saved_vocab_size or cfg.model.vocab_size  # Megatron records only the padded size
         note, fill = adapt_padded_vocab(shards, stored, vocab, cfg.model, source.path)
         notes.extend([note] if note else [])
@@ -224,7 +231,7 @@ def load_checkpoint(state) -> int | None:
 
     _check_on_every_rank(topo, prepare)
     for note in notes:
-        _print0(topo, f"megafab: note: {note}")
+        _print0(topo, note if note.startswith("warning: ") else f"megafab: note: {note}")
     source.read(shards)
     for fill in padding:  # the same on every rank: the padded sizes are the checkpoint's and the model's
         fill.fill(source)

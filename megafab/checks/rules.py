@@ -38,7 +38,9 @@ def component_problems(cfg) -> list[str]:
     from megafab.optim.lr_scheduler import schedule_problems
 
     m, o, t, p, pr = cfg.model, cfg.optimizer, cfg.training, cfg.parallel, cfg.precision
-    out = RecomputeSettings.from_model_config(m, check=False).problems()
+    recompute = RecomputeSettings.from_model_config(m, check=False)
+    out = recompute.problems() + recompute.model_problems(
+        multi_latent_attention=getattr(m, "multi_latent_attention", False), moe=cfg.moe)
     out += te_layer_problems(m)
     if o.optimizer_offload_fraction is not None:
         out += offload_problems(o.optimizer_offload_fraction)

@@ -78,7 +78,7 @@ class ModelConfig(Section):
         None, help="Derived: vocab_size padded to a multiple of make_vocab_size_divisible_by * tp.")
     recompute_granularity: str | None = option(
         None, choices=("full", "selective"), group="activation recompute",
-        help="Activation recompute: full or selective (core attention).")
+        help="Activation recompute: full (whole layers) or selective (the --recompute-modules).")
     recompute_method: str | None = option(
         None, choices=("uniform", "block"), group="activation recompute",
         help="With full recompute: uniform or block.")
@@ -87,7 +87,9 @@ class ModelConfig(Section):
         help="Layers per recompute unit (uniform) or recomputed layers per stage (block).")
     recompute_modules: list[str] | None = option(
         None, nargs="*", group="activation recompute",
-        help="With selective recompute: which modules (core_attn is supported).")
+        help="With selective recompute, the submodules to recompute (default core_attn): core_attn, "
+             "moe_act, layernorm, mla_up_proj, mlp, moe, shared_experts. moe_act, layernorm and "
+             "mla_up_proj discard their output and recompute it; the others are checkpointed.")
     transformer_impl: str = option(
         "local", choices=("local", "transformer_engine"),
         flag_help="default: local, or transformer_engine with --fp8-format (TE needs a GPU)",

@@ -122,6 +122,16 @@ class MoEConfig(Section):
         False, help="Transformer Engine's fused token permutation (GPU only; refused).")
     moe_router_fusion: bool = option(
         False, help="Transformer Engine's fused router (GPU only; refused).")
+    moe_router_force_load_balancing: bool = option(
+        False,
+        help="[Experimental] Force load balancing with random logits for MoE router, supports naive "
+             "topk and group-limited topk. This is an experimental feature and only for benchmark "
+             "(megatron-core's: standard-normal logits replace the gate's, its gradient passed "
+             "through unchanged).")
+    moe_per_layer_logging: bool = option(
+        False,
+        help="Enable per-layer logging for MoE, currently supports auxiliary loss and z loss "
+             "(TensorBoard and W&B: moe/<loss>_layer_<i>, i over all layers).")
 
     @property
     def balancing_types(self) -> tuple[str, ...]:

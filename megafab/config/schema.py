@@ -213,6 +213,16 @@ class TrainingConfig(Section):
         False,
         flag_help="megafab: check the flags and print the memory/FLOPs plan, start nothing",
         help="Validate the flags and print the memory/FLOPs plan without starting process groups.")
+    enable_experimental: bool = option(
+        False,
+        help="Enable experimental features (megatron-core 0.16.1 gates only its fused token-permutation "
+             "kernels behind it, GPU kernels of the flex dispatcher megafab refuses, with the same "
+             "results; megafab has no feature behind it).")
+
+
+# megatron-core's dist_checkpointing StrictHandling values
+DIST_CKPT_STRICTNESS = ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
+                        "return_unexpected", "return_all", "ignore_all")
 
 
 @dataclass
@@ -239,6 +249,16 @@ class CheckpointConfig(Section):
         None, help="When --load holds no checkpoint, fine-tune from the one in this directory.")
     exit_on_missing_checkpoint: bool = option(
         False, help="Stop with an error when --load holds no checkpoint, instead of training from scratch.")
+    dist_ckpt_strictness: str = option(
+        "assume_ok_unexpected", choices=DIST_CKPT_STRICTNESS,
+        help="Determine handling of key mismatch during checkpoint load (torch_dist and megafab's DCP "
+             "checkpoints; megatron-core's StrictHandling): 'unexpected' keys are the model's that the "
+             "checkpoint lacks, 'missing' the checkpoint's that the model does not load. "
+             "assume_ok_unexpected (default): an unexpected key stops the load; log_unexpected / "
+             "log_all: warn of the unexpected (and missing) keys, the unexpected ones keep their "
+             "initial values; raise_unexpected / raise_all: stop on the unexpected (or any) mismatch; "
+             "return_unexpected / return_all / ignore_all: load without them, silently (Megatron hands "
+             "return_*'s keys to load()'s caller, which a training run does not read).")
 
 
 @dataclass

@@ -4,13 +4,15 @@
                         only each group's input [s(/tp), b, h] is kept, the rest is recomputed
     full + block, n     the first n layers of each chunk are checkpointed one by one, the others keep
                         their activations (fewer recomputes when memory allows)
-    selective           only core attention (the SDPA call: scores, softmax, dropout, context) is
-                        recomputed; q, k, v and its output are kept, the [b, heads, s, s] terms are not
+    selective           the --recompute-modules (megatron-core 0.16.1's): core_attn (the SDPA call),
+                        mlp (a dense MLP), moe (a whole MoE layer), shared_experts, checkpointed on
+                        their inputs; layernorm (both norms), moe_act (the grouped experts'
+                        activation), mla_up_proj (MLA's up projections + RoPE) discard their output
+                        once used and refill it when backward reaches them (DiscardedOutput)
 
-Dropout masks of a recomputed forward equal the original ones (recompute snapshots every RNG
-stream). With TP/SP the recompute re-runs the region's collectives; every TP rank walks the same
-backward graph, so they recompute in the same order. A forward's side effects (the MoE router's
-counts and logs) happen once per micro-batch: modules ask recompute_phase().
+Dropout masks of a recomputed forward equal the original ones (every RNG stream is snapshot). With
+TP/SP a recompute re-runs the region's collectives, every TP rank in the same backward order. A
+forward's side effects (the router's counts and logs) happen once: modules ask recompute_phase().
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from megafab.distributed.random import checkpoint_rng_state, restore_rng_state
 from megafab.errors import MegafabError
 
-SUPPORTED_MODULES = ("core_attn",)
+SUPPORTED_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
 
 
 class RecomputeConfigError(MegafabError):
@@ -61,9 +63,8 @@ class RecomputeSettings:
             out.append("--recompute-method needs --recompute-granularity full")
         unsupported = [m for m in self.modules if m not in SUPPORTED_MODULES]
         if unsupported:
-            out.append(f"--recompute-modules {' '.join(unsupported)} not supported by megafab (supported: "
-                       f"{', '.join(SUPPORTED_MODULES)}); use --recompute-modules core_attn or "
-                       f"--recompute-granularity full")
+            out.append(f"--recompute-modules {' '.join(unsupported)}: not a module megatron-core recomputes "
+                       f"(choices: {', '.join(SUPPORTED_MODULES)})")
         if self.modules and self.granularity != "selective":
             out.append("--recompute-modules needs --recompute-granularity selective")
         if self.granularity == "full":
@@ -76,9 +77,33 @@ class RecomputeSettings:
                            f"--recompute-granularity full")
         return out
 
+    def selects(self, module: str) -> bool:
+        """Whether selective recompute covers `module` (one of SUPPORTED_MODULES)."""
+        return self.granularity == "selective" and module in self.modules
+
     @property
     def core_attention(self) -> bool:
-        return self.granularity == "selective" and "core_attn" in self.modules
+        return self.selects("core_attn")
+
+    @property
+    def mla_up_proj(self) -> bool:
+        """MLA's up projections and RoPE under a DiscardedOutput (read by the MLA layer)."""
+        return self.selects("mla_up_proj")
+
+    def model_problems(self, *, multi_latent_attention: bool, moe=None) -> list[str]:
+        """Megatron's rules tying modules to the model: moe_act needs --moe-grouped-gemm,
+        mla_up_proj --multi-latent-attention, shared_experts no --moe-shared-expert-overlap."""
+        out = []
+        grouped = moe is not None and moe.num_experts is not None and moe.moe_grouped_gemm
+        if self.selects("moe_act") and not grouped:
+            out.append("--recompute-modules moe_act needs --moe-grouped-gemm (megatron-core recomputes the "
+                       "grouped experts' activation only)")
+        if self.selects("mla_up_proj") and not multi_latent_attention:
+            out.append("--recompute-modules mla_up_proj needs --multi-latent-attention")
+        if self.selects("shared_experts") and moe is not None and moe.moe_shared_expert_overlap and \
+                moe.moe_shared_expert_intermediate_size is not None:
+            out.append("--recompute-modules shared_experts cannot work with --moe-shared-expert-overlap")
+        return out
 
 
 def layer_groups(num_layers: int, settings: RecomputeSettings) -> list[tuple[int, int, bool]]:
@@ -148,6 +173,96 @@ def recompute(fn, *args, tracker=None, device="cpu"):
     snapshot = checkpoint_rng_state(tracker, device)
     return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False,
                       context_fn=lambda: (_phase("forward"), _replay_rng(snapshot, tracker, device)))
+
+
+class _DiscardableRun(torch.autograd.Function):
+    """fn(*inputs) run without autograd, keeping only the tensor inputs; its backward takes the
+    recomputed graph DiscardedOutput built and returns the gradients of the inputs and `params`."""
+
+    @staticmethod
+    def forward(ctx, region, num_inputs, *inputs_and_params):
+        inputs = inputs_and_params[:num_inputs]
+        outputs = region.fn(*inputs)
+        ctx.region, ctx.num_inputs = region, num_inputs
+        ctx.others = [None if torch.is_tensor(t) else t for t in inputs]
+        ctx.tensor_grad = [(torch.is_tensor(t), torch.is_tensor(t) and t.requires_grad) for t in inputs]
+        ctx.save_for_backward(*(t for t in inputs if torch.is_tensor(t)))
+        region.ctx = ctx
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        region = ctx.region
+        if region.recomputed is None:  # backward reached the region before its hook tensor
+            region.refill(None)
+        inputs, outputs = region.recomputed
+        region.recomputed = region.ctx = None
+        wanted = [t for t in (*inputs, *region.params) if torch.is_tensor(t) and t.requires_grad]
+        pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]
+        found = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
+                                    allow_unused=True) if pairs and wanted else [None] * len(wanted)
+        by_id = {id(t): g for t, g in zip(wanted, found)}
+        return (None, None, *(by_id.get(id(t)) if torch.is_tensor(t) else None
+                              for t in (*inputs, *region.params)))
+
+
+class DiscardedOutput:
+    """megatron-core's output-discarding checkpoint (CheckpointWithoutOutput), for the layernorm,
+    moe_act and mla_up_proj modules: a cheap region whose output is saved by the next op.
+
+        region = DiscardedOutput(norm, norm.parameters())
+        y = region(x)              # no graph inside the region; x is kept
+        out = consumer(y)          # the consumer saves y for its backward
+        region.discard(out)        # y's storage is freed (its metadata stays), until the gradient
+                                   # of `out` arrives: then fn(x) is recomputed into y's storage
+
+    Parameters fn uses must be passed (`params`) so their gradients reach the graph. fn must draw
+    no random numbers. Outside training (no grad, `active` False) and inside a checkpointed
+    region it is a plain call."""
+
+    def __init__(self, fn, params=(), active: bool = True):
+        self.fn, self.params, self.active = fn, tuple(params), active
+        self.ctx = self.outputs = self.recomputed = None
+
+    def __call__(self, *inputs):
+        # inside a checkpointed region (full recompute, moe) the region's tensors are not kept anyway,
+        # and a freed storage there would be one the checkpoint hands to the original graph
+        if not (self.active and torch.is_grad_enabled()) or recompute_phase() is not None:
+            self.outputs = None
+            return self.fn(*inputs)
+        out = _DiscardableRun.apply(self, len(inputs), *inputs, *self.params)
+        kept = {t.untyped_storage().data_ptr() for t in (*inputs, *self.params) if torch.is_tensor(t)}
+        # an output viewing an input's (or a parameter's) storage is never freed
+        self.outputs = [(i, o) for i, o in enumerate(out if isinstance(out, tuple) else (out,))
+                        if o.untyped_storage().data_ptr() not in kept]  # (position, output)
+        return out
+
+    def discard(self, hook_tensor: torch.Tensor) -> None:
+        """Free the output's storage; the gradient of `hook_tensor` (computed in backward before any
+        op that saved the output runs) recomputes it."""
+        if self.outputs is None or not hook_tensor.requires_grad:
+            return
+        for _, out in self.outputs:
+            out.untyped_storage().resize_(0)
+        hook_tensor.register_hook(self.refill)
+
+    def refill(self, _grad) -> None:
+        if self.ctx is None or self.recomputed is not None:
+            return
+        ctx = self.ctx
+        saved = iter(ctx.saved_tensors)
+        inputs = [next(saved).detach().requires_grad_(needs) if is_tensor else other
+                  for other, (is_tensor, needs) in zip(ctx.others, ctx.tensor_grad)]
+        with torch.enable_grad(), _phase("recompute"):
+            outputs = self.fn(*inputs)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        with torch.no_grad():
+            for i, kept in self.outputs or ():  # the recomputed values into the freed storages
+                storage = outputs[i].untyped_storage()
+                if kept.untyped_storage().nbytes() == 0:
+                    kept.untyped_storage().resize_(storage.nbytes())
+                    kept.untyped_storage().copy_(storage)
+        self.outputs, self.recomputed = None, (inputs, outputs)
 
 
 def forward_layers(layers, x, settings: RecomputeSettings, ctx, *layer_args):

@@ -105,9 +105,11 @@ def te_layer_problems(model_cfg) -> list[str]:
     if model_cfg.transformer_impl != "transformer_engine":
         return []
     problems = []
-    if RecomputeSettings.from_model_config(model_cfg, check=False).core_attention:
-        problems.append("--recompute-granularity selective is implemented for --transformer-impl local "
-                        "only; use --recompute-granularity full with transformer_engine")
+    recompute = RecomputeSettings.from_model_config(model_cfg, check=False)
+    if recompute.granularity == "selective":
+        problems.append(f"--recompute-granularity selective is implemented for --transformer-impl local only "
+                        f"(--recompute-modules {' '.join(recompute.modules)}); use --recompute-granularity "
+                        f"full with transformer_engine")
     local_only = [f for f, on in (("--qk-layernorm", model_cfg.qk_layernorm),
                                   ("--apply-residual-connection-post-layernorm",
                                    model_cfg.apply_residual_connection_post_layernorm)) if on]

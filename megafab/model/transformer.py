@@ -24,7 +24,7 @@ from megafab.model.init import normal_init, output_layer_std
 from megafab.model.moe.balancing import LossScale
 from megafab.model.moe.layer import MoELayer
 from megafab.model.moe.settings import MoESettings
-from megafab.model.recompute import RecomputeSettings, recompute
+from megafab.model.recompute import DiscardedOutput, RecomputeSettings, recompute
 from megafab.model.rms_norm import RMSNorm, rms_norm
 from megafab.param_names import layer_prefix, partition_stride
 
@@ -286,6 +286,7 @@ class TransformerLayer(nn.Module):
         self.self_attention = SelfAttention(cfg, ctx, prefix + "self_attention.")
         self.pre_mlp_layernorm = build_norm(cfg, ctx)
         self.mlp = build_mlp(cfg, ctx, layer_number, prefix + "mlp.")
+        self.recompute = RecomputeSettings.from_model_config(cfg)  # the selective modules
 
     def _dropout(self, x):
         if not self.training or self.hidden_dropout == 0.0:
@@ -294,12 +295,26 @@ class TransformerLayer(nn.Module):
             return F.dropout(x, self.hidden_dropout, training=True)
 
     def forward(self, x, rotary_angles=None, attention_mask=None, kv_cache=None):
-        normed = self.input_layernorm(x)
+        # --recompute-modules layernorm: each norm's output is freed once its consumers saved it and
+        # recomputed when the gradient of the consumer's output arrives (model/recompute.py)
+        norm = self._norm_region(self.input_layernorm)
+        normed = norm(x)
         residual = normed if self.residual_post_norm else x
-        x = residual + self._dropout(self.self_attention(normed, rotary_angles, attention_mask, kv_cache))
-        normed = self.pre_mlp_layernorm(x)
+        attention = self.self_attention(normed, rotary_angles, attention_mask, kv_cache)
+        x = residual + self._dropout(attention)
+        norm.discard(attention)
+        norm = self._norm_region(self.pre_mlp_layernorm)
+        normed = norm(x)
         residual = normed if self.residual_post_norm else x
-        out = self.mlp(normed)
+        if self.recompute.selects("mlp") and self.training and isinstance(self.mlp, MLP):
+            out = recompute(self.mlp, normed, tracker=self.ctx.rng_tracker, device=self.ctx.device)
+        else:
+            out = self.mlp(normed)
         if isinstance(out, tuple):  # MoELayer: (output, mlp_bias None) as megatron-core's
             out = out[0]
-        return residual + self._dropout(out)
+        x = residual + self._dropout(out)
+        norm.discard(out)
+        return x
+
+    def _norm_region(self, norm: nn.Module) -> DiscardedOutput:
+        return DiscardedOutput(norm, norm.parameters(), self.recompute.selects("layernorm") and self.training)

@@ -88,18 +88,23 @@ class SavedActivations:
 
     def __init__(self, exclude=()):
         self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
-        self._storages: dict[int, int] = {}
+        self._storages: dict[int, torch.UntypedStorage] = {}
+        self._bytes: int | None = None
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         if storage.data_ptr() not in self._excluded:
-            self._storages[storage.data_ptr()] = storage.nbytes()
+            self._storages[storage.data_ptr()] = storage
         return t
 
     @property
     def bytes(self) -> int:
-        return sum(self._storages.values())
+        """Sized when the block ends: a storage freed before then (an output-discarding recompute
+        region's, model/recompute.py) counts 0."""
+        if self._bytes is not None:
+            return self._bytes
+        return sum(s.nbytes() for s in self._storages.values())
 
     def __enter__(self) -> SavedActivations:
         self._hooks.__enter__()
@@ -107,3 +112,5 @@ class SavedActivations:
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
+        self._bytes = self.bytes
+        self._storages.clear()

@@ -11,6 +11,7 @@ The terms are written out in layer_activation_bytes' docstring; plan() adds them
 
 from __future__ import annotations
 
+from megafab.model.recompute import RecomputeSettings
 from megafab.plan.state_memory import BYTES
 
 
@@ -61,7 +62,12 @@ def _qkv_output_saved(cfg, kernels: str, recompute_core_attention: bool) -> bool
     return m.num_query_groups == m.num_attention_heads and e >= 4
 
 
-def layer_activation_bytes(cfg, kernels: str = "flash", recompute_core_attention: bool = False) -> int:
+def recompute_settings(cfg) -> RecomputeSettings:
+    """The --recompute-* settings of a config (selective: which modules)."""
+    return RecomputeSettings.from_model_config(cfg.model, check=False)
+
+
+def layer_activation_bytes(cfg, kernels: str = "flash", recompute_core_attention: bool | None = None) -> int:
     """kernels: flash (GPU SDPA flash), unfused (the paper's softmax/dropout kernels), cpu (PyTorch's
     CPU SDPA: flash without attention dropout, the math kernel with it).
 
@@ -87,7 +93,10 @@ def layer_activation_bytes(cfg, kernels: str = "flash", recompute_core_attention
                                            probabilities, mask and dropped probabilities, all in at
                                            least fp32 (and then not the packed QKV output, except for
                                            fp32 multi-head attention, whose v is a view of it)
-    Selective recompute drops the core-attention term (it keeps q, k, v: the QKV output). Full
+    Selective recompute, by module (recompute_core_attention None: as the config's modules say):
+    core_attn drops the core-attention term (it keeps q, k, v: the QKV output); layernorm the two
+    norm outputs and statistics (their inputs stay); mlp the dense MLP's TP-region share (its input
+    stays: mlp_activation_bytes is then 0); the MoE modules are moe_mlp_activation_bytes'. Full
     recompute keeps e*s*b*h / r per recomputed group (its input) and, during backward, one group's
     activations at a time.
     Per chunk: RoPE's cos and sin, 2*e*s*b*rot (shared by the chunk's layers, full sequence).
@@ -106,15 +115,19 @@ def layer_activation_bytes(cfg, kernels: str = "flash", recompute_core_attention
     2*e*b*(a + 2g)/t*d*s/cp (one all-to-all's send and receive buffers for q, k, v).
     """
     m, p, t = cfg.model, cfg.parallel, cfg.training
+    selective = recompute_settings(cfg)
+    if recompute_core_attention is None:
+        recompute_core_attention = selective.core_attention
     s, b, h = m.seq_length, t.micro_batch_size, m.hidden_size
     s //= p.context_parallel_size  # CP: each rank holds s/cp tokens of every activation
-    a, g, d, f = m.num_attention_heads, m.num_query_groups, m.kv_channels, m.ffn_hidden_size
+    a, g, d = m.num_attention_heads, m.num_query_groups, m.kv_channels
     tp = p.tensor_model_parallel_size
     r = tp if p.sequence_parallel else 1
     e = BYTES[cfg.precision.params_dtype_name]
     hidden_masks = 2 * mask_bytes(kernels, e) if m.hidden_dropout > 0 else 0
     replicated = s * b * h * (4 * e + hidden_masks) + 2 * norm_stats_bytes(m, s, b)
-    fc1 = f * (2 if m.swiglu else 1)
+    if selective.selects("layernorm"):  # the norms' outputs freed, their statistics never kept
+        replicated -= 2 * (e * s * b * h + norm_stats_bytes(m, s, b))
     qkv_saved = _qkv_output_saved(cfg, kernels, recompute_core_attention)
     qkv = (a + 2 * g) * d if qkv_saved else 0
     math_kernel = attention_kernels(cfg, kernels) == "cpu" and m.attention_dropout > 0 and \
@@ -123,14 +136,17 @@ def layer_activation_bytes(cfg, kernels: str = "flash", recompute_core_attention
     # The q and k given to attention are new tensors after RoPE (q also when copied out for GQA);
     # CPU's math kernel keeps its own copies instead.
     new_qk = 0 if math_kernel else (a * d if rope or g < a else 0) + (g * d if rope else 0)
-    tp_region = e * s * b * (qkv + new_qk + a * d + fc1 + f + (f if m.swiglu else 0)) / tp
+    tp_region = e * s * b * (qkv + new_qk + a * d) / tp + mlp_activation_bytes(cfg)
     core = 0.0 if recompute_core_attention else core_attention_bytes(cfg, kernels)
     return int(replicated / r + tp_region + core)
 
 
 def mlp_activation_bytes(cfg) -> int:
-    """The dense MLP's share of the TP region of layer_activation_bytes: e*s*b*(f_1 + f (+ f))/t."""
+    """The dense MLP's share of the TP region of layer_activation_bytes: e*s*b*(f_1 + f (+ f))/t;
+    0 with --recompute-modules mlp (the checkpoint keeps only the input, the norm's output)."""
     m, p = cfg.model, cfg.parallel
+    if recompute_settings(cfg).selects("mlp"):
+        return 0
     s, b = m.seq_length // p.context_parallel_size, cfg.training.micro_batch_size
     f, e = m.ffn_hidden_size, BYTES[cfg.precision.params_dtype_name]
     widths = f * (2 if m.swiglu else 1) + f + (f if m.swiglu else 0)

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 
 from megafab.layout import Layout, expert_tensor_parallel_size
+from megafab.model.recompute import RecomputeSettings
 from megafab.param_names import ROUTER, SHARED_EXPERTS, parse_index
 from megafab.plan.inventory import Inventory
 from megafab.plan.state_memory import StateBytes, state_bytes
@@ -119,23 +120,33 @@ def moe_mlp_activation_bytes(cfg, moe, rows: int, e: int) -> int:
     dense layer already counts (the router's and shared experts' input):
         router          N (12 k + E (1 + e))      the chosen experts (int64) and their fp32 softmax,
                                                  the routing map (bool) and probabilities [E, N]
-        routed rows     rows (2 e h + e (f_1 + 2 f_e + f_e with SwiGLU) / t_e + 8 + e)
+        routed rows     rows (2 e h + e (f_1 + 2 f_e + f_e with SwiGLU) / t_e + 8 + e (+ e h))
                                                  expert input, the experts' output kept by the
                                                  combine, fc1 output, activation output (for the
                                                  probabilities' gradient), fc2 input; the row's
-                                                 permutation index and probability
+                                                 permutation index and probability (and fc2's
+                                                 bias row with --add-bias-linear)
         shared experts  e s b / c (f_s1 + f_s + f_s with SwiGLU) / t    as the dense MLP
+    Selective recompute: moe keeps nothing beyond that input (0); shared_experts drops the shared
+    term; moe_act keeps of each row's activation only fc1's output (e (2 f_e + f_e with SwiGLU) / t_e
+    less per row: the activation's intermediates and fc2's input are recomputed).
     """
+    recompute = RecomputeSettings.from_model_config(cfg.model, check=False)
+    if recompute.selects("moe"):
+        return 0
     m, p, t = cfg.model, cfg.parallel, cfg.training
     _, etp = expert_sizes(cfg)
     tp = p.tensor_model_parallel_size
     h, f_e = m.hidden_size, moe.ffn_hidden_size(m.ffn_hidden_size)
     fc1 = f_e * (2 if m.swiglu else 1)
     router = router_tokens(cfg) * (12 * moe.moe_router_topk + moe.num_experts * (1 + e))
-    per_row = 2 * e * h + e * (fc1 + 2 * f_e + (f_e if m.swiglu else 0)) // etp + 8 + e
+    # moe_act: the activation's intermediates and output recomputed from fc1's output
+    act = 0 if recompute.selects("moe_act") and moe.moe_grouped_gemm else 2 * f_e + (f_e if m.swiglu else 0)
+    # with expert biases (--add-bias-linear) fc2's bias rows, weighted by the probabilities, are kept too
+    per_row = 2 * e * h + e * (fc1 + act) // etp + 8 + e + (e * h if m.add_bias_linear else 0)
     shared = 0
     f_s = moe.moe_shared_expert_intermediate_size
-    if f_s:
+    if f_s and not recompute.selects("shared_experts"):
         tokens = t.micro_batch_size * m.seq_length // p.context_parallel_size
         shared = e * tokens * (f_s * (2 if m.swiglu else 1) + f_s + (f_s if m.swiglu else 0)) // tp
     return router + rows * per_row + shared

@@ -141,7 +141,7 @@ def plan(cfg, kernels: str = "flash", routing: str = "bound") -> list[StagePlan]
     r = tp if p.sequence_parallel else 1
     e = BYTES[pr.params_dtype_name]
     granularity = m.recompute_granularity
-    layer = layer_activation_bytes(cfg, kernels, recompute_core_attention=granularity == "selective")
+    layer = layer_activation_bytes(cfg, kernels)  # selective: what the --recompute-modules keep
     layer_input = e * s * b * h // r
     moe = moe_settings(cfg)
     # an MoE layer: its MoE MLP in place of the dense one, (layer bytes, dispatcher bytes) at the

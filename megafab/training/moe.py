@@ -63,5 +63,14 @@ def logged_balancing_losses(models, settings: MoESettings, cfg, topo, num_micro_
                            num_moe_layers=num_moe_layers(settings, cfg.model.num_layers),
                            num_micro_batches=num_micro_batches, device=topo.device,
                            pp_group=topo.group("pp"), tp_cp_group=topo.group("tp", "cp"),
-                           tp_dp_cp_group=topo.group("tp", "dp", "cp"), dp_group=topo.group("dp"))
+                           tp_dp_cp_group=topo.group("tp", "dp", "cp"), dp_group=topo.group("dp"),
+                           per_layer=per_layer_logged(settings, cfg))
+
+
+def per_layer_logged(settings: MoESettings, cfg) -> int | None:
+    """--moe-per-layer-logging: the layers Megatron's per-layer log covers (the decoder's and the
+    MTP block's), else None."""
+    if not settings.moe_per_layer_logging:
+        return None
+    return cfg.model.num_layers + (getattr(cfg.model, "mtp_num_layers", None) or 0)
 

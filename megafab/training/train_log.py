@@ -67,7 +67,8 @@ class TrainingLog:
         self.window_samples += metrics["global_batch_size"]
         moe = metrics.get("moe_losses") or {}
         for name, value in moe.items():
-            self.window_moe[name] = self.window_moe.get(name, 0.0) + value
+            if not name.startswith("moe/"):  # --moe-per-layer-logging's go to TensorBoard only
+                self.window_moe[name] = self.window_moe.get(name, 0.0) + value
         if metrics["update_ok"]:
             self.window_applied += 1
             self.window_loss += metrics["lm loss"] or 0.0  # None off the last stage

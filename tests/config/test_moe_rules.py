@@ -119,7 +119,7 @@ def test_bad_layer_pattern_names_the_flag():
 
 
 @pytest.mark.parametrize("flag", ["--moe-enable-deepep", "--moe-use-legacy-grouped-gemm",
-                                  "--overlap-moe-expert-parallel-comm", "--moe-per-layer-logging"])
+                                  "--overlap-moe-expert-parallel-comm", "--moe-apply-probs-on-input"])
 def test_megatron_moe_flags_without_a_field_are_refused_by_name(flag):
     with pytest.raises(ConfigError, match=f"{flag}: refused, "):
         config_from_args(BASE + MOE + [flag], world_size=1)

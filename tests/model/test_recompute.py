@@ -48,11 +48,11 @@ def test_layer_groups_follow_megatron():
 
 
 def test_unsupported_recompute_module_is_refused_by_name():
-    with pytest.raises(ConfigError, match="--recompute-modules mlp not supported"):
-        tiny_config(recompute_granularity="selective", recompute_modules=["mlp"])
+    with pytest.raises(ConfigError, match="--recompute-modules moe_layer: not a module megatron-core"):
+        tiny_config(recompute_granularity="selective", recompute_modules=["moe_layer"])
     cfg = dataclasses.replace(tiny_config().model, recompute_granularity="selective",
-                              recompute_modules=["core_attn", "mlp"])  # a config the rules never saw
-    with pytest.raises(RecomputeConfigError, match="--recompute-modules mlp not supported"):
+                              recompute_modules=["core_attn", "moe_layer"])  # a config the rules never saw
+    with pytest.raises(RecomputeConfigError, match="--recompute-modules moe_layer: not a module"):
         GPTModel(cfg, context())
 
 

@@ -23,6 +23,7 @@ from torch import nn
 from megafab.distributed.layers import ParallelLayerError, partition_of
 from megafab.distributed.mappings import group_rank, group_size
 from megafab.model.init import normal_init, output_layer_std
+from megafab.model.recompute import DiscardedOutput
 from megafab.param_names import COLUMN_DIM, ROW_DIM, SWIGLU_STRIDE
 
 GROUPED_MM = getattr(F, "grouped_mm", None)
@@ -156,9 +157,13 @@ class _Linear(nn.Module):
 
 class GroupedExperts(nn.Module):
     def __init__(self, shape: ExpertShape, num_local_experts: int, first_expert: int, *, seed: int,
-                 prefix: str, params_dtype: torch.dtype, device=None, etp_group=None):
+                 prefix: str, params_dtype: torch.dtype, device=None, etp_group=None,
+                 recompute_activation: bool = False):
+        """recompute_activation: --recompute-modules moe_act, the activation's output (fc2's input)
+        freed after fc2 and recomputed from fc1's output in backward (recompute.DiscardedOutput)."""
         super().__init__()
         self.shape = shape
+        self.recompute_activation = recompute_activation
         self.split = split = ExpertSplit(shape, etp_group, params_dtype)
         fc1, fc2 = zip(*(split.weights(seed, f"{prefix}experts.{e}.", params_dtype, device)
                          for e in range(first_expert, first_expert + num_local_experts)))
@@ -170,8 +175,10 @@ class GroupedExperts(nn.Module):
         _mark_expert(self)
 
     def forward(self, rows: torch.Tensor, tokens_per_expert: list[int], probs: torch.Tensor) -> torch.Tensor:
-        h = self.shape.activate(self.linear_fc1(rows, tokens_per_expert), probs)
+        activation = DiscardedOutput(self.shape.activate, active=self.recompute_activation and self.training)
+        h = activation(self.linear_fc1(rows, tokens_per_expert), probs)
         out = self.linear_fc2(h, tokens_per_expert, add_bias=False)
+        activation.discard(out)
         if self.linear_fc2.bias is not None:
             bias = self.split.output_bias(self.linear_fc2.bias)
             out = out + self.linear_fc2.bias_rows(tokens_per_expert, bias) * probs.unsqueeze(-1)

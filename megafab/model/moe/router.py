@@ -1,8 +1,9 @@
 """TopKRouter: gate, top-k routing, capacity, balancing losses and expert-bias counting.
 
-Megatron-core 0.16.1's order: input jitter -> gate logits (router dtype) -> z-loss attached to the
-logits -> top-k routing -> capacity dropping -> balancing losses attached to the probs (training
-only) -> tokens per expert counted for the expert bias.
+Megatron-core 0.16.1's order: input jitter -> gate logits (router dtype) -> random logits in their
+place (--moe-router-force-load-balancing) -> z-loss attached to the logits -> top-k routing ->
+capacity dropping -> balancing losses attached to the probs (training only) -> tokens per expert
+counted for the expert bias.
 
 Under activation recompute the side effects (the losses' log, the expert-bias token counts,
 global_aux_loss's running counts) happen in the first forward only; the recompute reuses the
@@ -23,7 +24,13 @@ from torch import nn
 from megafab.distributed.mappings import group_size
 from megafab.model.init import normal_init
 from megafab.model.moe import balancing
-from megafab.model.moe.routing import aux_loss_scores, drop_to_capacity, gate_logits, topk_routing
+from megafab.model.moe.routing import (
+    aux_loss_scores,
+    drop_to_capacity,
+    gate_logits,
+    random_logits,
+    topk_routing,
+)
 from megafab.model.moe.settings import MoESettings
 from megafab.model.recompute import recompute_phase
 
@@ -72,6 +79,8 @@ class TopKRouter(nn.Module):
         # Megatron's logging name -> loss / coeff summed over the forwards since the log last read
         # it (loss_logging.moe_loss_values)
         self.logged_losses: dict[str, torch.Tensor] = {}
+        # this layer's index in the per-layer log (--moe-per-layer-logging; MoELayer sets it)
+        self.log_layer: int | None = None
         # global_aux_loss's mean counts seen by checkpointed forwards, for their recomputes
         self._replayed_counts: deque[torch.Tensor] = deque()
 
@@ -91,6 +100,8 @@ class TopKRouter(nn.Module):
             x = x * (low + torch.rand(x.shape, dtype=x.dtype, device=x.device) * (high - low))
         dtype = ROUTER_DTYPES.get(s.moe_router_dtype, x.dtype)
         logits = gate_logits(x, self.weight, self.bias, dtype)  # [s, b, E]
+        if s.moe_router_force_load_balancing:  # benchmarks: uniform routing (routing.random_logits)
+            logits = random_logits(logits)
         seq_length, batch = logits.shape[:2]
         logits = logits.view(-1, self.num_experts)
         training = self.training and torch.is_grad_enabled()

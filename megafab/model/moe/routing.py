@@ -45,6 +45,27 @@ def gate_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return _GateLinear.apply(x, weight, bias, dtype)
 
 
+class _RandomLogits(torch.autograd.Function):
+    """--moe-router-force-load-balancing (benchmarks): standard-normal logits in place of the gate's,
+    the gradient passed straight through to the gate (megatron-core's RandomSTE)."""
+
+    @staticmethod
+    def forward(ctx, logits):
+        return torch.empty_like(logits).normal_()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def random_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Random logits of `logits`' shape and dtype, from the default stream of its device: every
+    rank that holds the same tokens draws the same ones (TP without SP, and a recompute replays
+    them). megatron-core draws from its expert-parallel stream, which differs across EP ranks;
+    routing is uniform either way."""
+    return _RandomLogits.apply(logits)
+
+
 def _float32_softmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
 
