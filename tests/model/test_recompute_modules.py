@@ -19,6 +19,7 @@ from megafab.model.transformer import LayerContext
 from megafab.optim.memory import SavedActivations
 from megafab.plan.planner import plan
 from megafab.run.fork_ranks import run_ranks
+from megafab.training.moe import moe_context_fields
 from tests.helpers.tiny import (
     GPT2_STYLE,
     LLAMA_STYLE,
@@ -45,12 +46,14 @@ def _config(style, moe: bool, modules=None, **overrides):
     return tiny_config(style=style, **{**(MOE if moe else {}), **selective, **overrides})
 
 
-def _run(cfg, dtype=torch.float64, tp_group=None, tp_rank=0, jitter=None):
-    """(loss, full grads, saved activation bytes) of one forward/backward, RNG seeded as at start."""
+def _run(cfg, dtype=torch.float64, tp_group=None, tp_rank=0, topo=None):
+    """(loss, full grads, saved activation bytes) of one forward/backward, RNG seeded as at start;
+    topo: an MoE model's groups (TP + SP)."""
     tracker = RNGStatesTracker("cpu")
     sp = tp_group is not None
-    ctx = LayerContext(tp_group, sp, dtype, torch.device("cpu"), 1234, tracker,
-                       moe=cfg.moe if cfg.moe.num_experts else None)
+    moe = moe_context_fields(cfg, topo) if topo is not None else \
+        {"moe": cfg.moe if cfg.moe.num_experts else None}
+    ctx = LayerContext(tp_group, sp, dtype, torch.device("cpu"), 1234, tracker, **moe)
     model = GPTModel(cfg.model, ctx)
     model_parallel_seed(1234, tp_rank, 0, "cpu", tracker)
     torch.manual_seed(5)  # the MoE input jitter's draws
@@ -115,6 +118,25 @@ def _tp_sp_runs(rank, world):
 
 def test_modules_under_tp2_sequence_parallel_change_nothing():
     assert run_ranks(_tp_sp_runs, 2, timeout=120)[0] == [["layernorm"], ["mlp"], list(DENSE_MODULES)]
+
+
+def _moe_tp_sp_runs(rank, world):
+    """The MoE model under TP 2 + SP (expert TP 2: the experts sharded, the dispatcher's collectives
+    re-run by the moe recompute): every module on equals every module off."""
+    topo = build_topology(tp=world)
+    group, out = topo.group("tp"), []
+    cfg_of = dict(style=LLAMA_STYLE, moe=True, tp=world, sequence_parallel=True, moe_input_jitter_eps=0.1,
+                  **DROPOUT)
+    ref = _run(_config(**cfg_of), tp_group=group, tp_rank=topo.tp_rank, topo=topo)
+    for modules in (["moe"], ["shared_experts", "moe_act", "layernorm"], list(MOE_MODULES)):
+        run = _run(_config(**cfg_of, modules=modules), tp_group=group, tp_rank=topo.tp_rank, topo=topo)
+        _assert_equal(run, ref, modules)
+        out.append(run[2] < ref[2])
+    return out
+
+
+def test_moe_modules_under_tp2_sequence_parallel_change_nothing():
+    assert run_ranks(_moe_tp_sp_runs, 2, timeout=120) == [[True] * 3] * 2
 
 
 def test_recomputed_moe_layer_has_its_router_side_effects_once():
