@@ -11,9 +11,8 @@ rank in every GEMM (under SP the GEMMs run on the TP-gathered sequence).
             backward recomputes the scores: 2.5x), at the machine's attention efficiency.
   memory    norms, bias/dropout/residual adds, activation, RoPE: bytes over HBM (backward 2x).
   comm      TP/SP (_tp_comm), CP (_cp_comm), MoE token dispatch (_ep_comm): exposed seconds.
-  recompute full: the layer's forward again in backward; selective: the attention forward again.
-First stage: the embedding (memory-bound); last stage: final norm, output layer [M, h] x [h, V/t]
-and the fp32 cross entropy over [M, V/t].
+  recompute full: the layer's forward again; selective: each module's (_selective_recompute).
+First stage: the embedding (memory-bound); last: final norm, output layer, fp32 cross entropy.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megafab.config.moe import moe_settings
+from megafab.model.recompute import RecomputeSettings
 from megafab.plan.collectives import collective_seconds, group_placement, p2p_seconds
 from megafab.plan.moe import expected_rows, expert_sizes, router_tokens
 from megafab.plan.state_memory import BYTES
@@ -236,8 +236,35 @@ def layer_passes(cfg, machine, tp_comm_overlap: bool = False, moe_layer: bool = 
     fwd = Pass(sum(fwd_g), att_f, machine.memory_seconds(mem, kernels=8), tp_f, cp_f, ep)
     bwd = Pass(sum(dgrad) + sum(wgrad), att_b, machine.memory_seconds(2 * mem, kernels=12), tp_b, cp_b, ep)
     if m.recompute_granularity == "selective":
-        bwd = bwd + Pass(attention=att_f)
+        bwd = bwd + _selective_recompute(x, moe_layer, fwd_g, att_f, ep)
     return fwd, bwd
+
+
+def _selective_recompute(x: Shapes, moe_layer: bool, fwd_g: list[float], att_f: float, ep: float) -> Pass:
+    """The forward work backward redoes under --recompute-modules: core_attn the attention kernel,
+    layernorm the two norms, mlp a dense layer's fc1/fc2 and activation, moe an MoE layer's whole
+    MLP (router, experts, shared experts, dispatch), shared_experts and moe_act their parts."""
+    on = RecomputeSettings.from_model_config(x.cfg.model, check=False).selects
+    tokens = x.M / (x.tp if x.sp else 1)
+    act = (3 if x.cfg.model.swiglu else 2) * x.e
+    norms = x.machine.memory_seconds(2 * 2 * x.e * tokens * x.h, kernels=2)
+    out = Pass(attention=att_f if on("core_attn") else 0.0, memory=norms if on("layernorm") else 0.0)
+    if not moe_layer:
+        if on("mlp"):
+            activation = x.machine.memory_seconds(act * x.M * x.f / x.tp, kernels=1)
+            out = out + Pass(gemm=sum(fwd_g[2:]), memory=activation)
+        return out
+    shared = 2 if x.f_s else 0
+    routed = act * x.rows * x.f_e / x.etp
+    if on("moe"):
+        mlp_bytes = _elementwise_bytes(x, moe_layer) - _elementwise_bytes(x) + act * x.M * x.f / x.tp
+        return out + Pass(gemm=sum(fwd_g[2:]), memory=x.machine.memory_seconds(mlp_bytes, kernels=4), ep=ep)
+    if on("shared_experts") and shared:
+        out = out + Pass(gemm=sum(fwd_g[2:2 + shared]),
+                         memory=x.machine.memory_seconds(act * x.M * x.f_s / x.tp, kernels=1))
+    if on("moe_act"):
+        out = out + Pass(memory=x.machine.memory_seconds(routed, kernels=1))
+    return out
 
 
 def recomputed_layers(cfg, chunk_layers: int) -> int:
