@@ -20,7 +20,7 @@ NO_EFFECT_GROUP = "Megatron flags accepted without effect in megafab"
 GROUP_ORDER = ("transformer configuration", "network size", "regularization", "profiling", "training",
                "RNG and initialization", "learning rate and weight decay", "checkpointing",
                "mixed precision", "distributed", "validation", "data and dataloader", "tokenizer",
-               "moe", "logging", "experimental", MEGAFAB_ONLY, NO_EFFECT_GROUP)
+               "moe", "multi-token prediction", "logging", "experimental", MEGAFAB_ONLY, NO_EFFECT_GROUP)
 
 # Where a flag goes by the arguments.py group that defines it ...
 GROUP_OF_SECTION = {"model": "transformer configuration", "mixture of experts": "transformer configuration",

@@ -77,7 +77,6 @@ REFUSED: dict[str, Refused] = {
         f"overlapping expert-parallel communication with another micro-batch's compute (CUDA streams) "
         f"is {NOT_YET}"),
     "--multi-latent-attention": Refused(f"multi-latent attention is {NOT_YET}"),
-    "--mtp-num-layers": Refused(f"multi-token prediction is {NOT_YET}"),
     "--tp-comm-overlap": Refused(f"TP communication overlap (Transformer Engine userbuffers) is {NOT_YET}"),
     "--fsdp-double-buffer": Refused(f"Megatron-FSDP buffer tuning; {FSDP}"),
     "--fsdp-manual-registration": Refused(f"Megatron-FSDP buffer registration; {FSDP}"),
@@ -290,7 +289,8 @@ _refuse(f"this activation function is {NOT_YET}", """--activation-func-clamp-val
 _refuse(_INIT, """--embedding-init-method-std V --init-method-xavier-uniform --data-parallel-random-init""")
 _refuse(_PIPELINE, """--microbatch-group-size-per-virtual-pipeline-stage V --use-ring-exchange-p2p
     --pipeline-model-parallel-comm-backend V""")
-_refuse(f"multi-token prediction is {NOT_YET}", "--mtp-standalone --mtp-loss-scaling-factor V")
+_refuse(f"MTP layers in a pipeline stage of their own are {NOT_YET} (megafab places them on the last "
+        f"stage, as megatron-core without --mtp-standalone)", "--mtp-standalone")
 _refuse(f"distributing recomputed activations over the model-parallel group is {NOT_YET}",
         "--distribute-saved-activations")
 _refuse(_DDP, """--ddp-num-buckets V --ddp-pad-buckets-for-high-nccl-busbw
@@ -348,7 +348,7 @@ for _reason, _spec in no_effect_flags.FAMILIES:
 _values("--retro-project-dir V --step-batch-size-schedule V*")
 _values("""--hierarchical-context-parallel-sizes V+ --moe-upcycling-granularity V
     --moe-flex-dispatcher-backend V --moe-deepep-num-sms V --moe-hybridep-num-sms V --moe-latent-size V
-    --mtp-num-layers V --num-distributed-optimizer-instances V --spec V* --encoder-num-layers V
+    --num-distributed-optimizer-instances V --spec V* --encoder-num-layers V
     --decoder-num-layers V --pipeline-model-parallel-layout V --non-persistent-save-interval V
     --non-persistent-ckpt-type V --ckpt-convert-format V --batch-size V
     --warmup V --model-parallel-size V --exit-signal V --rerun-mode V

@@ -89,14 +89,42 @@ def layer_order(name: str) -> tuple[int, str]:
     return (-1 if layer is None else layer, name)
 
 
+# ---- multi-token prediction (megatron-core 0.16.1's MultiTokenPredictionBlock) ----------------------
+# mtp.layers.<i>.{enorm,hnorm,final_layernorm}.weight (.bias with LayerNorm), mtp.layers.<i>.eh_proj.weight
+# [h, 2h] (column-parallel), mtp.layers.<i>.transformer_layer.<a decoder layer's suffix>; depth i from 0.
+MTP_LAYERS = "mtp.layers."
+MTP_TRANSFORMER_LAYER = "transformer_layer."
+
+
+def mtp_layer_module(depth: int) -> str:
+    """The module path of MTP depth `depth` (from 0): `mtp.layers.<depth>`."""
+    return layer_prefix(depth, MTP_LAYERS)[:-1]
+
+
+def module_mtp_layer(path: str) -> int | None:
+    """The depth of a module path `mtp.layers.<i>`, None for any other module."""
+    number = path[len(MTP_LAYERS):] if path.startswith(MTP_LAYERS) else ""
+    return int(number) if number.isdigit() else None
+
+
+def mtp_split_key(name: str) -> str | None:
+    """The TP_SPLITS key of an MTP parameter name (its transformer layer's: the layer suffix), None
+    for any other name."""
+    parsed = parse_index(name, MTP_LAYERS)
+    if parsed is None:
+        return None
+    rest = parsed[1]
+    return rest[len(MTP_TRANSFORMER_LAYER):] if rest.startswith(MTP_TRANSFORMER_LAYER) else rest
+
+
 # ---- mixture of experts -----------------------------------------------------------------------------
-def _layer_suffix(name: str) -> tuple[int | None, str]:
-    parsed = parse_index(name)
-    return (None, name) if parsed is None else parsed
+def _layer_suffix(name: str) -> tuple[str, str]:
+    """(prefix, layer suffix) of a decoder or MTP transformer layer's name, ("", name) otherwise."""
+    return _layer_split(name) or ("", name)
 
 
-def _with_suffix(layer: int | None, suffix: str) -> str:
-    return suffix if layer is None else layer_name(layer, suffix)
+def _with_suffix(prefix: str, suffix: str) -> str:
+    return prefix + suffix
 
 
 def is_moe_name(name: str) -> bool:
@@ -187,6 +215,11 @@ def stacked_extra_state_key(module: str, layer: int, num_layers: int) -> str:
     return f"{LAYERS}{module}.{EXTRA_STATE}/shard_{layer}_{num_layers}"
 
 
+def mtp_extra_state_key(module: str, depth: int) -> str:
+    """An MTP layer's module's (not stacked): `mtp.layers.<depth>.<module>._extra_state/shard_0_1`."""
+    return f"{layer_prefix(depth, MTP_LAYERS)}{module}.{EXTRA_STATE}/shard_0_1"
+
+
 def layer_extra_state_key(module: str, layer: int) -> str:
     """Per-layer keys (non_homogeneous_layers): `decoder.layers.<layer>.<module>._extra_state/shard_0_1`."""
     return f"{layer_prefix(layer)}{module}.{EXTRA_STATE}/shard_0_1"
@@ -202,21 +235,33 @@ TE_NAMES = {  # local suffix -> TE suffix inside decoder.layers.N. (the norms TE
 _LOCAL_NAMES = {te: local for local, te in TE_NAMES.items()}
 
 
-def local_to_te_name(name: str) -> str:
+def _layer_split(name: str) -> tuple[str, str] | None:
+    """(prefix, layer suffix) of a decoder layer's or an MTP transformer layer's parameter."""
     parsed = parse_index(name)
-    if parsed is None or parsed[1] not in TE_NAMES:
+    if parsed is not None:
+        return layer_prefix(parsed[0]), parsed[1]
+    parsed = parse_index(name, MTP_LAYERS)
+    if parsed is not None and parsed[1].startswith(MTP_TRANSFORMER_LAYER):
+        prefix = layer_prefix(parsed[0], MTP_LAYERS) + MTP_TRANSFORMER_LAYER
+        return prefix, parsed[1][len(MTP_TRANSFORMER_LAYER):]
+    return None
+
+
+def local_to_te_name(name: str) -> str:
+    split = _layer_split(name)
+    if split is None or split[1] not in TE_NAMES:
         return name
-    return layer_name(parsed[0], TE_NAMES[parsed[1]])
+    return split[0] + TE_NAMES[split[1]]
 
 
 def te_to_local_name(name: str) -> str | None:
     """The local name of a TE parameter; None for TE-only entries (`_extra_state`)."""
     if name.endswith(EXTRA_STATE):
         return None
-    parsed = parse_index(name)
-    if parsed is None or parsed[1] not in _LOCAL_NAMES:
+    split = _layer_split(name)
+    if split is None or split[1] not in _LOCAL_NAMES:
         return name
-    return layer_name(parsed[0], _LOCAL_NAMES[parsed[1]])
+    return split[0] + _LOCAL_NAMES[split[1]]
 
 
 # ---- Megatron's legacy per-rank files --------------------------------------------------------------
@@ -296,6 +341,7 @@ TP_SPLITS = {
     "mlp.linear_fc1.weight": Split(COLUMN_DIM, strided_by_swiglu=True),
     "mlp.linear_fc1.bias": Split(COLUMN_DIM, strided_by_swiglu=True),
     "mlp.linear_fc2.weight": Split(ROW_DIM),
+    "eh_proj.weight": Split(COLUMN_DIM),  # an MTP layer's projection (mtp_split_key)
     # shared experts: the dense MLP's splits over TP
     SHARED_EXPERTS + "linear_fc1.weight": Split(COLUMN_DIM, strided_by_swiglu=True),
     SHARED_EXPERTS + "linear_fc1.bias": Split(COLUMN_DIM, strided_by_swiglu=True),
@@ -315,6 +361,9 @@ def tp_partition(name: str, swiglu: bool) -> tuple[int, int] | None:
     sequential = sequential_expert(local)
     parsed = parse_index(local if sequential is None else sequential[1])
     split = TP_SPLITS.get(local if parsed is None else parsed[1])
+    mtp = mtp_split_key(local if sequential is None else sequential[1])
+    if split is None and mtp is not None:
+        split = TP_SPLITS.get(mtp)
     if split is None:
         return None
     dim = split.dim - (sequential is not None)  # a sequential expert has no expert dim

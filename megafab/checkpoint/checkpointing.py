@@ -118,6 +118,8 @@ def _save_torch_dist(state, tmp: str, with_optim: bool) -> None:
     layers, objects = _held_layers(state), {}
     if topo.tp_rank == 0 and topo.dp_rank == 0:
         objects = megatron_dist.extra_state_objects(layers, cfg.model.num_layers, moe, stacked)
+        if topo.is_last_stage:
+            objects.update(megatron_dist.mtp_extra_state_objects(cfg.model, moe))
     experts = cs.expert_placement(state)
     if experts is not None and topo.coord("etp") == 0 and topo.coord("edp") == 0:  # each expert's once
         local = range(experts.first, experts.first + moe.num_experts // topo.size("ep"))

@@ -57,7 +57,11 @@ def split_key(key: str) -> tuple[str, str | None]:
 
 
 def is_tied_copy(name: str, param) -> bool:
-    return name == OUTPUT_LAYER and getattr(param, "shared_embedding", False)
+    """The last stage's copy of the first stage's word embedding: a tied output layer, or the
+    embedding multi-token prediction keeps there (`embedding_copy`); the first stage writes it."""
+    if not getattr(param, "shared_embedding", False):
+        return False
+    return name == OUTPUT_LAYER or (name == WORD_EMBEDDING and getattr(param, "embedding_copy", False))
 
 
 def stored_name(name: str, param) -> str:

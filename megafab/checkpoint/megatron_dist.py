@@ -35,7 +35,13 @@ from megafab.checkpoint.source import (
     read_json_object,
 )
 from megafab.config import Config
-from megafab.param_names import expert_extra_state_key, layer_extra_state_key, stacked_extra_state_key
+from megafab.param_names import (
+    MTP_TRANSFORMER_LAYER,
+    expert_extra_state_key,
+    layer_extra_state_key,
+    mtp_extra_state_key,
+    stacked_extra_state_key,
+)
 
 COMMON_PT = "common.pt"
 COMMON_STATE = "common_state/shard_0_1"
@@ -228,6 +234,17 @@ def extra_state_objects(layers, num_layers: int, moe=None, stacked: bool = True)
         return stacked_extra_state_key(module, layer, num_layers) if stacked else \
             layer_extra_state_key(module, layer)
     return {key(module, layer): [None] for layer in layers for module in _layer_modules(layer, moe)}
+
+
+def mtp_extra_state_objects(model_cfg, moe=None) -> dict[str, list]:
+    """The `_extra_state` objects of the multi-token prediction layers (the last stage's): each
+    depth's eh_proj and its transformer layer's linear modules (the decoder's last layer's kind;
+    the local spec's, MTP runs no Transformer Engine layer)."""
+    modules = ("eh_proj",) + tuple(MTP_TRANSFORMER_LAYER + m
+                                   for m in _layer_modules(model_cfg.num_layers - 1, moe)
+                                   if m != "self_attention.core_attention")
+    return {mtp_extra_state_key(module, depth): [None]
+            for depth in range(model_cfg.mtp_num_layers or 0) for module in modules}
 
 
 def expert_extra_state_objects(layers, num_layers: int, moe, experts,

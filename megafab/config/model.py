@@ -94,6 +94,15 @@ class ModelConfig(Section):
         "local", choices=("local", "transformer_engine"),
         flag_help="default: local, or transformer_engine with --fp8-format (TE needs a GPU)",
         help="local (pure PyTorch) or transformer_engine (GPU only).")
+    mtp_num_layers: int | None = option(
+        None, group="multi-token prediction",
+        help="Number of Multi-Token Prediction (MTP) layers: D sequential modules after the decoder (on the "
+             "last pipeline stage) predict D additional tokens at each position, sharing the embedding and "
+             "the output layer (megatron-core's MultiTokenPredictionBlock).")
+    mtp_loss_scaling_factor: float = option(
+        0.1, group="multi-token prediction",
+        help="Scaling factor of the MTP loss: the mean of the MTP losses over the depths, times this "
+             "factor, is added to the training objective (the logged lm loss stays the main loss).")
     compile_layers: bool = option(
         False, flags=("--compile",),
         flag_help="megafab only, not a Megatron flag: torch.compile each transformer layer",

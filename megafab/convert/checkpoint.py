@@ -165,6 +165,7 @@ def _write_torch_dist(tmp, sd, cfg, record) -> None:
     moe = moe_settings(cfg)
     stacked, layers = megatron_keys.stacks_layers(moe), range(cfg.model.num_layers)
     objects = megatron_dist.extra_state_objects(layers, cfg.model.num_layers, moe, stacked)
+    objects.update(megatron_dist.mtp_extra_state_objects(cfg.model, moe))
     if moe is not None:
         objects.update(megatron_dist.expert_extra_state_objects(layers, cfg.model.num_layers, moe,
                                                                 range(moe.num_experts), stacked))

@@ -22,6 +22,7 @@ from megafab.distributed.layers import VocabParallelEmbedding
 from megafab.distributed.linear import linear_with_grad_accumulation_and_async_allreduce
 from megafab.distributed.mappings import group_size, scatter_to_sequence_parallel_region
 from megafab.model.init import normal_init
+from megafab.model.mtp import MTPBlock, MTPLayer
 from megafab.model.recompute import RecomputeSettings, forward_layers
 from megafab.model.te import fp8_chunk_context, transformer_layer_class
 from megafab.model.transformer import LayerContext, RotaryEmbedding, build_norm
@@ -78,9 +79,14 @@ class GPTModel(nn.Module):
         self.first_layer, self.last_layer = first_layer, last_layer
         self.recompute = RecomputeSettings.from_model_config(cfg)
         self.rotary = None
+        # multi-token prediction: the last chunk of the last stage (megatron-core without a custom layout)
+        self.mtp_depths = (cfg.mtp_num_layers or 0) if post_process else 0
         for name in self.part_names():
             if name.startswith("decoder.") and not hasattr(self, "decoder"):
                 self._add_decoder()
+            if name.startswith(keys.MTP_LAYERS) and not hasattr(self, "mtp"):
+                self.mtp = MTPBlock(self.mtp_depths, cfg.mtp_loss_scaling_factor,
+                                    ctx.calculate_per_token_loss)
             parent, _, attr = name.rpartition(".")
             setattr(self.get_submodule(parent), attr, self.build_part(name, ctx))
         if not hasattr(self, "decoder"):
@@ -88,9 +94,10 @@ class GPTModel(nn.Module):
         if getattr(cfg, "compile_layers", False):
             for layer in self.decoder.layers.values():
                 layer.compile()  # in place: parameter names (and checkpoints) stay unchanged
-        if self.share_embeddings:
-            for p in self.shared_embedding_params():
-                p.shared_embedding = True
+        for p in self.shared_embedding_params():
+            p.shared_embedding = True
+        if hasattr(self, "embedding") and not pre_process:  # MTP's copy of the first stage's embedding
+            self.embedding.word_embeddings.weight.embedding_copy = True
         for p in self.embedding_or_output_params():
             p.is_embedding_or_output_parameter = True  # their own LR with --decoupled-lr
 
@@ -102,12 +109,13 @@ class GPTModel(nn.Module):
     def part_names(self) -> list[str]:
         """The submodules that together hold every parameter and buffer, in build order; each is
         built (and initialized) by build_part on its own."""
-        names = ["embedding"] if self.pre_process else []
+        names = ["embedding"] if self.pre_process or self.mtp_depths else []
         names += ["rotary"] if self.cfg.position_embedding_type == "rope" else []
         names += [keys.layer_module(i) for i in range(self.first_layer, self.last_layer)]
         if self.post_process:
             names.append("decoder.final_layernorm")
-            if not (self.share_embeddings and self.pre_process):
+            names += [keys.mtp_layer_module(i) for i in range(self.mtp_depths)]
+            if not (self.share_embeddings and "embedding" in names):
                 names.append("output_layer")
         return names
 
@@ -125,6 +133,8 @@ class GPTModel(nn.Module):
             return transformer_layer_class(cfg)(cfg, ctx, layer)
         if name == "decoder.final_layernorm":
             return build_norm(cfg, ctx)
+        if keys.module_mtp_layer(name) is not None:
+            return MTPLayer(cfg, ctx, keys.module_mtp_layer(name))
         assert name == "output_layer", name
         # Untied, or the last stage's copy of a tied embedding (same name-seed: starts equal).
         init_name = WORD_EMBEDDING if self.share_embeddings else OUTPUT_LAYER
@@ -141,37 +151,56 @@ class GPTModel(nn.Module):
 
     def embedding_or_output_params(self) -> list[nn.Parameter]:
         """Megatron's is_embedding_or_output_parameter: word embedding (first stage), output layer
-        weight (last stage; the tied copy there too)."""
-        out = [self.embedding.word_embeddings.weight] if self.pre_process else []
+        weight (last stage; the tied copy there too, and MTP's copy of the embedding)."""
+        out = [self.embedding.word_embeddings.weight] if hasattr(self, "embedding") else []
         if self.post_process and hasattr(self, "output_layer"):
             out.append(self.output_layer.weight)
         return out
 
     def shared_embedding_params(self) -> list[nn.Parameter]:
-        """The tied word-embedding weights this chunk holds (first and/or last stage)."""
-        out = []
-        if self.pre_process:
-            out.append(self.embedding.word_embeddings.weight)
-        if self.post_process and hasattr(self, "output_layer"):
+        """The word-embedding weights this chunk holds that another stage holds too (first and/or
+        last stage): tied, or (untied too) with multi-token prediction, whose last stage embeds
+        (megatron-core's _get_shared_word_embedding_weight)."""
+        if not (self.share_embeddings or self.cfg.mtp_num_layers):
+            return []
+        out = [self.embedding.word_embeddings.weight] if hasattr(self, "embedding") else []
+        if self.share_embeddings and self.post_process and hasattr(self, "output_layer"):
             out.append(self.output_layer.weight)
-        return out if self.share_embeddings else []
+        return out
 
     def output_weight(self) -> torch.Tensor:
-        if self.share_embeddings and self.pre_process:
+        if self.share_embeddings and hasattr(self, "embedding"):
             return self.embedding.word_embeddings.weight
         return self.output_layer.weight
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """[s(/tp), b, h] -> [s, b, V/tp] through the output layer."""
+        sp = self.ctx.sequence_parallel
+        return linear_with_grad_accumulation_and_async_allreduce(
+            x, self.output_weight(), None, group=self.ctx.tp_group,
+            gradient_accumulation_fusion=self.ctx.gradient_accumulation_fusion,
+            allreduce_dgrad=group_size(self.ctx.tp_group) > 1 and not sp, sequence_parallel=sp)
+
+    def per_token_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Cross entropy of logits [s, b, V/tp] against labels [b, s] -> [b, s]."""
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.ctx.tp_group,  # [s, b]
+                                            fused=self.cfg.cross_entropy_loss_fusion)
+        return loss.t()
 
     def set_input_tensor(self, tensor) -> None:
         """The pipeline schedule hands a non-first chunk its input here (Megatron's contract)."""
         self.input_tensor = tensor[0] if isinstance(tensor, (list, tuple)) else tensor
 
-    def forward(self, input_ids=None, position_ids=None, labels=None, attention_mask=None, kv_cache=None):
+    def forward(self, input_ids=None, position_ids=None, labels=None, attention_mask=None, kv_cache=None,
+                loss_mask=None):
         """First chunk: ids [b, s]; later chunks: the tensor from set_input_tensor [s(/tp), b, h].
 
         kv_cache (generation, megafab.inference.KVCache): `kv_cache.layer(n)` keeps global layer n's
         keys/values; pass position_ids and an attention_mask [b|1, 1, s, cached + s] with it.
 
         Last chunk returns per-token loss [b, s] when labels are given, else logits [s, b, V/tp].
+        With multi-token prediction and labels, its losses (loss_mask [b, s]: default all ones) are
+        attached to the backward of that loss (model/mtp.py).
         Other chunks return hidden states [s(/tp), b, h] for the next stage.
         """
         if position_ids is None and input_ids is not None:
@@ -189,17 +218,13 @@ class GPTModel(nn.Module):
         if not self.post_process:
             return x
         x = self.decoder.final_layernorm(x)  # [s(/tp), b, h]
-        sp = self.ctx.sequence_parallel
-        logits = linear_with_grad_accumulation_and_async_allreduce(  # [s, b, V/tp]
-            x, self.output_weight(), None, group=self.ctx.tp_group,
-            gradient_accumulation_fusion=self.ctx.gradient_accumulation_fusion,
-            allreduce_dgrad=group_size(self.ctx.tp_group) > 1 and not sp, sequence_parallel=sp)
+        if self.mtp_depths and labels is not None and kv_cache is None:
+            x = self.mtp(self, x, input_ids, position_ids, labels, loss_mask, angles, attention_mask)
+        logits = self.logits(x)  # [s, b, V/tp]
         if labels is None:
             return logits
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.ctx.tp_group,  # [s, b]
-                                            fused=self.cfg.cross_entropy_loss_fusion)
         # A new tensor, not a view: FSDP2 hooks its backward on the output of the chunk.
-        return loss.t().clone()  # [b, s]
+        return self.per_token_loss(logits, labels).clone()  # [b, s]
 
 
 def build_model_chunks(cfg, ctx: LayerContext, pp: int = 1, pp_rank: int = 0, vpp: int = 1,

@@ -276,9 +276,11 @@ def build_mlp(cfg, ctx: LayerContext, layer_number: int, prefix: str) -> nn.Modu
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, cfg, ctx: LayerContext, layer_number: int):
+    def __init__(self, cfg, ctx: LayerContext, layer_number: int, prefix: str | None = None):
+        """prefix: the parameters' name prefix (their init seeds), default `decoder.layers.<N>.`; an
+        MTP layer's is `mtp.layers.<i>.transformer_layer.` and its layer_number the kind it copies."""
         super().__init__()
-        prefix = layer_prefix(layer_number)
+        prefix = prefix or layer_prefix(layer_number)
         self.ctx = ctx
         self.hidden_dropout = cfg.hidden_dropout
         self.residual_post_norm = cfg.apply_residual_connection_post_layernorm

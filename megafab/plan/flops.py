@@ -53,6 +53,11 @@ def flops_per_iteration(cfg, batch_samples: int) -> float:
     attn = 2 * 2 * s * s * m.num_attention_heads * m.kv_channels  # scores and context (see the docstring)
     logits = 2 * s * h * m.padded_vocab_size
     forward = 2 * s * matmuls + m.num_layers * attn + logits
+    if m.mtp_num_layers:  # each MTP depth: eh_proj, a layer of the last layer's kind, attention, logits
+        tail = layers.ends(False, True).tail.tensors
+        eh_proj = sum(t.numel for t in tail if t.name.endswith("eh_proj.weight"))
+        layer = matmul_weights(layers.layer(m.num_layers - 1), topk)
+        forward += 2 * s * (eh_proj + m.mtp_num_layers * layer) + m.mtp_num_layers * (attn + logits)
     return 3.0 * forward * batch_samples
 
 

@@ -214,9 +214,13 @@ class Inventory:
 
     def ends(self, pre_process: bool, post_process: bool) -> Ends:
         """A chunk's embedding (pre_process) and final norm and output layer (post_process), built
-        without the MoE settings and expert groups (only layers read them): one per TP size."""
-        return self._get(("ends", pre_process, post_process), lambda: self._ends(pre_process, post_process),
-                         (self.key[0], self.sizes[0]))
+        without the MoE settings and expert groups (only layers read them): one per TP size. The
+        last chunk's multi-token prediction layers (the embedding copy and mtp.layers.*, in the
+        tail) are layers: built with them."""
+        mtp = post_process and bool(self.m.mtp_num_layers)
+        return self._get(("ends", pre_process, post_process),
+                         lambda: self._ends(pre_process, post_process, mtp),
+                         None if mtp else (self.key[0], self.sizes[0]))
 
     def _get(self, what: tuple, build, shared_by: tuple | None = None):
         """What `build` makes, built once for every Inventory of the same `shared_by` (default: the
@@ -250,8 +254,8 @@ class Inventory:
         local = getattr(getattr(layer.mlp, "dispatcher", None), "num_local_experts", 0)
         return Part(tensors, tuple(model.state_dict()), _fsdp_units(layer), local)
 
-    def _ends(self, pre_process: bool, post_process: bool) -> Ends:
-        model = self._model(0, 0, pre_process, post_process, experts=False)
+    def _ends(self, pre_process: bool, post_process: bool, experts: bool = False) -> Ends:
+        model = self._model(0, 0, pre_process, post_process, experts=experts)
         children = [name for name, _ in model.named_children()]
         layers_at = children.index("decoder")  # decoder.layers is the decoder's first child
         before = {name for name in children[:layers_at]}

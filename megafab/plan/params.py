@@ -92,7 +92,8 @@ def stage_param_split(cfg, pp_rank: int, layers: LayerParams | None = None) -> t
     """(all, expert) parameters of pipeline stage `pp_rank` on one rank (all its chunks); layers:
     the config's LayerParams, if made already."""
     layers = layers or LayerParams(cfg)
-    total, expert = _stage_ends_params(layers, pp_rank), 0
+    total = _stage_ends_params(layers, pp_rank)
+    expert = sum(layers.ends(pp_rank, c).tail.expert for c in range(layers.chunk_count(pp_rank)))  # MoE MTP
     for c in range(layers.chunk_count(pp_rank)):
         for n, x in layers.chunk(pp_rank, c):
             total, expert = total + n, expert + x
@@ -112,11 +113,14 @@ def model_params(cfg) -> tuple[int, int]:
     """(total, active) parameters of the whole model: active counts the k routed experts a token
     passes through of each MoE layer (equal for a dense model)."""
     inv, moe = inventory(cfg, 1, 1, 1), moe_settings(cfg)
+    tail = inv.ends(True, True).tail
     ends = inv.ends(True, True).total
     layers = [inv.layer(i) for i in range(cfg.model.num_layers)]
     total = ends + sum(part.total for part in layers)
     if moe is None:
         return total, total
+    if tail.expert:  # MoE MTP layers (of the last layer's kind): k routed experts of each are active
+        ends += tail.expert // layers[-1].expert * _split(layers[-1], moe.moe_router_topk)[1] - tail.expert
     return total, ends + sum(_split(part, moe.moe_router_topk)[0] for part in layers)
 
 

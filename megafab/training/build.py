@@ -94,7 +94,8 @@ def build_model(cfg, topo: Topology, tracker, dtype: torch.dtype | None = None) 
                        cp_group=topo.group("cp") if topo.cp > 1 else None,
                        cp_comm_type=cfg.parallel.cp_comm_type,
                        fp8_group=fp8_amax_group(topo) if cfg.precision.fp8_format else None,
-                       **moe_context_fields(cfg, topo))
+                       **{"calculate_per_token_loss": cfg.training.calculate_per_token_loss,  # MTP's, MoE's
+                          **moe_context_fields(cfg, topo)})
     p = cfg.parallel
     # FSDP2 shards a meta-built chunk; the distributed optimizer places it in its param buffer.
     # Either then fills the values one part (layer) at a time: no second copy of the model.

@@ -60,7 +60,9 @@ def num_moe_layers(settings: MoESettings, num_layers: int) -> int:
 def logged_balancing_losses(models, settings: MoESettings, cfg, topo, num_micro_batches: int) -> dict:
     """{Megatron's name: value} of this step on every rank (collective over each stage and PP)."""
     return moe_loss_values(settings, routers_of(models),
-                           num_moe_layers=num_moe_layers(settings, cfg.model.num_layers),
+                           # Megatron counts each MTP layer as an MoE layer here (track_moe_metrics)
+                           num_moe_layers=num_moe_layers(settings, cfg.model.num_layers)
+                           + (cfg.model.mtp_num_layers or 0),
                            num_micro_batches=num_micro_batches, device=topo.device,
                            pp_group=topo.group("pp"), tp_cp_group=topo.group("tp", "cp"),
                            tp_dp_cp_group=topo.group("tp", "dp", "cp"), dp_group=topo.group("dp"),

@@ -24,6 +24,7 @@ from megafab.training.moe import (
     moe_settings,
     set_balancing_loss_scale,
 )
+from megafab.training.mtp import logged_mtp_losses, mtp_loss_scale, set_mtp_loss_scale
 
 
 def _to_device(batch: dict, device) -> dict:
@@ -76,7 +77,7 @@ def gpt_forward_step(data_iterator, model, token_scale: float | None = None, cp_
         batch = _to_device(next(data_iterator), next(model.parameters()).device)
         batch = get_batch_on_this_cp_rank(batch, cp_group)
     output = model(batch["tokens"], batch.get("position_ids"), labels=batch["labels"],
-                   attention_mask=batch.get("attention_mask"))
+                   attention_mask=batch.get("attention_mask"), loss_mask=batch["loss_mask"])
     if token_scale is not None:
         return output, functools.partial(per_token_loss_func, token_scale, batch["loss_mask"])
     return output, functools.partial(loss_func, batch["loss_mask"], cp_group=cp_group)
@@ -119,6 +120,9 @@ def run_schedule(state, data_iterator, forward_only: bool, num_micro_batches: in
             token_scale = num_micro_batches * topo.dp * topo.cp / max(tokens, 1.0)
     if moe is not None and not forward_only:  # read by the balancing losses' backward
         set_balancing_loss_scale(state.model, balancing_loss_scale(
+            scaler.scale if scaler is not None else 1.0, topo, num_micro_batches, tokens))
+    if m.mtp_num_layers and not forward_only:  # read by the MTP losses' backward (last stage)
+        set_mtp_loss_scale(state.model, mtp_loss_scale(
             scaler.scale if scaler is not None else 1.0, topo, num_micro_batches, tokens))
     forward_step = functools.partial(gpt_forward_step, cp_group=cp_group, timers=timers,
                                      token_scale=token_scale)
@@ -173,6 +177,8 @@ def train_step(state, data_iterator, timers=None) -> dict:
     moe = moe_settings(state.cfg)
     moe_losses = {} if moe is None else logged_balancing_losses(state.model, moe, state.cfg, state.topology,
                                                                 num_micro_batches)
+    mtp_losses = logged_mtp_losses(state.model, state.topology, num_micro_batches) \
+        if state.cfg.model.mtp_num_layers else {}
     if check:
         nan_check.check_losses(state, logs)
     memory_level = state.cfg.training.empty_unused_memory_level
@@ -195,7 +201,7 @@ def train_step(state, data_iterator, timers=None) -> dict:
         state.nan_iterations += 1
     nan_check.check_skips(state)
     return {"lm loss": loss, "grad_norm": grad_norm, "num_zeros": num_zeros, "update_ok": ok,
-            "global_batch_size": gbs, "moe_losses": moe_losses}
+            "global_batch_size": gbs, "moe_losses": moe_losses, "mtp_losses": mtp_losses}
 
 
 def evaluate(state, data_iterator, eval_iters: int, counts_as_validation: bool = True) -> float | None:

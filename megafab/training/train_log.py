@@ -65,7 +65,8 @@ class TrainingLog:
         """Called by every rank after each training step."""
         self.window_iters += 1
         self.window_samples += metrics["global_batch_size"]
-        moe = metrics.get("moe_losses") or {}
+        # Megatron's total_loss_dict order: the MoE losses, then the MTP depths' (`mtp_1 loss`, ...)
+        moe = {**(metrics.get("moe_losses") or {}), **(metrics.get("mtp_losses") or {})}
         for name, value in moe.items():
             if not name.startswith("moe/"):  # --moe-per-layer-logging's go to TensorBoard only
                 self.window_moe[name] = self.window_moe.get(name, 0.0) + value

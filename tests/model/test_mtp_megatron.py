@@ -1,0 +1,159 @@
+"""A GPT with multi-token prediction equals megatron-core 0.16.1's GPTModel with its MTP block
+(local spec, get_gpt_mtp_block_spec) for the same weights, in float64 within 1e-12: the main and
+every depth's logits, the main per-token loss, each depth's logged MTP loss, and every gradient of
+the masked-mean main loss with the MTP losses attached at a backward weight other than 1; one and
+two depths, tied and untied output layers, RoPE and learned positions.
+Test-only shims: tests/helpers/mcore_moe.py's CPU patches, megatron-core's vocab-parallel cross
+entropy (it upcasts to float32) replaced by the exact one at one rank, and its MTP loss tracker
+seeded with a float64 tensor (it makes a float32 one), its RoPE frequencies computed in float64.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megafab.model.gpt import masked_mean_loss
+from tests.helpers.mcore_moe import megatron_moe_on_cpu
+from tests.helpers.tiny import GPT2_STYLE, LLAMA_STYLE, batch, reference_model, tiny_config
+
+SCALE = 0.75  # the MTP losses' backward weight (grad scale / micro-batches in training)
+FACTOR = 0.3  # --mtp-loss-scaling-factor
+
+
+@pytest.fixture(scope="module")
+def megatron_cpu():
+    with megatron_moe_on_cpu():
+        yield
+
+
+def exact_cross_entropy(logits, labels, label_smoothing=0.0):
+    """megatron-core's vocab_parallel_cross_entropy at one rank without its float32 upcast."""
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
+
+
+def megatron_gpt(m, dtype=torch.float64):
+    from megatron.core.models.gpt import GPTModel as McoreGPT
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = TransformerConfig(
+            num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
+            num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
+            kv_channels=m.kv_channels, normalization=m.normalization, layernorm_epsilon=m.norm_epsilon,
+            gated_linear_unit=m.swiglu, activation_func=F.silu if m.swiglu else F.gelu,
+            add_bias_linear=m.add_bias_linear, hidden_dropout=0.0, attention_dropout=0.0,
+            use_cpu_initialization=True, params_dtype=dtype, gradient_accumulation_fusion=False,
+            bias_activation_fusion=False, mtp_num_layers=m.mtp_num_layers,
+            mtp_loss_scaling_factor=m.mtp_loss_scaling_factor)
+        spec = get_gpt_layer_local_spec(normalization=m.normalization)
+        model = McoreGPT(config, spec, vocab_size=m.padded_vocab_size,
+                         max_sequence_length=m.max_position_embeddings, parallel_output=False,
+                         share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
+                         position_embedding_type=m.position_embedding_type, rotary_percent=m.rotary_percent,
+                         rotary_base=m.rotary_base,
+                         mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False))
+    model = model.double()  # its norms are built in float32
+    torch.manual_seed(0)
+    with torch.no_grad():  # norms and biases start at 1 / 0: give every tensor values
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def recording(fn, into: list):
+    def wrapped(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        into.append((out[0] if isinstance(out, tuple) else out).detach())
+        return out
+    return wrapped
+
+
+CASES = {
+    "llama-1": (LLAMA_STYLE, 1),  # RoPE, RMSNorm, SwiGLU, untied
+    "llama-2": (LLAMA_STYLE, 2),
+    "gpt2-2": (GPT2_STYLE, 2),  # learned positions (rolled for MTP's embedding), LayerNorm, tied
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_gpt_with_mtp_equals_megatron_core(megatron_cpu, monkeypatch, case):
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper
+
+    style, depths = CASES[case]
+    m = tiny_config(style=style, num_layers=2, mtp_num_layers=depths, mtp_loss_scaling_factor=FACTOR).model
+    monkeypatch.setattr(tensor_parallel, "vocab_parallel_cross_entropy", exact_cross_entropy)
+    theirs, ours = megatron_gpt(m), reference_model(m)
+    if ours.rotary is not None:  # megatron-core's RoPE frequencies are float32: give it the float64 ones
+        theirs.rotary_pos_emb.inv_freq = ours.rotary.inv_freq.clone()
+    params = dict(ours.named_parameters())
+    assert params.keys() == dict(theirs.named_parameters()).keys()
+    assert any(n.startswith(f"mtp.layers.{depths - 1}.eh_proj") for n in params)
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            params[name].copy_(p)
+    tokens, labels, mask = batch(m)
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    s = tokens.shape[1]
+    causal = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]
+
+    ref_logits = []
+    theirs.output_layer.forward = recording(theirs.output_layer.forward, ref_logits)
+    MTPLossLoggingHelper.tracker.clear()
+    MTPLossLoggingHelper.tracker["values"] = torch.zeros(depths, dtype=torch.float64)
+    MTPLossAutoScaler.set_loss_scale(torch.tensor(SCALE, dtype=torch.float64))
+    ref_loss = theirs(tokens, positions, causal, labels=labels, loss_mask=mask)
+    masked_mean_loss(ref_loss, mask).backward()
+    ref_logged = MTPLossLoggingHelper.tracker["values"].clone()
+    MTPLossLoggingHelper.tracker.clear()
+
+    our_logits = []
+    ours.logits = recording(ours.logits, our_logits)
+    ours.mtp.loss_scale.set(SCALE)
+    loss = ours(tokens, labels=labels, loss_mask=mask)
+    masked_mean_loss(loss, mask).backward()
+
+    assert len(our_logits) == len(ref_logits) == depths + 1  # each depth's, then the main logits
+    for ref, out in zip(ref_logits, our_logits):
+        assert (ref - out).abs().max().item() < 1e-12
+    assert (ref_loss - loss).abs().max().item() < 1e-12
+    logged = ours.mtp.take_logged_losses()
+    assert logged.shape == (depths,) and (logged - ref_logged).abs().max().item() < 1e-12
+    assert ours.mtp.take_logged_losses() is None  # the log starts over
+    for name, p in theirs.named_parameters():
+        assert params[name].grad is not None, name
+        assert (p.grad - params[name].grad).abs().max().item() < 1e-12, name
+    # the MTP losses reach the gradients: the MTP parameters' and more than the main loss alone's
+    assert params["mtp.layers.0.eh_proj.weight"].grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("style", [LLAMA_STYLE, GPT2_STYLE], ids=["llama", "gpt2"])
+def test_torch_dist_keys_and_shapes_are_megatron_cores(megatron_cpu, style):
+    """What megatron-core's sharded_state_dict names each tensor (mtp.layers.<i>.* per depth, not
+    stacked; the MTP layer's norms under Transformer Engine's fused names as the decoder's) and each
+    MTP module's `_extra_state` object is what megafab's torch_dist writes."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+
+    from megafab.checkpoint.megatron_dist import mtp_extra_state_objects
+    from megafab.checkpoint.megatron_keys import megatron_name
+
+    m = tiny_config(style=style, num_layers=2, mtp_num_layers=2).model
+    theirs = megatron_gpt(m)
+    sharded = theirs.sharded_state_dict().values()
+    ref = {v.key: tuple(v.global_shape) for v in sharded if isinstance(v, ShardedTensor)}
+    factories = {v.key for v in sharded if isinstance(v, ShardedTensorFactory)}  # SwiGLU's fc1 halves
+    objects = {v.unique_key for v in sharded if isinstance(v, ShardedObject) and v.key.startswith("mtp.")}
+    assert objects and objects == set(mtp_extra_state_objects(m))  # the `_extra_state` megafab writes
+    ours = {}
+    for name, p in reference_model(m).named_parameters():
+        key, layer = megatron_name(name)
+        ours[key] = tuple(p.shape) if layer is None else (m.num_layers, *p.shape)
+    assert ours.keys() == ref.keys() | factories
+    assert {k: v for k, v in ours.items() if k in ref} == ref
+    assert "mtp.layers.1.transformer_layer.self_attention.linear_qkv.layer_norm_weight" in ours

@@ -1,0 +1,82 @@
+"""The estimator counts multi-token prediction as the engine builds it: the planned parameters of
+every pipeline stage (TP 1 and 2, PP 1 and 2, VPP) equal the chunks build_model_chunks builds (the
+last stage's embedding copy and mtp.layers.* included), the model total equals the one-process
+model's, the checkpoint keys are its state dict's (mtp.layers.<i>.*), and each depth adds its
+eh_proj, a layer, attention and logits to the FLOPs (Megatron's num_floating_point_operations)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from megafab.convert.state_dict import expected_keys
+from megafab.distributed.sized_group import SizedGroup
+from megafab.model.gpt import GPTModel, build_model_chunks
+from megafab.model.transformer import LayerContext
+from megafab.pipeline_split import PipelineSplit
+from megafab.plan.flops import flops_per_iteration
+from megafab.plan.optimizer_tensors import chunk_tensors
+from megafab.plan.params import model_params
+from megafab.plan.planner import plan
+from tests.helpers.tiny import LLAMA_STYLE, tiny_config
+
+TIED = dict(LLAMA_STYLE, untie_embeddings_and_output_weights=False)
+
+
+def _config(tp=1, pp=1, style=LLAMA_STYLE, **overrides):
+    return tiny_config(tp=tp, pp=pp, style=style, sequence_parallel=tp > 1, global_batch_size=2 * pp,
+                       **overrides)
+
+
+@pytest.mark.parametrize("tp,pp,style,overrides", [
+    (1, 1, LLAMA_STYLE, {}), (2, 1, TIED, {}), (1, 2, LLAMA_STYLE, {}), (2, 2, TIED, {}),
+    (1, 2, TIED, dict(num_layers_per_virtual_pipeline_stage=1)),
+], ids=["tp1", "tp2-tied", "pp2", "tp2-pp2-tied", "pp2-vpp2-tied"])
+def test_planned_parameters_equal_the_built_chunks_with_mtp(tp, pp, style, overrides):
+    cfg = _config(tp, pp, style, mtp_num_layers=2, **overrides)
+    split = PipelineSplit.from_config(cfg)
+    for stage in plan(cfg):
+        for tp_rank in sorted({0, tp - 1}):
+            ctx = LayerContext(SizedGroup(tp, tp_rank), tp > 1, torch.float32, torch.device("cpu"), 1)
+            chunks = build_model_chunks(cfg.model, ctx, split.pp, stage.pp_rank, split.vpp, split,
+                                        on_meta=True)
+            params = [p for c in chunks for p in c.parameters()]
+            assert stage.params == sum(p.numel() for p in params), (stage.pp_rank, tp_rank)
+            for c, chunk in enumerate(chunks):
+                planned = chunk_tensors(cfg, stage.pp_rank, c)
+                assert [t.numel for t in planned] == [p.numel() for p in chunk.parameters()]
+                assert [t.shared_embedding for t in planned] == \
+                    [getattr(p, "shared_embedding", False) for p in chunk.parameters()]
+        holds_mtp = any(n.startswith("mtp.layers.1.") for c in chunks for n, _ in c.named_parameters())
+        assert holds_mtp == (stage.pp_rank == pp - 1)
+    # the MTP layers are counted: without them the last stage plans fewer parameters
+    with_mtp = plan(cfg)
+    without = plan(dataclasses.replace(cfg, model=cfg.model.replaced(mtp_num_layers=None)))
+    assert with_mtp[-1].params > without[-1].params
+    assert pp == 1 or with_mtp[0].params == without[0].params
+
+
+@pytest.mark.parametrize("style", [LLAMA_STYLE, TIED])
+def test_model_total_and_checkpoint_keys_include_mtp(style):
+    cfg = _config(style=style, mtp_num_layers=2)
+    whole = GPTModel(cfg.model, LayerContext(None, False, torch.float32, torch.device("cpu"), 1))
+    total = sum(p.numel() for p in whole.parameters())
+    assert model_params(cfg) == (total, total)
+    keys = set(whole.state_dict())
+    assert expected_keys(cfg.model) == keys
+    assert {"mtp.layers.1.eh_proj.weight", "mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight",
+            "mtp.layers.0.final_layernorm.weight",
+            "mtp.layers.1.transformer_layer.self_attention.linear_qkv.weight"} <= keys
+
+
+def test_each_mtp_depth_adds_a_layer_eh_proj_and_logits_to_the_flops():
+    batch = 8
+    cfg = _config()
+    m = cfg.model
+    plain = flops_per_iteration(cfg, batch)
+    one_more_layer = flops_per_iteration(_config(num_layers=m.num_layers + 1), batch) - plain
+    for depths in (1, 3):
+        with_mtp = flops_per_iteration(_config(mtp_num_layers=depths), batch)
+        per_depth = one_more_layer + 3 * 2 * batch * m.seq_length * m.hidden_size * (
+            m.padded_vocab_size + 2 * m.hidden_size)  # logits, eh_proj [h, 2h]
+        assert with_mtp - plain == pytest.approx(depths * per_depth, rel=1e-12)
