@@ -2,7 +2,8 @@
 (local spec, get_gpt_mtp_block_spec) for the same weights, in float64 within 1e-12: the main and
 every depth's logits, the main per-token loss, each depth's logged MTP loss, and every gradient of
 the masked-mean main loss with the MTP losses attached at a backward weight other than 1; one and
-two depths, tied and untied output layers, RoPE and learned positions.
+two depths, tied and untied output layers, RoPE and learned positions; an MoE model whose MTP
+layer is an MoE layer (its balancing losses too); and the torch_dist keys megafab writes.
 Test-only shims: tests/helpers/mcore_moe.py's CPU patches, megatron-core's vocab-parallel cross
 entropy (it upcasts to float32) replaced by the exact one at one rank, and its MTP loss tracker
 seeded with a float64 tensor (it makes a float32 one), its RoPE frequencies computed in float64.
@@ -10,13 +11,14 @@ seeded with a float64 tensor (it makes a float32 one), its RoPE frequencies comp
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from megafab.model.gpt import masked_mean_loss
+from megafab.model.gpt import GPTModel, masked_mean_loss
 from tests.helpers.mcore_moe import megatron_moe_on_cpu
 from tests.helpers.tiny import GPT2_STYLE, LLAMA_STYLE, batch, reference_model, tiny_config
 
@@ -157,3 +159,93 @@ def test_torch_dist_keys_and_shapes_are_megatron_cores(megatron_cpu, style):
     assert ours.keys() == ref.keys() | factories
     assert {k: v for k, v in ours.items() if k in ref} == ref
     assert "mtp.layers.1.transformer_layer.self_attention.linear_qkv.layer_norm_weight" in ours
+
+
+MOE = dict(num_experts=4, moe_router_topk=2, moe_layer_freq=(0, 1), moe_ffn_hidden_size=24,
+           moe_shared_expert_intermediate_size=40, moe_router_score_function="sigmoid",
+           moe_router_enable_expert_bias=True, moe_router_num_groups=2, moe_router_group_topk=1,
+           moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3)
+
+
+def test_gpt_with_moe_and_an_mtp_layer_equals_megatron_core(megatron_cpu, monkeypatch):
+    """DeepSeek-V3's shape: a dense first layer, an MoE last layer (shared expert, sigmoid group
+    routing with expert bias), so the MTP layer is an MoE layer too (megatron-core builds the
+    decoder's last layer spec there): logits, losses, the balancing losses and every gradient."""
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt import GPTModel as McoreGPT
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megafab.model.moe.balancing import LossScale
+    from megafab.model.moe.router import routers_of
+    from megafab.model.moe.settings import MoESettings
+    from megafab.model.transformer import LayerContext
+    from tests.helpers.mcore_moe import megatron_losses, set_megatron_loss_scale
+
+    m = tiny_config(style=LLAMA_STYLE, num_layers=2, mtp_num_layers=1, mtp_loss_scaling_factor=FACTOR).model
+    settings = MoESettings(**MOE)
+    monkeypatch.setattr(tensor_parallel, "vocab_parallel_cross_entropy", exact_cross_entropy)
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    moe = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(settings).items()
+           if k in fields and k != "moe_grouped_gemm"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = TransformerConfig(
+            num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
+            num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
+            kv_channels=m.kv_channels, normalization=m.normalization, layernorm_epsilon=m.norm_epsilon,
+            gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0,
+            attention_dropout=0.0, use_cpu_initialization=True, params_dtype=torch.float64,
+            gradient_accumulation_fusion=False, bias_activation_fusion=False, mtp_num_layers=1,
+            mtp_loss_scaling_factor=FACTOR, num_moe_experts=settings.num_experts, **moe)
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=m.normalization)
+        theirs = McoreGPT(config, spec, vocab_size=m.padded_vocab_size,
+                          max_sequence_length=m.max_position_embeddings, parallel_output=False,
+                          share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                          rotary_percent=m.rotary_percent, rotary_base=m.rotary_base,
+                          mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False))
+    theirs = theirs.double()
+    moe_utils.get_moe_layer_wise_logging_tracker().clear()
+    megatron_losses()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    ours = GPTModel(m, LayerContext(None, False, torch.float64, torch.device("cpu"), 1234, moe=settings,
+                                    moe_loss_scale=LossScale()))
+    theirs.rotary_pos_emb.inv_freq = ours.rotary.inv_freq.clone()
+    params = dict(ours.named_parameters())
+    assert params.keys() == dict(theirs.named_parameters()).keys()
+    assert "mtp.layers.0.transformer_layer.mlp.router.weight" in params
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            params[name].copy_(p)
+    tokens, labels, mask = batch(m)
+    s = tokens.shape[1]
+    causal = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]
+    MTPLossLoggingHelper.tracker.clear()
+    MTPLossLoggingHelper.tracker["values"] = torch.zeros(1, dtype=torch.float64)
+    MTPLossAutoScaler.set_loss_scale(torch.tensor(SCALE, dtype=torch.float64))
+    set_megatron_loss_scale(SCALE)
+    ref = theirs(tokens, torch.arange(s).expand_as(tokens), causal, labels=labels, loss_mask=mask)
+    masked_mean_loss(ref, mask).backward()
+    ref_logged = MTPLossLoggingHelper.tracker["values"].clone()
+    MTPLossLoggingHelper.tracker.clear()
+    ours.mtp.loss_scale.set(SCALE)
+    ours.ctx.moe_loss_scale.set(SCALE)
+    loss = ours(tokens, labels=labels, loss_mask=mask)
+    masked_mean_loss(loss, mask).backward()
+    assert (ref - loss).abs().max().item() < 1e-12
+    assert (ours.mtp.take_logged_losses() - ref_logged).abs().max().item() < 1e-12
+    for name, p in theirs.named_parameters():
+        assert (p.grad - params[name].grad).abs().max().item() < 1e-12, name
+    balancing = megatron_losses()
+    logged = {}
+    for router in routers_of([ours]):  # the decoder's MoE layer and the MTP layer's
+        for name, value in router.logged_losses.items():
+            logged[name] = logged.get(name, 0.0) + value.item()
+    assert len(routers_of([ours])) == 2 and balancing.keys() == logged.keys()
+    for name, value in balancing.items():
+        assert abs(value - logged[name]) < 1e-12 * max(1.0, abs(value)), name
