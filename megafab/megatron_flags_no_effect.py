@@ -15,6 +15,10 @@ LISTED: dict[str, str] = {
     "--moe-extended-tp": "deprecated since megatron-core 0.10, which ignores it too; "
                          "--expert-tensor-parallel-size sets the experts' TP",
     "--use-mcore-models": "megafab's model is megatron-core's GPTModel; there is no other to choose",
+    "--enable-experimental": "megatron-core 0.16.1 gates only its fused token-permutation kernels behind it "
+                             "(--moe-permute-fusion with the flex dispatcher or padding for quantization: "
+                             "GPU kernels giving the unfused path's results, refused here); megafab has "
+                             "no experimental feature to enable",
     "--use-flash-attn": "PyTorch SDPA uses flash attention where it can; choose with --attention-backend",
     "--no-masked-softmax-fusion": "the softmax runs inside PyTorch's SDPA kernel",
     "--masked-softmax-fusion": "the softmax runs inside PyTorch's SDPA kernel",

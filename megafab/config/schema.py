@@ -213,11 +213,6 @@ class TrainingConfig(Section):
         False,
         flag_help="megafab: check the flags and print the memory/FLOPs plan, start nothing",
         help="Validate the flags and print the memory/FLOPs plan without starting process groups.")
-    enable_experimental: bool = option(
-        False,
-        help="Enable experimental features (megatron-core 0.16.1 gates only its fused token-permutation "
-             "kernels behind it, GPU kernels of the flex dispatcher megafab refuses, with the same "
-             "results; megafab has no feature behind it).")
 
 
 # megatron-core's dist_checkpointing StrictHandling values

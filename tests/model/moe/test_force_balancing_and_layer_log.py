@@ -1,7 +1,8 @@
 """--moe-router-force-load-balancing routes on standard-normal logits (megatron-core's RandomSTE: the
 gate's gradient passed straight through), spreading tokens evenly whatever the gate prefers, also
 with group-limited routing and under recompute; --moe-per-layer-logging's per-layer values
-(moe/<name>_layer_<i>) add up to the logged ones; --enable-experimental is accepted."""
+(moe/<name>_layer_<i>) add up to the logged ones; --enable-experimental is accepted (no effect:
+megatron-core gates only GPU fused kernels behind it)."""
 
 from __future__ import annotations
 
@@ -98,3 +99,14 @@ def test_log_layer_index_follows_megatrons_tracker():
     assert log_layer_index("decoder.layers.5.mlp.", 8) == 5
     assert log_layer_index("mtp.layers.0.transformer_layer.mlp.", 8) == 8
     assert log_layer_index("experts.", 8) is None
+
+
+def test_enable_experimental_is_accepted_and_announced_as_changing_nothing():
+    from megafab.arguments import config_from_args
+    from tests.helpers.flags import tiny_flags
+
+    base = tiny_flags(num_layers=2) + ["--micro-batch-size", "1", "--train-iters", "1", "--mock-data",
+                                       "--vocab-size", "64", "--lr", "1e-3"]
+    cfg = config_from_args(base + ["--enable-experimental"], world_size=1)
+    notes = [note for note in cfg.no_effect if "--enable-experimental" in note]
+    assert notes and "fused token-permutation" in notes[0]
