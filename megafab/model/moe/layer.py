@@ -20,9 +20,7 @@ from megafab.model.moe.router import TopKRouter
 from megafab.model.moe.settings import MoESettings
 from megafab.model.moe.shared_experts import SharedExpertMLP
 from megafab.model.recompute import RecomputeSettings, recompute
-from megafab.param_names import parse_index
-
-MTP_LAYERS = "mtp.layers."  # megatron-core's MTP block (its layers' parameter prefix)
+from megafab.param_names import MTP_LAYERS, parse_index
 
 
 class MoELayer(nn.Module):
