@@ -37,7 +37,7 @@ def exact_cross_entropy(logits, labels, label_smoothing=0.0):
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
 
 
-def megatron_gpt(m, dtype=torch.float64):
+def megatron_gpt(m, dtype=torch.float64, per_token=False):
     from megatron.core.models.gpt import GPTModel as McoreGPT
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -52,7 +52,7 @@ def megatron_gpt(m, dtype=torch.float64):
             add_bias_linear=m.add_bias_linear, hidden_dropout=0.0, attention_dropout=0.0,
             use_cpu_initialization=True, params_dtype=dtype, gradient_accumulation_fusion=False,
             bias_activation_fusion=False, mtp_num_layers=m.mtp_num_layers,
-            mtp_loss_scaling_factor=m.mtp_loss_scaling_factor)
+            mtp_loss_scaling_factor=m.mtp_loss_scaling_factor, calculate_per_token_loss=per_token)
         spec = get_gpt_layer_local_spec(normalization=m.normalization)
         model = McoreGPT(config, spec, vocab_size=m.padded_vocab_size,
                          max_sequence_length=m.max_position_embeddings, parallel_output=False,
@@ -249,3 +249,37 @@ def test_gpt_with_moe_and_an_mtp_layer_equals_megatron_core(megatron_cpu, monkey
     assert len(routers_of([ours])) == 2 and balancing.keys() == logged.keys()
     for name, value in balancing.items():
         assert abs(value - logged[name]) < 1e-12 * max(1.0, abs(value)), name
+
+
+def test_per_token_loss_mtp_gradients_equal_megatron_core(megatron_cpu, monkeypatch):
+    """--calculate-per-token-loss: megatron-core attaches each depth's masked loss sum (not its mean)
+    at the grad scale and divides every gradient by the main loss's tokens at the end; megafab's
+    per-token MTP block at weight 1 / tokens (training/mtp.py's mtp_loss_scale) gives those gradients."""
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper
+
+    from megafab.model.transformer import LayerContext
+
+    m = tiny_config(style=LLAMA_STYLE, num_layers=2, mtp_num_layers=2, mtp_loss_scaling_factor=FACTOR).model
+    monkeypatch.setattr(tensor_parallel, "vocab_parallel_cross_entropy", exact_cross_entropy)
+    theirs = megatron_gpt(m, per_token=True)
+    ours = GPTModel(m, LayerContext(None, False, torch.float64, torch.device("cpu"), 1234,
+                                    calculate_per_token_loss=True))
+    theirs.rotary_pos_emb.inv_freq = ours.rotary.inv_freq.clone()
+    params = dict(ours.named_parameters())
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            params[name].copy_(p)
+    tokens, labels, mask = batch(m)
+    s = tokens.shape[1]
+    causal = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]
+    MTPLossLoggingHelper.tracker.clear()
+    MTPLossLoggingHelper.tracker["values"] = torch.zeros(2, dtype=torch.float64)
+    MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0, dtype=torch.float64))
+    per_token = theirs(tokens, torch.arange(s).expand_as(tokens), causal, labels=labels, loss_mask=mask)
+    (per_token * mask).sum().backward()
+    MTPLossLoggingHelper.tracker.clear()
+    ours.mtp.loss_scale.set(1.0 / mask.sum().item())
+    masked_mean_loss(ours(tokens, labels=labels, loss_mask=mask), mask).backward()
+    for name, p in theirs.named_parameters():
+        assert (p.grad / mask.sum() - params[name].grad).abs().max().item() < 1e-12, name
