@@ -104,7 +104,6 @@ REFUSED: dict[str, Refused] = {
     "--recompute-activations-offload": Refused(f"activation CPU offloading is {NOT_YET}"),
     "--delay-wgrad-compute": Refused(f"delayed weight-gradient computation is {NOT_YET}"),
     "--record-memory-history": Refused(f"CUDA memory-history snapshots are {NOT_YET}"),
-    "--async-save": Refused(f"asynchronous checkpoint saves are {NOT_YET}; saves are synchronous and atomic"),
     "--non-persistent-save-interval": Refused(f"non-persistent checkpoints are {NOT_YET}"),
     "--non-persistent-ckpt-type": Refused(f"non-persistent checkpoints are {NOT_YET}"),
     "--ckpt-convert-format": Refused(

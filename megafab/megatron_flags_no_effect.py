@@ -78,7 +78,6 @@ LISTED.update({
                                           "have",
     "--no-use-tokenizer-model-from-checkpoint-args": _ONLY_WITH.format("--use-checkpoint-args"),
     "--disable-use-tokenizer-model-from-checkpoint-args": _ONLY_WITH.format("--use-checkpoint-args"),
-    "--use-persistent-ckpt-worker": _ONLY_WITH.format("--async-save"),
     "--memory-snapshot-path": _ONLY_WITH.format("--record-memory-history"),
     "--disable-straggler-on-startup": _ONLY_WITH.format("--log-straggler"),
     "--ep-overlap-early-attn-memory-release": _ONLY_WITH.format("--overlap-moe-expert-parallel-comm"),

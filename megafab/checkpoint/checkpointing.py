@@ -76,20 +76,27 @@ def _held_layers(state) -> list[int]:
     return sorted({layer_of(n) for n, _ in cs.named_parameters(state)} - {None})
 
 
-def save_checkpoint(state) -> str:
-    """Collective: save `state` as SAVE/iter_NNNNNNN (directory.py) in --ckpt-format; returns the path."""
-    cfg, topo = state.cfg, state.topology
-    ck = cfg.checkpoint
-    root, iteration = ck.save, state.iteration
-    tmp = iteration_dir(root, iteration) + ".tmp"
-    start = time.time()
-    with_optim = not ck.no_save_optim
+def start_save(state) -> str:
+    """Collective, the start of every save: the parameters synced and an empty SAVE/iter_N.tmp."""
+    root, topo = state.cfg.checkpoint.save, state.topology
+    tmp = iteration_dir(root, state.iteration) + ".tmp"
     finish_param_syncs(state.model)  # --overlap-param-gather leaves them to the next forward
     if topo.rank == 0:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(os.path.join(tmp, RNG_DIR))
     dist.barrier()
+    return tmp
+
+
+def save_checkpoint(state) -> str:
+    """Collective: save `state` as SAVE/iter_NNNNNNN (directory.py) in --ckpt-format; returns the path."""
+    cfg, topo = state.cfg, state.topology
+    ck = cfg.checkpoint
+    root, iteration = ck.save, state.iteration
+    start = time.time()
+    with_optim = not ck.no_save_optim
+    tmp = start_save(state)
     if ck.ckpt_format == formats.TORCH:
         common = megatron_dist.megatron_common(cfg, common_record(state, False), formats.TORCH,
                                                state.scheduler.state_dict())
@@ -108,6 +115,15 @@ def save_checkpoint(state) -> str:
 
 
 def _save_torch_dist(state, tmp: str, with_optim: bool) -> None:
+    shards, objects, common = torch_dist_parts(state, with_optim)
+    dcp_io().save_shards(shards, tmp, objects)
+    if common is not None:
+        megatron_dist.write_common(tmp, common)
+
+
+def torch_dist_parts(state, with_optim: bool):
+    """(Megatron-keyed Shards, byte objects, common.pt's dict on rank 0 else None) of a torch_dist save
+    of `state` as it is now (the Shards are views of the live tensors)."""
     cfg, topo = state.cfg, state.topology
     dist_opt = cfg.parallel.use_distributed_optimizer
     shards = cs.model_shards_for_save(state)
@@ -125,11 +141,12 @@ def _save_torch_dist(state, tmp: str, with_optim: bool) -> None:
         local = range(experts.first, experts.first + moe.num_experts // topo.size("ep"))
         objects.update(megatron_dist.expert_extra_state_objects(layers, cfg.model.num_layers, moe, local,
                                                                 stacked))
-    dcp_io().save_shards(megatron_dist.megatron_shards(shards, cfg.model, dist_opt, stacked), tmp, objects)
+    common = None
     if topo.rank == 0:
         step = float(cs.common_step(state.optimizer)) if with_optim else None
-        megatron_dist.write_common(tmp, megatron_dist.common_state(
-            cfg, common_record(state, with_optim), state.scheduler.state_dict(), step, dist_opt))
+        common = megatron_dist.common_state(cfg, common_record(state, with_optim),
+                                            state.scheduler.state_dict(), step, dist_opt)
+    return megatron_dist.megatron_shards(shards, cfg.model, dist_opt, stacked), objects, common
 
 
 # ---- load ----------------------------------------------------------------------------------------

@@ -157,6 +157,9 @@ def checkpoint_problems(cfg) -> list[str]:
         out.append("--ckpt-format torch (Megatron's legacy files) is written without optimizer state: its "
                    "layout follows Megatron's parameter order and buffers, which no other layout reads; add "
                    "--no-save-optim, or save --ckpt-format torch_dist (the default, fully reshardable)")
+    if c.async_save and c.ckpt_format == "torch" and c.save:  # Megatron: NotImplementedError at the save
+        out.append("--async-save with --ckpt-format torch: Megatron saves asynchronously only in torch_dist "
+                   "(its legacy files are written synchronously); drop --async-save or save torch_dist")
     return out
 
 

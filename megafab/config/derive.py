@@ -132,6 +132,11 @@ def derive(cfg, world_size: int) -> None:
     if p.grad_reduce_in_bf16:  # Megatron's rule: the grad buffer takes the (bf16) param dtype
         p.accumulate_allreduce_grads_in_fp32 = False
     resolve_sharding(cfg)
+    ck = cfg.checkpoint
+    if ck.async_save and ck.ckpt_format != "torch" and not ck.use_persistent_ckpt_worker:
+        ck.async_save = False  # Megatron's validate_args, word for word in effect
+        cfg.notes.append("--async-save is not supported without --use-persistent-ckpt-worker (Megatron's "
+                         "rule); disabling --async-save: checkpoints are saved synchronously")
     if p.ddp_bucket_size is None and dp and not p.fully_sharded:
         p.ddp_bucket_size = default_bucket_size(dp)
 

@@ -254,6 +254,19 @@ class CheckpointConfig(Section):
              "initial values; raise_unexpected / raise_all: stop on the unexpected (or any) mismatch; "
              "return_unexpected / return_all / ignore_all: load without them, silently (Megatron hands "
              "return_*'s keys to load()'s caller, which a training run does not read).")
+    async_save: bool = option(
+        False,
+        help="Save torch_dist checkpoints asynchronously (with --use-persistent-ckpt-worker, which Megatron "
+             "requires: without it Megatron saves synchronously): each rank copies what it owns to host "
+             "memory and trains on while a background writer writes its files; the checkpoint becomes "
+             "the latest only once every rank's files are written.")
+    use_persistent_ckpt_worker: bool = option(
+        False, help="Write --async-save checkpoints with one persistent background writer per rank "
+                    "(megafab's is a thread of each rank; Megatron's a process).")
+    async_strategy: str = option(
+        "nvrx", choices=("nvrx", "mcore"),
+        help="Megatron's choice of asynchronous writer (NVIDIA Resiliency Extension's or megatron-core's); "
+             "megafab has one writer, which both run, and writes the same checkpoint.")
 
 
 @dataclass

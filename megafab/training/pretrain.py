@@ -20,6 +20,7 @@ from megafab.training.build import (
     build_scheduler,
     init_distributed,
 )
+from megafab.training.checkpoint_cadence import CheckpointCadence
 from megafab.training.data_setup import attach_tokenizer, build_data_iterators, build_datasets
 from megafab.training.loop_hooks import ManualGC, StepProfiler, setup_logging
 from megafab.training.run_record import (
@@ -87,9 +88,11 @@ def train(state: TrainState, iterators, log: TrainingLog, gc_control: ManualGC,
     train_iter, valid_iter, _ = iterators
     sigterm = SigtermFlag(t.exit_signal_handler)
     profiler = StepProfiler(cfg, topo.rank, topo.device)
+    saves = CheckpointCadence(state, watch)
     start = time.time()
     try:
         while state.iteration < total:
+            saves.at_iteration_start()
             profiler.before_step(state.iteration)
             if watch is not None:
                 watch.where = f"iteration {state.iteration + 1}"
@@ -101,18 +104,19 @@ def train(state: TrainState, iterators, log: TrainingLog, gc_control: ManualGC,
                     watch.where = f"the validation after iteration {state.iteration}"
                 with gc_control.evaluation():
                     run_evaluation(state, valid_iter, "validation", log)
-            if cfg.checkpoint.save and cfg.checkpoint.save_interval and \
-                    state.iteration % cfg.checkpoint.save_interval == 0:
-                if watch is not None:
-                    watch.where = f"the checkpoint save of iteration {state.iteration}"
-                checkpointing.save_checkpoint(state)
+            if saves.due():
+                saves.save()
             reason = _should_exit(state, start, sigterm)
             if reason:
-                if cfg.checkpoint.save and \
-                        checkpointing.latest_iteration(cfg.checkpoint.save) != state.iteration:
-                    checkpointing.save_checkpoint(state)
+                if cfg.checkpoint.save and not saves.saved_now():
+                    saves.save()
+                saves.finish()
                 print_rank_0(topo, f"exiting at iteration {state.iteration}: {reason}")
                 return
+        saves.finish()
+    except BaseException:
+        saves.abandon()
+        raise
     finally:
         profiler.stop()
 

@@ -53,8 +53,15 @@ def test_checkpoint_flags_without_use_are_announced_and_unimplemented_ones_refus
     cfg = config_from_args([*base, "--ckpt-fully-parallel-load", "--dist-ckpt-optim-fully-reshardable",
                             "--dist-ckpt-strictness", "assume_ok_unexpected"], world_size=1)
     assert any("--dist-ckpt-optim-fully-reshardable" in n for n in cfg.no_effect)
-    with pytest.raises(ConfigError, match="--async-save: refused"):
-        config_from_args([*base, "--async-save"], world_size=1)
+    # Megatron's rules for --async-save: without --use-persistent-ckpt-worker it saves synchronously,
+    # and only torch_dist saves asynchronously
+    cfg = config_from_args([*base, "--save", "s", "--async-save"], world_size=1)
+    assert not cfg.checkpoint.async_save and "disabling --async-save" in cfg.start_up_notes()[0]
+    both = [*base, "--save", "s", "--async-save", "--use-persistent-ckpt-worker"]
+    assert config_from_args(both, world_size=1).checkpoint.async_save
+    with pytest.raises(ConfigError, match="--async-save with --ckpt-format torch: Megatron saves asynchronously "
+                                          "only in torch_dist"):
+        config_from_args([*both, "--ckpt-format", "torch", "--no-save-optim"], world_size=1)
 
 
 def _resume_schedule(rank, world, root, **flags):

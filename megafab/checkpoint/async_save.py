@@ -1,0 +1,151 @@
+"""--async-save: a torch_dist save that stalls training only while each rank copies what it owns to
+host memory; a background writer (dcp_async.py) writes the files into SAVE/iter_N.tmp, and the
+checkpoint is finalized (DCP's .metadata, common.pt, metadata.json, the rename and the tracker:
+directory.py's commit) only once every rank's files are written and fsynced, all ranks agreeing
+in a collective. A crash at any moment before the tracker is replaced leaves the previous checkpoint
+the latest. The checkpoint is the one the synchronous save writes (checkpointing.torch_dist_parts).
+
+    saver = AsyncSaver()
+    saver.schedule(state)                   collective: stage, plan, start the writer
+    saver.maybe_finalize(topo)              collective, at a safe point of the loop (Megatron's
+                                            maybe_finalize_async_save): finalize once all are done
+    saver.maybe_finalize(topo, blocking=True)   wait for it (the next save, exit, end of training)
+    saver.abandon(topo)                     an error: wait for this rank's writer, commit nothing
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megafab.checkpoint import checkpointing, megatron_dist
+from megafab.checkpoint import state as cs
+from megafab.checkpoint.directory import commit_checkpoint, iteration_dir, latest_iteration
+from megafab.checkpoint.errors import CheckpointError
+from megafab.checkpoint.source import rng_file
+
+ABANDON_WAIT_S = 60.0
+
+
+def dcp_async():
+    # deferred: torch.distributed.checkpoint costs seconds to import; only saves and loads pay it
+    from megafab.checkpoint import dcp_async as io
+
+    return io
+
+
+@dataclass
+class Pending:
+    iteration: int
+    root: str
+    tmp: str
+    write: object  # dcp_async.BackgroundWrite
+    common: dict | None  # rank 0's common.pt, as it was at the save
+    started: float
+    stall_s: float
+
+
+def _print0(topo, text: str) -> None:
+    if topo.rank == 0:
+        print(text, flush=True)
+
+
+def _previous(root: str) -> str:
+    latest = latest_iteration(root)
+    return "no checkpoint yet" if latest is None else f"iteration {latest}"
+
+
+class AsyncSaver:
+    """The run's asynchronous saves: at most one pending; host staging buffers kept between saves."""
+
+    def __init__(self):
+        self.pending: Pending | None = None
+        self.buffers: dict = {}
+
+    @property
+    def pending_iteration(self) -> int | None:
+        return None if self.pending is None else self.pending.iteration
+
+    def staged_bytes(self) -> int:
+        return dcp_async().staged_bytes(self.buffers) if self.buffers else 0
+
+    def schedule(self, state) -> None:
+        """Collective: stage `state` to host memory and start writing it as SAVE/iter_N."""
+        topo, ck = state.topology, state.cfg.checkpoint
+        if self.pending is not None:
+            _print0(topo, "WARNING: Starting a checkpoint save before previous has finished. Consider "
+                          "increasing the checkpoint interval.")
+            self.maybe_finalize(topo, blocking=True)
+        start = time.time()
+        tmp = checkpointing.start_save(state)
+        shards, objects, common = checkpointing.torch_dist_parts(state, not ck.no_save_optim)
+        staged = dcp_async().stage(shards, self.buffers)
+        if not ck.no_save_rng:
+            torch.save(cs.rng_snapshot(state), rng_file(tmp, topo.rank))
+        write = dcp_async().BackgroundWrite(staged, tmp, objects)
+        self.pending = Pending(state.iteration, ck.save, tmp, write, common, start, time.time() - start)
+        _print0(topo, f"scheduled an async checkpoint save at iteration {state.iteration:7d} to {ck.save} "
+                      f"({self.pending.stall_s:.1f} s to stage {self.staged_bytes() / 2**20:.1f} MiB on "
+                      f"rank 0)")
+
+    def maybe_finalize(self, topo, blocking: bool = False) -> bool:
+        """Collective while a save is pending: finalize it if every rank's writer is done (blocking:
+        wait for them); True when it was finalized here."""
+        p = self.pending
+        if p is None:
+            return False
+        if blocking:
+            p.write.wait()
+        done = torch.tensor([1.0 if p.write.done() else 0.0], device=topo.device)
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        if done.item() < 1.0:
+            return False
+        self.pending = None
+        try:
+            p.write.finish()  # rank 0 writes DCP's .metadata; a rank's failure raises on every rank
+        except CheckpointError as e:
+            raise CheckpointError(f"{e}; the asynchronous save of iteration {p.iteration} is dropped and "
+                                  f"{_previous(p.root)} stays the latest in {p.root}: free space or fix "
+                                  f"the directory's permissions, then resume") from None
+        _on_rank0_everywhere(topo, lambda: _commit(p), p)
+        _print0(topo, f"saved checkpoint at iteration {p.iteration:7d} to {p.root} in torch_dist format "
+                      f"(async: {p.stall_s:.1f} s stalled training, written in "
+                      f"{p.write.written_at - p.started:.1f} s, finalized after "
+                      f"{time.time() - p.started:.1f} s)")
+        return True
+
+    def abandon(self, topo) -> None:
+        """The run stops with an error: wait (a while) for this rank's writer; commit nothing, so
+        the previous checkpoint stays the latest (no collective: other ranks may be gone)."""
+        p, self.pending = self.pending, None
+        if p is None:
+            return
+        p.write.thread.join(ABANDON_WAIT_S)
+        _print0(topo, f"megafab: note: the run stopped before the asynchronous save of iteration "
+                      f"{p.iteration} was finalized; {_previous(p.root)} stays the latest in {p.root}")
+
+
+def _commit(p: Pending) -> None:
+    if p.common is not None:
+        megatron_dist.write_common(p.tmp, p.common)  # common.pt, then metadata.json
+    commit_checkpoint(p.root, p.iteration)
+
+
+def _on_rank0_everywhere(topo, action, p: Pending) -> None:
+    """Rank 0 runs `action`; if it fails, every rank stops with one message (none waits forever)."""
+    problem = None
+    if topo.rank == 0:
+        try:
+            action()
+        except OSError as e:
+            problem = f"{type(e).__name__}: {e}"
+    failed = torch.tensor([0.0 if problem is None else 1.0], device=topo.device)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if failed.item() > 0:
+        raise CheckpointError(
+            f"finalizing the checkpoint of iteration {p.iteration} in {iteration_dir(p.root, p.iteration)} "
+            f"failed on rank 0 ({problem or 'see rank 0'}); {_previous(p.root)} stays the latest in "
+            f"{p.root}: free space or fix the directory's permissions, then resume")

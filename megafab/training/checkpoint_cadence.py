@@ -1,0 +1,56 @@
+"""When and how the training loop saves: every --save-interval iterations and on exit, synchronously
+or (--async-save) in the background, finalized at Megatron's safe points: the start of each
+iteration (non-blocking), before the next save, at the end of training and on exit (blocking). An
+error only waits for this rank's writer: the unfinalized save never becomes the latest.
+"""
+
+from __future__ import annotations
+
+from megafab.checkpoint import checkpointing
+from megafab.checkpoint.async_save import AsyncSaver
+
+
+class CheckpointCadence:
+    def __init__(self, state, watch=None):
+        ck = state.cfg.checkpoint
+        self.state, self.watch = state, watch
+        self.saver = AsyncSaver() if ck.save and ck.async_save else None
+
+    def _where(self, text: str) -> None:
+        if self.watch is not None:
+            self.watch.where = text
+
+    def at_iteration_start(self) -> None:
+        """Megatron's maybe_finalize_async_save(blocking=False): a collective only while a save is pending."""
+        if self.saver is not None and self.saver.pending is not None:
+            self._where(f"finalizing the asynchronous save of iteration {self.saver.pending_iteration}")
+            self.saver.maybe_finalize(self.state.topology)
+
+    def due(self) -> bool:
+        ck, iteration = self.state.cfg.checkpoint, self.state.iteration
+        return bool(ck.save and ck.save_interval and iteration % ck.save_interval == 0)
+
+    def save(self) -> None:
+        self._where(f"the checkpoint save of iteration {self.state.iteration}")
+        if self.saver is None:
+            checkpointing.save_checkpoint(self.state)
+        else:
+            self.saver.schedule(self.state)
+
+    def saved_now(self) -> bool:
+        """The current iteration is the latest checkpoint, or is being saved."""
+        ck = self.state.cfg.checkpoint
+        pending = self.saver is not None and self.saver.pending_iteration == self.state.iteration
+        return pending or checkpointing.latest_iteration(ck.save) == self.state.iteration
+
+    def finish(self) -> None:
+        """Collective: finalize the pending save, waiting for it (end of training, exit)."""
+        if self.saver is not None and self.saver.pending is not None:
+            self._where(f"finalizing the asynchronous save of iteration {self.saver.pending_iteration}")
+            if self.state.topology.rank == 0:
+                print("Unfinalized async checkpoint saves. Finalizing them synchronously now.", flush=True)
+            self.saver.maybe_finalize(self.state.topology, blocking=True)
+
+    def abandon(self) -> None:
+        if self.saver is not None:
+            self.saver.abandon(self.state.topology)
