@@ -38,6 +38,7 @@ from megafab.plan.moe import (
     moe_mlp_activation_bytes,
     stage_state_bytes,
 )
+from megafab.plan.mtp_activations import mtp_activation_bytes
 from megafab.plan.params import (
     LayerParams,
     chunk_params,
@@ -183,6 +184,9 @@ def plan(cfg, kernels: str = "flash", routing: str = "bound") -> list[StagePlan]
             if m.position_embedding_type == "rope" else 0
         logits = int((2 * e * s * b * h + norm_stats_bytes(m, s, b)) / r
                      + 4 * s * b * m.padded_vocab_size / tp) if last else 0
+        if last:  # the MTP depths' activations live with the logits (plan/mtp_activations.py)
+            last_kind = routed[routing][0] if routed and moe_layers[-1] else layer
+            logits += mtp_activation_bytes(cfg, last_kind, logits)
         # The loss's backward makes the logits' gradient, fp32 [s*b, V/t] (and a cast to the model dtype)
         loss_backward = int((4 + (e if e != 4 else 0)) * s * b * m.padded_vocab_size / tp) if last else 0
         chunks = in_flight_chunks(pp, vpp, rank, t.num_micro_batches or 1)

@@ -1,8 +1,9 @@
 """The estimator counts multi-token prediction as the engine builds it: the planned parameters of
 every pipeline stage (TP 1 and 2, PP 1 and 2, VPP) equal the chunks build_model_chunks builds (the
 last stage's embedding copy and mtp.layers.* included), the model total equals the one-process
-model's, the checkpoint keys are its state dict's (mtp.layers.<i>.*), and each depth adds its
-eh_proj, a layer, attention and logits to the FLOPs (Megatron's num_floating_point_operations)."""
+model's, the checkpoint keys are its state dict's (mtp.layers.<i>.*), each depth adds its
+eh_proj, a layer, attention and logits to the FLOPs (Megatron's num_floating_point_operations), and
+the activations each depth adds to the last stage are what autograd keeps (float32, CPU kernels)."""
 
 import dataclasses
 
@@ -11,14 +12,15 @@ import torch
 
 from megafab.convert.state_dict import expected_keys
 from megafab.distributed.sized_group import SizedGroup
-from megafab.model.gpt import GPTModel, build_model_chunks
+from megafab.model.gpt import GPTModel, build_model_chunks, masked_mean_loss
 from megafab.model.transformer import LayerContext
+from megafab.optim.memory import SavedActivations
 from megafab.pipeline_split import PipelineSplit
 from megafab.plan.flops import flops_per_iteration
 from megafab.plan.optimizer_tensors import chunk_tensors
 from megafab.plan.params import model_params
 from megafab.plan.planner import plan
-from tests.helpers.tiny import LLAMA_STYLE, tiny_config
+from tests.helpers.tiny import GPT2_STYLE, LLAMA_STYLE, batch, context, tiny_config
 
 TIED = dict(LLAMA_STYLE, untie_embeddings_and_output_weights=False)
 
@@ -80,3 +82,26 @@ def test_each_mtp_depth_adds_a_layer_eh_proj_and_logits_to_the_flops():
         per_depth = one_more_layer + 3 * 2 * batch * m.seq_length * m.hidden_size * (
             m.padded_vocab_size + 2 * m.hidden_size)  # logits, eh_proj [h, 2h]
         assert with_mtp - plain == pytest.approx(depths * per_depth, rel=1e-12)
+
+
+def _saved_bytes(cfg) -> int:
+    m = cfg.model
+    model = GPTModel(m, context(dtype=torch.float32))
+    tokens, labels, mask = batch(m)
+    with SavedActivations(model.parameters()) as saved:
+        loss = masked_mean_loss(model(tokens, labels=labels, loss_mask=mask.float()), mask.float())
+    loss.backward()
+    return saved.bytes
+
+
+@pytest.mark.parametrize("style", [LLAMA_STYLE, GPT2_STYLE], ids=["llama", "gpt2"])
+def test_each_mtp_depth_adds_the_activations_autograd_keeps(style):
+    def config(depths):
+        return tiny_config(style=style, mtp_num_layers=depths, micro_batch_size=2, global_batch_size=2)
+
+    measured = [_saved_bytes(config(d)) for d in (None, 1, 2)]
+    planned = [plan(config(d), kernels="cpu")[-1].forward_saved_bytes for d in (None, 1, 2)]
+    per_depth = planned[1] - planned[0]
+    assert planned[2] - planned[1] == per_depth > 0
+    for depths in (1, 2):
+        assert planned[depths] - planned[0] == pytest.approx(measured[depths] - measured[0], rel=0.05)
