@@ -106,3 +106,13 @@ def test_moe_prints_speed_parts_ep_efficiency_and_expert_bytes():
              if line.startswith(("dense ", "MoE "))}
     assert speed["dense"][2] == "1.00" and float(speed["MoE"][2]) > 0, out  # vs dense, wall
     assert "MoE: dispatch + combine" in out and "MoE grouped: experts" in out, out
+
+
+@pytest.mark.timeout(300)
+def test_recompute_modules_prints_saved_and_planned_bytes_per_module():
+    out = run_script("recompute_modules.py", "--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "16",
+                     "--vocab", "128", "--rounds", "1", "--warmup", "0")
+    rows = {line[:22].strip(): line[22:].split() for line in out.splitlines()
+            if line[:22].strip() in ("none", "moe", "all")}
+    assert set(rows) == {"none", "moe", "all"}, out
+    assert float(rows["all"][0]) < float(rows["moe"][0]) < float(rows["none"][0]), out  # saved KiB
