@@ -24,7 +24,8 @@ TRACKER = "latest_checkpointed_iteration.txt"
 def _flags(corpus, iters, save, *extra):
     # The schedule spans 6 iterations whatever --train-iters: a run of 4 resumes into the run of 6.
     return TINY + ["--train-iters", str(iters), "--lr-decay-iters", "6", "--data-path", corpus, "--split",
-                   "90,5,5", "--global-batch-size", "2", "--use-distributed-optimizer", "--save-interval", "2",
+                   "90,5,5", "--global-batch-size", "2", "--use-distributed-optimizer",
+                   "--save-interval", "2",
                    "--save", save, *extra]
 
 
@@ -62,7 +63,8 @@ def test_async_checkpoint_is_the_sync_one_and_resumes_exactly(straight, tmp_path
     assert {k: (tuple(v.size), v.properties.dtype) for k, v in a.stored.items()} == \
         {k: (tuple(v.size), v.properties.dtype) for k, v in b.stored.items()}
     common = megatron_dist.read_common(mine)
-    assert common["iteration"] == 4 and common["optimizer"]["param_state_sharding_type"] == "fully_reshardable"
+    assert common["iteration"] == 4
+    assert common["optimizer"]["param_state_sharding_type"] == "fully_reshardable"
     assert a.counters == b.counters
     ours, ref = a.read_all(), b.read_all()
     assert ours.keys() == ref.keys() and all(torch.equal(ours[k], ref[k]) for k in ours)
@@ -70,7 +72,8 @@ def test_async_checkpoint_is_the_sync_one_and_resumes_exactly(straight, tmp_path
     resumed = _run(_flags(corpus, 6, save, *ASYNC, "--load", save), tmp_path / "b")
     assert "loaded checkpoint from" in resumed and "at iteration 4" in resumed
     got = losses(resumed)
-    assert sorted(want) == [1, 2, 3, 4, 5, 6] and sorted(got) == [5, 6] and all(got[i] == want[i] for i in got), (got, want)
+    assert sorted(want) == [1, 2, 3, 4, 5, 6] and sorted(got) == [5, 6]
+    assert all(got[i] == want[i] for i in got), (got, want)
     assert open(os.path.join(save, TRACKER)).read() == "6"
 
 

@@ -1,0 +1,104 @@
+"""--async-save is crash-safe (issue 40): SIGKILL of every rank while the background writer writes,
+once every rank's files are written, or just before the finalize commits, leaves the previous
+checkpoint the latest, and it loads whole; the restarted job resumes from it and replaces the stale
+directory. The writer is slowed (a sleep per written tensor) so that each moment is hit for sure."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from megafab.checkpoint import megatron_dist
+from tests.helpers.main_ranks import run_ranks_main, start_ranks, wait_for_text
+from tests.helpers.tiny_corpus import TINY, write_corpus
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="these tests fork their ranks")
+TRACKER = "latest_checkpointed_iteration.txt"
+SLOW_ITEM_S = 0.03
+
+
+def _flags(corpus, iters, save, *extra):
+    return TINY + ["--train-iters", str(iters), "--lr-decay-iters", "6", "--data-path", corpus, "--split",
+                   "90,5,5", "--global-batch-size", "2", "--use-distributed-optimizer",
+                   "--save-interval", "2",
+                   "--save", save, "--async-save", "--use-persistent-ckpt-worker", *extra]
+
+
+def _slow_writer(marks: str):
+    """before_main: each rank's writer sleeps per tensor, and marks (outside the checkpoint) when its
+    files of a save are written and when the finalize of iteration 4 starts (then waits 2 s)."""
+    def hook(rank: int) -> None:
+        import torch.distributed.checkpoint.filesystem as fs
+
+        from megafab.checkpoint import async_save, dcp_async
+
+        write_item, write, commit = fs._write_item, dcp_async.BackgroundWrite._write, async_save._commit
+
+        def slow_item(*args, **kwargs):
+            time.sleep(SLOW_ITEM_S)
+            return write_item(*args, **kwargs)
+
+        def marked_write(self):
+            write(self)
+            open(os.path.join(marks, f"written.{os.path.basename(self.path)}.{rank}"), "w").close()
+
+        def marked_commit(p):
+            if p.iteration == 4:
+                open(os.path.join(marks, "finalizing.4"), "w").close()
+                time.sleep(2.0)
+            commit(p)
+
+        fs._write_item, dcp_async.BackgroundWrite._write = slow_item, marked_write
+        async_save._commit = marked_commit
+    return hook
+
+
+def _wait_for(paths, job, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not all(os.path.exists(p) for p in paths):
+        job.poll()
+        assert not job.codes and time.monotonic() < deadline, f"never saw {paths}: {job.codes}"
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(str(tmp_path_factory.mktemp("corpus") / "good"))
+
+
+MOMENTS = ["while writing", "every rank's files written", "just before the finalize commits"]
+
+
+@pytest.mark.parametrize("moment", MOMENTS)
+def test_sigkill_during_an_async_save_leaves_the_previous_checkpoint_latest(corpus, tmp_path, moment):
+    save, marks = str(tmp_path / "ckpt"), str(tmp_path / "marks")
+    os.makedirs(marks)
+    hook = _slow_writer(marks)
+    with start_ranks(2, _flags(corpus, 100000, save), tmp_path / "log", before_main=hook) as job:
+        if moment == MOMENTS[0]:
+            wait_for_text(job, 0, "scheduled an async checkpoint save at iteration       4", timeout=60)
+            time.sleep(0.2)
+        elif moment == MOMENTS[1]:
+            _wait_for([os.path.join(marks, f"written.iter_0000004.tmp.{r}") for r in (0, 1)], job)
+        else:
+            _wait_for([os.path.join(marks, "finalizing.4")], job)
+        for pid in job.pids:
+            os.kill(pid, signal.SIGKILL)
+        result = job.wait(timeout=30)
+    assert result.codes == [-signal.SIGKILL] * 2, result.describe()
+    assert open(os.path.join(save, TRACKER)).read() == "2"
+    assert not os.path.exists(os.path.join(save, "iter_0000004"))
+    assert os.path.isdir(os.path.join(save, "iter_0000004.tmp"))  # the killed save's, never committed
+    tensors = megatron_dist.TorchDistSource(os.path.join(save, "iter_0000002")).read_all()
+    assert tensors and all(t.numel() for t in tensors.values())
+    if moment == MOMENTS[2]:  # .metadata was written: still not a checkpoint; the restart resumes from 2
+        assert os.path.exists(os.path.join(save, "iter_0000004.tmp", ".metadata"))
+        resumed = run_ranks_main(2, _flags(corpus, 4, save, "--load", save), tmp_path / "again", timeout=120)
+        assert resumed.codes == [0, 0], resumed.describe()
+        assert "loaded checkpoint from" in resumed.out[0] and "at iteration 2 " in resumed.out[0]
+        assert open(os.path.join(save, TRACKER)).read() == "4"
+        assert sorted(os.listdir(save)) == sorted(["iter_0000002", "iter_0000004", "metrics.jsonl", TRACKER,
+                                                   "resolved_config.toml"])  # the stale .tmp is gone
