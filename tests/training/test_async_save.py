@@ -6,6 +6,7 @@ and the previous checkpoint stays the latest."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 
 from megafab.checkpoint import megatron_dist
 from tests.helpers.launch import losses
-from tests.helpers.main_ranks import run_ranks_main
+from tests.helpers.main_ranks import run_ranks_main, start_ranks, wait_for_text
 from tests.helpers.tiny_corpus import TINY, assert_one_message, write_corpus
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="these tests fork their ranks")
@@ -107,3 +108,23 @@ def test_a_full_disk_in_the_background_write_is_one_message_and_the_last_checkpo
         megatron_dist.TorchDistSource(os.path.join(disk, "iter_0000002")).read_all()  # loads whole
     finally:
         subprocess.run(["umount", "-l", disk], capture_output=True, timeout=30)
+
+
+def test_sigterm_with_a_save_pending_saves_and_finalizes_before_exiting(straight, tmp_path):
+    """--exit-signal-handler: the exit's save waits for the pending one, and is finalized itself."""
+    corpus, _, _ = straight
+    save = str(tmp_path / "ckpt")
+    flags = _flags(corpus, 100000, save, *ASYNC, "--exit-signal-handler")
+    with start_ranks(2, flags, tmp_path / "log") as job:
+        wait_for_text(job, 0, "scheduled an async checkpoint save at iteration       2", timeout=60)
+        for pid in job.pids:
+            os.kill(pid, signal.SIGTERM)
+        result = job.wait(timeout=60)
+    assert result.codes == [0, 0], result.describe()
+    out = result.out[0]
+    stopped = int(out.split("exiting at iteration")[1].split(":")[0])
+    assert f"saved checkpoint at iteration {stopped:7d}" in out
+    assert open(os.path.join(save, TRACKER)).read() == str(stopped)
+    assert [d for d in os.listdir(save) if d.endswith(".tmp")] == []
+    last = megatron_dist.TorchDistSource(os.path.join(save, f"iter_{stopped:07d}"))
+    assert last.counters.iteration == stopped
