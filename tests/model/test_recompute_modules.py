@@ -206,3 +206,25 @@ def test_planner_counts_what_each_module_keeps(style, moe):
         print(f"{module}: measured {measured} (drop {drop}), planned {planned} (drop {planned_drop})")
         assert drop > 0 and abs(planned_drop - drop) <= 0.05 * drop, (module, drop, planned_drop)
         assert abs(planned - measured) <= 0.10 * measured, (module, measured, planned)
+
+
+def test_modules_apply_to_the_mtp_layers_too():
+    """An MTP layer is a transformer layer of the model's (megatron-core's MTP block): its norms and
+    MLP recompute as the decoder's, the main and MTP losses' gradients unchanged."""
+    def run(modules=None):
+        cfg = _config(LLAMA_STYLE, True, modules, mtp_num_layers=1, **DROPOUT)
+        tracker = RNGStatesTracker("cpu")
+        ctx = LayerContext(None, False, torch.float64, torch.device("cpu"), 1234, tracker, moe=cfg.moe)
+        model = GPTModel(cfg.model, ctx)
+        model_parallel_seed(1234, 0, 0, "cpu", tracker)
+        tokens, labels, mask = batch(cfg.model)
+        with SavedActivations(model.parameters()) as saved:
+            loss = masked_mean_loss(model(tokens, labels=labels, loss_mask=mask), mask)
+        loss.backward()
+        return loss.item(), {n: p.grad for n, p in model.named_parameters()}, saved.bytes
+
+    ref = run()
+    assert any(n.startswith("mtp.") and g is not None and g.abs().sum() > 0 for n, g in ref[1].items())
+    out = run(list(MOE_MODULES))
+    assert out[0] == ref[0] and out[2] < ref[2]
+    assert all((g is None and out[1][n] is None) or torch.equal(out[1][n], g) for n, g in ref[1].items())
