@@ -74,6 +74,7 @@ class _Parts(NamedTuple):
     output: tuple[Pass, Pass]
     layers: list[list[list[tuple[int, bool]]]]  # _stage_layers
     moe_layers: list[bool]  # each layer's kind
+    mtp: tuple[Pass, Pass] = (Pass(), Pass())  # the MTP depths, on the last stage
 
 
 def _parts(cfg, machine, tp_comm_overlap: bool, memo: dict | None) -> _Parts:
@@ -81,8 +82,22 @@ def _parts(cfg, machine, tp_comm_overlap: bool, memo: dict | None) -> _Parts:
     kinds = {False: cached_layer_passes(cfg, machine, x, tp_comm_overlap, memo, False)}
     if x.moe is not None:
         kinds[True] = cached_layer_passes(cfg, machine, x, tp_comm_overlap, memo, True)
-    return _Parts(x, kinds, embedding_pass(x), output_pass(x, tp_comm_overlap), _stage_layers(cfg),
-                  [is_moe_layer(x.moe, i) for i in range(cfg.model.num_layers)])
+    moe_layers = [is_moe_layer(x.moe, i) for i in range(cfg.model.num_layers)]
+    embedding, output = embedding_pass(x), output_pass(x, tp_comm_overlap)
+    return _Parts(x, kinds, embedding, output, _stage_layers(cfg), moe_layers,
+                  _mtp_passes(x, kinds[moe_layers[-1]], output, embedding))
+
+
+def _mtp_passes(x: Shapes, layer, output, embedding) -> tuple[Pass, Pass]:
+    """All multi-token prediction depths of a micro-batch (model/mtp.py): each its embedding,
+    eh_proj's GEMMs (2h -> h/t), a layer of the decoder's last layer's kind, the output layer and loss."""
+    depths = x.cfg.model.mtp_num_layers or 0
+    if not depths:
+        return Pass(), Pass()
+    wide, out = 2 * x.h, x.h // x.tp
+    fwd = embedding[0] + layer[0] + output[0] + Pass(gemm=x.gemm(x.M, out, wide))
+    bwd = embedding[1] + layer[1] + output[1] + Pass(gemm=x.gemm(x.M, wide, out) + x.gemm(wide, out, x.M))
+    return fwd.scaled(depths), bwd.scaled(depths)
 
 
 def stage_passes(cfg, machine, tp_comm_overlap: bool = False,
@@ -102,7 +117,7 @@ def _stage_passes(parts: _Parts) -> list[tuple[Pass, Pass]]:
         if rank == 0:
             fwd, bwd = fwd + parts.embedding[0], bwd + parts.embedding[1]
         if rank == len(parts.layers) - 1:
-            fwd, bwd = fwd + parts.output[0], bwd + parts.output[1]
+            fwd, bwd = fwd + parts.output[0] + parts.mtp[0], bwd + parts.output[1] + parts.mtp[1]
         out.append((fwd, bwd))
     return out
 
@@ -168,7 +183,7 @@ def fsdp_stages(cfg, machine, parts: _Parts, shared: float) -> list[fsdp.StageFs
     compute scale); what every micro-batch exposes goes into its stage's time in the schedule, the
     reducing micro-batch's extra after it. Never with Transformer Engine's TP overlap (megafab runs
     FSDP2 without TE)."""
-    x, kinds, _, output, layers, moe_layers = parts
+    x, kinds, _, output, layers, moe_layers, _ = parts
     m = cfg.model
     ep, etp = expert_sizes(cfg)
     timed: dict[tuple[bool, bool], fsdp.Layer] = {}  # (MoE layer, recomputed): every such layer's

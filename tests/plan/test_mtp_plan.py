@@ -105,3 +105,25 @@ def test_each_mtp_depth_adds_the_activations_autograd_keeps(style):
     assert planned[2] - planned[1] == per_depth > 0
     for depths in (1, 2):
         assert planned[depths] - planned[0] == pytest.approx(measured[depths] - measured[0], rel=0.05)
+
+
+def test_the_step_time_model_runs_each_mtp_depth_on_the_last_stage():
+    """Each depth: its embedding, eh_proj's GEMMs, a layer of the last layer's kind, the output
+    layer and loss, forward and backward, on the last stage only."""
+    from megafab.plan.layer_time import Shapes, embedding_pass, layer_passes, output_pass
+    from megafab.plan.machines import machine
+    from megafab.plan.step_time import stage_passes
+
+    h100 = machine("h100-sxm-80gb")
+    plain = stage_passes(_config(pp=2), h100)
+    x = Shapes(_config(pp=2), h100)
+    layer, output, embedding = layer_passes(_config(pp=2), h100), output_pass(x, False), embedding_pass(x)
+    eh_proj = (x.gemm(x.M, x.h, 2 * x.h), x.gemm(x.M, 2 * x.h, x.h) + x.gemm(2 * x.h, x.h, x.M))
+    assert min(eh_proj) > 0
+    for depths in (1, 2):
+        passes = stage_passes(_config(pp=2, mtp_num_layers=depths), h100)
+        assert passes[0][0].total == plain[0][0].total and passes[0][1].total == plain[0][1].total
+        for i in (0, 1):  # forward, backward
+            added = passes[1][i].total - plain[1][i].total
+            per_depth = layer[i].total + output[i].total + embedding[i].total + eh_proj[i]
+            assert added == pytest.approx(depths * per_depth, rel=1e-9) and added > 0
