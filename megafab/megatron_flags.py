@@ -76,7 +76,6 @@ REFUSED: dict[str, Refused] = {
     "--overlap-moe-expert-parallel-comm": Refused(
         f"overlapping expert-parallel communication with another micro-batch's compute (CUDA streams) "
         f"is {NOT_YET}"),
-    "--multi-latent-attention": Refused(f"multi-latent attention is {NOT_YET}"),
     "--tp-comm-overlap": Refused(f"TP communication overlap (Transformer Engine userbuffers) is {NOT_YET}"),
     "--fsdp-double-buffer": Refused(f"Megatron-FSDP buffer tuning; {FSDP}"),
     "--fsdp-manual-registration": Refused(f"Megatron-FSDP buffer registration; {FSDP}"),
@@ -119,7 +118,8 @@ def _refuse(reason: str, spec: str) -> None:
 
 _CUDA_GRAPHS = f"CUDA graphs are {NOT_YET} (GPU-only capture of the iteration)"
 _OFFLOAD = f"activation CPU offloading is {NOT_YET}"
-_MLA = f"multi-latent attention (and its YaRN rope) is {NOT_YET}"
+_MLA = "caching MLA latents is for Megatron's dynamic inference engine (Flash MLA); megafab trains " \
+    "(its generation caches keys and values)"
 _ATTENTION = f"this attention variant is {NOT_YET}; megafab's attention is megatron-core's softmax " \
     f"self-attention with RoPE or learned positions"
 _ROPE = f"this RoPE variant is {NOT_YET}; megafab rotates half-split channel pairs with --rotary-base " \
@@ -180,7 +180,6 @@ REFUSED.update({
     "--cuda-graph-impl": Refused(_CUDA_GRAPHS, off=("none",)),
     "--cpu-offloading-num-layers": Refused(_OFFLOAD, off=("0",)),
     "--softmax-type": Refused(_ATTENTION, off=("vanilla",)),
-    "--rope-type": Refused(_ROPE, off=("rope",)),
     "--glu-linear-offset": Refused(f"an offset in the GLU activation is {NOT_YET}", off=("0", "0.0")),
     "--head-lr-mult": Refused(f"a learning-rate multiplier for a model head is {NOT_YET}",
                               off=("1", "1.0")),
@@ -208,8 +207,7 @@ _refuse(_CUDA_GRAPHS, """--enable-cuda-graph --external-cuda-graph --cuda-graph-
     --cuda-graph-warmup-steps V --te-rng-tracker""")
 _refuse(_OFFLOAD, """--fine-grained-activation-offloading --offload-modules V+
     --min-offloaded-tensor-size V""")
-_refuse(_MLA, """--q-lora-rank V --kv-lora-rank V --qk-head-dim V --qk-pos-emb-head-dim V --v-head-dim V
-    --cache-mla-latents --rotary-scaling-factor V --mscale V --mscale-all-dim V""")
+_refuse(_MLA, "--cache-mla-latents")
 _refuse(_ATTENTION, """--attention-output-gate --experimental-attention-variant V --dsa-indexer-n-heads V
     --dsa-indexer-head-dim V --dsa-indexer-topk V --dsa-indexer-loss-coeff V
     --dsa-indexer-use-sparse-loss --window-size V --window-attn-skip-freq V --qk-l2-norm --qk-clip
@@ -352,7 +350,7 @@ _values("""--hierarchical-context-parallel-sizes V+ --moe-upcycling-granularity 
     --non-persistent-ckpt-type V --ckpt-convert-format V --batch-size V
     --warmup V --model-parallel-size V --exit-signal V --rerun-mode V
     --error-injection-rate V --cuda-graph-impl V --cpu-offloading-num-layers V --softmax-type V
-    --rope-type V --glu-linear-offset V --head-lr-mult V --weight-decay-incr-style V
+    --glu-linear-offset V --head-lr-mult V --weight-decay-incr-style V
     --main-grads-dtype V --main-params-dtype V --exp-avg-dtype V --exp-avg-sq-dtype V
     --cross-entropy-fusion-impl V --outer-dp-sharding-strategy V --dataloader-type V --vocab-extra-ids V""")
 _values(no_effect_flags.VALUED)

@@ -341,6 +341,13 @@ TP_SPLITS = {
     "mlp.linear_fc1.weight": Split(COLUMN_DIM, strided_by_swiglu=True),
     "mlp.linear_fc1.bias": Split(COLUMN_DIM, strided_by_swiglu=True),
     "mlp.linear_fc2.weight": Split(ROW_DIM),
+    # multi-latent attention (model/mla.py, the local spec): every projection column-parallel (the
+    # down projections too), linear_proj row-parallel as above; q_layernorm / kv_layernorm replicated
+    "self_attention.linear_q_proj.weight": Split(COLUMN_DIM),
+    "self_attention.linear_q_down_proj.weight": Split(COLUMN_DIM),
+    "self_attention.linear_q_up_proj.weight": Split(COLUMN_DIM),
+    "self_attention.linear_kv_down_proj.weight": Split(COLUMN_DIM),
+    "self_attention.linear_kv_up_proj.weight": Split(COLUMN_DIM),
     "eh_proj.weight": Split(COLUMN_DIM),  # an MTP layer's projection (mtp_split_key)
     # shared experts: the dense MLP's splits over TP
     SHARED_EXPERTS + "linear_fc1.weight": Split(COLUMN_DIM, strided_by_swiglu=True),

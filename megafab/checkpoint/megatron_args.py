@@ -27,6 +27,11 @@ MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_hea
 MEGATRON_ONLY_ARGS = ("qk_l2_norm", "multi_latent_attention", "mtp_num_layers",
                       "rotary_interleaved", "use_rope_scaling", "window_size")
 
+# Multi-latent attention's shapes and RoPE (compared when either model is an MLA model; Megatron
+# records their defaults in every checkpoint)
+MLA_ARGS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
+            "rotary_scaling_factor", "mscale", "mscale_all_dim")
+
 # cfg.moe fields that define a mixture-of-experts model's weights or routing (compared when the
 # checkpoint records them; the rest only when both models have experts).
 MOE_ARGS = ("num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_shared_expert_intermediate_size",
@@ -49,6 +54,8 @@ def _effective(name: str, args) -> object:
         return bool(value or getattr(args, "add_bias_linear", False))
     if name == "position_embedding_type" and value is None:
         return "learned_absolute"
+    if name == "rope_type" and value is None:  # megatron-core's MLA default
+        return "yarn"
     return value
 
 
@@ -86,7 +93,8 @@ def model_arg_mismatches(args, model_cfg, moe=None) -> list[str]:
     checkpoint does not record are not compared."""
     args = argparse.Namespace(**args) if isinstance(args, dict) else args
     lines = _moe_mismatches(args, model_cfg, moe)
-    for name in MODEL_ARGS:
+    mla = getattr(args, "multi_latent_attention", False) or model_cfg.multi_latent_attention
+    for name in MODEL_ARGS + (MLA_ARGS if mla else ()):
         if not hasattr(args, name):
             continue
         if name == "max_position_embeddings" and model_cfg.position_embedding_type != "learned_absolute":

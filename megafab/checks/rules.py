@@ -99,6 +99,55 @@ def model_problems(cfg) -> list[str]:
                                    ("--openai-gelu", m.openai_gelu)) if on]
     if len(activations) > 1:
         out.append(f"{' and '.join(activations)} each choose the MLP activation; give one of them")
+    return out + mla_problems(cfg)
+
+
+def mla_problems(cfg) -> list[str]:
+    """Multi-latent attention's and YaRN's rules (model/mla.py, model/rotary.py)."""
+    m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
+    out = []
+    yarn = m.position_embedding_type == "yarn" or (m.multi_latent_attention and m.rope_type != "rope")
+    if m.rope_type == "yarn" and not m.multi_latent_attention:
+        out.append("--rope-type yarn is for --multi-latent-attention (Megatron: standard attention takes "
+                   "rope only); give standard attention YaRN with --position-embedding-type yarn")
+    if yarn and m.rotary_percent != 1.0:
+        out.append(f"--rotary-percent {m.rotary_percent} with YaRN: megatron-core's YaRN rotates every "
+                   f"channel of the RoPE part; drop --rotary-percent or use plain RoPE")
+    if yarn and not m.rotary_scaling_factor > 0:
+        out.append(f"--rotary-scaling-factor {m.rotary_scaling_factor} must be positive (1: no scaling)")
+    for flag, value in (("--yarn-original-max-position-embeddings", m.yarn_original_max_position_embeddings),
+                        ("--yarn-beta-fast", m.yarn_beta_fast), ("--yarn-beta-slow", m.yarn_beta_slow)):
+        if yarn and value is not None and not value > 0:
+            out.append(f"{flag} {value} must be positive")
+    if not m.multi_latent_attention:
+        return out
+    if m.position_embedding_type == "yarn":
+        out.append("--position-embedding-type yarn with --multi-latent-attention: MLA applies its own RoPE "
+                   "to its RoPE part; use --position-embedding-type rope and --rope-type yarn")
+    if m.group_query_attention:
+        out.append("--multi-latent-attention and --group-query-attention exclude each other (MLA's keys and "
+                   "values come from one latent per token); drop --group-query-attention")
+    if m.add_qkv_bias:
+        out.append("--add-qkv-bias with --multi-latent-attention: MLA's projections have no bias "
+                   "(megatron-core's); drop --add-qkv-bias")
+    if m.transformer_impl == "transformer_engine":
+        out.append("--multi-latent-attention builds megafab's own MLA layer; use --transformer-impl local")
+    sizes = (("--kv-lora-rank", m.kv_lora_rank), ("--qk-head-dim", m.qk_head_dim),
+             ("--qk-pos-emb-head-dim", m.qk_pos_emb_head_dim), ("--v-head-dim", m.v_head_dim),
+             ("--q-lora-rank", m.q_lora_rank))
+    bad = [f"{flag} {value}" for flag, value in sizes if value is not None and value <= 0]
+    if bad:
+        return out + [f"{', '.join(bad)}: MLA's ranks and head widths must be positive"]
+    rotated = m.qk_pos_emb_head_dim if yarn else int(m.qk_pos_emb_head_dim * m.rotary_percent)
+    if rotated % 2:
+        out.append(f"--qk-pos-emb-head-dim {m.qk_pos_emb_head_dim}: RoPE rotates channel pairs, so its "
+                   f"rotated part ({rotated} channels) must be even")
+    # the down projections are column-parallel (the local spec's): whole slices per TP rank
+    for flag, width in (("--q-lora-rank", m.q_lora_rank),
+                        ("--kv-lora-rank + --qk-pos-emb-head-dim", m.kv_lora_rank + m.qk_pos_emb_head_dim)):
+        if width is not None and tp >= 1 and width % tp:
+            out.append(f"{flag} = {width} is not divisible by --tensor-model-parallel-size {tp}; MLA's down "
+                       f"projections are column-parallel: pick sizes TP divides")
     return out
 
 

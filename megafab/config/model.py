@@ -30,10 +30,49 @@ class ModelConfig(Section):
     max_position_embeddings: int | None = option(
         None, help="Size of the learned position table; default seq_length.")
     position_embedding_type: str = option(
-        "learned_absolute", choices=("learned_absolute", "rope", "none"),
-        help="learned_absolute, rope or none.")
+        "learned_absolute", choices=("learned_absolute", "rope", "yarn", "none"),
+        help="learned_absolute, rope, yarn (RoPE with YaRN's frequency scaling, for standard attention: "
+             "Megatron-LM's spelling after core 0.16) or none.")
     rotary_base: int = option(10000, help="RoPE base (theta).")
     rotary_percent: float = option(1.0, help="Fraction of each head's channels that RoPE rotates.")
+    # ---- multi-latent attention (megatron-core's MLASelfAttention) and YaRN (model/rotary.py) ----
+    multi_latent_attention: bool = option(
+        False,
+        help="Multi-latent attention (DeepSeek-V2/V3): queries and keys/values through low-rank latents "
+             "with a decoupled RoPE part shared by the heads (megatron-core's MLASelfAttention).")
+    q_lora_rank: int | None = option(
+        None,
+        help="Rank of the query's low-rank latent (linear_q_down_proj / linear_q_up_proj); none: a direct "
+             "query projection (linear_q_proj).")
+    kv_lora_rank: int = option(32, help="Rank of the keys' and values' low-rank latent.")
+    qk_head_dim: int = option(
+        128,
+        help="Width of a head's query/key part without RoPE; the query head is qk_head_dim + "
+             "qk_pos_emb_head_dim wide.")
+    qk_pos_emb_head_dim: int = option(
+        64,
+        help="Width of a head's RoPE part of queries and keys (one key part shared by all heads).")
+    v_head_dim: int = option(128, help="Width of a head's value.")
+    rope_type: str | None = option(
+        None, choices=("rope", "yarn"),
+        help="RoPE of multi-latent attention: rope or yarn (default yarn, as megatron-core's MLA config); "
+             "standard attention takes rope only (YaRN there: --position-embedding-type yarn).")
+    rotary_scaling_factor: float = option(
+        1.0, help="YaRN's context-extension factor (scale); 1 leaves the frequencies as RoPE's.")
+    mscale: float = option(1.0, help="YaRN's mscale (the attention factor on cos and sin).")
+    mscale_all_dim: float = option(
+        0.0,
+        help="YaRN's mscale_all_dim (divides the attention factor; MLA squares it into the softmax scale).")
+    yarn_original_max_position_embeddings: int | None = option(
+        None,
+        help="YaRN's original context length (HF's original_max_position_embeddings); default 4096.")
+    yarn_beta_fast: float | None = option(
+        None, help="YaRN's beta_fast (the correction range's high end); default 32.")
+    yarn_beta_slow: float | None = option(
+        None, help="YaRN's beta_slow (the correction range's low end); default 1.")
+    yarn_correction_range_round_to_int: bool = option(
+        True, action="store_true", negation="--no-yarn-correction-range-round-to-int",
+        help="Round YaRN's correction range to whole channels.")
     normalization: str = option("LayerNorm", choices=("LayerNorm", "RMSNorm"), help="LayerNorm or RMSNorm.")
     norm_epsilon: float = option(1e-5, help="Epsilon of every norm.")
     swiglu: bool = option(False, help="SwiGLU MLP (gated SiLU) instead of GELU.")

@@ -248,11 +248,11 @@ def _backward_blocks(ctx, saved, dout, dq, kv, dkv, blocks, first_id: int, aux) 
         dkv[1][:, :, keys] += dv_b
 
 
-def _start(ctx, q, group, dropout_p: float, seed: int, implementation: str):
+def _start(ctx, q, group, dropout_p: float, seed: int, implementation: str, scale: float | None):
     """(cp, rank, chunk length c, merge) and the kernel and scale on ctx."""
     ctx.group = group
     ctx.kernel = block_kernel(q, dropout_p, seed, implementation)
-    ctx.scale = 1.0 / math.sqrt(q.shape[-1])
+    ctx.scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     return dist.get_world_size(group), dist.get_rank(group), q.shape[2] // 2, LseMerge(q)
 
 
@@ -263,13 +263,13 @@ def _save(ctx, q, k, v, merge: LseMerge) -> torch.Tensor:
 
 
 def _grads(saved, dkv) -> tuple:
-    return dkv[0].to(saved[1].dtype), dkv[1].to(saved[2].dtype), None, None, None, None
+    return dkv[0].to(saved[1].dtype), dkv[1].to(saved[2].dtype), None, None, None, None, None
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, dropout_p: float, seed: int, implementation: str):
-        cp, r, c, merge = _start(ctx, q, group, dropout_p, seed, implementation)
+    def forward(ctx, q, k, v, group, dropout_p: float, seed: int, implementation: str, scale=None):
+        cp, r, c, merge = _start(ctx, q, group, dropout_p, seed, implementation, scale)
         ring, ctx.plan, ctx.aux = _Ring(group), ring_plan(c, cp, r), []
         kv = torch.stack([k, v])
         for step, blocks in enumerate(ctx.plan):
@@ -307,8 +307,8 @@ class _AllGatherAttention(torch.autograd.Function):
     the re-gather (backward) run; their dK/dV stay local, only the rest is reduce-scattered."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, dropout_p: float, seed: int, implementation: str):
-        cp, r, c, merge = _start(ctx, q, group, dropout_p, seed, implementation)
+    def forward(ctx, q, k, v, group, dropout_p: float, seed: int, implementation: str, scale=None):
+        cp, r, c, merge = _start(ctx, q, group, dropout_p, seed, implementation, scale)
         ctx.plan = local_blocks, gathered_blocks = allgather_plan(c, cp, r)
         kv = torch.stack([k, v])
         pending = _start_kv_gather(kv, group)
@@ -341,7 +341,7 @@ def _sbhd_layout(x: torch.Tensor) -> torch.Tensor:
     return x.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
 
 
-def _ulysses_attention(q, k, v, group, dropout_p: float) -> torch.Tensor:
+def _ulysses_attention(q, k, v, group, dropout_p: float, scale: float | None = None) -> torch.Tensor:
     """a2a: heads scattered, sequences gathered (in sequence order), causal SDPA, and back."""
     cp = dist.get_world_size(group)
 
@@ -350,13 +350,13 @@ def _ulysses_attention(q, k, v, group, dropout_p: float) -> torch.Tensor:
 
     q, k, v = to_heads(q), to_heads(k), to_heads(v)
     gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}  # K/V heads not repeated
-    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, **gqa)
+    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, **gqa)
     return _sbhd_layout(_AllToAll.apply(_to_rank_order(out, 2, cp), group, 2, 1))
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group,
                                comm_type: str = "p2p", dropout_p: float = 0.0, seed: int | None = None,
-                               implementation: str = "auto") -> torch.Tensor:
+                               implementation: str = "auto", scale: float | None = None) -> torch.Tensor:
     """Causal attention of this rank's tokens against the whole sequence spread over `group`.
 
       p2p        ring: K/V blocks travel round the CP group (cp - 1 steps, the next block's transfer
@@ -379,13 +379,13 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     the module docstring. Returns [b, heads, s/cp, d]. Dropout: p2p/allgather take `seed` (from
     random.host_seed(tracker); drawn from the CPU generator when None); a2a draws from the device
     stream it runs in. implementation "reference" forces blockwise_attention's kernel (tests,
-    benchmarks).
+    benchmarks). scale: the softmax scale (default 1/sqrt(d)).
     """
     if comm_type == "a2a":
-        return _ulysses_attention(q, k, v, group, dropout_p)
+        return _ulysses_attention(q, k, v, group, dropout_p, scale)
     if dropout_p > 0 and seed is None:
         seed = host_seed(None)
-    args = (q, k, v, group, dropout_p, seed or 0, implementation)
+    args = (q, k, v, group, dropout_p, seed or 0, implementation, scale)
     if comm_type == "p2p":
         return _RingAttention.apply(*args)
     if comm_type == "allgather":

@@ -20,7 +20,7 @@ class LayerKVCache:
         if self.keys is None:
             b, g, _, d = k.shape
             self.keys = k.new_empty(b, g, self.capacity, d)
-            self.values = v.new_empty(b, g, self.capacity, d)
+            self.values = v.new_empty(b, g, self.capacity, v.shape[-1])  # MLA: v's width is its own
         end = self.length + k.shape[2]
         if end > self.capacity:
             raise ValueError(f"the KV cache holds {self.capacity} positions but generation reached {end}; "

@@ -24,8 +24,9 @@ from megafab.distributed.mappings import group_size, scatter_to_sequence_paralle
 from megafab.model.init import normal_init
 from megafab.model.mtp import MTPBlock, MTPLayer
 from megafab.model.recompute import RecomputeSettings, forward_layers
+from megafab.model.rotary import RotaryEmbedding, rope_kind
 from megafab.model.te import fp8_chunk_context, transformer_layer_class
-from megafab.model.transformer import LayerContext, RotaryEmbedding, build_norm
+from megafab.model.transformer import LayerContext, build_norm
 from megafab.param_names import OUTPUT_LAYER, WORD_EMBEDDING
 from megafab.pipeline_split import PipelineSplit
 
@@ -110,7 +111,7 @@ class GPTModel(nn.Module):
         """The submodules that together hold every parameter and buffer, in build order; each is
         built (and initialized) by build_part on its own."""
         names = ["embedding"] if self.pre_process or self.mtp_depths else []
-        names += ["rotary"] if self.cfg.position_embedding_type == "rope" else []
+        names += ["rotary"] if rope_kind(self.cfg) is not None else []
         names += [keys.layer_module(i) for i in range(self.first_layer, self.last_layer)]
         if self.post_process:
             names.append("decoder.final_layernorm")
@@ -125,7 +126,7 @@ class GPTModel(nn.Module):
         if name == "embedding":
             return Embedding(cfg, ctx)
         if name == "rotary":
-            return RotaryEmbedding(cfg.kv_channels, cfg.rotary_percent, cfg.rotary_base, ctx.device)
+            return RotaryEmbedding.from_model_config(cfg, ctx.device)
         layer = keys.module_layer(name)
         if layer is not None:  # local TransformerLayer or Transformer Engine's
             assert ctx.moe is None or cfg.transformer_impl != "transformer_engine", \

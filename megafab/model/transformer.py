@@ -21,11 +21,13 @@ from megafab.distributed.mappings import group_size
 from megafab.distributed.random import host_seed
 from megafab.model.attention_backend import sdpa_context
 from megafab.model.init import normal_init, output_layer_std
+from megafab.model.mla import MLASelfAttention
 from megafab.model.moe.balancing import LossScale
 from megafab.model.moe.layer import MoELayer
 from megafab.model.moe.settings import MoESettings
+from megafab.model.norms import ZeroCenteredLayerNorm, ZeroCenteredRMSNorm, build_norm  # noqa: F401 (re-export)
 from megafab.model.recompute import DiscardedOutput, RecomputeSettings, recompute
-from megafab.model.rms_norm import RMSNorm, rms_norm
+from megafab.model.rotary import RotaryEmbedding, apply_rotary  # noqa: F401 (re-exported: te.py, tests)
 from megafab.param_names import layer_prefix, partition_stride
 
 # SDPA takes grouped keys/values itself from torch 2.5 (enable_gqa); older torch repeats them here.
@@ -66,43 +68,6 @@ class LayerContext:
         return self.tp_region_rng() if self.sequence_parallel else contextlib.nullcontext()
 
 
-class ZeroCenteredLayerNorm(nn.LayerNorm):
-    """--apply-layernorm-1p: LayerNorm whose stored weight is gamma - 1 (starts at 0)."""
-
-    def reset_parameters(self) -> None:
-        super().reset_parameters()
-        nn.init.zeros_(self.weight)
-
-    def forward(self, x):
-        return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
-
-
-class ZeroCenteredRMSNorm(RMSNorm):
-    """--apply-layernorm-1p with RMSNorm (Transformer Engine's zero_centered_gamma)."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-5, device=None, dtype=None):
-        super().__init__(hidden_size, eps, device=device, dtype=dtype)
-        nn.init.zeros_(self.weight)
-
-    def forward(self, x):
-        return rms_norm(x, self.weight + 1, self.eps)
-
-
-def build_norm(cfg, ctx: LayerContext, width: int | None = None) -> nn.Module:
-    """A --normalization norm over `width` (default hidden_size) channels, zero-centered with
-    --apply-layernorm-1p. Its params are marked sequence_parallel (their grads are partial sums
-    over the sequence shards under SP)."""
-    rms = cfg.normalization == "RMSNorm"
-    if cfg.apply_layernorm_1p:
-        cls = ZeroCenteredRMSNorm if rms else ZeroCenteredLayerNorm
-    else:
-        cls = RMSNorm if rms else nn.LayerNorm
-    norm = cls(width or cfg.hidden_size, eps=cfg.norm_epsilon, device=ctx.device, dtype=ctx.params_dtype)
-    for p in norm.parameters():
-        p.sequence_parallel = ctx.sequence_parallel
-    return norm
-
-
 def squared_relu(x: torch.Tensor) -> torch.Tensor:
     return F.relu(x).square()
 
@@ -115,33 +80,6 @@ def openai_gelu(x: torch.Tensor) -> torch.Tensor:
 def mlp_activation(cfg):
     """The non-gated MLP activation: exact GELU unless --openai-gelu or --squared-relu."""
     return squared_relu if cfg.squared_relu else openai_gelu if cfg.openai_gelu else F.gelu
-
-
-class RotaryEmbedding(nn.Module):
-    """RoPE on the first rotary_percent of each head's channels, halves rotated (not interleaved)."""
-
-    def __init__(self, kv_channels: int, rotary_percent: float, base: int, device):
-        super().__init__()
-        self.dim = int(kv_channels * rotary_percent)
-        exponent = torch.arange(0, self.dim, 2, dtype=torch.float64, device=device) / self.dim
-        self.register_buffer("inv_freq", 1.0 / (base**exponent), persistent=False)
-
-    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """position_ids [b, s] -> (cos, sin), each [s, b, 1, dim] in `dtype`, computed once per forward
-        and shared by every layer (so backward keeps one copy, not one per layer and q/k)."""
-        freqs = position_ids.to(torch.float64).t()[..., None] * self.inv_freq  # [s, b, dim/2]
-        angles = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """x [s, b, heads, d]; rotates the first cos.shape[-1] channels by RotaryEmbedding's (cos, sin)."""
-    cos, sin = rotary
-    dim = cos.shape[-1]
-    rot, keep = x[..., :dim], x[..., dim:]
-    half1, half2 = rot.chunk(2, dim=-1)
-    rotated = torch.cat([-half2, half1], dim=-1)
-    return torch.cat([rot * cos + rotated * sin, keep], dim=-1)
 
 
 class SelfAttention(nn.Module):
@@ -285,7 +223,8 @@ class TransformerLayer(nn.Module):
         self.hidden_dropout = cfg.hidden_dropout
         self.residual_post_norm = cfg.apply_residual_connection_post_layernorm
         self.input_layernorm = build_norm(cfg, ctx)
-        self.self_attention = SelfAttention(cfg, ctx, prefix + "self_attention.")
+        attention = MLASelfAttention if cfg.multi_latent_attention else SelfAttention
+        self.self_attention = attention(cfg, ctx, prefix + "self_attention.")
         self.pre_mlp_layernorm = build_norm(cfg, ctx)
         self.mlp = build_mlp(cfg, ctx, layer_number, prefix + "mlp.")
         self.recompute = RecomputeSettings.from_model_config(cfg)  # the selective modules

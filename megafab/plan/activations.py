@@ -12,6 +12,7 @@ The terms are written out in layer_activation_bytes' docstring; plan() adds them
 from __future__ import annotations
 
 from megafab.model.recompute import RecomputeSettings
+from megafab.plan.mla_activations import mla_attention_bytes
 from megafab.plan.state_memory import BYTES
 
 
@@ -132,12 +133,15 @@ def layer_activation_bytes(cfg, kernels: str = "flash", recompute_core_attention
     qkv = (a + 2 * g) * d if qkv_saved else 0
     math_kernel = attention_kernels(cfg, kernels) == "cpu" and m.attention_dropout > 0 and \
         not recompute_core_attention
-    rope = m.position_embedding_type == "rope"
+    rope = m.position_embedding_type in ("rope", "yarn")
     # The q and k given to attention are new tensors after RoPE (q also when copied out for GQA);
     # CPU's math kernel keeps its own copies instead.
     new_qk = 0 if math_kernel else (a * d if rope or g < a else 0) + (g * d if rope else 0)
     tp_region = e * s * b * (qkv + new_qk + a * d) / tp + mlp_activation_bytes(cfg)
     core = 0.0 if recompute_core_attention else core_attention_bytes(cfg, kernels)
+    if m.multi_latent_attention:  # MLA's attention terms (plan/mla_activations.py) instead of QKV's
+        return int(replicated / r + mlp_activation_bytes(cfg) + mla_attention_bytes(
+            cfg, kernels, recompute_core_attention, selective.selects("mla_up_proj")))
     return int(replicated / r + tp_region + core)
 
 

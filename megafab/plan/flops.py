@@ -12,7 +12,7 @@ per token for each element of its linear weights, as Megatron's num_floating_poi
 (GQA, SwiGLU, any ffn size; an MoE layer's k routed experts and its shared experts, not the router's
 2 h E nor the shared experts' gate); it reduces to the above for the GPT-3 shape. Attention counts the
 full s x s score and context matrices (Megatron-LM up to core 0.15; 0.16 counts the causal half,
-2 s^2 a d less per layer and sequence in forward).
+2 s^2 a d less per layer and sequence in forward); MLA's: 2 s^2 a (qk + pe + v).
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ def flops_per_iteration(cfg, batch_samples: int) -> float:
     topk = moe.moe_router_topk if moe is not None else 0
     matmuls = sum(matmul_weights(layers.layer(i), topk) for i in range(m.num_layers))
     attn = 2 * 2 * s * s * m.num_attention_heads * m.kv_channels  # scores and context (see the docstring)
+    if m.multi_latent_attention:  # scores over qk + pe channels, context over v's
+        attn = 2 * s * s * m.num_attention_heads * (m.qk_head_dim + m.qk_pos_emb_head_dim + m.v_head_dim)
     logits = 2 * s * h * m.padded_vocab_size
     forward = 2 * s * matmuls + m.num_layers * attn + logits
     if m.mtp_num_layers:  # each MTP depth: eh_proj, a layer of the last layer's kind, attention, logits

@@ -132,7 +132,7 @@ def _elementwise_bytes(x: Shapes, moe_layer: bool = False) -> float:
             + 4 * 4 * x.N * x.moe.num_experts + 2 * 2 * x.e * copies * x.h
     else:
         activation = act * x.M * x.f / x.tp
-    rope = 2 * x.e * x.M * (x.a + x.g) * x.d / x.tp if m.position_embedding_type == "rope" else 0
+    rope = 2 * x.e * x.M * (x.a + x.g) * x.d / x.tp if m.position_embedding_type in ("rope", "yarn") else 0
     return norms + residual_adds + activation + rope
 
 

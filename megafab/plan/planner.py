@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megafab.config.moe import moe_settings
+from megafab.model.rotary import rotary_channels
 from megafab.plan.activations import (
     attention_kernels,
     core_attention_bytes,
@@ -180,8 +181,7 @@ def plan(cfg, kernels: str = "flash", routing: str = "bound") -> list[StagePlan]
         params, expert_params = stage_param_split(cfg, rank, params_of)
         first, last = rank == 0, rank == pp - 1
         embed = s * b * h * mask_bytes(kernels, e) // r if first and m.hidden_dropout > 0 else 0
-        rotary = vpp * 2 * e * s * b * int(m.kv_channels * m.rotary_percent) \
-            if m.position_embedding_type == "rope" else 0
+        rotary = vpp * 2 * e * s * b * rotary_channels(m)
         logits = int((2 * e * s * b * h + norm_stats_bytes(m, s, b)) / r
                      + 4 * s * b * m.padded_vocab_size / tp) if last else 0
         if last:  # the MTP depths' activations live with the logits (plan/mtp_activations.py)

@@ -108,8 +108,7 @@ def test_each_model_arg_mismatch_is_one_line():
                      f"--num-query-groups: checkpoint {m.num_attention_heads}, this run 2",
                      "--swiglu: checkpoint False, this run True",
                      "--qk-layernorm: checkpoint True, this run False",
-                     "--multi-latent-attention: the checkpoint was trained with True, which megafab does not "
-                     "implement"]
+                     "--multi-latent-attention: checkpoint True, this run False"]
     assert model_arg_mismatches(argparse.Namespace(num_layers=m.num_layers), m) == []
     # Megatron's validate_args sets add_qkv_bias with add_bias_linear; megafab derives the same bias
     gpt2 = tiny_config().model

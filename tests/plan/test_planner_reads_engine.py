@@ -1,6 +1,7 @@
 """The planner reads the engine: for the tests' model variants (dense GPT-2 and Llama styles, GQA,
 SwiGLU, untied embeddings, learned positions, LayerNorm / RMSNorm, biases on and off; MoE with
-shared experts, grouped and sequential experts, router and expert biases, dense layers between) and
+shared experts, grouped and sequential experts, router and expert biases, dense layers between;
+multi-latent attention with and without a query LoRA, dense and MoE) and
 layouts (TP 1/2/4, PP 1/2/4 with uneven splits and VPP, EP 1/2/4, ETP 1/2), every rank's planned
 parameters, routed-expert parameters, per-tensor list and FSDP2 units equal the chunks
 build_model_chunks builds for that rank (on the meta device, SizedGroup for the groups, which a
@@ -21,6 +22,7 @@ from megafab.plan.moe import expert_sizes
 from megafab.plan.optimizer_tensors import chunk_tensors, param_tensors
 from megafab.plan.params import fsdp_layer_units, model_params
 from megafab.plan.planner import plan
+from tests.helpers.mcore_mla import MLA_STYLE
 from tests.helpers.tiny import GPT2_STYLE, LLAMA_STYLE, tiny_config
 
 MOE = dict(num_experts=4, moe_router_topk=2)
@@ -39,6 +41,11 @@ MODELS = {
                                moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid"),
     "moe-every-other-shared": dict(LLAMA_STYLE, **MOE, moe_layer_freq=2, moe_grouped_gemm=True,
                                    moe_shared_expert_intermediate_size=24),
+    # multi-latent attention: query LoRA, latent norms, YaRN; a direct query projection with MoE
+    "mla-q-lora": dict(MLA_STYLE),
+    "mla-moe-no-q-lora": dict(MLA_STYLE, **MOE, q_lora_rank=None, moe_layer_freq=(0, 1, 1, 1),
+                              moe_shared_expert_intermediate_size=40, moe_router_score_function="sigmoid",
+                              moe_router_enable_expert_bias=True),
 }
 # (tp, pp, ep, etp, overrides); expert sizes apply to MoE models only
 LAYOUTS = [
@@ -263,3 +270,19 @@ def test_building_the_parts_leaves_torch_dynamo_unimported():
             "            plan(cfg), flops_per_iteration(cfg, 8), expected_keys(cfg.model, cfg.moe)\n"
             "assert 'torch._dynamo' not in sys.modules\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=pathlib.Path(__file__).parents[2])
+
+
+@pytest.mark.parametrize("q_lora_rank", [24, None])
+def test_mla_attention_parameters_are_megatrons_closed_form(q_lora_rank):
+    """The planned parameters of an MLA model move with its shapes as megatron-core's layer holds them:
+    down/up projections, latent norms (RMSNorm, --qk-layernorm) and the output projection."""
+    base = _config("mla-q-lora", (1, 1, 1, None, {"q_lora_rank": q_lora_rank}))
+    m = base.model
+    n, h, qk, pe, v, kvr = (m.num_attention_heads, m.hidden_size, m.qk_head_dim, m.qk_pos_emb_head_dim,
+                            m.v_head_dim, m.kv_lora_rank)
+    q = h * n * (qk + pe) if q_lora_rank is None else q_lora_rank * (h + n * (qk + pe) + 1)
+    attention = q + kvr * (h + n * (qk + v) + 1) + h * pe + n * v * h
+    wider = _config("mla-q-lora", (1, 1, 1, None, {"q_lora_rank": q_lora_rank, "v_head_dim": v + 4}))
+    assert model_params(wider)[0] - model_params(base)[0] == m.num_layers * 4 * n * (kvr + h)  # up_kv, proj
+    layer = GPTModel(m, LayerContext(None, False, torch.float32, torch.device("cpu"), 1)).decoder.layers["0"]
+    assert sum(p.numel() for p in layer.self_attention.parameters()) == attention
