@@ -25,6 +25,7 @@ from megafab.distributed.mappings import (
 )
 from megafab.model.init import normal_init
 from megafab.model.moe.balancing import LossScale, attach_loss
+from megafab.model.recompute import recompute
 from megafab.model.transformer import LayerContext, TransformerLayer, build_norm
 from megafab.param_names import MTP_LAYERS, MTP_TRANSFORMER_LAYER, layer_prefix
 
@@ -54,9 +55,17 @@ class MTPLayer(nn.Module):
         self.transformer_layer = TransformerLayer(cfg, ctx, cfg.num_layers - 1,
                                                   prefix=prefix + MTP_TRANSFORMER_LAYER)
         self.final_layernorm = build_norm(cfg, ctx)
+        # megatron-core checkpoints the whole depth under uniform full recompute (not under block)
+        self.recompute = cfg.recompute_granularity == "full" and cfg.recompute_method == "uniform"
 
     def forward(self, hidden, embedded, rotary_angles=None, attention_mask=None):
         """hidden, embedded: [s(/tp), b, h] -> this depth's output [s(/tp), b, h]."""
+        if self.recompute and self.training:
+            return recompute(self._forward, hidden, embedded, rotary_angles, attention_mask,
+                             tracker=self.ctx.rng_tracker, device=self.ctx.device)
+        return self._forward(hidden, embedded, rotary_angles, attention_mask)
+
+    def _forward(self, hidden, embedded, rotary_angles, attention_mask):
         x = torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1)
         x, _ = self.eh_proj(x)  # [s, b, h/tp]
         x = gather_from_tensor_model_parallel_region(x, self.ctx.tp_group)  # [s, b, h]
@@ -125,4 +134,8 @@ def mtp_problems(m, p) -> list[str]:
     if m.transformer_impl == "transformer_engine":
         out.append("--mtp-num-layers with --transformer-impl transformer_engine is not implemented in "
                    "megafab yet; use --transformer-impl local")
+    if m.recompute_granularity == "full" and m.recompute_method == "uniform" and m.recompute_num_layers != 1:
+        out.append(f"--mtp-num-layers with --recompute-method uniform --recompute-num-layers "
+                   f"{m.recompute_num_layers}: megatron-core recomputes each MTP layer whole and requires "
+                   f"--recompute-num-layers 1 with uniform recompute")
     return out

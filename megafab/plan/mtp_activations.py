@@ -6,6 +6,8 @@ eh_proj's output), its embedding's output (enorm's input) and the [embedding, hi
 terms (its final norm, the output layer's input, the fp32 softmax: the planner's `logits`). hnorm's
 input is kept already: the previous depth's output-layer input (at depth 1 the decoder's). They are
 alive with the micro-batch's logits, until its loss's backward, so the planner adds them there.
+Under uniform full recompute (model/mtp.py) a depth keeps only its embedding's output and its
+output (the output layer's input) beside the softmax; its backward rebuilds one depth at a time.
 """
 
 from __future__ import annotations
@@ -25,4 +27,6 @@ def mtp_activation_bytes(cfg, layer: int, logits: int) -> int:
     r = p.tensor_model_parallel_size if p.sequence_parallel else 1
     e = BYTES[cfg.precision.params_dtype_name]
     own = (3 * e * s * b * h + 2 * norm_stats_bytes(m, s, b)) // r
+    if m.recompute_granularity == "full" and m.recompute_method == "uniform":
+        return depths * (logits - norm_stats_bytes(m, s, b) // r)  # embedding output for final-norm input
     return depths * (layer + own + logits)

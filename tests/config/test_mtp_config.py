@@ -27,6 +27,8 @@ def test_mtp_flags_parse_as_megatrons():
     (["--mtp-num-layers", "1", "--context-parallel-size", "2"], "--context-parallel-size"),
     (["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2"], "learned absolute positions"),
     (["--mtp-num-layers", "1", "--mtp-standalone"], "--mtp-standalone: refused"),
+    (["--mtp-num-layers", "1", "--recompute-granularity", "full", "--recompute-method", "uniform",
+      "--recompute-num-layers", "2"], "requires --recompute-num-layers 1"),
 ])
 def test_what_mtp_cannot_be_combined_with_is_refused_by_name(flags, words):
     with pytest.raises(ConfigError) as info:

@@ -116,3 +116,23 @@ def _tensor_parallel(rank, world):
 
 def test_mtp_under_tensor_and_sequence_parallel_equals_single_process():
     assert run_ranks(_tensor_parallel, 2, timeout=120) == [[False, True, False, True]] * 2
+
+
+def test_full_uniform_recompute_of_the_mtp_layers_changes_no_gradient():
+    """megatron-core checkpoints each MTP depth whole under uniform full recompute: the same loss,
+    MTP losses and gradients, bit for bit."""
+    results = []
+    for recompute in ({}, dict(recompute_granularity="full", recompute_method="uniform",
+                               recompute_num_layers=1)):
+        cfg = tiny_config(style=LLAMA_STYLE, mtp_num_layers=2, hidden_dropout=0.1, **recompute).model
+        model = reference_model(cfg)
+        assert all(layer.recompute == bool(recompute) for layer in model.mtp.layers.values())
+        tokens, labels, mask = batch(cfg)
+        torch.manual_seed(5)  # the same dropout masks (the recompute replays the RNG)
+        loss = masked_mean_loss(model(tokens, labels=labels, loss_mask=mask), mask)
+        loss.backward()
+        results.append((loss.item(), model.mtp.take_logged_losses(),
+                        {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (loss0, logged0, grads0), (loss1, logged1, grads1) = results
+    assert loss0 == loss1 and torch.equal(logged0, logged1)
+    assert all(torch.equal(grads0[n], grads1[n]) for n in grads0)

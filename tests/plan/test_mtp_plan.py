@@ -94,10 +94,14 @@ def _saved_bytes(cfg) -> int:
     return saved.bytes
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["kept", "full-uniform"])
 @pytest.mark.parametrize("style", [LLAMA_STYLE, GPT2_STYLE], ids=["llama", "gpt2"])
-def test_each_mtp_depth_adds_the_activations_autograd_keeps(style):
+def test_each_mtp_depth_adds_the_activations_autograd_keeps(style, recompute):
+    full = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+
     def config(depths):
-        return tiny_config(style=style, mtp_num_layers=depths, micro_batch_size=2, global_batch_size=2)
+        return tiny_config(style=style, mtp_num_layers=depths, micro_batch_size=2, global_batch_size=2,
+                           **(full if recompute else {}))
 
     measured = [_saved_bytes(config(d)) for d in (None, 1, 2)]
     planned = [plan(config(d), kernels="cpu")[-1].forward_saved_bytes for d in (None, 1, 2)]
