@@ -1,8 +1,8 @@
 """--recompute-granularity selective --recompute-modules, every module megatron-core 0.16.1 accepts:
 each one on gives the loss and every gradient of the model without it (float64, with dropout and
-input jitter, bit for bit; also under TP 2 + SP), keeps fewer activations, and the planner counts
-what it keeps (the measured drop per module within 5%). Megatron's rules tying modules to the
-model are the config's problems."""
+input jitter, bit for bit; dense, MoE, MLA and MTP models; also under TP 2 + SP), keeps fewer
+activations, and the planner counts what it keeps (the measured drop per module within 5%).
+Megatron's rules tying modules to the model are the config's problems."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from megafab.optim.memory import SavedActivations
 from megafab.plan.planner import plan
 from megafab.run.fork_ranks import run_ranks
 from megafab.training.moe import moe_context_fields
+from tests.helpers.mcore_mla import MLA_STYLE
 from tests.helpers.tiny import (
     GPT2_STYLE,
     LLAMA_STYLE,
@@ -228,3 +229,35 @@ def test_modules_apply_to_the_mtp_layers_too():
     out = run(list(MOE_MODULES))
     assert out[0] == ref[0] and out[2] < ref[2]
     assert all((g is None and out[1][n] is None) or torch.equal(out[1][n], g) for n, g in ref[1].items())
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_mla_up_proj_with_every_module_is_invisible_and_planned(moe):
+    """Multi-latent attention (with a query LoRA, YaRN): mla_up_proj alone and with every other
+    module, bit for bit; the planner's drop (plan/mla_activations.py) is the measured one."""
+    modules = (list(MOE_MODULES) if moe else list(DENSE_MODULES)) + ["mla_up_proj"]
+    ref = _run(_config(MLA_STYLE, moe, **DROPOUT))
+    for chosen in (["mla_up_proj"], modules):
+        run = _run(_config(MLA_STYLE, moe, chosen, **DROPOUT))
+        _assert_equal(run, ref, chosen)
+        assert run[2] < ref[2]
+    none = _measured_and_planned(MLA_STYLE, moe)
+    for chosen in (["mla_up_proj"], modules):
+        measured, planned = _measured_and_planned(MLA_STYLE, moe, chosen)
+        drop, planned_drop = none[0] - measured, none[1] - planned
+        assert drop > 0 and abs(planned_drop - drop) <= 0.05 * drop, (chosen, drop, planned_drop)
+
+
+def _mla_tp_sp_runs(rank, world):
+    topo = build_topology(tp=world)
+    group = topo.group("tp")
+    cfg_of = dict(style=MLA_STYLE, moe=False, tp=world, sequence_parallel=True, **DROPOUT)
+    ref = _run(_config(**cfg_of), tp_group=group, tp_rank=topo.tp_rank)
+    for modules in (["mla_up_proj"], [*DENSE_MODULES, "mla_up_proj"]):
+        _assert_equal(_run(_config(**cfg_of, modules=modules), tp_group=group, tp_rank=topo.tp_rank), ref,
+                      modules)
+    return True
+
+
+def test_mla_up_proj_under_tp2_sequence_parallel_changes_nothing():
+    assert run_ranks(_mla_tp_sp_runs, 2, timeout=120) == [True, True]
