@@ -139,3 +139,14 @@ def test_mla_selective_recompute_changes_nothing(modules):
     assert attention.recompute_up_proj == ("mla_up_proj" in modules)
     model.train()
     assert _compare(*loss_and_grads(model, tokens, labels, mask), *ref, modules) > 0
+
+
+def test_mla_generation_with_kv_cache_equals_recomputing():
+    """Generation caches MLA's keys (qk + pe wide) and values (v wide): the same tokens as rerunning."""
+    from megafab.inference import SamplingParams, generate
+
+    model = reference_model(tiny_config(style=MLA_STYLE).model)
+    prompt = [3, 17, 5, 60, 2]
+    for params in (SamplingParams(max_new_tokens=8),
+                   SamplingParams(max_new_tokens=8, temperature=0.9, top_k=20, seed=5)):
+        assert generate(model, prompt, params) == generate(model, prompt, params, use_kv_cache=False)
