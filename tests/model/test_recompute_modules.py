@@ -15,7 +15,7 @@ from megafab.distributed.topology import build_topology
 from megafab.model.gpt import GPTModel, masked_mean_loss
 from megafab.model.moe.router import routers_of
 from megafab.model.recompute import SUPPORTED_MODULES, DiscardedOutput, RecomputeSettings
-from megafab.model.transformer import LayerContext
+from megafab.model.transformer import LayerContext, TransformerLayer
 from megafab.optim.memory import SavedActivations
 from megafab.plan.planner import plan
 from megafab.run.fork_ranks import run_ranks
@@ -261,3 +261,38 @@ def _mla_tp_sp_runs(rank, world):
 
 def test_mla_up_proj_under_tp2_sequence_parallel_changes_nothing():
     assert run_ranks(_mla_tp_sp_runs, 2, timeout=120) == [True, True]
+
+
+def _sharded_steps(rank, world, sharding):
+    """Two training steps of an MoE model over DP 2 (FSDP2, or the distributed optimizer) with every
+    module on and off: the same losses, grad norms and parameter shards after them."""
+    from megafab.distributed.fsdp import local_tensor
+    from megafab.training.step import train_step
+    from tests.helpers.driver import driver_state
+
+    runs = []
+    for modules in (None, list(MOE_MODULES)):
+        cfg = _config(LLAMA_STYLE, True, modules, dp=world, micro_batch_size=1, global_batch_size=2 * world,
+                      lr=1e-3, **sharding, **DROPOUT)
+        state = driver_state(cfg, torch.float64)
+        layer = next(m for m in state.model[0].modules() if isinstance(m, TransformerLayer))
+        assert layer.recompute.selects("layernorm") == (modules is not None)
+        metrics = []
+        for step in range(2):
+            data = [dict(zip(("tokens", "labels", "loss_mask"), batch(cfg.model, micro_batch=1,
+                                                                     seed=100 * step + 10 * rank + k)))
+                    for k in range(2)]
+            out = train_step(state, iter(data))
+            metrics.append((out["lm loss"], out["grad_norm"]))
+        params = {n: local_tensor(p).detach().clone() for n, p in state.model[0].named_parameters()}
+        runs.append((metrics, params))
+    (ref_metrics, ref_params), (metrics, params) = runs
+    assert metrics == ref_metrics and ref_metrics[0][1] > 0
+    assert params.keys() == ref_params.keys()
+    return all(torch.equal(params[n], p) for n, p in ref_params.items())
+
+
+@pytest.mark.parametrize("sharding", [dict(use_torch_fsdp2=True), dict(use_distributed_optimizer=True)],
+                         ids=["fsdp2", "dist-opt"])
+def test_modules_under_data_parallel_sharding_change_nothing(sharding):
+    assert run_ranks(_sharded_steps, 2, sharding, timeout=180) == [True, True]
