@@ -116,3 +116,14 @@ def test_recompute_modules_prints_saved_and_planned_bytes_per_module():
             if line[:22].strip() in ("none", "moe", "all")}
     assert set(rows) == {"none", "moe", "all"}, out
     assert float(rows["all"][0]) < float(rows["moe"][0]) < float(rows["none"][0]), out  # saved KiB
+
+
+@pytest.mark.timeout(300)
+def test_checkpoint_speed_prints_the_stall_of_sync_and_async_saves():
+    out = run_script("checkpoint_speed.py", *TINY_BENCH, "--iters", "4")
+    rows = {line.split()[1]: line.split() for line in out.splitlines()
+            if line.split()[1:2] in (["sync"], ["async"])}
+    assert set(rows) == {"sync", "async"}, out
+    assert rows["sync"][2] == rows["async"][2] == "2", out  # two saves each
+    assert float(rows["sync"][3]) > 0 and float(rows["async"][3]) > 0, out
+    assert "async stall / sync stall: median" in out
