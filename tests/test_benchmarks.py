@@ -127,3 +127,14 @@ def test_checkpoint_speed_prints_the_stall_of_sync_and_async_saves():
     assert rows["sync"][2] == rows["async"][2] == "2", out  # two saves each
     assert float(rows["sync"][3]) > 0 and float(rows["async"][3]) > 0, out
     assert "async stall / sync stall: median" in out
+
+
+@pytest.mark.timeout(300)
+def test_mtp_prints_the_cost_per_depth():
+    out = run_script("mtp.py", *TINY_BENCH, "--rounds", "1")
+    rows = {line.split()[0]: line.split() for line in out.splitlines()
+            if line.split()[:1] in (["0"], ["1"], ["2"])}
+    assert set(rows) == {"0", "1", "2"}, out
+    saved = [float(rows[d][2]) for d in ("0", "1", "2")]
+    assert saved[0] < saved[1] < saved[2], out  # each depth keeps more for backward
+    assert rows["1"][-1] == rows["2"][-1] and float(rows["1"][-1].rstrip("%")) > 0, out  # FLOPs per depth
