@@ -23,6 +23,7 @@ class StateBytes:
     fsdp_held: int  # FSDP2: the root's gathered weights and unsharded grads through backward
     fsdp_transient: int  # FSDP2: the largest unsharded-gradient moment on top (fsdp_moments)
     gather_transient: int = 0  # the distributed optimizer's all-gather input copies
+    staging: int = 0  # --async-save's host copies of what the rank writes (also in `host`)
 
 
 def grad_bytes(cfg) -> int:
@@ -90,6 +91,10 @@ def state_bytes(cfg, params: int, largest_unit: int, root: int = 0, embedding: i
     The distributed optimizer's parameter all-gather (`gather_transient`): the input copy of this
     rank's shard of every bucket, e P / d, alive from the end of the optimizer step to the gather's
     wait (after backward: the activations are gone by then).
+
+    --async-save stages what a rank writes in host memory, kept between saves (`staging`, counted in
+    `host` too): its 1/d of the weights (e) and, unless --no-save-optim, of the main params (mixed)
+    and Adam's moments, (e + (m | 0) + 2m) P / d, whichever engine.
     """
     p, o, pr = cfg.parallel, cfg.optimizer, cfg.precision
     dp = group_size or (p.data_parallel_size or 1) * p.context_parallel_size  # shards over DP x CP
@@ -118,5 +123,8 @@ def state_bytes(cfg, params: int, largest_unit: int, root: int = 0, embedding: i
         transient = max(fsdp_moments(cfg, largest_unit, embedding).values())
     elif p.use_distributed_optimizer and dp > 1:
         gather = e * params / dp
-    return StateBytes(int(weights), int(grads), int(optimizer), int(host), int(held), int(transient),
-                      int(gather))
+    staging = 0
+    if cfg.checkpoint.async_save:
+        staging = (e + (0 if cfg.checkpoint.no_save_optim else (main if mixed else 0) + adam)) * params / dp
+    return StateBytes(int(weights), int(grads), int(optimizer), int(host + staging), int(held),
+                      int(transient), int(gather), int(staging))
