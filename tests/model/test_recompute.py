@@ -33,6 +33,8 @@ SETTINGS = {
     "full-uniform-2": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
     "full-block-3": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=3),
     "selective": dict(recompute_granularity="selective"),
+    "selective-modules": dict(recompute_granularity="selective",
+                              recompute_modules=["core_attn", "layernorm", "mlp"]),
 }
 DROPOUT = dict(hidden_dropout=0.1, attention_dropout=0.1)
 

@@ -292,7 +292,9 @@ def _sharded_steps(rank, world, sharding):
     return all(torch.equal(params[n], p) for n, p in ref_params.items())
 
 
-@pytest.mark.parametrize("sharding", [dict(use_torch_fsdp2=True), dict(use_distributed_optimizer=True)],
-                         ids=["fsdp2", "dist-opt"])
+@pytest.mark.parametrize("sharding", [
+    dict(use_torch_fsdp2=True), dict(use_distributed_optimizer=True),
+    dict(expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall"),
+], ids=["fsdp2", "dist-opt", "ep2"])
 def test_modules_under_data_parallel_sharding_change_nothing(sharding):
     assert run_ranks(_sharded_steps, 2, sharding, timeout=180) == [True, True]
