@@ -100,6 +100,19 @@ def _mlp_shapes(x: Shapes, rows: int, f: int, parts: int) -> list[tuple[int, int
     return [(rows, fc1 // parts, x.h), (rows, x.h, f // parts)]
 
 
+def attention_shapes(x: Shapes) -> list[tuple[int, int, int]]:
+    """(m, n, k) of attention's forward GEMMs on one TP rank: QKV and the projection, or multi-latent
+    attention's (model/mla.py: every projection column-parallel) down and up projections and its
+    projection [M, n v/t] x [n v/t, h]."""
+    m = x.cfg.model
+    if not m.multi_latent_attention:
+        return [(x.M, (x.a + 2 * x.g) * x.d // x.tp, x.h), (x.M, x.h, x.a * x.d // x.tp)]
+    qk, pe, v, ql, kl = m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim, m.q_lora_rank, m.kv_lora_rank
+    q = [(x.M, x.a * (qk + pe) // x.tp, x.h)] if ql is None else \
+        [(x.M, ql // x.tp, x.h), (x.M, x.a * (qk + pe) // x.tp, ql)]
+    return q + [(x.M, (kl + pe) // x.tp, x.h), (x.M, x.a * (qk + v) // x.tp, kl), (x.M, x.h, x.a * v // x.tp)]
+
+
 def _linear_shapes(x: Shapes, moe_layer: bool = False) -> list[tuple[int, int, int]]:
     """(m, n, k) of the layer's forward GEMMs on one TP rank: QKV [M, h] x [h, (a+2g)d/t], projection
     [M, ad/t] x [ad/t, h], then fc1 [M, h] x [h, f/t] (2f/t with SwiGLU) and fc2 [M, f/t] x [f/t, h]
@@ -107,7 +120,7 @@ def _linear_shapes(x: Shapes, moe_layer: bool = False) -> list[tuple[int, int, i
     any), the router [N, h] x [h, E] and each local expert's fc1/fc2 on its share of the balanced
     routed rows (N k t_e / E_l). Backward: the data gradient [M, n] x [n, k] and the weight gradient
     [k, M] x [M, n] of each."""
-    attention = [(x.M, (x.a + 2 * x.g) * x.d // x.tp, x.h), (x.M, x.h, x.a * x.d // x.tp)]
+    attention = attention_shapes(x)
     if not moe_layer:
         return attention + _mlp_shapes(x, x.M, x.f, x.tp)
     shared = _mlp_shapes(x, x.M, x.f_s, x.tp) if x.f_s else []
@@ -225,7 +238,10 @@ def layer_passes(cfg, machine, tp_comm_overlap: bool = False, moe_layer: bool = 
     dgrad = [x.gemm(mm, k, n) for mm, n, k in shapes]
     wgrad = [x.gemm(k, n, mm) for mm, n, k in shapes]
     heads = x.a // x.tp
-    causal_flops = 4 * heads * x.d * x.M * x.s / 2  # M = b s / c queries, each meeting half the keys
+    width = 2 * x.d  # scores over d channels, context over d (MLA: qk + pe, and v)
+    if m.multi_latent_attention:
+        width = m.qk_head_dim + m.qk_pos_emb_head_dim + m.v_head_dim
+    causal_flops = 2 * heads * width * x.M * x.s / 2  # M = b s / c queries, each meeting half the keys
     keys = x.s if cfg.parallel.cp_comm_type == "a2a" else x.s // x.cp
     att_f = machine.attention_seconds(causal_flops, keys, x.dtype, backward=False)
     att_b = machine.attention_seconds(2.5 * causal_flops, keys, x.dtype, backward=True)

@@ -58,3 +58,17 @@ def test_mla_flops_and_rope_terms_read_mlas_widths():
     extra = 2 * s * s * m.num_attention_heads * 16 + 2 * s * (
         m.q_lora_rank * m.num_attention_heads * 16 + m.hidden_size * 16)
     assert flops_per_iteration(wider, 1) - flops_per_iteration(cfg, 1) == pytest.approx(3 * layers * extra)
+
+
+@pytest.mark.parametrize("q_lora_rank,tp", [(24, 1), (None, 1), (24, 2)])
+def test_mla_step_time_gemms_are_the_layers_weights(q_lora_rank, tp):
+    """The step-time model's attention GEMMs of an MLA layer (plan/layer_time.py) are its built
+    attention's weights, per TP rank: 2 M n k FLOPs each = 2 M x the rank's weight elements."""
+    from megafab.plan.layer_time import Shapes, attention_shapes
+    from megafab.plan.machines import BUILTIN
+
+    cfg = tiny_config(tp=tp, style=MLA_STYLE, q_lora_rank=q_lora_rank)
+    x = Shapes(cfg, BUILTIN["h100-sxm-80gb"])
+    attention = GPTModel(cfg.model, context(dtype=torch.float32)).decoder.layers["0"].self_attention
+    weights = sum(p.numel() for name, p in attention.named_parameters() if "layernorm" not in name)
+    assert sum(2 * m * n * k for m, n, k in attention_shapes(x)) == 2 * x.M * weights // tp
