@@ -69,8 +69,6 @@ REFUSED: dict[str, Refused] = {
     "--moe-flex-dispatcher-backend": Refused(DEEPEP),
     "--moe-deepep-num-sms": Refused(DEEPEP),
     "--moe-hybridep-num-sms": Refused(DEEPEP),
-    "--moe-layer-recompute": Refused(f"recomputing the MoE layer is {NOT_YET} (Megatron deprecates the "
-                                     f"flag for --recompute-modules moe)"),
     "--moe-apply-probs-on-input": Refused(f"applying routing probabilities to the expert input is {NOT_YET}"),
     "--moe-latent-size": Refused(f"MoE latent projections are {NOT_YET}"),
     "--overlap-moe-expert-parallel-comm": Refused(

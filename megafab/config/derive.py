@@ -132,6 +132,12 @@ def derive(cfg, world_size: int) -> None:
     if p.grad_reduce_in_bf16:  # Megatron's rule: the grad buffer takes the (bf16) param dtype
         p.accumulate_allreduce_grads_in_fp32 = False
     resolve_sharding(cfg)
+    if cfg.moe.moe_layer_recompute and m.recompute_granularity != "full":  # (full: a problem, recompute.py)
+        m.recompute_granularity = "selective"  # megatron-core's TransformerConfig, deprecated flag and all
+        modules = list(m.recompute_modules or ["core_attn"])
+        m.recompute_modules = modules + (["moe"] if "moe" not in modules else [])
+        cfg.notes.append(f"--moe-layer-recompute is deprecated (Megatron): it is --recompute-granularity "
+                         f"selective --recompute-modules {' '.join(m.recompute_modules)}")
     ck = cfg.checkpoint
     if ck.async_save and ck.ckpt_format != "torch" and not ck.use_persistent_ckpt_worker:
         ck.async_save = False  # Megatron's validate_args, word for word in effect

@@ -128,6 +128,11 @@ class MoEConfig(Section):
              "topk and group-limited topk. This is an experimental feature and only for benchmark "
              "(megatron-core's: standard-normal logits replace the gate's, its gradient passed "
              "through unchanged).")
+    moe_layer_recompute: bool = option(
+        False,
+        help="Enable checkpointing for moe_layer, should be used when memory is not sufficient. Deprecated. "
+             "Use \"--recompute-granularity selective --recompute-modules moe\" instead (which it sets, "
+             "as megatron-core does).")
     moe_per_layer_logging: bool = option(
         False,
         help="Enable per-layer logging for MoE, currently supports auxiliary loss and z loss "

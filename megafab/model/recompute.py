@@ -100,6 +100,9 @@ class RecomputeSettings:
                        "grouped experts' activation only)")
         if self.selects("mla_up_proj") and not multi_latent_attention:
             out.append("--recompute-modules mla_up_proj needs --multi-latent-attention")
+        if moe is not None and getattr(moe, "moe_layer_recompute", False) and self.granularity == "full":
+            out.append("--moe-layer-recompute with --recompute-granularity full: Megatron refuses it (full "
+                       "recompute already recomputes the MoE layer); drop one of them")
         if self.selects("shared_experts") and moe is not None and moe.moe_shared_expert_overlap and \
                 moe.moe_shared_expert_intermediate_size is not None:
             out.append("--recompute-modules shared_experts cannot work with --moe-shared-expert-overlap")

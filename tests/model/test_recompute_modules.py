@@ -298,3 +298,15 @@ def _sharded_steps(rank, world, sharding):
 ], ids=["fsdp2", "dist-opt", "ep2"])
 def test_modules_under_data_parallel_sharding_change_nothing(sharding):
     assert run_ranks(_sharded_steps, 2, sharding, timeout=180) == [True, True]
+
+
+def test_deprecated_moe_layer_recompute_is_selective_moe_as_megatron():
+    cfg = _config(LLAMA_STYLE, True, moe_layer_recompute=True)
+    assert cfg.model.recompute_granularity == "selective"
+    assert tuple(cfg.model.recompute_modules) == ("core_attn", "moe")
+    assert any("--moe-layer-recompute is deprecated" in note for note in cfg.notes)
+    cfg = _config(LLAMA_STYLE, True, ["mlp"], moe_layer_recompute=True)
+    assert tuple(cfg.model.recompute_modules) == ("mlp", "moe")
+    with pytest.raises(ConfigError, match="--moe-layer-recompute with --recompute-granularity full"):
+        _config(LLAMA_STYLE, True, moe_layer_recompute=True, recompute_granularity="full",
+                recompute_method="uniform", recompute_num_layers=1)
