@@ -101,8 +101,6 @@ REFUSED: dict[str, Refused] = {
     "--recompute-activations-offload": Refused(f"activation CPU offloading is {NOT_YET}"),
     "--delay-wgrad-compute": Refused(f"delayed weight-gradient computation is {NOT_YET}"),
     "--record-memory-history": Refused(f"CUDA memory-history snapshots are {NOT_YET}"),
-    "--non-persistent-save-interval": Refused(f"non-persistent checkpoints are {NOT_YET}"),
-    "--non-persistent-ckpt-type": Refused(f"non-persistent checkpoints are {NOT_YET}"),
     "--ckpt-convert-format": Refused(
         "convert with tools/convert_checkpoint.py convert --saver torch|torch_dist"),
 }
@@ -313,8 +311,6 @@ _refuse(_CKPT, """--ckpt-convert-save V --ckpt-convert-update-legacy-dist-opt-fo
     --dist-ckpt-save-pre-mcore-014 --distrib-optim-fully-reshardable-mem-efficient --replication
     --replication-jump V --replication-factor V --save-retain-interval V --save-wgrads-interval V
     --save-dgrads-interval V --load-main-params-from-ckpt""")
-_refuse(f"non-persistent checkpoints are {NOT_YET}", """--non-persistent-global-ckpt-dir V
-    --non-persistent-local-ckpt-dir V --non-persistent-local-ckpt-algo V""")
 _refuse(_DATA, """--data-args-path V --per-split-data-args-path V --per-dataset-sequences-path V
     --dataloader-fast-cache-load --dataloader-defer-npy-index-mmap --num-dataset-builder-threads V
     --object-storage-cache-path V --mid-level-dataset-surplus V --allow-ambiguous-pad-tokens
@@ -344,8 +340,7 @@ _values("--retro-project-dir V --step-batch-size-schedule V*")
 _values("""--hierarchical-context-parallel-sizes V+ --moe-upcycling-granularity V
     --moe-flex-dispatcher-backend V --moe-deepep-num-sms V --moe-hybridep-num-sms V --moe-latent-size V
     --num-distributed-optimizer-instances V --spec V* --encoder-num-layers V
-    --decoder-num-layers V --pipeline-model-parallel-layout V --non-persistent-save-interval V
-    --non-persistent-ckpt-type V --ckpt-convert-format V --batch-size V
+    --decoder-num-layers V --pipeline-model-parallel-layout V --ckpt-convert-format V --batch-size V
     --warmup V --model-parallel-size V --exit-signal V --rerun-mode V
     --error-injection-rate V --cuda-graph-impl V --cpu-offloading-num-layers V --softmax-type V
     --glu-linear-offset V --head-lr-mult V --weight-decay-incr-style V

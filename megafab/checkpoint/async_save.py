@@ -72,22 +72,23 @@ class AsyncSaver:
     def staged_bytes(self) -> int:
         return dcp_async().staged_bytes(self.buffers) if self.buffers else 0
 
-    def schedule(self, state) -> None:
-        """Collective: stage `state` to host memory and start writing it as SAVE/iter_N."""
+    def schedule(self, state, root: str | None = None) -> None:
+        """Collective: stage `state` to host memory and start writing it as ROOT/iter_N (ROOT: --save)."""
         topo, ck = state.topology, state.cfg.checkpoint
+        root = root or ck.save
         if self.pending is not None:
             _print0(topo, "WARNING: Starting a checkpoint save before previous has finished. Consider "
                           "increasing the checkpoint interval.")
             self.maybe_finalize(topo, blocking=True)
         start = time.time()
-        tmp = checkpointing.start_save(state)
+        tmp = checkpointing.start_save(state, root)
         shards, objects, common = checkpointing.torch_dist_parts(state, not ck.no_save_optim)
         staged = dcp_async().stage(shards, self.buffers)
         if not ck.no_save_rng:
             torch.save(cs.rng_snapshot(state), rng_file(tmp, topo.rank))
         write = dcp_async().BackgroundWrite(staged, tmp, objects)
-        self.pending = Pending(state.iteration, ck.save, tmp, write, common, start, time.time() - start)
-        _print0(topo, f"scheduled an async checkpoint save at iteration {state.iteration:7d} to {ck.save} "
+        self.pending = Pending(state.iteration, root, tmp, write, common, start, time.time() - start)
+        _print0(topo, f"scheduled an async checkpoint save at iteration {state.iteration:7d} to {root} "
                       f"({self.pending.stall_s:.1f} s to stage {self.staged_bytes() / 2**20:.1f} MiB on "
                       f"rank 0)")
 

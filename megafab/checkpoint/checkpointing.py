@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megafab.checkpoint import formats, megatron_dist, megatron_keys, megatron_legacy
+from megafab.checkpoint import formats, megatron_dist, megatron_keys, megatron_legacy, non_persistent
 from megafab.checkpoint import state as cs
 from megafab.checkpoint import strictness as strict_load
 from megafab.checkpoint.directory import (  # noqa: F401
@@ -76,9 +76,10 @@ def _held_layers(state) -> list[int]:
     return sorted({layer_of(n) for n, _ in cs.named_parameters(state)} - {None})
 
 
-def start_save(state) -> str:
-    """Collective, the start of every save: the parameters synced and an empty SAVE/iter_N.tmp."""
-    root, topo = state.cfg.checkpoint.save, state.topology
+def start_save(state, root: str | None = None) -> str:
+    """Collective, the start of every save: the parameters synced and an empty ROOT/iter_N.tmp (ROOT:
+    --save, or a non-persistent checkpoint's directory)."""
+    root, topo = root or state.cfg.checkpoint.save, state.topology
     tmp = iteration_dir(root, state.iteration) + ".tmp"
     finish_param_syncs(state.model)  # --overlap-param-gather leaves them to the next forward
     if topo.rank == 0:
@@ -89,14 +90,15 @@ def start_save(state) -> str:
     return tmp
 
 
-def save_checkpoint(state) -> str:
-    """Collective: save `state` as SAVE/iter_NNNNNNN (directory.py) in --ckpt-format; returns the path."""
+def save_checkpoint(state, root: str | None = None) -> str:
+    """Collective: save `state` as ROOT/iter_NNNNNNN (directory.py; ROOT default --save) in --ckpt-format;
+    returns the path."""
     cfg, topo = state.cfg, state.topology
     ck = cfg.checkpoint
-    root, iteration = ck.save, state.iteration
+    root, iteration = root or ck.save, state.iteration
     start = time.time()
     with_optim = not ck.no_save_optim
-    tmp = start_save(state)
+    tmp = start_save(state, root)
     if ck.ckpt_format == formats.TORCH:
         common = megatron_dist.megatron_common(cfg, common_record(state, False), formats.TORCH,
                                                state.scheduler.state_dict())
@@ -180,7 +182,10 @@ def load_checkpoint(state) -> int | None:
     iteration loaded, or None when the directory holds no checkpoint (training starts fresh)."""
     cfg, topo = state.cfg, state.topology
     ck = cfg.checkpoint
-    load_dir, finetune = ck.load, ck.finetune
+    load_dir, note = non_persistent.choose_load_dir(ck, ck.load)
+    finetune = ck.finetune
+    if note is not None:
+        _print0(topo, f"megafab: note: {note}")
     found = formats.find_checkpoint(load_dir, ck.ckpt_step) if load_dir else None
     named = iteration_of_directory(load_dir) if load_dir and found is None else None
     if named is not None and os.path.isdir(load_dir):  # --load SAVE/iter_0000004: that checkpoint

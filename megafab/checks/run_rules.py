@@ -160,6 +160,26 @@ def checkpoint_problems(cfg) -> list[str]:
     if c.async_save and c.ckpt_format == "torch" and c.save:  # Megatron: NotImplementedError at the save
         out.append("--async-save with --ckpt-format torch: Megatron saves asynchronously only in torch_dist "
                    "(its legacy files are written synchronously); drop --async-save or save torch_dist")
+    out += _non_persistent_problems(c)
+    return out
+
+
+def _non_persistent_problems(c) -> list[str]:
+    kind, out = c.non_persistent_ckpt_type, []
+    if kind in ("local", "in_memory"):
+        out.append(f"--non-persistent-ckpt-type {kind}: node-local per-rank checkpoints (Megatron's through "
+                   f"NVIDIA Resiliency Extension; in_memory is unfinished there too) are not implemented in "
+                   f"megafab; use --non-persistent-ckpt-type global (a torch_dist checkpoint in "
+                   f"--non-persistent-global-ckpt-dir, which may be node-local fast storage on one node)")
+    elif kind == "global" and c.ckpt_format == "torch":
+        out.append("--non-persistent-ckpt-type global writes torch_dist checkpoints (Megatron's distributed "
+                   "format), not --ckpt-format torch; drop one of them")
+    if c.non_persistent_save_interval and kind is None:
+        out.append("--non-persistent-save-interval needs --non-persistent-ckpt-type global (where the "
+                   "non-persistent checkpoints go)")
+    if c.non_persistent_save_interval and not (c.save or c.non_persistent_global_ckpt_dir):
+        out.append("--non-persistent-save-interval needs --save (its checkpoints go to SAVE/non_persistent) "
+                   "or --non-persistent-global-ckpt-dir")
     return out
 
 

@@ -263,6 +263,25 @@ class CheckpointConfig(Section):
     use_persistent_ckpt_worker: bool = option(
         False, help="Write --async-save checkpoints with one persistent background writer per rank "
                     "(megafab's is a thread of each rank; Megatron's a process).")
+    non_persistent_save_interval: int | None = option(
+        None, help="Save a non-persistent checkpoint every this many iterations (--non-persistent-ckpt-type "
+                   "says where); a restart loads it when it is newer than the persistent one.")
+    non_persistent_ckpt_type: str | None = option(
+        None, choices=("global", "local", "in_memory"),
+        help="global: a torch_dist checkpoint in --non-persistent-global-ckpt-dir (default "
+             "SAVE/non_persistent), the older ones removed as the next starts; local and in_memory "
+             "(node-local per-rank files, Megatron's through NVIDIA Resiliency Extension) are not in "
+             "megafab.")
+    non_persistent_global_ckpt_dir: str | None = option(
+        None, help="Directory of the global non-persistent checkpoints (default: non_persistent under --save "
+                   "when saving, under --load when loading).")
+    non_persistent_local_ckpt_dir: str | None = option(
+        None, help="Directory of local non-persistent checkpoints (--non-persistent-ckpt-type local, which "
+                   "megafab does not have).")
+    non_persistent_local_ckpt_algo: str = option(
+        "fully_parallel", choices=("fully_parallel", "atomic"),
+        help="Algorithm of local non-persistent checkpoints (--non-persistent-ckpt-type local, which megafab "
+             "does not have).")
     async_strategy: str = option(
         "nvrx", choices=("nvrx", "mcore"),
         help="Megatron's choice of asynchronous writer (NVIDIA Resiliency Extension's or megatron-core's); "

@@ -1,12 +1,13 @@
-"""When and how the training loop saves: every --save-interval iterations and on exit, synchronously
-or (--async-save) in the background, finalized at Megatron's safe points: the start of each
+"""When and how the training loop saves: every --save-interval iterations and on exit (else every
+--non-persistent-save-interval, into the non-persistent directory), synchronously or (--async-save)
+in the background, finalized at Megatron's safe points: the start of each
 iteration (non-blocking), before the next save, at the end of training and on exit (blocking). An
 error only waits for this rank's writer: the unfinalized save never becomes the latest.
 """
 
 from __future__ import annotations
 
-from megafab.checkpoint import checkpointing
+from megafab.checkpoint import checkpointing, non_persistent
 from megafab.checkpoint.async_save import AsyncSaver
 
 
@@ -30,12 +31,25 @@ class CheckpointCadence:
         ck, iteration = self.state.cfg.checkpoint, self.state.iteration
         return bool(ck.save and ck.save_interval and iteration % ck.save_interval == 0)
 
-    def save(self) -> None:
+    def non_persistent_due(self) -> bool:
+        ck, iteration = self.state.cfg.checkpoint, self.state.iteration
+        return bool(non_persistent.enabled(ck) and ck.non_persistent_save_interval and
+                    iteration % ck.non_persistent_save_interval == 0)
+
+    def save(self, root: str | None = None) -> None:
         self._where(f"the checkpoint save of iteration {self.state.iteration}")
         if self.saver is None:
-            checkpointing.save_checkpoint(self.state)
+            checkpointing.save_checkpoint(self.state, root)
         else:
-            self.saver.schedule(self.state)
+            self.saver.schedule(self.state, root)
+
+    def save_non_persistent(self) -> None:
+        """Megatron's: into the non-persistent directory, the older ones there removed first."""
+        self.finish()
+        root = non_persistent.save_root(self.state.cfg.checkpoint)
+        if self.state.topology.rank == 0:
+            non_persistent.remove_older(root)
+        self.save(root)
 
     def saved_now(self) -> bool:
         """The current iteration is the latest checkpoint, or is being saved."""

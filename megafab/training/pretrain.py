@@ -8,7 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megafab.checkpoint import checkpointing
+from megafab.checkpoint import checkpointing, non_persistent
 from megafab.run.faults import FaultWatch
 from megafab.run.launch import restart_count
 from megafab.run.signals import SigtermFlag
@@ -46,8 +46,12 @@ def resume_after_restart(cfg):
     trained twice; the config is a new one saying so (a finalized config is never changed)."""
     ck = cfg.checkpoint
     attempt = restart_count()
-    if attempt == 0 or not ck.save or checkpointing.latest_iteration(ck.save) is None:
-        return cfg, None
+    nothing = checkpointing.latest_iteration(ck.save) is None and \
+        non_persistent.newest(non_persistent.load_root(ck, ck.save)) is None if ck.save else True
+    if attempt == 0 or nothing:
+        said = non_persistent.enabled(ck) and attempt > 0 and ck.save and not ck.load
+        return cfg, (f"megafab: note: torchrun restart {attempt}: no checkpoint in --save {ck.save} nor in "
+                     f"its non-persistent directory; training from scratch") if said else None
     asked = f" instead of --load {ck.load}{' --finetune' if ck.finetune else ''}" if ck.load else ""
     note = (f"megafab: note: torchrun restart {attempt}: resuming from the latest checkpoint in --save "
             f"{ck.save}{asked}")
@@ -106,6 +110,8 @@ def train(state: TrainState, iterators, log: TrainingLog, gc_control: ManualGC,
                     run_evaluation(state, valid_iter, "validation", log)
             if saves.due():
                 saves.save()
+            elif saves.non_persistent_due():
+                saves.save_non_persistent()
             reason = _should_exit(state, start, sigterm)
             if reason:
                 if cfg.checkpoint.save and not saves.saved_now():
