@@ -20,21 +20,14 @@ import torch.nn.functional as F
 
 from megafab.model.gpt import GPTModel, masked_mean_loss
 from tests.helpers.mcore_moe import megatron_moe_on_cpu
+from tests.helpers.mcore_mtp import FACTOR, MOE, SCALE, exact_cross_entropy, recording
 from tests.helpers.tiny import GPT2_STYLE, LLAMA_STYLE, batch, reference_model, tiny_config
-
-SCALE = 0.75  # the MTP losses' backward weight (grad scale / micro-batches in training)
-FACTOR = 0.3  # --mtp-loss-scaling-factor
 
 
 @pytest.fixture(scope="module")
 def megatron_cpu():
     with megatron_moe_on_cpu():
         yield
-
-
-def exact_cross_entropy(logits, labels, label_smoothing=0.0):
-    """megatron-core's vocab_parallel_cross_entropy at one rank without its float32 upcast."""
-    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
 
 
 def megatron_gpt(m, dtype=torch.float64, per_token=False):
@@ -66,14 +59,6 @@ def megatron_gpt(m, dtype=torch.float64, per_token=False):
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     return model
-
-
-def recording(fn, into: list):
-    def wrapped(*args, **kwargs):
-        out = fn(*args, **kwargs)
-        into.append((out[0] if isinstance(out, tuple) else out).detach())
-        return out
-    return wrapped
 
 
 CASES = {
@@ -159,12 +144,6 @@ def test_torch_dist_keys_and_shapes_are_megatron_cores(megatron_cpu, style):
     assert ours.keys() == ref.keys() | factories
     assert {k: v for k, v in ours.items() if k in ref} == ref
     assert "mtp.layers.1.transformer_layer.self_attention.linear_qkv.layer_norm_weight" in ours
-
-
-MOE = dict(num_experts=4, moe_router_topk=2, moe_layer_freq=(0, 1), moe_ffn_hidden_size=24,
-           moe_shared_expert_intermediate_size=40, moe_router_score_function="sigmoid",
-           moe_router_enable_expert_bias=True, moe_router_num_groups=2, moe_router_group_topk=1,
-           moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3)
 
 
 def test_gpt_with_moe_and_an_mtp_layer_equals_megatron_core(megatron_cpu, monkeypatch):
