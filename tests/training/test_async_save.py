@@ -77,6 +77,13 @@ def test_async_checkpoint_is_the_sync_one_and_resumes_exactly(straight, tmp_path
     assert all(got[i] == want[i] for i in got), (got, want)
     assert open(os.path.join(save, TRACKER)).read() == "6"
 
+    # resharded as a synchronous save is: DP 2's async checkpoint of iteration 4 into one rank
+    flags = _flags(corpus, 5, str(tmp_path / "dp1"), "--load", os.path.join(save, "iter_0000004"))
+    flags = [f for f in flags if f != "--use-distributed-optimizer"]
+    one = run_ranks_main(1, flags, tmp_path / "c", timeout=120)
+    assert one.codes == [0], one.describe()
+    assert "at iteration 4" in one.out[0] and sorted(losses(one.out[0])) == [5], one.out[0][-2000:]
+
 
 def _mount_tmpfs(path, size: int) -> bool:
     os.makedirs(path)
