@@ -166,6 +166,7 @@ def _replay_rng(snapshot: dict, tracker, device):
         restore_rng_state(current, tracker, device)
 
 
+@torch.compiler.disable  # (--compile: a graph break; the checkpointed region runs eagerly)
 def recompute(fn, *args, tracker=None, device="cpu"):
     """fn(*args), keeping only the inputs for backward; the rest is recomputed with the same RNG:
     the CPU generator, the device generator and every tracker stream are snapshot before the
@@ -213,7 +214,7 @@ class DiscardedOutput:
     """megatron-core's output-discarding checkpoint (CheckpointWithoutOutput), for the layernorm,
     moe_act and mla_up_proj modules: a cheap region whose output is saved by the next op.
 
-        region = DiscardedOutput(norm, norm.parameters())
+        region = DiscardedOutput(norm, norm)
         y = region(x)              # no graph inside the region; x is kept
         out = consumer(y)          # the consumer saves y for its backward
         region.discard(out)        # y's storage is freed (its metadata stays), until the gradient
@@ -224,15 +225,19 @@ class DiscardedOutput:
     region it is a plain call."""
 
     def __init__(self, fn, params=(), active: bool = True):
-        self.fn, self.params, self.active = fn, tuple(params), active
+        """params: the parameters fn uses (a module: its parameters(), read when called)."""
+        self.fn, self.params, self.active = fn, params, active
         self.ctx = self.outputs = self.recomputed = None
 
+    @torch.compiler.disable  # (--compile: a graph break; the region and its storage tricks run eagerly)
     def __call__(self, *inputs):
         # inside a checkpointed region (full recompute, moe) the region's tensors are not kept anyway,
         # and a freed storage there would be one the checkpoint hands to the original graph
         if not (self.active and torch.is_grad_enabled()) or recompute_phase() is not None:
             self.outputs = None
             return self.fn(*inputs)
+        params = self.params
+        self.params = tuple(params.parameters() if isinstance(params, torch.nn.Module) else params)
         out = _DiscardableRun.apply(self, len(inputs), *inputs, *self.params)
         kept = {t.untyped_storage().data_ptr() for t in (*inputs, *self.params) if torch.is_tensor(t)}
         # an output viewing an input's (or a parameter's) storage is never freed
@@ -240,6 +245,7 @@ class DiscardedOutput:
                         if o.untyped_storage().data_ptr() not in kept]  # (position, output)
         return out
 
+    @torch.compiler.disable
     def discard(self, hook_tensor: torch.Tensor) -> None:
         """Free the output's storage; the gradient of `hook_tensor` (computed in backward before any
         op that saved the output runs) recomputes it."""

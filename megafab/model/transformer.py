@@ -258,4 +258,4 @@ class TransformerLayer(nn.Module):
         return x
 
     def _norm_region(self, norm: nn.Module) -> DiscardedOutput:
-        return DiscardedOutput(norm, norm.parameters(), self.recompute.selects("layernorm") and self.training)
+        return DiscardedOutput(norm, norm, self.recompute.selects("layernorm") and self.training)

@@ -310,3 +310,22 @@ def test_deprecated_moe_layer_recompute_is_selective_moe_as_megatron():
     with pytest.raises(ConfigError, match="--moe-layer-recompute with --recompute-granularity full"):
         _config(LLAMA_STYLE, True, moe_layer_recompute=True, recompute_granularity="full",
                 recompute_method="uniform", recompute_num_layers=1)
+
+
+def test_modules_under_compile_change_nothing():
+    """--compile compiles each layer: the recompute regions break the graph and run eagerly."""
+    def run(**flags):
+        cfg = tiny_config(style=LLAMA_STYLE, num_layers=2, **flags).model
+        model = GPTModel(cfg, LayerContext(None, False, torch.float32, torch.device("cpu"), 1234))
+        tokens, labels, mask = batch(cfg)
+        loss = masked_mean_loss(model(tokens, labels=labels), mask)
+        loss.backward()
+        return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+
+    modules = dict(recompute_granularity="selective", recompute_modules=list(DENSE_MODULES))
+    with torch._inductor.config.patch(compile_threads=1):
+        compiled = run(compile_layers=True, **modules)
+    eager = run(**modules)
+    assert compiled[0] == pytest.approx(eager[0], abs=1e-6)
+    for name, grad in eager[1].items():
+        torch.testing.assert_close(compiled[1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
