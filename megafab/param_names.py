@@ -220,6 +220,13 @@ def mtp_extra_state_key(module: str, depth: int) -> str:
     return f"{layer_prefix(depth, MTP_LAYERS)}{module}.{EXTRA_STATE}/shard_0_1"
 
 
+def mtp_expert_extra_state_key(module: str, depth: int, expert: int, num_experts: int) -> str:
+    """An MTP MoE layer's routed expert's linear module's (not stacked):
+    `mtp.layers.<d>.transformer_layer.mlp.experts.experts.linear_fc1._extra_state/shard_<E>_<NE>`."""
+    prefix = layer_prefix(depth, MTP_LAYERS) + MTP_TRANSFORMER_LAYER
+    return f"{prefix}{DIST_EXPERTS}{module}.{EXTRA_STATE}/shard_{expert}_{num_experts}"
+
+
 def layer_extra_state_key(module: str, layer: int) -> str:
     """Per-layer keys (non_homogeneous_layers): `decoder.layers.<layer>.<module>._extra_state/shard_0_1`."""
     return f"{layer_prefix(layer)}{module}.{EXTRA_STATE}/shard_0_1"

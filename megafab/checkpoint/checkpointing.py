@@ -143,6 +143,8 @@ def torch_dist_parts(state, with_optim: bool):
         local = range(experts.first, experts.first + moe.num_experts // topo.size("ep"))
         objects.update(megatron_dist.expert_extra_state_objects(layers, cfg.model.num_layers, moe, local,
                                                                 stacked))
+        if topo.is_last_stage:
+            objects.update(megatron_dist.mtp_expert_extra_state_objects(cfg.model, moe, local))
     common = None
     if topo.rank == 0:
         step = float(cs.common_step(state.optimizer)) if with_optim else None

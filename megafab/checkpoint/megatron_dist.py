@@ -39,6 +39,7 @@ from megafab.param_names import (
     MTP_TRANSFORMER_LAYER,
     expert_extra_state_key,
     layer_extra_state_key,
+    mtp_expert_extra_state_key,
     mtp_extra_state_key,
     stacked_extra_state_key,
 )
@@ -245,6 +246,16 @@ def mtp_extra_state_objects(model_cfg, moe=None) -> dict[str, list]:
                                    if m != "self_attention.core_attention")
     return {mtp_extra_state_key(module, depth): [None]
             for depth in range(model_cfg.mtp_num_layers or 0) for module in modules}
+
+
+def mtp_expert_extra_state_objects(model_cfg, moe, experts) -> dict[str, list]:
+    """The MTP layers' routed experts' `_extra_state` objects (an MoE last layer's kind): one per
+    (depth, global expert in `experts`, linear module)."""
+    if moe is None or moe.num_experts is None or not moe.is_moe_layer(model_cfg.num_layers - 1):
+        return {}
+    return {mtp_expert_extra_state_key(module, depth, e, moe.num_experts): [None]
+            for depth in range(model_cfg.mtp_num_layers or 0) for e in experts
+            for module in mk.EXPERT_MODULES}
 
 
 def expert_extra_state_objects(layers, num_layers: int, moe, experts,

@@ -169,6 +169,7 @@ def _write_torch_dist(tmp, sd, cfg, record) -> None:
     if moe is not None:
         objects.update(megatron_dist.expert_extra_state_objects(layers, cfg.model.num_layers, moe,
                                                                 range(moe.num_experts), stacked))
+        objects.update(megatron_dist.mtp_expert_extra_state_objects(cfg.model, moe, range(moe.num_experts)))
     for _ in _phase([0], "writing torch_dist"):
         dcp_io.save_shards(megatron_dist.megatron_shards(shards, cfg.model, False, stacked), tmp, objects)
     megatron_dist.write_common(tmp, megatron_dist.common_state(cfg, record, None, None, False))

@@ -262,3 +262,55 @@ def test_per_token_loss_mtp_gradients_equal_megatron_core(megatron_cpu, monkeypa
     masked_mean_loss(ours(tokens, labels=labels, loss_mask=mask), mask).backward()
     for name, p in theirs.named_parameters():
         assert (p.grad / mask.sum() - params[name].grad).abs().max().item() < 1e-12, name
+
+
+def test_moe_mtp_torch_dist_keys_are_megatron_cores(megatron_cpu):
+    """An MoE MTP layer's tensors (routed experts grouped [E, out, in], not stacked; shared experts,
+    router, expert bias) and its `_extra_state` objects (per routed expert too) as megatron-core's."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+    from megatron.core.models.gpt import GPTModel as McoreGPT
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megafab.checkpoint.megatron_dist import mtp_expert_extra_state_objects, mtp_extra_state_objects
+    from megafab.checkpoint.megatron_keys import megatron_name
+    from megafab.model.moe.settings import MoESettings
+    from megafab.model.transformer import LayerContext
+    from megafab.param_names import experts_name
+
+    m = tiny_config(style=LLAMA_STYLE, num_layers=2, mtp_num_layers=1).model
+    settings = MoESettings(**MOE)
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    moe = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(settings).items()
+           if k in fields and k != "moe_grouped_gemm"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = TransformerConfig(
+            num_layers=2, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
+            num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
+            kv_channels=m.kv_channels, normalization=m.normalization, gated_linear_unit=True,
+            activation_func=F.silu, add_bias_linear=False, use_cpu_initialization=True,
+            gradient_accumulation_fusion=False, bias_activation_fusion=False, mtp_num_layers=1,
+            num_moe_experts=settings.num_experts, **moe)
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=m.normalization)
+        theirs = McoreGPT(config, spec, vocab_size=m.padded_vocab_size,
+                          max_sequence_length=m.max_position_embeddings,
+                          share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                          mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False))
+    sharded = [v for v in theirs.sharded_state_dict().values() if v.key.startswith("mtp.")]
+    ref = {v.key: tuple(v.global_shape) for v in sharded if isinstance(v, ShardedTensor)}
+    factories = {v.key for v in sharded if isinstance(v, ShardedTensorFactory)}
+    objects = {v.unique_key for v in sharded if isinstance(v, ShardedObject)}
+    ours = GPTModel(m, LayerContext(None, False, torch.float32, torch.device("cpu"), 1, moe=settings))
+    keys = {}
+    for name, p in ours.named_parameters():
+        if name.startswith("mtp."):
+            keys[megatron_name(experts_name(name))[0]] = (settings.num_experts, *p.shape) \
+                if ".local_experts." in name else tuple(p.shape)
+    keys[megatron_name("mtp.layers.0.transformer_layer.mlp.router.expert_bias")[0]] = (settings.num_experts,)
+    assert keys.keys() == ref.keys() | factories
+    assert {k: v for k, v in keys.items() if k in ref} == ref
+    written = set(mtp_extra_state_objects(m, settings)) | set(
+        mtp_expert_extra_state_objects(m, settings, range(settings.num_experts)))
+    assert any("experts.experts.linear_fc1._extra_state/shard_3_4" in k for k in written)
+    assert written == objects
