@@ -166,8 +166,7 @@ def _replay_rng(snapshot: dict, tracker, device):
         restore_rng_state(current, tracker, device)
 
 
-@torch.compiler.disable  # (--compile: a graph break; the checkpointed region runs eagerly)
-def recompute(fn, *args, tracker=None, device="cpu"):
+def checkpointed(fn, *args, tracker=None, device="cpu"):
     """fn(*args), keeping only the inputs for backward; the rest is recomputed with the same RNG:
     the CPU generator, the device generator and every tracker stream are snapshot before the
     original forward and put back around the recompute (afterwards the backward's states are
@@ -274,6 +273,12 @@ class DiscardedOutput:
         self.outputs, self.recomputed = None, (inputs, outputs)
 
 
+# recompute: checkpointed for a region inside a layer (the selective modules); under --compile it
+# breaks the layer's graph and runs eagerly. Full recompute checkpoints whole (compiled) layers from
+# outside them: forward_layers calls checkpointed itself.
+recompute = torch.compiler.disable(checkpointed)
+
+
 def forward_layers(layers, x, settings: RecomputeSettings, ctx, *layer_args):
     """Run a chunk's layers in order, checkpointing the groups `settings` asks for."""
     layers = list(layers)
@@ -287,7 +292,7 @@ def forward_layers(layers, x, settings: RecomputeSettings, ctx, *layer_args):
 
     for start, end, recomputed in layer_groups(len(layers), settings):
         if recomputed and layers[0].training:
-            x = recompute(run(start, end), x, *layer_args, tracker=ctx.rng_tracker, device=ctx.device)
+            x = checkpointed(run(start, end), x, *layer_args, tracker=ctx.rng_tracker, device=ctx.device)
         else:
             x = run(start, end)(x, *layer_args)
     return x
