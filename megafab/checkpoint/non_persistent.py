@@ -1,8 +1,9 @@
-"""Megatron's global non-persistent checkpoints (--non-persistent-save-interval,
---non-persistent-ckpt-type global): frequent torch_dist saves into their own directory,
---non-persistent-global-ckpt-dir or SAVE/non_persistent (LOAD/non_persistent when loading), where
-only the newest is kept (older ones are removed when the next one starts, as Megatron does). A load
-takes the non-persistent checkpoint when it is at least as new as --load's (Megatron's rule).
+"""Megatron's non-persistent checkpoints (--non-persistent-save-interval, --non-persistent-ckpt-type):
+frequent torch_dist saves into their own directory, --non-persistent-global-ckpt-dir or
+SAVE/non_persistent (global; LOAD/non_persistent when loading) or the node-local
+--non-persistent-local-ckpt-dir (local: one-node jobs, check_one_node), where older ones are removed
+when the next one starts (as Megatron does). A load takes the non-persistent checkpoint when it is
+at least as new as --load's (Megatron's rule).
 """
 
 from __future__ import annotations
@@ -11,22 +12,46 @@ import os
 import shutil
 
 from megafab.checkpoint.directory import ITERATION_DIR, TRACKER, latest_iteration
+from megafab.checkpoint.errors import CheckpointError
 
 SUBDIR = "non_persistent"
 
 
 def enabled(ck) -> bool:
-    return ck.non_persistent_ckpt_type == "global"
+    return ck.non_persistent_ckpt_type in ("global", "local")
 
 
 def save_root(ck) -> str:
+    if ck.non_persistent_ckpt_type == "local":
+        return ck.non_persistent_local_ckpt_dir
     return ck.non_persistent_global_ckpt_dir or os.path.join(ck.save, SUBDIR)
 
 
 def load_root(ck, load_dir: str | None) -> str | None:
     if not enabled(ck):
         return None
+    if ck.non_persistent_ckpt_type == "local":
+        return ck.non_persistent_local_ckpt_dir
     return ck.non_persistent_global_ckpt_dir or (os.path.join(load_dir, SUBDIR) if load_dir else None)
+
+
+def check_one_node(ck, topo) -> None:
+    """Collective (local type only): every rank runs on one host, since each node would otherwise hold
+    only its own ranks' files (and rank 0's .metadata), which megafab cannot load."""
+    if ck.non_persistent_ckpt_type != "local":
+        return
+    # deferred: torch.distributed is only needed here, at run time
+    import socket
+
+    import torch.distributed as dist
+
+    hosts = [None] * topo.world_size
+    dist.all_gather_object(hosts, socket.gethostname())
+    if len(set(hosts)) > 1:
+        raise CheckpointError(f"--non-persistent-ckpt-type local with ranks on {len(set(hosts))} hosts: "
+                              f"megafab's local checkpoints are torch_dist files, loadable only when one "
+                              f"node holds all of them; use --non-persistent-ckpt-type global on shared "
+                              f"storage, or run on one node")
 
 
 def newest(root: str | None) -> int | None:

@@ -166,18 +166,21 @@ def checkpoint_problems(cfg) -> list[str]:
 
 def _non_persistent_problems(c) -> list[str]:
     kind, out = c.non_persistent_ckpt_type, []
-    if kind in ("local", "in_memory"):
-        out.append(f"--non-persistent-ckpt-type {kind}: node-local per-rank checkpoints (Megatron's through "
-                   f"NVIDIA Resiliency Extension; in_memory is unfinished there too) are not implemented in "
-                   f"megafab; use --non-persistent-ckpt-type global (a torch_dist checkpoint in "
-                   f"--non-persistent-global-ckpt-dir, which may be node-local fast storage on one node)")
-    elif kind == "global" and c.ckpt_format == "torch":
-        out.append("--non-persistent-ckpt-type global writes torch_dist checkpoints (Megatron's distributed "
-                   "format), not --ckpt-format torch; drop one of them")
+    if kind == "in_memory":
+        out.append("--non-persistent-ckpt-type in_memory: checkpoints kept in memory without serialization "
+                   "(unfinished in Megatron too) are not implemented in megafab; use local (a node-local "
+                   "directory, --non-persistent-local-ckpt-dir) or global")
+    elif kind in ("global", "local") and c.ckpt_format == "torch":
+        out.append(f"--non-persistent-ckpt-type {kind} writes torch_dist checkpoints (Megatron's distributed "
+                   f"format), not --ckpt-format torch; drop one of them")
+    if kind == "local" and not c.non_persistent_local_ckpt_dir:  # Megatron's assert
+        out.append("--non-persistent-ckpt-type local needs --non-persistent-local-ckpt-dir (the node-local "
+                   "directory its checkpoints go to)")
     if c.non_persistent_save_interval and kind is None:
-        out.append("--non-persistent-save-interval needs --non-persistent-ckpt-type global (where the "
-                   "non-persistent checkpoints go)")
-    if c.non_persistent_save_interval and not (c.save or c.non_persistent_global_ckpt_dir):
+        out.append("--non-persistent-save-interval needs --non-persistent-ckpt-type global or local (where "
+                   "the non-persistent checkpoints go)")
+    no_dir = not (c.save or c.non_persistent_global_ckpt_dir)
+    if c.non_persistent_save_interval and kind == "global" and no_dir:
         out.append("--non-persistent-save-interval needs --save (its checkpoints go to SAVE/non_persistent) "
                    "or --non-persistent-global-ckpt-dir")
     return out

@@ -269,19 +269,19 @@ class CheckpointConfig(Section):
     non_persistent_ckpt_type: str | None = option(
         None, choices=("global", "local", "in_memory"),
         help="global: a torch_dist checkpoint in --non-persistent-global-ckpt-dir (default "
-             "SAVE/non_persistent), the older ones removed as the next starts; local and in_memory "
-             "(node-local per-rank files, Megatron's through NVIDIA Resiliency Extension) are not in "
-             "megafab.")
+             "SAVE/non_persistent), the older ones removed as the next starts; local: the same in the "
+             "node-local --non-persistent-local-ckpt-dir (jobs on one node: megafab writes no per-rank "
+             "format of its own); in_memory is not in megafab.")
     non_persistent_global_ckpt_dir: str | None = option(
         None, help="Directory of the global non-persistent checkpoints (default: non_persistent under --save "
                    "when saving, under --load when loading).")
     non_persistent_local_ckpt_dir: str | None = option(
-        None, help="Directory of local non-persistent checkpoints (--non-persistent-ckpt-type local, which "
-                   "megafab does not have).")
+        None, help="Node-local directory of the --non-persistent-ckpt-type local checkpoints.")
     non_persistent_local_ckpt_algo: str = option(
         "fully_parallel", choices=("fully_parallel", "atomic"),
-        help="Algorithm of local non-persistent checkpoints (--non-persistent-ckpt-type local, which megafab "
-             "does not have).")
+        help="Megatron's algorithm of local non-persistent checkpoints (NVIDIA Resiliency Extension's "
+             "exchange between ranks); megafab's local checkpoints are torch_dist files, the same with "
+             "either.")
     async_strategy: str = option(
         "nvrx", choices=("nvrx", "mcore"),
         help="Megatron's choice of asynchronous writer (NVIDIA Resiliency Extension's or megatron-core's); "

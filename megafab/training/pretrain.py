@@ -166,6 +166,7 @@ def pretrain(cfg) -> int:
             print_rank_0(topo, f"megafab: note: {note}")
         if restart_note:
             print_rank_0(topo, restart_note)
+        non_persistent.check_one_node(cfg.checkpoint, topo)
         watch.where = "building the datasets"
         datasets = build_datasets(cfg, topo, tokenizer)  # a bad data file stops the run before the model
         watch.where = "building the model and loading the checkpoint"

@@ -1,9 +1,9 @@
 """Global non-persistent checkpoints (issue 40, Megatron's --non-persistent-save-interval with
 --non-persistent-ckpt-type global): a run saving persistently every 10 and non-persistently every 2
 iterations, killed at iteration 7, resumes on restart from the non-persistent checkpoint of
-iteration 6 on the losses of the uninterrupted run; with that directory removed it starts from
-scratch and says so; older non-persistent checkpoints are removed as Megatron does; local /
-in_memory are refused by name."""
+iteration 6 on the losses of the uninterrupted run, from SAVE/non_persistent (global) or the
+node-local directory (local); with that directory removed it starts from scratch and says so; older
+non-persistent checkpoints are removed as Megatron does; in_memory is refused by name."""
 
 from __future__ import annotations
 
@@ -17,17 +17,18 @@ from megafab.config import ConfigError
 from tests.helpers.flags import tiny_flags
 from tests.helpers.launch import losses
 from tests.helpers.main_ranks import run_ranks_main
-from tests.helpers.tiny_corpus import TINY, write_corpus
+from tests.helpers.tiny_corpus import TINY, assert_one_message, write_corpus
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="these tests fork their ranks")
 TRACKER = "latest_checkpointed_iteration.txt"
 RESTARTED = {"TORCHELASTIC_RESTART_COUNT": "1"}  # what torchrun --max-restarts sets on a restart
 
 
-def _flags(corpus, save, *extra):
+def _flags(corpus, save, kind, *extra):
+    where = ["--non-persistent-local-ckpt-dir", os.path.join(save, "..", "local")] if kind == "local" else []
     return TINY + ["--train-iters", "8", "--data-path", corpus, "--split", "90,5,5", "--global-batch-size",
                    "2", "--use-distributed-optimizer", "--save", save, "--save-interval", "10",
-                   "--non-persistent-save-interval", "2", "--non-persistent-ckpt-type", "global", *extra]
+                   "--non-persistent-save-interval", "2", "--non-persistent-ckpt-type", kind, *where, *extra]
 
 
 def _die_at_iteration_7(rank: int) -> None:
@@ -51,22 +52,23 @@ def _run(flags, log, **kwargs):
     return result, "".join(result.out)
 
 
-def test_a_restart_resumes_from_the_newest_non_persistent_checkpoint(tmp_path):
+@pytest.mark.parametrize("kind", ["global", "local"])
+def test_a_restart_resumes_from_the_newest_non_persistent_checkpoint(tmp_path, kind):
     corpus = write_corpus(str(tmp_path / "good"))
     plain = TINY + ["--train-iters", "8", "--data-path", corpus, "--split", "90,5,5", "--global-batch-size",
                     "2", "--use-distributed-optimizer"]
     _, straight = _run(plain, tmp_path / "straight")
     want = losses(straight)
     save = str(tmp_path / "ckpt")
-    killed, _ = _run(_flags(corpus, save), tmp_path / "killed", before_main=_die_at_iteration_7)
+    killed, _ = _run(_flags(corpus, save, kind), tmp_path / "killed", before_main=_die_at_iteration_7)
     assert killed.codes == [-9, -9], killed.describe()
-    kept = os.path.join(save, "non_persistent")
+    kept = os.path.join(save, "non_persistent") if kind == "global" else os.path.join(save, "..", "local")
     assert not os.path.exists(os.path.join(save, TRACKER))  # no persistent checkpoint yet
     assert open(os.path.join(kept, TRACKER)).read() == "6"
     # Megatron's cleanup: before a save, all but the newest go (iteration 2 went when 6 started)
     assert sorted(d for d in os.listdir(kept) if d.startswith("iter_")) == ["iter_0000004", "iter_0000006"]
 
-    result, out = _run(_flags(corpus, save), tmp_path / "restart", env=RESTARTED)
+    result, out = _run(_flags(corpus, save, kind), tmp_path / "restart", env=RESTARTED)
     assert result.codes == [0, 0], result.describe()
     assert "loading the non-persistent checkpoint of iteration 6" in out
     got = losses(out)
@@ -76,7 +78,7 @@ def test_a_restart_resumes_from_the_newest_non_persistent_checkpoint(tmp_path):
     shutil.rmtree(kept)
     shutil.rmtree(os.path.join(save, "iter_0000008"))
     os.remove(os.path.join(save, TRACKER))
-    result, out = _run(_flags(corpus, save, "--train-iters", "2"), tmp_path / "gone", env=RESTARTED)
+    result, out = _run(_flags(corpus, save, kind, "--train-iters", "2"), tmp_path / "gone", env=RESTARTED)
     assert result.codes == [0, 0], result.describe()
     assert "nor in its non-persistent directory; training from scratch" in out
     got = losses(out)
@@ -88,9 +90,10 @@ BASE = tiny_flags(num_layers=2) + ["--micro-batch-size", "1", "--train-iters", "
 
 
 @pytest.mark.parametrize(("extra", "message"), [
-    (["--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir", "d"],
-     "--non-persistent-ckpt-type local: node-local per-rank checkpoints"),
-    (["--non-persistent-ckpt-type", "in_memory"], "--non-persistent-ckpt-type in_memory: node-local"),
+    (["--non-persistent-ckpt-type", "local"], "--non-persistent-ckpt-type local needs "
+                                              "--non-persistent-local-ckpt-dir"),
+    (["--non-persistent-ckpt-type", "in_memory"], "--non-persistent-ckpt-type in_memory: checkpoints kept in "
+                                                  "memory"),
     (["--non-persistent-save-interval", "2"],
      "--non-persistent-save-interval needs --non-persistent-ckpt-type"),
     (["--non-persistent-ckpt-type", "global", "--ckpt-format", "torch", "--no-save-optim"],
@@ -120,3 +123,16 @@ def test_the_load_takes_the_newer_of_the_two_and_says_which(tmp_path):
     assert choose_load_dir(ck, load)[0] == load and "holds iteration 8, older" in choose_load_dir(ck, load)[1]
     _tracker(os.path.join(load, "non_persistent"), 10)  # Megatron: the non-persistent one when as new
     assert choose_load_dir(ck, load)[0] == os.path.join(load, "non_persistent")
+
+
+def _two_hosts(rank: int) -> None:
+    import socket
+
+    socket.gethostname = lambda: f"node{rank}"
+
+
+def test_local_checkpoints_across_nodes_are_refused_with_one_message(tmp_path):
+    corpus = write_corpus(str(tmp_path / "good"))
+    flags = _flags(corpus, str(tmp_path / "ckpt"), "local")
+    result, _ = _run(flags, tmp_path / "log", before_main=_two_hosts)
+    assert_one_message(result, r"--non-persistent-ckpt-type local with ranks on 2 hosts")
