@@ -10,6 +10,7 @@ read too. Parameter names and their grammar: megafab/param_names.py.
     megatron_*.py        Megatron's keys (as views), torch_dist, legacy files and recorded args
     vocab.py, safe_pickle.py  the padding-row rule; Megatron's pickles read without running code
     checkpointing.py     save_checkpoint / load_checkpoint of a training state
+    async_save.py, dcp_async.py, non_persistent.py  --async-save; Megatron's non-persistent saves
 
 Importing this package does not import DCP (seconds per rank); dcp_io does, on first save or load.
 """
