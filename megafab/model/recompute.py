@@ -186,7 +186,7 @@ class _DiscardableRun(torch.autograd.Function):
     def forward(ctx, region, num_inputs, *inputs_and_params):
         inputs = inputs_and_params[:num_inputs]
         outputs = region.fn(*inputs)
-        ctx.region, ctx.num_inputs = region, num_inputs
+        ctx.region = region
         ctx.others = [None if torch.is_tensor(t) else t for t in inputs]
         ctx.tensor_grad = [(torch.is_tensor(t), torch.is_tensor(t) and t.requires_grad) for t in inputs]
         ctx.save_for_backward(*(t for t in inputs if torch.is_tensor(t)))
