@@ -16,11 +16,15 @@ kept for the log (`mtp_<k> loss`, MTPLossLoggingHelper's names).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from megafab.distributed.context_parallel import context_parallel_masked_mean
 from megafab.distributed.layers import ColumnParallelLinear
 from megafab.distributed.mappings import (
     gather_from_tensor_model_parallel_region,
+    group_rank,
+    group_size,
     scatter_to_sequence_parallel_region,
 )
 from megafab.model.init import normal_init
@@ -30,11 +34,25 @@ from megafab.model.transformer import LayerContext, TransformerLayer, build_norm
 from megafab.param_names import MTP_LAYERS, MTP_TRANSFORMER_LAYER, layer_prefix
 
 
-def roll_left(tensor: torch.Tensor) -> torch.Tensor:
-    """[b, s] shifted one position left along s, a zero entering at the end (roll_tensor at CP 1)."""
-    rolled = torch.roll(tensor, shifts=-1, dims=-1)
-    rolled[..., -1] = 0
-    return rolled
+def roll_left(tensor: torch.Tensor, cp_group=None) -> torch.Tensor:
+    """[b, s] shifted one position left along the whole sequence, a zero entering at its end
+    (megatron-core's roll_tensor). Under context parallelism a rank holds global chunks r and
+    2cp-1-r (split_for_context_parallel): each chunk's new last token is the next chunk's first,
+    gathered from the CP group (two tokens per rank and sequence)."""
+    cp = group_size(cp_group)
+    if cp == 1:
+        rolled = torch.roll(tensor, shifts=-1, dims=-1)
+        rolled[..., -1] = 0
+        return rolled
+    r = group_rank(cp_group)
+    first, second = tensor.chunk(2, dim=-1)
+    heads = torch.stack([first[..., 0], second[..., 0]])  # [2, b]: the first tokens of both chunks
+    everyone = [torch.empty_like(heads) for _ in range(cp)]
+    dist.all_gather(everyone, heads.contiguous(), group=cp_group)
+    after_first = everyone[r + 1][0] if r + 1 < cp else everyone[cp - 1][1]  # global chunk r + 1
+    after_second = everyone[r - 1][1] if r > 0 else torch.zeros_like(heads[1])  # chunk 2cp - r
+    return torch.cat([first[..., 1:], after_first[..., None], second[..., 1:], after_second[..., None]],
+                     dim=-1)
 
 
 class MTPLayer(nn.Module):
@@ -94,15 +112,16 @@ class MTPBlock(nn.Module):
         `model` gives the shared embedding, output layer and loss."""
         if loss_mask is None:
             loss_mask = torch.ones_like(labels)
+        cp_group = model.ctx.cp_group
         total, logged, x = None, [], hidden
         for layer in self.layers.values():
-            input_ids, position_ids = roll_left(input_ids), roll_left(position_ids)
-            labels, loss_mask = roll_left(labels), roll_left(loss_mask)
+            input_ids, position_ids = roll_left(input_ids, cp_group), roll_left(position_ids, cp_group)
+            labels, loss_mask = roll_left(labels, cp_group), roll_left(loss_mask, cp_group)
             x = layer(x, model.embedding(input_ids, position_ids), angles, attention_mask)
             per_token = model.per_token_loss(model.logits(x), labels)  # [b, s]
             mask = loss_mask.to(per_token.dtype)
-            summed = (per_token * mask).sum()
-            loss = summed / mask.sum()
+            summed = (per_token * mask).sum()  # this rank's tokens (per-token loss: as the main one)
+            loss = context_parallel_masked_mean(per_token, mask, cp_group)  # the whole sequence's mean
             logged.append(loss.detach())
             scaled = (summed if self.per_token else loss) * (self.scaling_factor / self.num_layers)
             total = scaled if total is None else total + scaled
@@ -124,9 +143,6 @@ def mtp_problems(m, p) -> list[str]:
     out = []
     if m.mtp_num_layers < 1:
         out.append(f"--mtp-num-layers {m.mtp_num_layers} must be at least 1 (omit the flag for no MTP)")
-    if p.context_parallel_size > 1:
-        out.append("--mtp-num-layers with --context-parallel-size > 1: MTP's shifted tokens across CP "
-                   "ranks are not implemented in megafab yet; use --context-parallel-size 1")
     if m.position_embedding_type == "learned_absolute" and p.pipeline_model_parallel_size > 1:
         out.append("--mtp-num-layers with learned absolute positions and --pipeline-model-parallel-size > 1: "
                    "megatron-core keeps a second position table on the last stage that is never "

@@ -24,7 +24,6 @@ def test_mtp_flags_parse_as_megatrons():
 
 @pytest.mark.parametrize("flags,words", [
     (["--mtp-num-layers", "0"], "must be at least 1"),
-    (["--mtp-num-layers", "1", "--context-parallel-size", "2"], "--context-parallel-size"),
     (["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2"], "learned absolute positions"),
     (["--mtp-num-layers", "1", "--mtp-standalone"], "--mtp-standalone: refused"),
     (["--mtp-num-layers", "1", "--recompute-granularity", "full", "--recompute-method", "uniform",

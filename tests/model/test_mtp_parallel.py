@@ -1,18 +1,24 @@
 """A GPT with multi-token prediction split over pipeline stages (MTP on the last stage's last chunk:
 1F1B and interleaved) and over TP x SP equals one process in float64: the main loss, each depth's
 logged MTP loss and every gradient (the last stage's copy of the word embedding included, tied and
-untied), within 1e-10."""
+untied), within 1e-10; and under context parallelism (the ids, positions, labels and loss mask rolled
+across the CP ranks' chunks, each depth's loss the whole sequence's mean)."""
 
 import functools
 
+import pytest
 import torch
+import torch.distributed as dist
 
+from megafab.distributed.context_parallel import context_parallel_masked_mean, split_for_context_parallel
 from megafab.distributed.finalize_grads import finalize_model_grads
 from megafab.distributed.pipeline import get_forward_backward_func
 from megafab.distributed.topology import build_topology
 from megafab.model.gpt import GPTModel, build_model_chunks, masked_mean_loss
+from megafab.model.transformer import LayerContext
 from megafab.run.fork_ranks import run_ranks
 from tests.helpers.tiny import (
+    GPT2_STYLE,
     LLAMA_STYLE,
     batch,
     context,
@@ -136,3 +142,39 @@ def test_full_uniform_recompute_of_the_mtp_layers_changes_no_gradient():
     (loss0, logged0, grads0), (loss1, logged1, grads1) = results
     assert loss0 == loss1 and torch.equal(logged0, logged1)
     assert all(torch.equal(grads0[n], grads1[n]) for n in grads0)
+
+
+def _context_parallel(rank, world, comm):
+    topo = build_topology(cp=world)
+    group = topo.group("cp")
+    checked = []
+    for style in (LLAMA_STYLE, GPT2_STYLE):  # RoPE; learned positions (MTP embeds rolled positions)
+        cfg = tiny_config(style=style, mtp_num_layers=2).model
+        tokens, labels, mask = batch(cfg)
+        ref = reference_model(cfg)
+        ref_loss = masked_mean_loss(ref(tokens, labels=labels, loss_mask=mask), mask)
+        ref_loss.backward()
+        ref_logged = ref.mtp.take_logged_losses()
+        ctx = LayerContext(None, False, torch.float64, torch.device("cpu"), 1234, cp_group=group,
+                           cp_comm_type=comm)
+        model = GPTModel(cfg, ctx)
+
+        def local(t):
+            return split_for_context_parallel(t, 1, dist.get_rank(group), world)
+
+        loss = context_parallel_masked_mean(model(local(tokens), labels=local(labels), loss_mask=local(mask)),
+                                            local(mask), group)
+        loss.backward()
+        assert abs(loss.item() - ref_loss.item()) < 1e-10
+        assert (model.mtp.take_logged_losses() - ref_logged).abs().max() < 1e-10
+        for name, p in model.named_parameters():
+            dist.all_reduce(p.grad, group=group)  # DP x CP's gradient average (over CP here)
+            err = (p.grad / world - dict(ref.named_parameters())[name].grad).abs().max().item()
+            assert err < 1e-10, (comm, name, err)
+        checked.append(style["position_embedding_type"])
+    return checked
+
+
+@pytest.mark.parametrize("comm", ["p2p", "allgather", "a2a"])
+def test_mtp_under_context_parallelism_equals_single_process(comm):
+    assert run_ranks(_context_parallel, 2, comm, timeout=120) == [["rope", "learned_absolute"]] * 2

@@ -1,8 +1,8 @@
 """pretrain_gpt.py --mock-data with --mtp-num-layers (float32, 4 iterations): the iteration line
 carries each depth's MTP loss after the lm loss under Megatron's names (`mtp_1 loss: ... |`,
 MTPLossLoggingHelper's), metrics.jsonl too, and PP 2 (MTP on the last stage, its embedding copy's
-gradient summed with the first stage's), DP 2 with the distributed optimizer and DP 2 with FSDP2 log
-the lm and MTP losses of one process within 1e-5; an MoE model's MTP layer (MoE too) under EP 2 and
+gradient summed with the first stage's), DP 2 with the distributed optimizer, DP 2 with FSDP2 and
+CP 2 log the lm and MTP losses of one process within 1e-5; an MoE model's MTP layer (MoE too) under EP 2 and
 PP 2 logs its lm, balancing and MTP losses."""
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def test_mtp_losses_in_the_iteration_line_and_pipeline_parity(tmp_path):
     for it, r in iterations.items():  # the line prints 7 digits
         assert abs(r["mtp_1 loss"] - ours[it][1]) < 1e-6 and abs(r["mtp_2 loss"] - ours[it][2]) < 1e-6
     layouts = (["--pipeline-model-parallel-size", "2"], ["--use-distributed-optimizer"],
-               ["--use-torch-fsdp2"])
+               ["--use-torch-fsdp2"], ["--context-parallel-size", "2"])
     for layout in layouts:
         parallel = logged(pretrain_in_ranks(TINY + MTP + layout, 2)[-1])
         assert sorted(parallel) == sorted(ours), layout
