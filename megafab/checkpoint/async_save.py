@@ -27,7 +27,7 @@ from megafab.checkpoint.directory import commit_checkpoint, iteration_dir, lates
 from megafab.checkpoint.errors import CheckpointError
 from megafab.checkpoint.source import rng_file
 
-ABANDON_WAIT_S = 60.0
+ABANDON_WAIT_S = 30.0
 
 
 def dcp_async():

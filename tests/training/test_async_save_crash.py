@@ -102,3 +102,36 @@ def test_sigkill_during_an_async_save_leaves_the_previous_checkpoint_latest(corp
         assert open(os.path.join(save, TRACKER)).read() == "4"
         assert sorted(os.listdir(save)) == sorted(["iter_0000002", "iter_0000004", "metrics.jsonl", TRACKER,
                                                    "resolved_config.toml"])  # the stale .tmp is gone
+
+
+def _error_at_iteration_3(marks: str):
+    """before_main: the slow writer, and a user error (one message) raised in iteration 3's step."""
+    slow = _slow_writer(marks)
+
+    def hook(rank: int) -> None:
+        slow(rank)
+        from megafab.errors import MegafabError
+        from megafab.training import pretrain
+
+        step = pretrain.train_step
+
+        def failing_step(state, *args, **kwargs):
+            if state.iteration == 2:
+                raise MegafabError("a user error in iteration 3")
+            return step(state, *args, **kwargs)
+        pretrain.train_step = failing_step
+    return hook
+
+
+def test_an_error_with_a_save_pending_waits_for_the_writer_and_commits_nothing(corpus, tmp_path):
+    save, marks = str(tmp_path / "ckpt"), str(tmp_path / "marks")
+    os.makedirs(marks)
+    result = run_ranks_main(2, _flags(corpus, 100000, save), tmp_path / "log", timeout=120,
+                            before_main=_error_at_iteration_3(marks))
+    assert result.codes == [2, 2], result.describe()
+    assert "a user error in iteration 3" in result.err[0]
+    note = "the asynchronous save of iteration 2 was finalized; no checkpoint yet stays the latest"
+    assert note in result.out[0]
+    assert not os.path.exists(os.path.join(save, TRACKER))
+    # each rank waited for its writer: its files of iteration 2 are complete, though never committed
+    assert all(os.path.exists(os.path.join(marks, f"written.iter_0000002.tmp.{r}")) for r in (0, 1))
