@@ -25,6 +25,8 @@ def test_forced_routing_and_per_layer_log(tmp_path):
     assert "moe/" not in out  # the per-layer values go to TensorBoard only
     gate_routed = logged(pretrain_in_ranks(TINY + MOE + ["--pipeline-model-parallel-size", "2"], 2)[-1])
     assert forced[1][0] != gate_routed[1][0]  # other experts chose: another loss from the first step
+    # uniform routing: the switch loss E/k * sum_i f_i P_i is 1 up to sampling noise
+    assert all(abs(balancing - 1) < 0.1 for _, balancing, _ in forced.values()), forced
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(tmp_path / "tb"))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megafab.distributed.mappings import group_rank
 from megafab.model.moe.balancing import LossScale
 from megafab.model.moe.dispatcher import DISPATCHERS
 from megafab.model.moe.experts import ExpertShape, GroupedExperts, SequentialExperts
@@ -48,6 +49,7 @@ class MoELayer(nn.Module):
             calculate_per_token_loss=calculate_per_token_loss, tp_cp_group=tp_cp_group,
             tp_dp_cp_group=tp_dp_cp_group)
         self.router.log_layer = log_layer_index(prefix, cfg.num_layers)
+        self.router.random_offset = 100 * group_rank(ep_group) + group_rank(etp_group)
         self.dispatcher = DISPATCHERS[settings.moe_token_dispatcher_type](
             settings.num_experts, ep_group, etp_group, tp_ep_group)
         common = dict(swiglu=cfg.swiglu, activation=activation, init_method_std=cfg.init_method_std,

@@ -79,8 +79,10 @@ class TopKRouter(nn.Module):
         # Megatron's logging name -> loss / coeff summed over the forwards since the log last read
         # it (loss_logging.moe_loss_values)
         self.logged_losses: dict[str, torch.Tensor] = {}
-        # this layer's index in the per-layer log (--moe-per-layer-logging; MoELayer sets it)
+        # this layer's index in the per-layer log (--moe-per-layer-logging; MoELayer sets it) and
+        # 100 * EP rank + ETP rank (--moe-router-force-load-balancing's draws differ by it)
         self.log_layer: int | None = None
+        self.random_offset = 0
         # global_aux_loss's mean counts seen by checkpointed forwards, for their recomputes
         self._replayed_counts: deque[torch.Tensor] = deque()
 
@@ -101,7 +103,7 @@ class TopKRouter(nn.Module):
         dtype = ROUTER_DTYPES.get(s.moe_router_dtype, x.dtype)
         logits = gate_logits(x, self.weight, self.bias, dtype)  # [s, b, E]
         if s.moe_router_force_load_balancing:  # benchmarks: uniform routing (routing.random_logits)
-            logits = random_logits(logits)
+            logits = random_logits(logits, self.random_offset)
         seq_length, batch = logits.shape[:2]
         logits = logits.view(-1, self.num_experts)
         training = self.training and torch.is_grad_enabled()

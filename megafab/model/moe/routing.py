@@ -50,20 +50,22 @@ class _RandomLogits(torch.autograd.Function):
     the gradient passed straight through to the gate (megatron-core's RandomSTE)."""
 
     @staticmethod
-    def forward(ctx, logits):
-        return torch.empty_like(logits).normal_()
+    def forward(ctx, logits, generator):
+        return torch.empty_like(logits).normal_(generator=generator)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad
+        return grad, None
 
 
-def random_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Random logits of `logits`' shape and dtype, from the default stream of its device: every
-    rank that holds the same tokens draws the same ones (TP without SP, and a recompute replays
-    them). megatron-core draws from its expert-parallel stream, which differs across EP ranks;
-    routing is uniform either way."""
-    return _RandomLogits.apply(logits)
+def random_logits(logits: torch.Tensor, rank_offset: int = 0) -> torch.Tensor:
+    """Random logits of `logits`' shape and dtype. megatron-core draws them from its expert-parallel
+    stream, seeded seed + 1024 + 100 * EP rank + ETP rank: independent across the ranks that
+    exchange tokens. Here a generator on logits' device is seeded with one draw of the CPU default
+    stream (host-side; a recompute's RNG snapshot replays it) plus `rank_offset` (the router's
+    100 * EP rank + ETP rank)."""
+    seed = int(torch.randint(0, 2**62, (1,)).item()) + rank_offset
+    return _RandomLogits.apply(logits, torch.Generator(device=logits.device).manual_seed(seed))
 
 
 def _float32_softmax(logits: torch.Tensor) -> torch.Tensor:

@@ -48,7 +48,11 @@ def test_forced_routing_is_uniform_whatever_the_gate_says(groups):
     assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0  # straight through
     torch.manual_seed(0)
     again = _router(moe_router_force_load_balancing=True, **common)(x)[1]
-    assert torch.equal(again, forced_map)  # the default stream's draws: the same seed, the same routing
+    assert torch.equal(again, forced_map)  # the same seed, the same routing
+    other_rank = _router(moe_router_force_load_balancing=True, **common)
+    other_rank.random_offset = 100  # EP rank 1 (megatron-core's expert-parallel seed: + 100 per EP rank)
+    torch.manual_seed(0)
+    assert not torch.equal(other_rank(x)[1], forced_map)
 
 
 def test_random_logits_are_standard_normal_and_pass_the_gradient_through():
