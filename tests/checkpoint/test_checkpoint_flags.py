@@ -59,8 +59,8 @@ def test_checkpoint_flags_without_use_are_announced_and_unimplemented_ones_refus
     assert not cfg.checkpoint.async_save and "disabling --async-save" in cfg.start_up_notes()[0]
     both = [*base, "--save", "s", "--async-save", "--use-persistent-ckpt-worker"]
     assert config_from_args(both, world_size=1).checkpoint.async_save
-    with pytest.raises(ConfigError, match="--async-save with --ckpt-format torch: Megatron saves asynchronously "
-                                          "only in torch_dist"):
+    with pytest.raises(ConfigError, match="--async-save with --ckpt-format torch: Megatron saves "
+                                          "asynchronously only in torch_dist"):
         config_from_args([*both, "--ckpt-format", "torch", "--no-save-optim"], world_size=1)
 
 
