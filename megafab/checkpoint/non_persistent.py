@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
+
+import torch.distributed as dist
 
 from megafab.checkpoint.directory import ITERATION_DIR, TRACKER, latest_iteration
 from megafab.checkpoint.errors import CheckpointError
@@ -40,11 +43,6 @@ def check_one_node(ck, topo) -> None:
     only its own ranks' files (and rank 0's .metadata), which megafab cannot load."""
     if ck.non_persistent_ckpt_type != "local":
         return
-    # deferred: torch.distributed is only needed here, at run time
-    import socket
-
-    import torch.distributed as dist
-
     hosts = [None] * topo.world_size
     dist.all_gather_object(hosts, socket.gethostname())
     if len(set(hosts)) > 1:
