@@ -18,6 +18,7 @@ forward's side effects (the router's counts and logs) happen once: modules ask r
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from dataclasses import dataclass
 
@@ -209,6 +210,22 @@ class _DiscardableRun(torch.autograd.Function):
                               for t in (*inputs, *region.params)))
 
 
+def eager(fn):
+    """fn under --compile: a graph break, run eagerly (torch.compiler.disable). Applied at the first
+    call, not at import: applying it imports torch._dynamo (seconds), which the planner's meta
+    builds of the model never need."""
+    disabled = None
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        nonlocal disabled
+        if disabled is None:
+            disabled = torch.compiler.disable(fn)
+        return disabled(*args, **kwargs)
+
+    return call
+
+
 class DiscardedOutput:
     """megatron-core's output-discarding checkpoint (CheckpointWithoutOutput), for the layernorm,
     moe_act and mla_up_proj modules: a cheap region whose output is saved by the next op.
@@ -228,7 +245,7 @@ class DiscardedOutput:
         self.fn, self.params, self.active = fn, params, active
         self.ctx = self.outputs = self.recomputed = None
 
-    @torch.compiler.disable  # (--compile: a graph break; the region and its storage tricks run eagerly)
+    @eager  # (--compile: a graph break; the region and its storage tricks run eagerly)
     def __call__(self, *inputs):
         # inside a checkpointed region (full recompute, moe) the region's tensors are not kept anyway,
         # and a freed storage there would be one the checkpoint hands to the original graph
@@ -244,7 +261,7 @@ class DiscardedOutput:
                         if o.untyped_storage().data_ptr() not in kept]  # (position, output)
         return out
 
-    @torch.compiler.disable
+    @eager
     def discard(self, hook_tensor: torch.Tensor) -> None:
         """Free the output's storage; the gradient of `hook_tensor` (computed in backward before any
         op that saved the output runs) recomputes it."""
@@ -276,7 +293,7 @@ class DiscardedOutput:
 # recompute: checkpointed for a region inside a layer (the selective modules); under --compile it
 # breaks the layer's graph and runs eagerly. Full recompute checkpoints whole (compiled) layers from
 # outside them: forward_layers calls checkpointed itself.
-recompute = torch.compiler.disable(checkpointed)
+recompute = eager(checkpointed)
 
 
 def forward_layers(layers, x, settings: RecomputeSettings, ctx, *layer_args):
