@@ -135,7 +135,7 @@ def torch_dist_parts(state, with_optim: bool):
     stacked = megatron_keys.stacks_layers(moe)
     layers, objects = _held_layers(state), {}
     if topo.tp_rank == 0 and topo.dp_rank == 0:
-        objects = megatron_dist.extra_state_objects(layers, cfg.model.num_layers, moe, stacked)
+        objects = megatron_dist.extra_state_objects(layers, cfg.model.num_layers, moe, stacked, cfg.model)
         if topo.is_last_stage:
             objects.update(megatron_dist.mtp_extra_state_objects(cfg.model, moe))
     experts = cs.expert_placement(state)

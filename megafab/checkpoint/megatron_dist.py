@@ -220,21 +220,25 @@ class TorchDistSource(CheckpointSource):
 
 
 # ---- writing -------------------------------------------------------------------------------------
-def _layer_modules(layer: int, moe) -> tuple[str, ...]:
+def _layer_modules(layer: int, moe, model_cfg=None) -> tuple[str, ...]:
+    attention = mk.attention_modules(model_cfg)  # linear_qkv / linear_proj, or MLA's projections
     if moe is None or not moe.is_moe_layer(layer):
-        return mk.EXTRA_STATE_MODULES
+        return attention + mk.EXTRA_STATE_MODULES[len(mk.ATTENTION_MODULES):]
     shared = mk.SHARED_EXPERT_MODULES if moe.moe_shared_expert_intermediate_size is not None else ()
-    return mk.ATTENTION_MODULES + shared
+    return attention + shared
 
 
-def extra_state_objects(layers, num_layers: int, moe=None, stacked: bool = True) -> dict[str, list]:
+def extra_state_objects(layers, num_layers: int, moe=None, stacked: bool = True,
+                        model_cfg=None) -> dict[str, list]:
     """The `_extra_state` byte objects of `layers` (global numbers) megatron-core's loader asks for,
     but the routed experts' (expert_extra_state_objects): [None] each, as its local-spec linear
-    layers save (Transformer Engine layers accept None too). moe: the MoE settings (cfg.moe)."""
+    layers save (Transformer Engine layers accept None too). moe: the MoE settings (cfg.moe);
+    model_cfg: the model's (multi-latent attention has its own projections; None: standard)."""
     def key(module, layer):
         return stacked_extra_state_key(module, layer, num_layers) if stacked else \
             layer_extra_state_key(module, layer)
-    return {key(module, layer): [None] for layer in layers for module in _layer_modules(layer, moe)}
+    return {key(module, layer): [None]
+            for layer in layers for module in _layer_modules(layer, moe, model_cfg)}
 
 
 def mtp_extra_state_objects(model_cfg, moe=None) -> dict[str, list]:
@@ -242,7 +246,7 @@ def mtp_extra_state_objects(model_cfg, moe=None) -> dict[str, list]:
     depth's eh_proj and its transformer layer's linear modules (the decoder's last layer's kind;
     the local spec's, MTP runs no Transformer Engine layer)."""
     modules = ("eh_proj",) + tuple(MTP_TRANSFORMER_LAYER + m
-                                   for m in _layer_modules(model_cfg.num_layers - 1, moe)
+                                   for m in _layer_modules(model_cfg.num_layers - 1, moe, model_cfg)
                                    if m != "self_attention.core_attention")
     return {mtp_extra_state_key(module, depth): [None]
             for depth in range(model_cfg.mtp_num_layers or 0) for module in modules}

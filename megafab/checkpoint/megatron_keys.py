@@ -7,7 +7,7 @@ stacks_layers), layer norms under Transformer Engine names, routed experts as
 `mlp.experts.experts.*`, and SwiGLU's fc1 as one [2f, h] tensor where megafab keeps a [2, f, h]
 view (_megatron_boxes). There is no `model.` prefix; optimizer state is
 `optimizer.state.<kind>.<key>`, shaped and boxed like the parameter (to_megatron), Adam's step in
-common.pt.
+common.pt. Multi-latent attention layers keep their norms unfused (MLA_TE_NAMES).
 
 Every translated box is a view of the megafab box's view: translating copies nothing.
 """
@@ -56,24 +56,59 @@ EXTRA_STATE_MODULES = LINEAR_MODULES + ("self_attention.core_attention",)
 # routed expert's linear_fc1 / linear_fc2 (keys.expert_extra_state_key)
 SHARED_EXPERT_MODULES = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
 EXPERT_MODULES = ("linear_fc1", "linear_fc2")
+# Multi-latent attention (megatron-core's MLA layer specs): no linear_qkv to fuse the input norm into,
+# so input_layernorm stays unfused in both specs, and the local spec (no keys map) keeps
+# pre_mlp_layernorm unfused too: megafab writes the local spec's names. The Transformer Engine spec
+# fuses the latent norms into the up projections (and a dense layer's pre-MLP norm into fc1): read.
+MLA_TE_NAMES = {
+    "self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
+    "self_attention.q_layernorm.bias": "self_attention.linear_q_up_proj.layer_norm_bias",
+    "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight",
+    "self_attention.kv_layernorm.bias": "self_attention.linear_kv_up_proj.layer_norm_bias",
+}
+MLA_KV_MODULES = ("self_attention.linear_kv_down_proj", "self_attention.linear_kv_up_proj",
+                  "self_attention.linear_proj")
 
 
-def megatron_name(name: str) -> tuple[str, int | None]:
+def is_mla(model_cfg) -> bool:
+    return bool(getattr(model_cfg, "multi_latent_attention", False))
+
+
+def attention_modules(model_cfg=None) -> tuple[str, ...]:
+    """The attention's linear modules (each has an `_extra_state`): linear_qkv and linear_proj, or
+    multi-latent attention's projections (linear_q_proj without a query LoRA)."""
+    if not is_mla(model_cfg):
+        return ATTENTION_MODULES
+    q = ("linear_q_proj",) if model_cfg.q_lora_rank is None else ("linear_q_down_proj", "linear_q_up_proj")
+    return tuple("self_attention." + m for m in q) + MLA_KV_MODULES
+
+
+def _replace_suffix(name: str, table: dict) -> str:
+    for old, new in table.items():
+        if name.endswith("." + old):
+            return name[:-len(old)] + new
+    return name
+
+
+def megatron_name(name: str, mla: bool = False) -> tuple[str, int | None]:
     """(Megatron key, layer number or None) of megafab parameter `name` (stacked layers).
 
     megafab's `decoder.layers.N.<suffix>` is row N of Megatron's `decoder.layers.<suffix>` [L, ...],
     L = every layer of the model whatever its PP/VPP split. Layer norms carry Transformer Engine
     names whatever the layer spec (the local spec's input_layernorm is
-    self_attention.linear_qkv.layer_norm_*: param_names.TE_NAMES). Routed experts'
+    self_attention.linear_qkv.layer_norm_*: param_names.TE_NAMES), but in a multi-latent attention
+    model (mla), whose local spec keeps every norm unfused. Routed experts'
     `mlp.experts.linear_fc1.weight` [E, 2f, h] (global expert axis) is Megatron's
     `mlp.experts.experts.linear_fc1.weight`, [L, E, 2f, h] stacked."""
-    return stacked_name(dist_expert_name(local_to_te_name(name)))
+    return stacked_name(dist_expert_name(name if mla else local_to_te_name(name)))
 
 
 def megafab_name(key: str, layer: int | None, te_names: bool = False) -> str:
     """Inverse of megatron_name: the local-spec name (a full megafab state dict's), or the
-    Transformer Engine one (te_names: a --transformer-impl transformer_engine model's)."""
-    name = undist_expert_name(unstacked_name(key, layer))
+    Transformer Engine one (te_names: a --transformer-impl transformer_engine model's); MLA's
+    Transformer Engine latent norms read as the local q_layernorm / kv_layernorm."""
+    name = _replace_suffix(undist_expert_name(unstacked_name(key, layer)),
+                           {te: local for local, te in MLA_TE_NAMES.items()})
     return name if te_names else te_to_local_name(name) or name
 
 
@@ -126,15 +161,16 @@ def _megatron_boxes(box: Box, view, layer: int | None, stacked: bool, strided: t
     return [(Box((layer, *b.offsets), (1, *b.sizes)), v.unsqueeze(0)) for b, v in pieces]
 
 
-def _stored_name(name: str, stored_keys) -> tuple[str, int | None]:
-    """megatron_name, or, reading a checkpoint that keeps the layer norm unfused (Transformer
-    Engine's spec of an MoE layer: `pre_mlp_layernorm.weight`, there being no linear_fc1 to fuse it
-    into), that name."""
-    base, layer = megatron_name(name)
+def _stored_name(name: str, stored_keys, mla: bool = False) -> tuple[str, int | None]:
+    """megatron_name, or, reading a checkpoint whose spec fuses a norm otherwise, the name it has
+    there: unfused (Transformer Engine's spec of an MoE layer: `pre_mlp_layernorm.weight`, there
+    being no linear_fc1 to fuse it into), fused (an MLA model's dense layer under Transformer
+    Engine: `mlp.linear_fc1.layer_norm_weight`), or MLA's latent norms fused (MLA_TE_NAMES)."""
+    base, layer = megatron_name(name, mla)
     if stored_keys is not None and base not in stored_keys:
-        unfused = stacked_name(dist_expert_name(name))
-        if unfused[0] in stored_keys:
-            return unfused
+        for other in (megatron_name(name, not mla), megatron_name(_replace_suffix(name, MLA_TE_NAMES), True)):
+            if other[0] in stored_keys:
+                return other
     return base, layer
 
 
@@ -145,13 +181,13 @@ def to_megatron(shards: dict[str, Shard], model_cfg, main_kind: str = "fp32_para
     checkpoint's parameter keys (optimizer kinds stripped), for the names a spec may keep unfused.
     Optimizer kinds are the torch optimizer's own (exp_avg, exp_avg_sq; momentum_buffer) and the
     fp32 main copy, main_kind: `fp32_param` (plain optimizer) or `param` (fully_reshardable)."""
-    num_layers = model_cfg.num_layers
+    num_layers, mla = model_cfg.num_layers, is_mla(model_cfg)
     out: dict[str, Shard] = {}
     for key, shard in shards.items():
         name, kind = split_key(key)
         if kind == STEP:
             continue
-        base, layer = _stored_name(name, stored_keys)
+        base, layer = _stored_name(name, stored_keys, mla)
         dim = strided_dim(name, model_cfg.swiglu)
         shape = tuple(shard.global_shape)
         if dim is not None:

@@ -248,7 +248,8 @@ def _with_extra_states(out: dict) -> dict:
         if layer is not None and leaf == "weight" and module.rpartition(".")[2].startswith("linear_"):
             modules.add(module)
     for layer in sorted({layer_of(n) for n in out} - {None}):
-        modules.update(layer_name(layer, m) for m in LINEAR_MODULES[:2])  # attention's, always
+        if layer_name(layer, "self_attention.linear_kv_down_proj.weight") not in out:  # MLA: found above
+            modules.update(layer_name(layer, m) for m in LINEAR_MODULES[:2])  # attention's, always
     for module in sorted(modules):
         out[f"{module}.{EXTRA_STATE}"] = None
     return out

@@ -32,7 +32,7 @@ from megafab.checkpoint.layout import (
 )
 from megafab.distributed.fsdp import is_fully_sharded, local_tensor
 from megafab.distributed.random import checkpoint_rng_state, restore_rng_state
-from megafab.param_names import EXPERT_BIAS, parse_index
+from megafab.param_names import EXPERT_BIAS, mtp_split_key, parse_index
 
 
 def expert_placement(state) -> ExpertPlacement | None:
@@ -53,13 +53,14 @@ def _layout(state, name: str, p) -> ParamLayout:
 
 def checkpointed_buffers(state) -> list[tuple[str, torch.Tensor]]:
     """(global name, buffer) of the buffers a checkpoint keeps: each MoE router's expert_bias (the
-    same on every rank of its stage: updated from all-reduced token counts), written by TP/DP/CP
-    rank 0 and read whole by every rank."""
+    same on every rank of its stage: updated from all-reduced token counts; an MoE MTP layer's
+    too), written by TP/DP/CP rank 0 and read whole by every rank."""
     out = []
     for chunk in state.model:
         for name, buf in getattr(chunk, "module", chunk).named_buffers():
             parsed = parse_index(name)
-            if buf is not None and parsed is not None and parsed[1] == EXPERT_BIAS:
+            suffix = parsed[1] if parsed is not None else mtp_split_key(name)
+            if buf is not None and suffix == EXPERT_BIAS:
                 out.append((name, buf))
     return out
 

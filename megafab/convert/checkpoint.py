@@ -164,7 +164,7 @@ def _write_torch_dist(tmp, sd, cfg, record) -> None:
               for n, t in sd.items()}
     moe = moe_settings(cfg)
     stacked, layers = megatron_keys.stacks_layers(moe), range(cfg.model.num_layers)
-    objects = megatron_dist.extra_state_objects(layers, cfg.model.num_layers, moe, stacked)
+    objects = megatron_dist.extra_state_objects(layers, cfg.model.num_layers, moe, stacked, cfg.model)
     objects.update(megatron_dist.mtp_extra_state_objects(cfg.model, moe))
     if moe is not None:
         objects.update(megatron_dist.expert_extra_state_objects(layers, cfg.model.num_layers, moe,
