@@ -25,7 +25,8 @@ MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_hea
               "untie_embeddings_and_output_weights")
 # Megatron model options megafab does not implement (once ModelConfig has the field, it is compared).
 MEGATRON_ONLY_ARGS = ("qk_l2_norm", "multi_latent_attention", "mtp_num_layers",
-                      "rotary_interleaved", "use_rope_scaling", "window_size")
+                      "rotary_interleaved", "use_rope_scaling", "rope_scaling_factor",
+                      "rotary_seq_len_interpolation_factor", "window_size")
 
 # Multi-latent attention's shapes and RoPE (compared when either model is an MLA model; Megatron
 # records their defaults in every checkpoint)

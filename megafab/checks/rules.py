@@ -33,6 +33,7 @@ def component_problems(cfg) -> list[str]:
     from megafab.distributed.data_parallel import bucket_size_problems
     from megafab.model.mtp import mtp_problems
     from megafab.model.recompute import RecomputeSettings
+    from megafab.model.rotary import rope_scaling_problems
     from megafab.model.te import te_layer_problems
     from megafab.optim.cpu_offload import offload_problems
     from megafab.optim.grad_scaler import scaler_problems
@@ -44,6 +45,7 @@ def component_problems(cfg) -> list[str]:
         multi_latent_attention=getattr(m, "multi_latent_attention", False), moe=cfg.moe)
     out += te_layer_problems(m)
     out += mtp_problems(m, p)
+    out += rope_scaling_problems(m)
     if o.optimizer_offload_fraction is not None:
         out += offload_problems(o.optimizer_offload_fraction)
     if p.ddp_bucket_size is not None and not p.fully_sharded:

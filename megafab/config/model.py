@@ -35,6 +35,18 @@ class ModelConfig(Section):
              "Megatron-LM's spelling after core 0.16) or none.")
     rotary_base: int = option(10000, help="RoPE base (theta).")
     rotary_percent: float = option(1.0, help="Fraction of each head's channels that RoPE rotates.")
+    # ---- Llama-3 RoPE scaling and position interpolation (megatron-core's RotaryEmbedding) ----
+    use_rope_scaling: bool = option(
+        False, help="Llama 3.x RoPE scaling (HF's rope_type llama3) of plain RoPE's frequencies.")
+    rope_scaling_factor: float = option(8.0, help="Llama 3.x RoPE scaling factor.")
+    rope_scaling_low_freq_factor: float = option(
+        1.0, help="Llama 3.x RoPE scaling's low_freq_factor (megatron-core fixes it at 1).")
+    rope_scaling_high_freq_factor: float = option(
+        4.0, help="Llama 3.x RoPE scaling's high_freq_factor (megatron-core fixes it at 4).")
+    rope_scaling_original_max_position_embeddings: int = option(
+        8192, help="Llama 3.x RoPE scaling's original context (megatron-core fixes it at 8192).")
+    rotary_seq_len_interpolation_factor: float | None = option(
+        None, help="Linear position interpolation: RoPE sees each position divided by this factor.")
     # ---- multi-latent attention (megatron-core's MLASelfAttention) and YaRN (model/rotary.py) ----
     multi_latent_attention: bool = option(
         False,

@@ -13,19 +13,20 @@ import os
 import torch
 
 from megafab.config import Config, ModelConfig
-from megafab.convert import hf_gpt2, hf_llama, hf_mixtral, hf_qwen3_moe
+from megafab.convert import hf_gpt2, hf_llama, hf_mixtral, hf_qwen2, hf_qwen3, hf_qwen3_moe
 from megafab.convert.state_dict import ConversionError, finalize_model_config
 from megafab.convert.tokenizer_files import save_tokenizer_files, tokenizer_special_ids
 
-ARCHITECTURES = {"gpt2": hf_gpt2, "llama": hf_llama, "mixtral": hf_mixtral, "qwen3_moe": hf_qwen3_moe}
+ARCHITECTURES = {"gpt2": hf_gpt2, "llama": hf_llama, "mixtral": hf_mixtral, "qwen2": hf_qwen2,
+                 "qwen3": hf_qwen3, "qwen3_moe": hf_qwen3_moe}
 MOE_ARCHITECTURES = ("mixtral", "qwen3_moe")  # their converters take cfg.moe as `moe`
 WEIGHTS = "model.safetensors"
 
 
 def architecture_of(m: ModelConfig, moe=None) -> str:
-    """gpt2 (learned positions, LayerNorm, GELU, biases) or llama (RoPE, RMSNorm, SwiGLU, no biases);
-    a mixture of experts (moe: cfg.moe) of the Llama architecture: qwen3_moe with --qk-layernorm,
-    else mixtral."""
+    """gpt2 (learned positions, LayerNorm, GELU, biases) or llama (RoPE, RMSNorm, SwiGLU, no biases),
+    the latter as qwen3 with --qk-layernorm and qwen2 with --add-qkv-bias; a mixture of experts
+    (moe: cfg.moe) of the Llama architecture: qwen3_moe with --qk-layernorm, else mixtral."""
     if moe is not None and moe.num_experts is not None:
         return "qwen3_moe" if m.qk_layernorm else "mixtral"
     gpt2 = dict(position_embedding_type="learned_absolute", normalization="LayerNorm", swiglu=False,
@@ -33,6 +34,8 @@ def architecture_of(m: ModelConfig, moe=None) -> str:
     llama = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False)
     for name, want in (("gpt2", gpt2), ("llama", llama)):
         if all(getattr(m, k) == v for k, v in want.items()):
+            if name == "llama" and (m.qk_layernorm or m.add_qkv_bias):
+                return "qwen3" if m.qk_layernorm else "qwen2"
             return name
     have = {k: getattr(m, k) for k in gpt2}
     raise ConversionError(f"model {have} is neither the GPT-2 architecture {gpt2} nor the Llama architecture "
@@ -112,14 +115,14 @@ def read_hf_config(hf_dir: str) -> dict:
     if not isinstance(c, dict) or c.get("model_type") not in ARCHITECTURES:
         kind = c.get("model_type") if isinstance(c, dict) else None
         raise ConversionError(f"{path}: model_type {kind!r} is not one of "
-                              f"{sorted(ARCHITECTURES)}; megafab converts GPT-2, Llama, Mixtral and "
-                              f"Qwen3-MoE models")
+                              f"{sorted(ARCHITECTURES)}; megafab converts GPT-2, Llama, Qwen2, Qwen3, "
+                              f"Mixtral and Qwen3-MoE models")
     return c
 
 
 def import_hf(hf_dir: str, tp: int = 1, make_vocab_size_divisible_by: int = 128,
               dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], Config]:
-    """(full megafab state dict, Config) of a HF GPT-2/Llama/Mixtral/Qwen3-MoE directory. The
+    """(full megafab state dict, Config) of a HF GPT-2/Llama/Qwen2/Qwen3/Mixtral/Qwen3-MoE directory. The
     vocabulary is padded for tensor-parallel size `tp` as training with --make-vocab-size-divisible-by
     will pad it; the tokenizer directory is recorded as HuggingFaceTokenizer when it has tokenizer files."""
     c = read_hf_config(hf_dir)

@@ -42,7 +42,7 @@ def to_hf_config(m: ModelConfig, moe, eod: int | None = None, bos: int | None = 
         moe_intermediate_size=moe.ffn_hidden_size(m.ffn_hidden_size), num_hidden_layers=m.num_layers,
         num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_query_groups,
         head_dim=m.kv_channels, hidden_act="silu", max_position_embeddings=m.max_position_embeddings,
-        rms_norm_eps=m.norm_epsilon, rope_theta=float(m.rotary_base), attention_bias=False,
+        rms_norm_eps=m.norm_epsilon, rope_parameters=hf_llama.rope_to_hf(m), attention_bias=False,
         attention_dropout=m.attention_dropout, initializer_range=m.init_method_std,
         tie_word_embeddings=not m.untie_embeddings_and_output_weights, num_experts=moe.num_experts,
         num_experts_per_tok=moe.moe_router_topk, norm_topk_prob=hf_moe.norm_topk_prob(moe),

@@ -8,7 +8,8 @@ apply_rotary_pos_emb(multi_latent_attention=True) does (its output keeps that or
 interpolated and original frequencies over a ramp between the correction range's ends and scales cos
 and sin by its attention factor (mscale / mscale_all_dim); multi-latent attention also squares
 yarn_mscale(scale, mscale_all_dim) into its softmax scale (mla_softmax_scale). Angles are computed in
-float64 (megatron-core uses float32) and cast to the model's dtype.
+float64 (megatron-core uses float32) and cast to the model's dtype. Plain RoPE also takes Llama 3's
+frequency scaling (Llama3Scaling) and linear position interpolation (positions / factor).
 """
 
 from __future__ import annotations
@@ -64,6 +65,69 @@ class Yarn:
         return inter * (1 - keep) + extra * keep
 
 
+@dataclass(frozen=True)
+class Llama3Scaling:
+    """Llama 3.x RoPE scaling (megatron-core's RotaryEmbedding._apply_scaling, HF's rope_type llama3):
+    wavelengths above original / low_freq_factor are divided by factor, those below original /
+    high_freq_factor kept, the ones between mixed by a smooth factor."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    @classmethod
+    def from_model_config(cls, m) -> Llama3Scaling | None:
+        """The scaling of model config `m`; None without --use-rope-scaling (or off plain RoPE)."""
+        if not m.use_rope_scaling or rope_kind(m) != "rope" or m.multi_latent_attention:
+            return None
+        return cls(m.rope_scaling_factor, m.rope_scaling_low_freq_factor, m.rope_scaling_high_freq_factor,
+                   m.rope_scaling_original_max_position_embeddings)
+
+    def apply(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        old = self.original_max_position_embeddings
+        low_wavelen, high_wavelen = old / self.low_freq_factor, old / self.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / self.factor, inv_freq)
+        smooth = (old / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+
+
+def position_interpolation(m) -> float | None:
+    """--rotary-seq-len-interpolation-factor where megatron-core applies it (plain RoPE of standard
+    attention; its YaRN and multi-latent attention ignore it)."""
+    if rope_kind(m) != "rope" or m.multi_latent_attention:
+        return None
+    return m.rotary_seq_len_interpolation_factor
+
+
+def rope_scaling_problems(m) -> list[str]:
+    """Llama 3.x scaling's and position interpolation's rules (one line each)."""
+    out = []
+    plain = rope_kind(m) == "rope" and not m.multi_latent_attention
+    factor = m.rotary_seq_len_interpolation_factor
+    for flag, on in (("--use-rope-scaling", m.use_rope_scaling),
+                     ("--rotary-seq-len-interpolation-factor", factor is not None)):
+        if on and not plain:
+            out.append(f"{flag} scales plain RoPE of standard attention (megatron-core's RotaryEmbedding); "
+                       f"with {'multi-latent attention' if m.multi_latent_attention else 'YaRN or no RoPE'} "
+                       f"it would have no effect: use --position-embedding-type rope or drop it")
+    if factor is not None and not factor > 0:
+        out.append(f"--rotary-seq-len-interpolation-factor {factor} must be positive")
+    if m.use_rope_scaling:
+        if not m.rope_scaling_factor > 0:
+            out.append(f"--rope-scaling-factor {m.rope_scaling_factor} must be positive")
+        if not 0 < m.rope_scaling_low_freq_factor < m.rope_scaling_high_freq_factor:
+            out.append(f"--rope-scaling-low-freq-factor {m.rope_scaling_low_freq_factor} must be positive "
+                       f"and below --rope-scaling-high-freq-factor {m.rope_scaling_high_freq_factor}")
+        if not m.rope_scaling_original_max_position_embeddings > 0:
+            out.append(f"--rope-scaling-original-max-position-embeddings "
+                       f"{m.rope_scaling_original_max_position_embeddings} must be positive")
+    return out
+
+
 def _correction_dim(rotations: float, dim: int, base: float, max_positions: int) -> float:
     return dim * math.log(max_positions / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
@@ -102,13 +166,17 @@ def mla_softmax_scale(m) -> float:
 class RotaryEmbedding(nn.Module):
     """RoPE on the first rotary_percent of each head's channels (YaRN: all of them)."""
 
-    def __init__(self, kv_channels: int, rotary_percent: float, base: int, device, yarn: Yarn | None = None):
+    def __init__(self, kv_channels: int, rotary_percent: float, base: int, device, yarn: Yarn | None = None,
+                 llama3: Llama3Scaling | None = None, interpolation: float | None = None):
         super().__init__()
+        self.interpolation = interpolation
         self.dim = kv_channels if yarn is not None else int(kv_channels * rotary_percent)
         self.factor = 1.0 if yarn is None else yarn.attention_factor()
         if yarn is None:
             exponent = torch.arange(0, self.dim, 2, dtype=torch.float64, device=device) / self.dim
             inv_freq = 1.0 / (base**exponent)
+            if llama3 is not None:
+                inv_freq = llama3.apply(inv_freq)
         else:
             inv_freq = yarn.inv_freq(self.dim, base, device)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -116,12 +184,16 @@ class RotaryEmbedding(nn.Module):
     @classmethod
     def from_model_config(cls, m, device) -> RotaryEmbedding:
         yarn = Yarn.from_model_config(m)
-        return cls(rotary_dim(m), m.rotary_percent, m.rotary_base, device, yarn)
+        return cls(rotary_dim(m), m.rotary_percent, m.rotary_base, device, yarn,
+                   Llama3Scaling.from_model_config(m), position_interpolation(m))
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """position_ids [b, s] -> (cos, sin), each [s, b, 1, dim] in `dtype`, computed once per forward
         and shared by every layer (so backward keeps one copy, not one per layer and q/k)."""
-        freqs = position_ids.to(torch.float64).t()[..., None] * self.inv_freq  # [s, b, dim/2]
+        positions = position_ids.to(torch.float64).t()
+        if self.interpolation is not None:
+            positions = positions / self.interpolation
+        freqs = positions[..., None] * self.inv_freq  # [s, b, dim/2]
         angles = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
         if self.factor == 1.0:
             return angles.cos().to(dtype), angles.sin().to(dtype)

@@ -1,5 +1,5 @@
-"""Tiny random HF GPT-2 / Llama models built locally (no downloads) and megafab models from a
-full state dict."""
+"""Tiny random HF GPT-2 / Llama (plain and Llama-3 RoPE) / Qwen2 / Qwen3 models built locally (no
+downloads) and megafab models from a full state dict."""
 
 import torch
 
@@ -30,6 +30,31 @@ def hf_llama(seed=0, groups=2, tied=False):
                       max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=5000.0,
                       tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
     model = LlamaForCausalLM(cfg).eval()
+    _randomize(model)
+    return model
+
+
+# Llama 3's RoPE scaling with a short original context: on 8 channels at base 5000 the wavelengths
+# 6, 53, 444 and 3737 are kept, kept, smoothed and divided by the factor (original 512: bands 128-512)
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=5000.0, factor=8.0, low_freq_factor=1.0,
+                   high_freq_factor=4.0, original_max_position_embeddings=512)
+
+
+def hf_dense(family, seed=0, groups=2, tied=False, rope=None):
+    """A tiny random Llama-family model: "llama" (rope: its rope_parameters, default plain RoPE),
+    "qwen2" (q/k/v biases) or "qwen3" (QK-norm)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config_class, model_class = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+                                 "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+                                 "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[family]
+    cfg = getattr(transformers, config_class)(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=groups, head_dim=8, max_position_embeddings=128, rms_norm_eps=1e-5,
+        rope_parameters=rope or dict(rope_type="default", rope_theta=5000.0), tie_word_embeddings=tied,
+        bos_token_id=1, eos_token_id=2)
+    model = getattr(transformers, model_class)(cfg).eval()
     _randomize(model)
     return model
 

@@ -49,7 +49,8 @@ def transformer_config(m, dtype=torch.float32) -> TransformerConfig:
         num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
         kv_channels=m.kv_channels, normalization=m.normalization, layernorm_epsilon=m.norm_epsilon,
         gated_linear_unit=m.swiglu, activation_func=F.silu if m.swiglu else F.gelu,
-        add_bias_linear=m.add_bias_linear, add_qkv_bias=m.add_qkv_bias, hidden_dropout=0.0,
+        add_bias_linear=m.add_bias_linear, add_qkv_bias=m.add_qkv_bias, qk_layernorm=m.qk_layernorm,
+        hidden_dropout=0.0,
         attention_dropout=0.0, use_cpu_initialization=True, params_dtype=dtype,
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
@@ -62,12 +63,14 @@ def gpt_model(m, seed: int = 7, dtype=torch.float32) -> GPTModel:
     torch.manual_seed(seed)
     pp, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     model = GPTModel(
-        transformer_config(m, dtype), get_gpt_layer_local_spec(normalization=m.normalization),
+        transformer_config(m, dtype),
+        get_gpt_layer_local_spec(normalization=m.normalization, qk_layernorm=m.qk_layernorm),
         vocab_size=m.padded_vocab_size, max_sequence_length=m.max_position_embeddings,
         pre_process=pp_rank == 0, post_process=pp_rank == pp - 1, parallel_output=False,
         share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
         position_embedding_type=m.position_embedding_type, rotary_percent=m.rotary_percent,
-        rotary_base=m.rotary_base)
+        rotary_base=m.rotary_base, rope_scaling=m.use_rope_scaling, rope_scaling_factor=m.rope_scaling_factor,
+        seq_len_interpolation_factor=m.rotary_seq_len_interpolation_factor)
     for p in model.parameters():  # biases and norms start at 0 / 1: give every tensor values
         with torch.no_grad():
             p.add_(torch.randn_like(p) * 0.05)
