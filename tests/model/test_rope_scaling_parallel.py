@@ -1,6 +1,7 @@
 """A GPT with Llama 3.x RoPE scaling and position interpolation under TP 2 (with and without SP) and
-CP 2 (each rank's positions offset by its chunks) equals the single-process model in float64: the
-loss and every gradient within 1e-10; the config rules refuse the flags where they have no effect."""
+CP 2 (each rank's positions offset by its chunks), and Qwen2's q/k/v biases without other biases
+under TP 2 (+ SP), equal the single-process model in float64: the loss and every gradient within
+1e-10; the config rules refuse the RoPE flags where they have no effect."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from tests.helpers.tiny import (
 STYLE = dict(LLAMA_STYLE, rotary_percent=1.0, rotary_base=500000, use_rope_scaling=True,
              rope_scaling_factor=16.0, rope_scaling_original_max_position_embeddings=64,
              rotary_seq_len_interpolation_factor=2.0)
+QKV_BIAS = dict(LLAMA_STYLE, rotary_percent=1.0, add_qkv_bias=True)  # Qwen2's attention
 
 
 def loss_and_grads(model, tokens, labels, mask, tp_group=None):
@@ -46,19 +48,21 @@ def _compare(loss, grads, ref_loss, ref_grads):
 
 def _tp_parity(rank, world):
     topo = build_topology(tp=world)
-    cfg = tiny_config(tp=world, style=STYLE).model
-    tokens, labels, mask = batch(cfg)
-    ref = loss_and_grads(reference_model(cfg), tokens, labels, mask)
     checked = []
-    for sp in (False, True):
-        model = GPTModel(cfg, context(topo.group("tp"), sp))
-        checked.append(_compare(*loss_and_grads(model, tokens, labels, mask, topo.group("tp")), *ref))
+    for style in (STYLE, QKV_BIAS):
+        cfg = tiny_config(tp=world, style=style).model
+        tokens, labels, mask = batch(cfg)
+        ref = loss_and_grads(reference_model(cfg), tokens, labels, mask)
+        assert ("decoder.layers.0.self_attention.linear_qkv.bias" in ref[1]) == cfg.add_qkv_bias
+        for sp in (False, True):
+            model = GPTModel(cfg, context(topo.group("tp"), sp))
+            checked.append(_compare(*loss_and_grads(model, tokens, labels, mask, topo.group("tp")), *ref))
     return checked
 
 
-def test_rope_scaling_tensor_and_sequence_parallel_equal_single_process():
+def test_rope_scaling_and_qkv_bias_tensor_and_sequence_parallel_equal_single_process():
     checked = run_ranks(_tp_parity, 2, timeout=120)
-    assert all(len(c) == 2 and min(c) > 0 for c in checked)
+    assert all(len(c) == 4 and min(c) > 0 for c in checked)
 
 
 def _cp_parity(rank, world):
