@@ -9,6 +9,9 @@
 #      (torch.cuda.set_sync_debug_mode), time fused vs reference vs CP-1 SDPA and TE if installed
 #      (benchmarks/gpu_cp_check.py)
 #   4. FP8 loss curve vs bf16 (benchmarks/gpu_fp8_curve.py; TE rows "skipped" without TE)
+#   5. Transformer Engine layers (issue 37): TE's dense layer equals the local one, and megafab's layer
+#      around TE's linears/attention (MLA, MoE + shared experts, --qk-layernorm, MTP) equals the local
+#      model on the GPU (tests/model/test_te.py, test_te_wrap.py; "skipped" without TE)
 #   all: then issue 13's checks (TP layers on NCCL, the 1.3B MFU check), about 5 minutes more.
 # Results land in ${OUT:-benchmarks/results} (one .log per step, .json where the step writes one);
 # the last lines list each step's exit status.
@@ -71,6 +74,14 @@ if [ "$device" = cuda ]; then
 else
     step fp8_curve 120 python benchmarks/gpu_fp8_curve.py --tiny --device cpu --steps 3 --every 1 \
         --out "$out/fp8_curve_cpu.json"
+fi
+
+# 5. Transformer Engine layers (dense, and MLA / MoE / qk-norm / MTP around TE's modules)
+if [ "$device" = cuda ] && python -c "import transformer_engine.pytorch" 2>/dev/null; then
+    step te_layers 240 python -m pytest -q -p no:cacheprovider tests/model/test_te.py tests/model/test_te_wrap.py
+else
+    echo "== te_layers: skipped: needs CUDA and transformer_engine"
+    summary+=("te_layers: skipped")
 fi
 
 # issue 13's checks, on request

@@ -98,8 +98,7 @@ FP8_HERE = ([] if ON_GPU else ["--fp8-format needs a CUDA GPU"]) + \
 FUSED_HERE = [] if ON_GPU else ["--attention-backend fused needs a CUDA GPU"]
 # --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params runs as torch FSDP2
 # (ZeRO-3); what megafab's FSDP2 does not combine with yet is refused naming both flags.
-FSDP_LIMITS = ["--use-megatron-fsdp and --fp8-format cannot be combined",
-               "--use-megatron-fsdp and --transformer-impl transformer_engine cannot be combined"]
+FSDP_LIMITS = ["--use-megatron-fsdp and --fp8-format cannot be combined"]
 
 # (flags, world size the script implies, the problems the one message must list; none: the plan prints)
 CASES = {

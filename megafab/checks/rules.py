@@ -132,8 +132,6 @@ def mla_problems(cfg) -> list[str]:
     if m.add_qkv_bias:
         out.append("--add-qkv-bias with --multi-latent-attention: MLA's projections have no bias "
                    "(megatron-core's); drop --add-qkv-bias")
-    if m.transformer_impl == "transformer_engine":
-        out.append("--multi-latent-attention builds megafab's own MLA layer; use --transformer-impl local")
     sizes = (("--kv-lora-rank", m.kv_lora_rank), ("--qk-head-dim", m.qk_head_dim),
              ("--qk-pos-emb-head-dim", m.qk_pos_emb_head_dim), ("--v-head-dim", m.v_head_dim),
              ("--q-lora-rank", m.q_lora_rank))
@@ -202,9 +200,6 @@ def moe_problems(cfg) -> list[str]:
             out.append(f"--expert-model-parallel-size {ep} needs --num-experts (a dense model has no "
                        f"experts to split)")
         return out
-    if m.transformer_impl == "transformer_engine":
-        out.append("--num-experts builds megafab's own MoE layers inside the local transformer layer; "
-                   "use --transformer-impl local (Transformer Engine's layer has no MoE MLP here)")
     if tp > 1 and not p.sequence_parallel:
         out.append(f"MoE layers with --tensor-model-parallel-size {tp} need --sequence-parallel (Megatron "
                    f"refuses to train MoE under TP without it)")

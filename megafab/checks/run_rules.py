@@ -214,9 +214,6 @@ def sharding_problems(cfg) -> list[str]:
         if pr.fp8_format is not None:
             out.append(f"{flag} and --fp8-format cannot be combined in megafab yet (FSDP2 would gather "
                        f"16-bit weights for Transformer Engine's FP8 layers); drop one of them")
-        if m.transformer_impl == "transformer_engine":
-            out.append(f"{flag} and --transformer-impl transformer_engine cannot be combined in megafab "
-                       f"yet; use --transformer-impl local with FSDP2")
         if m.compile_layers:
             out.append(f"{flag} and --compile cannot be combined in megafab yet; drop --compile")
         if cfg.checkpoint.ckpt_format == "torch" and cfg.checkpoint.save:

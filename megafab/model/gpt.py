@@ -25,7 +25,8 @@ from megafab.model.init import normal_init
 from megafab.model.mtp import MTPBlock, MTPLayer
 from megafab.model.recompute import RecomputeSettings, forward_layers
 from megafab.model.rotary import RotaryEmbedding, rope_kind
-from megafab.model.te import fp8_chunk_context, transformer_layer_class
+from megafab.model.te import fp8_chunk_context
+from megafab.model.te_wrap import transformer_layer_class
 from megafab.model.transformer import LayerContext, build_norm
 from megafab.param_names import OUTPUT_LAYER, WORD_EMBEDDING
 from megafab.pipeline_split import PipelineSplit
@@ -129,9 +130,7 @@ class GPTModel(nn.Module):
             return RotaryEmbedding.from_model_config(cfg, ctx.device)
         layer = keys.module_layer(name)
         if layer is not None:  # local TransformerLayer or Transformer Engine's
-            assert ctx.moe is None or cfg.transformer_impl != "transformer_engine", \
-                "config rule moe_problems refuses MoE with Transformer Engine's layer"
-            return transformer_layer_class(cfg)(cfg, ctx, layer)
+            return transformer_layer_class(cfg, moe=ctx.moe is not None)(cfg, ctx, layer)
         if name == "decoder.final_layernorm":
             return build_norm(cfg, ctx)
         if keys.module_mtp_layer(name) is not None:

@@ -25,6 +25,7 @@ from megafab.distributed.context_parallel import context_parallel_attention
 from megafab.distributed.layers import ColumnParallelLinear, RowParallelLinear
 from megafab.distributed.mappings import (
     copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     group_size,
     scatter_to_sequence_parallel_region,
@@ -84,7 +85,10 @@ class MLASelfAttention(nn.Module):
             self.kv_layernorm = build_norm(cfg, ctx, self.kv_lora_rank)
 
     def _latent(self, down: torch.Tensor) -> torch.Tensor:
-        """A column-parallel down projection's [s, b, r/tp] -> the whole latent, [s(/tp), b, r]."""
+        """A column-parallel down projection's [s, b, r/tp] -> the whole latent, [s(/tp), b, r]; a
+        duplicated one's (Transformer Engine's, model/te_wrap.py) is that already."""
+        if down.shape[-1] == self.q_lora_rank:
+            return down
         full = gather_from_tensor_model_parallel_region(down, self.ctx.tp_group)
         if self.ctx.sequence_parallel:
             full = scatter_to_sequence_parallel_region(full, self.ctx.tp_group)
@@ -119,11 +123,17 @@ class MLASelfAttention(nn.Module):
             q_in = self._latent(self.linear_q_down_proj(x)[0])  # [s(/tp), b, q_lora_rank]
             if self.q_layernorm is not None:
                 q_in = self.q_layernorm(q_in)
-        kv = gather_from_tensor_model_parallel_region(self.linear_kv_down_proj(x)[0], group)  # [s, b, kvr+pe]
-        kv_latent, k_pe = kv.split([self.kv_lora_rank, self.pe], dim=-1)
-        if self.ctx.sequence_parallel:
-            kv_latent = scatter_to_sequence_parallel_region(kv_latent, group)
-        k_pe = copy_to_tensor_model_parallel_region(k_pe, group)  # each rank's heads: sum the grads
+        kv = self.linear_kv_down_proj(x)[0]
+        if kv.shape[-1] == self.kv_lora_rank + self.pe:  # duplicated (TE) or TP 1: this rank's tokens
+            kv_latent, k_pe = kv.split([self.kv_lora_rank, self.pe], dim=-1)
+            k_pe = gather_from_sequence_parallel_region(k_pe, group) if self.ctx.sequence_parallel else \
+                copy_to_tensor_model_parallel_region(k_pe, group)  # each rank's heads: sum the grads
+        else:
+            kv = gather_from_tensor_model_parallel_region(kv, group)  # [s, b, kvr+pe]
+            kv_latent, k_pe = kv.split([self.kv_lora_rank, self.pe], dim=-1)
+            if self.ctx.sequence_parallel:
+                kv_latent = scatter_to_sequence_parallel_region(kv_latent, group)
+            k_pe = copy_to_tensor_model_parallel_region(k_pe, group)  # each rank's heads: sum the grads
         if self.kv_layernorm is not None:
             kv_latent = self.kv_layernorm(kv_latent)
         region = DiscardedOutput(self.up_proj_and_rope, self._up_params(),

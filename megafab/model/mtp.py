@@ -30,6 +30,7 @@ from megafab.distributed.mappings import (
 from megafab.model.init import normal_init
 from megafab.model.moe.balancing import LossScale, attach_loss
 from megafab.model.recompute import recompute
+from megafab.model.te_wrap import TEWrappedTransformerLayer
 from megafab.model.transformer import LayerContext, TransformerLayer, build_norm
 from megafab.param_names import MTP_LAYERS, MTP_TRANSFORMER_LAYER, layer_prefix
 
@@ -70,8 +71,10 @@ class MTPLayer(nn.Module):
             gradient_accumulation_fusion=ctx.gradient_accumulation_fusion,
             init_method=normal_init(ctx.seed, prefix + "eh_proj.weight", cfg.init_method_std))
         # megatron-core builds the decoder's last layer spec here (gpt_layer_specs.get_gpt_mtp_block_spec)
-        self.transformer_layer = TransformerLayer(cfg, ctx, cfg.num_layers - 1,
-                                                  prefix=prefix + MTP_TRANSFORMER_LAYER)
+        te = cfg.transformer_impl == "transformer_engine"
+        layer_class = TEWrappedTransformerLayer if te else TransformerLayer  # TE: around TE's modules
+        self.transformer_layer = layer_class(cfg, ctx, cfg.num_layers - 1,
+                                             prefix=prefix + MTP_TRANSFORMER_LAYER)
         self.final_layernorm = build_norm(cfg, ctx)
         # megatron-core checkpoints the whole depth under uniform full recompute (not under block)
         self.recompute = cfg.recompute_granularity == "full" and cfg.recompute_method == "uniform"
@@ -147,9 +150,6 @@ def mtp_problems(m, p) -> list[str]:
         out.append("--mtp-num-layers with learned absolute positions and --pipeline-model-parallel-size > 1: "
                    "megatron-core keeps a second position table on the last stage that is never "
                    "synchronized with the first stage's; use --position-embedding-type rope or PP 1")
-    if m.transformer_impl == "transformer_engine":
-        out.append("--mtp-num-layers with --transformer-impl transformer_engine is not implemented in "
-                   "megafab yet; use --transformer-impl local")
     if m.recompute_granularity == "full" and m.recompute_method == "uniform" and m.recompute_num_layers != 1:
         out.append(f"--mtp-num-layers with --recompute-method uniform --recompute-num-layers "
                    f"{m.recompute_num_layers}: megatron-core recomputes each MTP layer whole and requires "

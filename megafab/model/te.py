@@ -28,8 +28,7 @@ from megafab.distributed.mappings import group_rank, group_size
 from megafab.errors import MegafabError
 from megafab.model.attention_backend import set_te_attention_switches
 from megafab.model.init import normal_init, output_layer_std
-from megafab.model.recompute import RecomputeSettings
-from megafab.model.transformer import TransformerLayer, apply_rotary, mlp_activation
+from megafab.model.transformer import apply_rotary, mlp_activation
 from megafab.param_names import (
     layer_prefix,
     local_to_te_name,
@@ -105,16 +104,10 @@ def te_layer_problems(model_cfg) -> list[str]:
     if model_cfg.transformer_impl != "transformer_engine":
         return []
     problems = []
-    recompute = RecomputeSettings.from_model_config(model_cfg, check=False)
-    if recompute.granularity == "selective":
-        problems.append(f"--recompute-granularity selective is implemented for --transformer-impl local only "
-                        f"(--recompute-modules {' '.join(recompute.modules)}); use --recompute-granularity "
-                        f"full with transformer_engine")
-    local_only = [f for f, on in (("--qk-layernorm", model_cfg.qk_layernorm),
-                                  ("--apply-residual-connection-post-layernorm",
-                                   model_cfg.apply_residual_connection_post_layernorm)) if on]
-    if local_only:
-        problems.append(f"{', '.join(local_only)} implemented for --transformer-impl local only")
+    if model_cfg.apply_residual_connection_post_layernorm:
+        problems.append("--apply-residual-connection-post-layernorm implemented for --transformer-impl local "
+                        "only (Transformer Engine's linear_qkv fuses the input norm, so its output is not "
+                        "there to add)")
     return problems
 
 
@@ -186,10 +179,6 @@ def _te_context_parallel(ctx) -> dict:
     return {"cp_group": ctx.cp_group, "cp_global_ranks": dist.get_process_group_ranks(ctx.cp_group),
             "cp_stream": torch.cuda.Stream() if torch.cuda.is_available() else None,
             "cp_comm_type": TE_CP_COMM_TYPES[ctx.cp_comm_type]}
-
-
-def transformer_layer_class(cfg):
-    return TETransformerLayer if cfg.transformer_impl == "transformer_engine" else TransformerLayer
 
 
 def _init_shard(param, seed, name, std, partition_dim, stride, tp_group):

@@ -50,8 +50,6 @@ RULES = [
      "--moe-shared-expert-intermediate-size 33 is not divisible by --tensor-model-parallel-size 2"),
     ("EP without experts", ["--expert-model-parallel-size", "2"], 2,
      "--expert-model-parallel-size 2 needs --num-experts"),
-    ("MoE with Transformer Engine's layer", MOE + ["--transformer-impl", "transformer_engine"], 1,
-     "--num-experts builds megafab's own MoE layers inside the local transformer layer"),
     ("layer pattern of the wrong length", MOE + ["--moe-layer-freq", "([0]*1+[1]*2)"], 1,
      "--moe-layer-freq pattern has 3 entries for --num-layers 4"),
 ]
