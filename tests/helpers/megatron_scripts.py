@@ -26,3 +26,20 @@ MIXTRAL_8X7B = words("""
     --use-distributed-optimizer --sequence-parallel
     --log-interval 1 --save-interval 10000 --eval-interval 1000 --eval-iters 10 --save {ckpt} --load {ckpt}
     --tensorboard-dir {tb} --no-load-optim --no-load-rng""")
+
+
+def script_flags(path: str, env: dict[str, str]) -> list[str]:
+    """The arguments a fixture script hands pretrain_gpt.py, expanded by bash itself: an sbatch
+    script's PRETRAIN_ARGS (its blocks up to the profiling one, env deciding which run), a modelopt
+    bundle's MODEL_ARGS (sourced, split into words as its unquoted use splits them)."""
+    import os
+    import subprocess
+
+    text = open(path, encoding="utf-8").read()
+    if "PRETRAIN_ARGS=(" in text:
+        body = text[:text.index("TRAINING_CMD=")] + '\nprintf "%s\\n" "${PRETRAIN_ARGS[@]}"\n'
+    else:
+        body = text + '\nprintf "%s\\n" $MODEL_ARGS\n'
+    out = subprocess.run(["bash", "-c", body], capture_output=True, text=True, check=True, timeout=30,
+                         env={**os.environ, **env})
+    return out.stdout.split()
