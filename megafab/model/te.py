@@ -5,7 +5,7 @@ has never run; it follows TE's documented API (LayerNormLinear / Linear / DotPro
 fp8_autocast, transformer_engine.common.recipe). Tested on CPU: the checks that refuse TE/FP8
 where TE or a capable GPU is missing (transformer_engine_problems, te_layer_problems) and the
 parameter-name mapping; tests/model/test_te.py holds the TE-vs-local parity test that runs where
-TE is installed.
+TE is installed. MLA, MoE, qk norms, MTP and selective recompute: model/te_wrap.py.
 
 Layout is megatron-core's TE spec: the input norm fused into linear_qkv and the pre-MLP norm into
 linear_fc1, so TE names differ from the local ones only there (param_names.TE_NAMES). FP8: one
