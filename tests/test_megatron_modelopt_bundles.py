@@ -1,0 +1,78 @@
+"""Megatron-LM HEAD's model bundles (examples/post_training/modelopt/conf at d98e8a6, copied to
+tests/data/fixtures/megatron_scripts/modelopt_*.sh) for Llama-3.1-8B-Instruct, Llama-3.2-1B-Instruct,
+Qwen2.5-7B-Instruct and Qwen3-8B: their MODEL_ARGS as written plus batch, LR, mock-data and save flags
+(the HF tokenizer as NullTokenizer with the model's vocabulary) pass `--dry-run` on 8 ranks with
+nothing refused; the planned parameters are within 0.5% of Megatron's dense formula
+(theoretical_memory_usage.py), and the Llama bundles' --use-rope-scaling is in the model config.
+Qwen2.5's --padded-vocab-size is still refused: its bundle runs with --vocab-size of that size."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from megafab.arguments import config_from_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURES = os.path.join(ROOT, "tests", "data", "fixtures", "megatron_scripts")
+VOCAB = {"Llama-3.1-8B-Instruct": 128256, "Llama-3.2-1B-Instruct": 128256, "Qwen2.5-7B-Instruct": 152064,
+         "Qwen3-8B": 151936}
+EXTRA = ["--global-batch-size", "256", "--train-iters", "1000", "--lr", "1e-4", "--mock-data"]
+
+
+def bundle_flags(name, tmp_path):
+    """MODEL_ARGS as the bundle's unquoted use splits it, then the run's own flags."""
+    path = os.path.join(FIXTURES, f"modelopt_{name}.sh")
+    out = subprocess.run(["bash", "-c", f'source "{path}"; printf "%s\\n" $MODEL_ARGS'], capture_output=True,
+                         text=True, check=True, timeout=30)
+    flags = ["NullTokenizer" if t == "HuggingFaceTokenizer" else t for t in out.stdout.split()]
+    return flags + EXTRA + ["--vocab-size", str(VOCAB[name]), "--save", str(tmp_path / "ckpt")]
+
+
+def without_padded_vocab(flags):
+    i = flags.index("--padded-vocab-size") if "--padded-vocab-size" in flags else None
+    return flags if i is None else flags[:i] + flags[i + 2:]
+
+
+def dry_run(flags):
+    env = {**os.environ, "WORLD_SIZE": "8", "PYTHONPATH": ROOT}
+    env.pop("RANK", None)
+    return subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *flags, "--dry-run"],
+                          capture_output=True, text=True, timeout=600, env=env)
+
+
+def megatron_params(cfg):
+    """Megatron's compute_weight_and_optimizer_memory for a dense GPT (it counts no q/k/v biases
+    nor QK-norm weights): 2Lh^2 ((1 + g/a) kv a / h + 1.5 (f/h) (SwiGLU) + 2/h) + h + embeddings."""
+    m = cfg.model
+    h, layers, heads, groups = m.hidden_size, m.num_layers, m.num_attention_heads, m.num_query_groups
+    query_ratio = m.kv_channels * heads / h
+    gated = 1.5 if m.swiglu else 1.0
+    per_layer = 2 * h * h * ((1 + groups / heads) * query_ratio + m.ffn_hidden_size / h * gated + 1 / h)
+    embeddings = m.padded_vocab_size * h * (2 if m.untie_embeddings_and_output_weights else 1)
+    return layers * per_layer + h + embeddings
+
+
+@pytest.mark.parametrize("name", sorted(VOCAB))
+def test_bundle_dry_runs_with_nothing_refused(name, tmp_path):
+    written = bundle_flags(name, tmp_path)
+    flags = without_padded_vocab(written)
+    if flags is not written:  # as written, the one problem is the given padded size
+        out = dry_run(written)
+        problems = [line for line in out.stderr.splitlines() if line.startswith("  - ")]
+        only_padded = bool(problems) and all("--padded-vocab-size" in p for p in problems)
+        assert out.returncode == 0 or only_padded, out.stderr
+    out = dry_run(flags)
+    assert out.returncode == 0, out.stderr
+    assert "refused" not in out.stderr + out.stdout
+    cfg = config_from_args(flags, world_size=8)
+    assert cfg.model.padded_vocab_size == VOCAB[name]
+    planned = float(re.search(r"stage 0: params ([\d.]+)M", out.stdout).group(1)) * 1e6
+    expected = megatron_params(cfg)
+    assert abs(planned - expected) <= 0.005 * expected, (planned, expected)
+    llama = name.startswith("Llama")
+    assert cfg.model.use_rope_scaling == llama and cfg.model.rope_scaling_factor == 8.0
+    assert cfg.model.add_qkv_bias == name.startswith("Qwen2")
+    assert cfg.model.qk_layernorm == (name == "Qwen3-8B")
