@@ -138,3 +138,20 @@ def test_mtp_prints_the_cost_per_depth():
     saved = [float(rows[d][2]) for d in ("0", "1", "2")]
     assert saved[0] < saved[1] < saved[2], out  # each depth keeps more for backward
     assert rows["1"][-1] == rows["2"][-1] and float(rows["1"][-1].rstrip("%")) > 0, out  # FLOPs per depth
+
+
+@pytest.mark.timeout(300)
+def test_mla_prints_the_megatron_core_ratio_and_measured_next_to_planned_bytes():
+    out = run_script("mla.py", "--hidden", "64", "--heads", "4", "--seq", "32", "--batch", "2",
+                     "--rounds", "1", "--warmup", "0")
+    rows = {line[:24].strip(): line[24:].split() for line in out.splitlines()
+            if line[:24].strip() in ("none", "core_attn", "mla_up_proj", "core_attn mla_up_proj")}
+    assert len(rows) == 4, out
+    measured = {name: float(row[0]) for name, row in rows.items()}
+    assert measured["core_attn mla_up_proj"] < min(measured["core_attn"], measured["mla_up_proj"]), out
+    assert max(measured["core_attn"], measured["mla_up_proj"]) < measured["none"], out
+    assert all(abs(float(row[2]) - 1) <= 0.05 for row in rows.values()), out  # planned / measured
+    ratio = next(line for line in out.splitlines() if line.startswith("ratio megatron-core / megafab"))
+    assert float(ratio.split()[-1].rstrip("x")) > 0, out
+    differ = out.split("outputs differ by ")[1].split(";")[0]
+    assert float(differ) < 1e-4, out  # the same weights: the same layer
