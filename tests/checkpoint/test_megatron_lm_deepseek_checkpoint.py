@@ -29,7 +29,8 @@ def test_load_model_gives_megatron_lms_logits():
     m = cfg.model
     assert (m.multi_latent_attention, m.q_lora_rank, m.mtp_num_layers, cfg.moe.num_experts,
             cfg.moe.moe_router_score_function) == (True, 24, 1, 4, "sigmoid")
-    assert "mtp.layers.0.transformer_layer.self_attention.linear_q_up_proj.weight" in dict(model.named_parameters())
+    names = dict(model.named_parameters())
+    assert "mtp.layers.0.transformer_layer.self_attention.linear_q_up_proj.weight" in names
     with torch.no_grad():
         logits = model(REFERENCE["tokens"]).transpose(0, 1)
     assert logits.shape == REFERENCE["logits"].shape == (2, 32, 128)
