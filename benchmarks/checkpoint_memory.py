@@ -71,9 +71,9 @@ def rank_entry(argv: list[str]) -> int:
             f.write("5")  # reset VmHWM to the current resident size
         return out
 
-    def timed_save(state):
+    def timed_save(state, *args, **kwargs):
         wall, cpu = time.perf_counter(), time.process_time()
-        out = save(state)
+        out = save(state, *args, **kwargs)
         record["save_s"].append(time.perf_counter() - wall)
         record["save_cpu_s"].append(time.process_time() - cpu)
         return out

@@ -15,6 +15,8 @@ FileSystemWriterAsync splits DCP the same way.
 
 from __future__ import annotations
 
+import os
+import shutil
 import threading
 import time
 
@@ -110,8 +112,18 @@ class BackgroundWrite:
             return
         rank, text = failed[0]
         raise CheckpointError(f"writing the checkpoint files into {self.path} failed on rank {rank} "
-                              f"({text.splitlines()[0][:300]})")
+                              f"({text.splitlines()[0][:300]}){_disk_full(self.path)}")
 
     def _finish_metadata(self, all_results):
         self.writer.finish(metadata=self.metadata, results=all_results)
         return None
+
+
+def _disk_full(path: str) -> str:
+    """"; the disk is full" when the directory's file system has (nearly) no room left: a full disk
+    can surface as a writer's own error (torch's zip writer: "unexpected pos") instead of ENOSPC."""
+    try:
+        free = shutil.disk_usage(path if os.path.isdir(path) else os.path.dirname(path)).free
+    except OSError:
+        return ""
+    return f"; the disk is full ({free} bytes free)" if free < 1 << 20 else ""

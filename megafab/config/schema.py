@@ -277,15 +277,6 @@ class CheckpointConfig(Section):
                    "when saving, under --load when loading).")
     non_persistent_local_ckpt_dir: str | None = option(
         None, help="Node-local directory of the --non-persistent-ckpt-type local checkpoints.")
-    non_persistent_local_ckpt_algo: str = option(
-        "fully_parallel", choices=("fully_parallel", "atomic"),
-        help="Megatron's algorithm of local non-persistent checkpoints (NVIDIA Resiliency Extension's "
-             "exchange between ranks); megafab's local checkpoints are torch_dist files, the same with "
-             "either.")
-    async_strategy: str = option(
-        "nvrx", choices=("nvrx", "mcore"),
-        help="Megatron's choice of asynchronous writer (NVIDIA Resiliency Extension's or megatron-core's); "
-             "megafab has one writer, which both run, and writes the same checkpoint.")
 
 
 @dataclass
