@@ -45,11 +45,11 @@ GPU_KERNELS = {"sbatch_mfsdp_deepseek_v3.sh": [
 # Still refused, not GPU kernels: what is left of issue 37's acceptance (delete a line when it is done)
 KNOWN_GAPS = {"sbatch_mfsdp_deepseek_v3.sh": [
     "--megatron-fsdp-grad-comm-dtype: unrecognized flag", "--megatron-fsdp-main-grads-dtype: unrecognized",
-    "--moe-permute-fusion is a Transformer Engine GPU fusion",
     "--tokenizer-model deepseek-ai/DeepSeek-V3: no such file"],  # a hub name: megafab reads local files
     "Kimi-K2-Instruct.sh": ["--padded-vocab-size: refused", "--trust-remote-code: refused"]}
 UNKNOWN_YET = {"--megatron-fsdp-grad-comm-dtype", "--megatron-fsdp-main-grads-dtype"}  # in KNOWN_GAPS
-# what replaces the refused flags for the plan on this CPU: swapped values, dropped flags (with a value)
+# what replaces the refused flags for the plan on this CPU: swapped values, dropped flags (with a value);
+# --moe-permute-fusion goes with transformer_engine (TE's fused permutation; local layers refuse it)
 CPU_SWAPS = {"transformer_engine": "local", "flex": "alltoall", "fsdp_dtensor": "torch_dist"}
 CPU_DROPS = {"--use-nccl-ub": 0, "--fsdp-double-buffer": 0, "--moe-permute-fusion": 0,
              "--trust-remote-code": 0,

@@ -158,8 +158,10 @@ class MoEConfig(Section):
     def ffn_hidden_size(self, dense_ffn_hidden_size: int) -> int:
         return self.moe_ffn_hidden_size or dense_ffn_hidden_size
 
-    def problems(self, num_layers: int | None = None, expert_parallel_size: int = 1) -> list[str]:
-        """Every rule these settings break, one line each (value, rule, fix)."""
+    def problems(self, num_layers: int | None = None, expert_parallel_size: int = 1,
+                 transformer_engine: bool = False) -> list[str]:
+        """Every rule these settings break, one line each (value, rule, fix); transformer_engine: the
+        layers are --transformer-impl transformer_engine's (TE's fused permutation is there)."""
         if self.num_experts is None:
             return [f"--{name.replace('_', '-')} needs --num-experts" for name in NEEDS_EXPERTS
                     if getattr(self, name) is not None]
@@ -187,7 +189,7 @@ class MoEConfig(Section):
                        f"must be positive (num shared experts x each one's width)")
         if self.moe_shared_expert_overlap and self.moe_token_dispatcher_type != "alltoall":
             out.append("--moe-shared-expert-overlap works only with --moe-token-dispatcher-type alltoall")
-        for flag, value in (("--moe-permute-fusion", self.moe_permute_fusion),
+        for flag, value in (("--moe-permute-fusion", self.moe_permute_fusion and not transformer_engine),
                             ("--moe-router-fusion", self.moe_router_fusion)):
             if value:
                 out.append(f"{flag} is a Transformer Engine GPU fusion megafab does not have; drop it "

@@ -157,6 +157,7 @@ def wrap_attention(b: _Builder, layer, cfg) -> None:
 def wrap_mlp(b: _Builder, layer) -> None:
     mlp = layer.mlp
     if hasattr(mlp, "experts"):  # MoE: pre_mlp_layernorm stays a norm (TENorm); shared experts in TE
+        mlp.dispatcher.permute_fusion = layer.ctx.moe.moe_permute_fusion  # TE's fused permutation
         shared = mlp.shared_experts
         if shared is not None:
             shared.linear_fc1 = b.linear(shared.linear_fc1, "column")

@@ -84,7 +84,24 @@ def build(record: list) -> dict:
                                                      enable_gqa=q.shape[1] != k.shape[1])
             return out.permute(2, 0, 1, 3).flatten(2)
 
+    def moe_permute_with_probs(inp, probs, routing_map, num_out_tokens=-1):
+        record.append(("moe_permute", (num_out_tokens,), {}))
+        expert_major = routing_map.t()
+        token_ids = torch.arange(routing_map.shape[0]).expand_as(expert_major).masked_select(expert_major)
+        return inp.index_select(0, token_ids), probs.t().masked_select(expert_major), token_ids
+
+    def moe_permute(inp, routing_map, num_out_tokens=-1, max_token_num=-1, map_type="mask"):
+        rows, _, token_ids = moe_permute_with_probs(inp, routing_map.to(inp.dtype), routing_map,
+                                                    num_out_tokens)
+        return rows, token_ids
+
+    def moe_unpermute(inp, row_id_map, merging_probs=None, restore_shape=None, map_type="mask", probs=None):
+        assert merging_probs is None and map_type == "mask"
+        return torch.zeros(restore_shape, dtype=inp.dtype).index_add(0, row_id_map, inp)
+
     pytorch = types.ModuleType("transformer_engine.pytorch")
+    pytorch.moe_permute, pytorch.moe_permute_with_probs = moe_permute, moe_permute_with_probs
+    pytorch.moe_unpermute = moe_unpermute
     pytorch.Linear, pytorch.LayerNormLinear = Linear, LayerNormLinear
     pytorch.DotProductAttention = DotProductAttention
     pytorch.fp8_autocast = lambda **kwargs: contextlib.nullcontext()

@@ -145,3 +145,32 @@ def test_te_wrapped_deepseek_shape_equals_local_on_gpu():
         model.ctx.moe_loss_scale.set(1.0)
         losses.append(model(tokens, labels=labels, loss_mask=mask).float())
     assert (losses[0] - losses[1]).abs().max().item() < 1e-3 * losses[0].abs().max().item()
+
+
+def test_moe_permute_fusion_runs_tes_fused_permutation(monkeypatch):
+    """--moe-permute-fusion with Transformer Engine's layers: accepted, and the dispatcher permutes
+    through TE's moe_permute_with_probs / moe_unpermute (the stand-in's), same outputs and grads."""
+    record = fake_te.install(monkeypatch)
+    with pytest.raises(ValueError, match="--moe-permute-fusion is a Transformer Engine GPU fusion"):
+        tiny_config(num_experts=4, moe_router_topk=2, moe_permute_fusion=True)  # local layers
+    cfg = tiny_config(num_experts=4, moe_router_topk=2, moe_permute_fusion=True, **TE)
+    assert cfg.moe.moe_permute_fusion
+    m, local, te_model = deepseek_models()
+    fused = GPTModel(tiny_config(style=MLA_STYLE, num_layers=2, mtp_num_layers=1, **TE).model,
+                     LayerContext(None, False, torch.float64, torch.device("cpu"), 1234,
+                                  moe=MoESettings(**MOE, moe_permute_fusion=True),
+                                  moe_loss_scale=LossScale()))
+    tokens, labels, mask = batch(m)
+    losses = []
+    for model in (te_model, fused):
+        model.mtp.loss_scale.set(1.0)
+        model.ctx.moe_loss_scale.set(1.0)
+        before = sum(kind == "moe_permute" for kind, _, _ in record)
+        loss = model(tokens, labels=labels, loss_mask=mask)
+        (loss * mask).sum().backward()
+        losses.append((loss, sum(kind == "moe_permute" for kind, _, _ in record) - before))
+    assert losses[0][1] == 0 and losses[1][1] == 2  # the MoE decoder layer and the MTP layer
+    assert (losses[0][0] - losses[1][0]).abs().max() < 1e-12
+    fused_params = dict(fused.named_parameters())
+    for name, p in te_model.named_parameters():
+        assert (p.grad - fused_params[name].grad).abs().max() < 1e-12, name

@@ -27,14 +27,14 @@ from megafab.distributed.mappings import (
     group_size,
     reduce_scatter_to_sequence_parallel_region,
 )
-from megafab.model.moe.permutation import permute, sort_chunks, unpermute
+from megafab.model.moe.permutation import fused_permute, fused_unpermute, permute, sort_chunks, unpermute
 
 
 @dataclass
 class Dispatched:
     """What combine needs from dispatch."""
 
-    row_token: torch.Tensor  # token index (in the dispatcher's token order) of each permuted row
+    row_token: torch.Tensor  # token index (dispatcher's order) of each permuted row (fused: TE's row map)
     num_tokens: int  # tokens to restore (allgather: over the whole tp_ep group)
     probs_dtype: torch.dtype
     counts: torch.Tensor | None = None  # alltoall: [etp, ep, local experts] rows per source rank/expert
@@ -66,6 +66,14 @@ class TokenDispatcher:
         self.tp_ep_group = tp_ep_group
         self.num_local_experts = num_experts // self.ep
         self.first_expert = group_rank(ep_group) * self.num_local_experts
+        self.permute_fusion = False  # Transformer Engine's fused permutation (MoELayer sets it)
+
+    def _permute(self, tokens, routing_map, probs):
+        return (fused_permute if self.permute_fusion else permute)(tokens, routing_map, probs)
+
+    def _unpermute(self, rows, state):
+        restore = fused_unpermute if self.permute_fusion else unpermute
+        return restore(rows, state.row_token, state.num_tokens)
 
 
 class AllGatherDispatcher(TokenDispatcher):
@@ -78,12 +86,12 @@ class AllGatherDispatcher(TokenDispatcher):
             hidden = gather_from_sequence_parallel_region(hidden, group)  # [N * ep * etp, h]
         local = slice(self.first_expert, self.first_expert + self.num_local_experts)
         local_map = routing_map[:, local]
-        rows, row_probs, row_token = permute(hidden, local_map, probs[:, local])
+        rows, row_probs, row_token = self._permute(hidden, local_map, probs[:, local])
         tokens_per_expert = local_map.sum(dim=0).tolist()
         return rows, tokens_per_expert, row_probs, Dispatched(row_token, hidden.shape[0], probs.dtype)
 
     def combine(self, rows: torch.Tensor, state: Dispatched) -> torch.Tensor:
-        out = unpermute(rows, state.row_token, state.num_tokens)
+        out = self._unpermute(rows, state)
         if self.ep * self.etp > 1:  # summed in the probabilities' dtype (fp32/fp64 router), as megatron-core
             out = reduce_scatter_to_sequence_parallel_region(out.to(state.probs_dtype), self.tp_ep_group)
             out = out.to(rows.dtype)
@@ -93,7 +101,7 @@ class AllGatherDispatcher(TokenDispatcher):
 class AllToAllDispatcher(TokenDispatcher):
     def dispatch(self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
         counts = routing_map.sum(dim=0)  # [E] rows this rank sends to each expert
-        rows, row_probs, row_token = permute(hidden, routing_map, probs)
+        rows, row_probs, row_token = self._permute(hidden, routing_map, probs)
         state = Dispatched(row_token, hidden.shape[0], probs.dtype)
         if self.ep * self.etp == 1:
             return rows, counts.tolist(), row_probs, state
@@ -138,7 +146,7 @@ class AllToAllDispatcher(TokenDispatcher):
                     rows.to(state.probs_dtype), self.etp_group, input_split_sizes=state.etp_splits)
                 rows = summed.to(rows.dtype)
             rows = all_to_all(rows, state.input_splits, state.output_splits, self.ep_group)
-        return unpermute(rows, state.row_token, state.num_tokens)
+        return self._unpermute(rows, state)
 
 
 DISPATCHERS = {"allgather": AllGatherDispatcher, "alltoall": AllToAllDispatcher}

@@ -27,6 +27,25 @@ def unpermute(rows: torch.Tensor, row_token: torch.Tensor, num_tokens: int) -> t
     return out.index_add(0, row_token, rows)
 
 
+def fused_permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor | None = None):
+    """permute through Transformer Engine's fused kernels (--moe-permute-fusion, TE layers): the same
+    rows in the same order; the row map is TE's row_id_map (give it to fused_unpermute)."""
+    import transformer_engine.pytorch as te  # deferred: GPU-only optional package
+
+    num_out = int(routing_map.sum())
+    if probs is None:
+        rows, row_map = te.moe_permute(tokens, routing_map, num_out_tokens=num_out, map_type="mask")
+        return rows, None, row_map
+    return te.moe_permute_with_probs(tokens, probs, routing_map, num_out_tokens=num_out)
+
+
+def fused_unpermute(rows: torch.Tensor, row_map: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    import transformer_engine.pytorch as te  # deferred: GPU-only optional package
+
+    return te.moe_unpermute(rows, row_map, restore_shape=torch.Size([num_tokens, rows.shape[-1]]),
+                            map_type="mask")
+
+
 def sort_chunks(rows: torch.Tensor, sizes: list[int], order: list[int]) -> torch.Tensor:
     """rows split into chunks of `sizes`, concatenated again in `order`."""
     chunks = torch.split(rows, sizes, dim=0)
