@@ -29,6 +29,7 @@ from megafab.checkpoint.source import CheckpointSource, Counters, counters_from_
 from megafab.config import Config
 from megafab.distributed.layers import join_partitions, partition_of
 from megafab.param_names import (
+    EXPERT_BIAS,
     EXTRA_STATE,
     OUTPUT_LAYER,
     WORD_EMBEDDING,
@@ -267,11 +268,15 @@ def _as_sequential(name: str, tensor: torch.Tensor, first_expert: int = 0, count
 def local_state_dict(chunk, first_layer: int, te_names: bool) -> dict:
     """A megafab model chunk's parameters as Megatron's legacy state dict (layers numbered from 0
     within the stage; a tied last stage's output_layer copy included, as Megatron keeps it; grouped
-    experts as SequentialMLP's local experts)."""
+    experts as SequentialMLP's local experts; the routers' expert_bias buffers, as Megatron's
+    state dict holds them)."""
     out = {}
     for name, p in chunk.named_parameters():
         for n, t in _as_sequential(to_stage(name, first_layer), p.detach()).items():
             out[local_to_te_name(n) if te_names else n] = t.cpu().clone()
+    for name, b in chunk.named_buffers():
+        if name.endswith("." + EXPERT_BIAS):
+            out[to_stage(name, first_layer)] = b.detach().cpu().clone()
     return _with_extra_states(out)
 
 
