@@ -50,6 +50,8 @@ def test_rules_accept_te_with_moe_mla_qk_norm_mtp_recompute_and_fsdp():
                       moe_layer_freq=[0, 1, 1, 1], recompute_granularity="selective",
                       recompute_modules=["mlp", "moe", "mla_up_proj", "layernorm"], **TE)
     assert cfg.model.transformer_impl == "transformer_engine" and cfg.moe.num_experts == 4
+    for fsdp in ({"use_torch_fsdp2": True}, {"use_megatron_fsdp": True}):  # FSDP2 around TE's modules
+        assert tiny_config(dp=2, **fsdp, **TE).parallel.fully_sharded
     with pytest.raises(ValueError, match="--apply-residual-connection-post-layernorm implemented for"):
         tiny_config(apply_residual_connection_post_layernorm=True, **TE)
 
