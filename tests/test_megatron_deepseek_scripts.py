@@ -44,17 +44,14 @@ GPU_KERNELS = {"sbatch_mfsdp_deepseek_v3.sh": [
     "--ckpt-format 'fsdp_dtensor' is not supported"]}
 # Still refused, not GPU kernels: what is left of issue 37's acceptance (delete a line when it is done)
 KNOWN_GAPS = {"sbatch_mfsdp_deepseek_v3.sh": [
-    "--megatron-fsdp-grad-comm-dtype: unrecognized flag", "--megatron-fsdp-main-grads-dtype: unrecognized",
     "--tokenizer-model deepseek-ai/DeepSeek-V3: no such file"],  # a hub name: megafab reads local files
     "Kimi-K2-Instruct.sh": ["--padded-vocab-size: refused", "--trust-remote-code: refused"]}
-UNKNOWN_YET = {"--megatron-fsdp-grad-comm-dtype", "--megatron-fsdp-main-grads-dtype"}  # in KNOWN_GAPS
 # what replaces the refused flags for the plan on this CPU: swapped values, dropped flags (with a value);
 # --moe-permute-fusion goes with transformer_engine (TE's fused permutation; local layers refuse it)
 CPU_SWAPS = {"transformer_engine": "local", "flex": "alltoall", "fsdp_dtensor": "torch_dist"}
 CPU_DROPS = {"--use-nccl-ub": 0, "--fsdp-double-buffer": 0, "--moe-permute-fusion": 0,
              "--trust-remote-code": 0,
-             "--moe-flex-dispatcher-backend": 1, "--megatron-fsdp-grad-comm-dtype": 1,
-             "--megatron-fsdp-main-grads-dtype": 1, "--tokenizer-type": 1, "--tokenizer-model": 1,
+             "--moe-flex-dispatcher-backend": 1, "--tokenizer-type": 1, "--tokenizer-model": 1,
              "--wandb-project": 1, "--wandb-exp-name": 1, "--padded-vocab-size": 1}
 
 
@@ -174,9 +171,26 @@ def test_every_script_flag_is_honoured_refused_or_announced(name, data):
     fields = {f for section in SECTIONS.values() for f in section.__dataclass_fields__}
     spellings = {flag for entries in SPELLINGS.values() for flag, _, _ in entries}
     for token in flags_of(name, data):
-        if not token.startswith("--") or token in REFUSED or token in NO_EFFECT or token in spellings \
-                or token in UNKNOWN_YET:
+        if not token.startswith("--") or token in REFUSED or token in NO_EFFECT or token in spellings:
             continue
         action = parser._option_string_actions.get(token)
         assert action is not None, f"{token} is unknown to megafab"
         assert action.dest in fields, f"{token} parses into {action.dest!r}, which no config field holds"
+
+
+def test_megatron_fsdp_gradient_dtypes_set_the_reduction_dtype():
+    """--megatron-fsdp-grad-comm-dtype / --megatron-fsdp-main-grads-dtype bf16 (the script's): FSDP2
+    reduces gradients in the bf16 model's dtype, as --grad-reduce-in-bf16 does; refused by name
+    without --use-megatron-fsdp or in a dtype that is not the model's."""
+    from tests.helpers.tiny import tiny_config
+
+    fsdp = dict(use_megatron_fsdp=True, bf16=True, dp=2)
+    assert tiny_config(**fsdp).parallel.accumulate_allreduce_grads_in_fp32
+    for flag in ("megatron_fsdp_grad_comm_dtype", "megatron_fsdp_main_grads_dtype"):
+        assert not tiny_config(**fsdp, **{flag: "bf16"}).parallel.accumulate_allreduce_grads_in_fp32
+    assert tiny_config(**fsdp, megatron_fsdp_main_grads_dtype="bf16",
+                       megatron_fsdp_grad_comm_dtype="fp32").parallel.accumulate_allreduce_grads_in_fp32
+    with pytest.raises(ValueError, match="--megatron-fsdp-grad-comm-dtype bf16 needs --use-megatron-fsdp"):
+        tiny_config(bf16=True, megatron_fsdp_grad_comm_dtype="bf16")
+    with pytest.raises(ValueError, match="--megatron-fsdp-main-grads-dtype fp16 with a bf16 model"):
+        tiny_config(**fsdp, megatron_fsdp_main_grads_dtype="fp16")

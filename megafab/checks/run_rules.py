@@ -186,6 +186,20 @@ def _non_persistent_problems(c) -> list[str]:
     return out
 
 
+def _megatron_fsdp_dtype_problems(p, pr) -> list[str]:
+    """--megatron-fsdp-main-grads-dtype / --megatron-fsdp-grad-comm-dtype: Megatron-FSDP's only, and a
+    16-bit one the model's own dtype (megafab reduces gradients in fp32 or in the model's dtype)."""
+    given = [(flag, value) for flag, value in (
+        ("--megatron-fsdp-main-grads-dtype", p.megatron_fsdp_main_grads_dtype),
+        ("--megatron-fsdp-grad-comm-dtype", p.megatron_fsdp_grad_comm_dtype)) if value != "auto"]
+    if given and not p.use_megatron_fsdp:
+        return [f"{flag} {value} needs --use-megatron-fsdp (it sets Megatron-FSDP's gradient dtype); "
+                f"use --grad-reduce-in-bf16 otherwise" for flag, value in given]
+    model = "bf16" if pr.bf16 else "fp16" if pr.fp16 else "fp32"
+    return [f"{flag} {value} with a {model} model: megafab reduces gradients in fp32 or in the model's "
+            f"dtype; use {model} or fp32" for flag, value in given if value not in ("fp32", model)]
+
+
 def sharding_problems(cfg) -> list[str]:
     p, o, pr, m = cfg.parallel, cfg.optimizer, cfg.precision, cfg.model
     out = []
@@ -195,6 +209,7 @@ def sharding_problems(cfg) -> list[str]:
     if p.use_torch_fsdp2 and p.use_distributed_optimizer:
         out.append("--use-torch-fsdp2 and --use-distributed-optimizer cannot be combined: FSDP2 shards "
                    "the optimizer state itself (ZeRO-3 includes ZeRO-1); drop --use-distributed-optimizer")
+    out += _megatron_fsdp_dtype_problems(p, pr)
     strategy = p.data_parallel_sharding_strategy
     if strategy not in (None, "no_shard") and not p.use_megatron_fsdp:
         out.append(f"--data-parallel-sharding-strategy {strategy} needs --use-megatron-fsdp (with "

@@ -79,6 +79,13 @@ def virtual_pipeline_size(m, p) -> int | None:
     return None
 
 
+def megatron_fsdp_grad_dtype(p) -> str:
+    """The dtype Megatron-FSDP's gradients are reduced in: --megatron-fsdp-grad-comm-dtype, else
+    --megatron-fsdp-main-grads-dtype ("auto": megafab's --grad-reduce-in-bf16 rule)."""
+    comm = p.megatron_fsdp_grad_comm_dtype
+    return comm if comm != "auto" else p.megatron_fsdp_main_grads_dtype
+
+
 def resolve_sharding(cfg) -> None:
     """Derive `fully_sharded` and the offload fraction; map Megatron-FSDP's strategies onto
     megafab's engines (with a note saying what runs)."""
@@ -130,6 +137,8 @@ def derive(cfg, world_size: int) -> None:
         cfg.notes.append("--vocab-file and --merge-file without --tokenizer-type: using "
                          "GPT2BPETokenizer (as Megatron-LM's GPT-3 example scripts assume)")
     if p.grad_reduce_in_bf16:  # Megatron's rule: the grad buffer takes the (bf16) param dtype
+        p.accumulate_allreduce_grads_in_fp32 = False
+    if p.use_megatron_fsdp and megatron_fsdp_grad_dtype(p) in ("bf16", "fp16"):  # the 16-bit grad reduce
         p.accumulate_allreduce_grads_in_fp32 = False
     resolve_sharding(cfg)
     if cfg.moe.moe_layer_recompute and m.recompute_granularity != "full":  # (full: a problem, recompute.py)

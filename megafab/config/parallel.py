@@ -96,6 +96,19 @@ class ParallelConfig(Section):
         group="ZeRO-2/3 (FSDP) and optimizer CPU offload",
         help="Megatron-FSDP's flag: megafab runs the --data-parallel-sharding-strategy it asks for with "
              "its own engines (DDP, the distributed optimizer, FSDP2), announced at start-up.")
+    megatron_fsdp_main_grads_dtype: str = option(
+        "auto",
+        choices=("fp32", "bf16", "fp16", "auto"),
+        group="ZeRO-2/3 (FSDP) and optimizer CPU offload",
+        help="With --use-megatron-fsdp: the gradients' dtype, and their reduction's when "
+             "--megatron-fsdp-grad-comm-dtype is auto; the model's 16-bit dtype is --grad-reduce-in-bf16 "
+             "(fp32: the default accumulation; auto: as the other flags say).")
+    megatron_fsdp_grad_comm_dtype: str = option(
+        "auto",
+        choices=("fp32", "fp16", "bf16", "auto"),
+        group="ZeRO-2/3 (FSDP) and optimizer CPU offload",
+        help="With --use-megatron-fsdp: the dtype gradients are reduced in (auto: "
+             "--megatron-fsdp-main-grads-dtype's); the model's 16-bit dtype is --grad-reduce-in-bf16.")
     data_parallel_sharding_strategy: str | None = option(
         None,
         choices=MEGATRON_FSDP_STRATEGIES,
