@@ -166,12 +166,16 @@ def _stored_name(name: str, stored_keys, mla: bool = False) -> tuple[str, int | 
     there: unfused (Transformer Engine's spec of an MoE layer: `pre_mlp_layernorm.weight`, there
     being no linear_fc1 to fuse it into), fused (an MLA model's dense layer under Transformer
     Engine: `mlp.linear_fc1.layer_norm_weight`), or MLA's latent norms fused (MLA_TE_NAMES)."""
-    base, layer = megatron_name(name, mla)
-    if stored_keys is not None and base not in stored_keys:
+    def stored(key_layer):  # stacked, or per layer (non_homogeneous_layers)
+        key, layer = key_layer
+        return key in stored_keys or (layer is not None and unstacked_name(key, layer) in stored_keys)
+
+    base = megatron_name(name, mla)
+    if stored_keys is not None and not stored(base):
         for other in (megatron_name(name, not mla), megatron_name(_replace_suffix(name, MLA_TE_NAMES), True)):
-            if other[0] in stored_keys:
+            if stored(other):
                 return other
-    return base, layer
+    return base
 
 
 def to_megatron(shards: dict[str, Shard], model_cfg, main_kind: str = "fp32_param",

@@ -151,6 +151,12 @@ def test_mla_keys_are_megatron_cores_in_either_spec():
         "decoder.layers.mlp.linear_fc1.layer_norm_weight", 0)
     assert mk._stored_name("decoder.layers.0.input_layernorm.weight", te_keys, mla) == (
         "decoder.layers.input_layernorm.weight", 0)
+    per_layer = {"decoder.layers.1.self_attention.linear_q_up_proj.layer_norm_weight",
+                 "decoder.layers.0.mlp.linear_fc1.layer_norm_weight"}  # non_homogeneous_layers' keys
+    assert mk._stored_name("decoder.layers.1.self_attention.q_layernorm.weight", per_layer, mla) == (
+        "decoder.layers.self_attention.linear_q_up_proj.layer_norm_weight", 1)
+    assert mk._stored_name("decoder.layers.0.pre_mlp_layernorm.weight", per_layer, mla) == (
+        "decoder.layers.mlp.linear_fc1.layer_norm_weight", 0)
     assert mk.megafab_name("decoder.layers.self_attention.linear_kv_up_proj.layer_norm_weight", 3) == \
         "decoder.layers.3.self_attention.kv_layernorm.weight"
     assert mk.megafab_name("mtp.layers.0.transformer_layer.self_attention.linear_q_up_proj.layer_norm_weight",
