@@ -20,6 +20,7 @@ from collections.abc import Callable
 from megafab.arguments_help import document
 from megafab.checks import problems as config_problems
 from megafab.checks.probes import start_up_problems, tokenizer_vocab_size
+from megafab.checks.rules import padded_vocab_problems
 from megafab.config import Config, ConfigError
 from megafab.config.derive import derive_model
 from megafab.config.fields import field_default, field_types
@@ -346,15 +347,19 @@ def config_from_args(argv: list[str] | None = None, world_size: int | None = Non
     if problems:
         raise ConfigError(problems)
     if start_up:
-        _size_vocabulary(cfg)
+        _size_vocabulary(cfg, keep_padded="padded_vocab_size" in given)
+        if problems := padded_vocab_problems(cfg):  # the tokenizer's size, known only now
+            raise ConfigError(problems)
     return cfg.freeze()
 
 
-def _size_vocabulary(cfg: Config) -> None:
+def _size_vocabulary(cfg: Config, keep_padded: bool = False) -> None:
     """The tokenizer's vocabulary size into the (not yet frozen) config, and the padded size derived
-    from it, as Megatron does at start-up."""
+    from it, as Megatron does at start-up (a given --padded-vocab-size is kept, as Megatron uses it)."""
     m = cfg.model
-    m.vocab_size, m.padded_vocab_size = tokenizer_vocab_size(cfg), None
+    m.vocab_size = tokenizer_vocab_size(cfg)
+    if not keep_padded:
+        m.padded_vocab_size = None
     derive_model(m, cfg.parallel.tensor_model_parallel_size)
 
 

@@ -53,7 +53,8 @@ _MEGATRON_GROUP = {
     "profiling": "--profile --use-pytorch-profiler --profile-step-start --profile-step-end --profile-ranks",
     "data and dataloader": "--seq-length",
     "tokenizer": "--vocab-size --tokenizer-type --vocab-file --merge-file --tokenizer-model "
-                 "--tiktoken-pattern --tiktoken-num-special-tokens --tokenizer-special-tokens",
+                 "--tiktoken-pattern --tiktoken-num-special-tokens --tokenizer-special-tokens "
+                 "--trust-remote-code",
     "experimental": "--use-precision-aware-optimizer",
     MEGAFAB_ONLY: "--compile --dry-run --config --metrics-jsonl",
 }

@@ -314,12 +314,9 @@ _refuse(_DATA, """--data-args-path V --per-split-data-args-path V --per-dataset-
     --dataloader-fast-cache-load --dataloader-defer-npy-index-mmap --num-dataset-builder-threads V
     --object-storage-cache-path V --mid-level-dataset-surplus V --allow-ambiguous-pad-tokens
     --exit-signal-handler-for-dataloader""")
-_refuse("megafab pads the vocabulary itself, as Megatron derives it (the tokenizer's or --vocab-size's "
-        "size to a multiple of --make-vocab-size-divisible-by x TP); a given padded size is not read",
-        "--padded-vocab-size V")
 _refuse(_VALIDATION, "--full-validation --multiple-validation-sets")
 _refuse(_TOKENIZER, """--tokenizer-metadata V --legacy-tokenizer --tokenizer-sentencepiece-legacy
-    --tokenizer-hf-use-fast --tokenizer-hf-include-special-tokens --trust-remote-code""")
+    --tokenizer-hf-use-fast --tokenizer-hf-include-special-tokens""")
 _refuse(_PROCESS_GROUPS, """--distributed-timeout-seconds-after-init V --lazy-mpu-init V
     --fake-process-group --use-sharp --sharp-enabled-group V --nccl-communicator-config-path V""")
 _refuse(_DETERMINISM, "--deterministic-mode --batch-invariant-mode")

@@ -75,7 +75,7 @@ def unwritable_directory(path: str) -> str | None:
 def _tokenizer_settings(d) -> tuple:
     return (d.tokenizer_type or "NullTokenizer", d.vocab_file, d.merge_file, d.tokenizer_model,
             d.tiktoken_pattern, d.tiktoken_num_special_tokens,
-            tuple(d.tokenizer_special_tokens) if d.tokenizer_special_tokens else None)
+            tuple(d.tokenizer_special_tokens) if d.tokenizer_special_tokens else None, d.trust_remote_code)
 
 
 # The tokenizers this process built, by (settings, the vocabulary size asked for), and those it sized
@@ -108,6 +108,6 @@ def _built(data_cfg, vocab_size: int | None):
 
 
 def _build(data_cfg, vocab_size: int | None):
-    kind, vocab_file, merge_file, model, pattern, num_special, special = _tokenizer_settings(data_cfg)
+    kind, vocab_file, merge_file, model, pattern, num_special, special, trust = _tokenizer_settings(data_cfg)
     return build_tokenizer(kind, vocab_file, merge_file, model, vocab_size, pattern, num_special,
-                           list(special) if special else None)
+                           list(special) if special else None, trust)

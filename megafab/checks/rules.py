@@ -101,7 +101,23 @@ def model_problems(cfg) -> list[str]:
                                    ("--openai-gelu", m.openai_gelu)) if on]
     if len(activations) > 1:
         out.append(f"{' and '.join(activations)} each choose the MLP activation; give one of them")
-    return out + mla_problems(cfg)
+    return out + padded_vocab_problems(cfg) + mla_problems(cfg)
+
+
+def padded_vocab_problems(cfg) -> list[str]:
+    """A given --padded-vocab-size (a derived one always fits): every token id has a row, and TP
+    splits the rows evenly."""
+    m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
+    padded, out = m.padded_vocab_size, []
+    if padded is None:
+        return out
+    if m.vocab_size and padded < m.vocab_size:
+        out.append(f"--padded-vocab-size {padded} is smaller than the vocabulary size {m.vocab_size}; "
+                   f"give at least {m.vocab_size}, or leave it out to derive it")
+    if tp >= 1 and padded % tp:
+        out.append(f"--padded-vocab-size {padded} is not divisible by --tensor-model-parallel-size {tp}; "
+                   f"each TP rank holds an equal slice of the vocabulary: give a multiple of {tp}")
+    return out
 
 
 def mla_problems(cfg) -> list[str]:

@@ -51,7 +51,8 @@ def _tokenizer(cfg):
     d = cfg.data
     if d.tokenizer_type in (None, "NullTokenizer"):
         return None
-    return build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.tokenizer_model)
+    return build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.tokenizer_model,
+                           trust_remote_code=d.trust_remote_code)
 
 
 def _check_args(args) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megafab.config.fields import Section, derived, option
+from megafab.config.fields import Section, option
 
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 
@@ -125,8 +125,9 @@ class ModelConfig(Section):
         128, help="Pad the vocabulary to a multiple of this times the tensor-parallel size.")
     vocab_size: int | None = option(
         None, help="Tokenizer vocabulary size (set from the tokenizer, or --vocab-size with NullTokenizer).")
-    padded_vocab_size: int | None = derived(
-        None, help="Derived: vocab_size padded to a multiple of make_vocab_size_divisible_by * tp.")
+    padded_vocab_size: int | None = option(
+        None, help="Vocabulary size of the model (padded to be divisible by tensor model parallel size). If "
+                   "not provided, it will be automatically calculated from vocab-size.")
     recompute_granularity: str | None = option(
         None, choices=("full", "selective"), group="activation recompute",
         help="Activation recompute: full (whole layers) or selective (the --recompute-modules).")

@@ -140,6 +140,9 @@ class DataConfig(Section):
     merge_file: str | None = option(None, help="GPT-2 merges.txt.")
     tokenizer_model: str | None = option(
         None, help="SentencePiece .model, or a HuggingFace tokenizer.json / directory.")
+    trust_remote_code: bool = option(
+        False, help="Whether or not to allow PreTrainedTokenizer to execute remote code (megafab reads "
+                    "local tokenizer files only: the code in the --tokenizer-model directory).")
     tiktoken_pattern: str | None = option(
         None, choices=("v1", "v2"), help="TikTokenizer's pre-tokenization pattern: v1 or v2.")
     tiktoken_num_special_tokens: int = option(

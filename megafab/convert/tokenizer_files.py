@@ -15,7 +15,8 @@ SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "L
 def _megafab_tokenizer(d: DataConfig):
     if d.tokenizer_type in (None, "NullTokenizer"):
         return None
-    return build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.tokenizer_model)
+    return build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.tokenizer_model,
+                           trust_remote_code=d.trust_remote_code)
 
 
 def tokenizer_special_ids(d: DataConfig) -> dict[str, int]:

@@ -208,13 +208,14 @@ class SentencePieceTokenizer(GPTSentencePieceTokenizer):
 class HuggingFaceTokenizer:
     """A local tokenizer.json (tokenizers library) or a saved transformers tokenizer directory."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, trust_remote_code: bool = False):
         kind, eos_names = "HuggingFaceTokenizer", ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
         if os.path.isdir(path):
             from transformers import AutoTokenizer
 
             try:
-                hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+                hf = AutoTokenizer.from_pretrained(path, local_files_only=True,
+                                                   trust_remote_code=trust_remote_code)
             except Exception as e:  # noqa: BLE001 - transformers fails in many ways on a bad directory
                 raise DataError(unusable(kind, "--tokenizer-model", path,
                                          f"transformers cannot load a tokenizer from it ({_reason(e)})")) \
@@ -334,8 +335,9 @@ class NullTokenizer:
 def build_tokenizer(tokenizer_type: str, vocab_file: str | None = None, merge_file: str | None = None,
                     tokenizer_model: str | None = None, vocab_size: int | None = None,
                     tiktoken_pattern: str | None = None, num_special_tokens: int = 1000,
-                    special_tokens: list[str] | None = None):
-    """The tokenizer named by Megatron's --tokenizer-type, from local files."""
+                    special_tokens: list[str] | None = None, trust_remote_code: bool = False):
+    """The tokenizer named by Megatron's --tokenizer-type, from local files (trust_remote_code: a
+    HuggingFace directory's own tokenizer code may run, as Megatron's --trust-remote-code)."""
     if tokenizer_type == "TikTokenizer":
         if tiktoken_pattern not in TIKTOKEN_PATTERNS:
             raise DataError(f"--tokenizer-type TikTokenizer needs --tiktoken-pattern v1 or v2, got "
@@ -351,7 +353,8 @@ def build_tokenizer(tokenizer_type: str, vocab_file: str | None = None, merge_fi
                "Llama2Tokenizer": Llama2Tokenizer}[tokenizer_type]
         return cls(_need_file(tokenizer_model, "--tokenizer-model", tokenizer_type))
     if tokenizer_type == "HuggingFaceTokenizer":
-        return HuggingFaceTokenizer(_need_file(tokenizer_model, "--tokenizer-model", tokenizer_type))
+        return HuggingFaceTokenizer(_need_file(tokenizer_model, "--tokenizer-model", tokenizer_type),
+                                    trust_remote_code)
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
     raise DataError(f"--tokenizer-type {tokenizer_type!r} is not supported; choose one of "

@@ -142,6 +142,8 @@ class _Builder:
         reset = list(self.DERIVED)
         if not any(f.split("=")[0] == "--ddp-bucket-size" for f in user_flags):
             reset.append("ddp_bucket_size")
+        if any(f.split("=")[0] == "--padded-vocab-size" for f in user_flags):
+            reset.remove("padded_vocab_size")  # Megatron uses a given padded size as it is
         self.reset: dict[str, dict] = {name: {} for name in SECTIONS}  # {section: {field: None}}
         for name in reset:
             self.reset[self.section[name]][name] = None
