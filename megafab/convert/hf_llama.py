@@ -69,15 +69,20 @@ def to_hf_config(m: ModelConfig, eod: int | None = None, bos: int | None = None)
     from transformers import LlamaConfig
 
     check_exportable(m)
-    return LlamaConfig(
+    return LlamaConfig(**dense_config(m, eod, bos), attention_bias=False, mlp_bias=False,
+                       architectures=["LlamaForCausalLM"])
+
+
+def dense_config(m: ModelConfig, eod: int | None, bos: int | None) -> dict:
+    """The config.json fields a Llama-layout model (Llama, Qwen2, Qwen3) shares, from model config `m`."""
+    return dict(
         vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
         num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
         num_key_value_heads=m.num_query_groups, head_dim=m.kv_channels, hidden_act="silu",
         max_position_embeddings=m.max_position_embeddings, rms_norm_eps=m.norm_epsilon,
-        rope_parameters=rope_to_hf(m), attention_bias=False, mlp_bias=False,
-        attention_dropout=m.attention_dropout, initializer_range=m.init_method_std,
-        tie_word_embeddings=not m.untie_embeddings_and_output_weights,
-        bos_token_id=bos, eos_token_id=eod, architectures=["LlamaForCausalLM"])
+        rope_parameters=rope_to_hf(m), attention_dropout=m.attention_dropout,
+        initializer_range=m.init_method_std, tie_word_embeddings=not m.untie_embeddings_and_output_weights,
+        bos_token_id=bos, eos_token_id=eod)
 
 
 def rope_to_hf(m: ModelConfig) -> dict:

@@ -26,15 +26,8 @@ def to_hf_config(m: ModelConfig, eod: int | None = None, bos: int | None = None)
     from transformers import Qwen2Config
 
     check_exportable(m)
-    return Qwen2Config(
-        vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
-        num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
-        num_key_value_heads=m.num_query_groups, head_dim=m.kv_channels, hidden_act="silu",
-        max_position_embeddings=m.max_position_embeddings, rms_norm_eps=m.norm_epsilon,
-        rope_parameters=hf_llama.rope_to_hf(m), use_sliding_window=False,
-        attention_dropout=m.attention_dropout, initializer_range=m.init_method_std,
-        tie_word_embeddings=not m.untie_embeddings_and_output_weights,
-        bos_token_id=bos, eos_token_id=eod, architectures=["Qwen2ForCausalLM"])
+    return Qwen2Config(**hf_llama.dense_config(m, eod, bos), use_sliding_window=False,
+                       architectures=["Qwen2ForCausalLM"])
 
 
 def from_hf_config(c: dict) -> dict:
