@@ -46,6 +46,7 @@ class Pending:
     common: dict | None  # rank 0's common.pt, as it was at the save
     started: float
     stall_s: float
+    staged_max: int  # the most bytes any rank staged in host memory for this save
 
 
 def _print0(topo, text: str) -> None:
@@ -86,11 +87,15 @@ class AsyncSaver:
         staged = dcp_async().stage(shards, self.buffers)
         if not ck.no_save_rng:
             torch.save(cs.rng_snapshot(state), rng_file(tmp, topo.rank))
-        write = dcp_async().BackgroundWrite(staged, tmp, objects)
-        self.pending = Pending(state.iteration, root, tmp, write, common, start, time.time() - start)
+        write = dcp_async().BackgroundWrite(staged, tmp, objects)  # collective: plans with every rank
+        most = torch.tensor([self.staged_bytes()], dtype=torch.int64, device=topo.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        self.pending = Pending(state.iteration, root, tmp, write, common, start, time.time() - start,
+                               int(most.item()))
         _print0(topo, f"scheduled an async checkpoint save at iteration {state.iteration:7d} to {root} "
                       f"({self.pending.stall_s:.1f} s to stage {self.staged_bytes() / 2**20:.1f} MiB on "
-                      f"rank 0)")
+                      f"rank 0, at most {self.pending.staged_max / 2**20:.1f} MiB on a rank, kept in host "
+                      f"memory for the next save)")
 
     def maybe_finalize(self, topo, blocking: bool = False) -> bool:
         """Collective while a save is pending: finalize it if every rank's writer is done (blocking:

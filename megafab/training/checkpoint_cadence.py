@@ -12,9 +12,10 @@ from megafab.checkpoint.async_save import AsyncSaver
 
 
 class CheckpointCadence:
-    def __init__(self, state, watch=None):
+    def __init__(self, state, watch=None, record=None):
+        """record: called with a dict for the run's metrics.jsonl (an async save's stall and staging)."""
         ck = state.cfg.checkpoint
-        self.state, self.watch = state, watch
+        self.state, self.watch, self.record = state, watch, record
         self.saver = AsyncSaver() if ck.save and ck.async_save else None
 
     def _where(self, text: str) -> None:
@@ -42,6 +43,10 @@ class CheckpointCadence:
             checkpointing.save_checkpoint(self.state, root)
         else:
             self.saver.schedule(self.state, root)
+            if self.record is not None:
+                p = self.saver.pending
+                self.record({"kind": "async_save", "iteration": p.iteration, "path": p.root,
+                             "stall_s": p.stall_s, "staged_bytes_max_per_rank": p.staged_max})
 
     def save_non_persistent(self) -> None:
         """Megatron's: into the non-persistent directory, the older ones there removed first."""

@@ -92,7 +92,7 @@ def train(state: TrainState, iterators, log: TrainingLog, gc_control: ManualGC,
     train_iter, valid_iter, _ = iterators
     sigterm = SigtermFlag(t.exit_signal_handler)
     profiler = StepProfiler(cfg, topo.rank, topo.device)
-    saves = CheckpointCadence(state, watch)
+    saves = CheckpointCadence(state, watch, record=log.record)
     start = time.time()
     try:
         while state.iteration < total:

@@ -154,6 +154,10 @@ class TrainingLog:
             if lg.log_timers_to_tensorboard and closes_window:
                 self.writers.scalars(state.iteration, {f"{k}-time": v for k, v in maxima.items()})
 
+    def record(self, fields: dict) -> None:
+        """One more line of metrics.jsonl (written by the logging rank; `fields` has its "kind")."""
+        self.jsonl.write({"time": timestamp(), **fields})
+
     def evaluation(self, state, label: str, where: str, loss: float | None) -> None:
         """Megatron's evaluation block and tags: "lm loss validation" (the test set: "lm loss test")."""
         if not log_rank(self.topo):

@@ -5,6 +5,7 @@ and the previous checkpoint stays the latest."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -12,7 +13,9 @@ import subprocess
 import pytest
 import torch
 
+from megafab.arguments import config_from_args
 from megafab.checkpoint import megatron_dist
+from megafab.plan.state_memory import state_bytes
 from tests.helpers.launch import losses
 from tests.helpers.main_ranks import run_ranks_main, start_ranks, wait_for_text
 from tests.helpers.tiny_corpus import TINY, assert_one_message, write_corpus
@@ -69,6 +72,16 @@ def test_async_checkpoint_is_the_sync_one_and_resumes_exactly(straight, tmp_path
     assert a.counters == b.counters
     ours, ref = a.read_all(), b.read_all()
     assert ours.keys() == ref.keys() and all(torch.equal(ours[k], ref[k]) for k in ours)
+    # the run record: each async save's stall and host staging (the most any rank staged) in metrics.jsonl
+    records = [json.loads(line) for line in open(os.path.join(save, "metrics.jsonl"))]
+    saves = {r["iteration"]: r for r in records if r["kind"] == "async_save"}
+    assert sorted(saves) == [2, 4] and all(r["stall_s"] >= 0 for r in saves.values())
+    staged = saves[4]["staged_bytes_max_per_rank"]
+    params = int(out.split(" > parameters per pipeline stage: stage 0: ")[1].split(" ")[0].replace(",", ""))
+    planned = state_bytes(config_from_args(_flags(corpus, 4, save, *ASYNC), world_size=2), params, 0)
+    assert staged == saves[2]["staged_bytes_max_per_rank"] and abs(staged - planned.staging) <= 64, \
+        (staged, planned.staging)  # fp32 weights + Adam's two moments, over DP 2 (odd sizes padded)
+    assert f"at most {staged / 2**20:.1f} MiB on a rank" in out
 
     resumed = _run(_flags(corpus, 6, save, *ASYNC, "--load", save), tmp_path / "b")
     assert "loaded checkpoint from" in resumed and "at iteration 4" in resumed
