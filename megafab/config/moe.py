@@ -27,24 +27,30 @@ GROUP = "moe"
 NEEDS_EXPERTS = ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")
 
 
-def parse_moe_layer_freq(text) -> int | tuple[int, ...]:
-    """--moe-layer-freq as Megatron reads it: "N" (every N-th layer), or a pattern expression of
-    int lists, + and * such as "([0]*1+[1]*3)*2" (evaluated without eval). ValueError if neither."""
+def parse_layer_freq(text, flag: str) -> int | tuple[int, ...]:
+    """A per-layer frequency flag as Megatron's moe_freq_type reads it: "N" (every N-th layer), or a
+    pattern expression of int lists, + and * such as "([0]*1+[1]*3)*2" (evaluated without eval).
+    ValueError naming `flag` if neither (--moe-layer-freq, --window-attn-skip-freq)."""
     text = str(text).strip()
     if "[" not in text:
         try:
             return int(text)
         except ValueError:
-            raise ValueError(f"--moe-layer-freq {text!r} is neither an int nor a pattern like "
+            raise ValueError(f"{flag} {text!r} is neither an int nor a pattern like "
                              f"'([0]*1+[1]*3)'") from None
     try:
         value = _pattern_value(ast.parse(text, mode="eval").body)
     except (SyntaxError, ValueError, TypeError):
         value = None
     if not isinstance(value, list):
-        raise ValueError(f"--moe-layer-freq {text!r} is not a pattern of int lists joined by + and "
+        raise ValueError(f"{flag} {text!r} is not a pattern of int lists joined by + and "
                          f"repeated by *, like '([0]*1+[1]*3)'")
     return tuple(value)
+
+
+def parse_moe_layer_freq(text) -> int | tuple[int, ...]:
+    """--moe-layer-freq as Megatron reads it (parse_layer_freq)."""
+    return parse_layer_freq(text, "--moe-layer-freq")
 
 
 parse_moe_layer_freq.__name__ = "moe_freq_type"  # Megatron's name for the type, shown by argparse

@@ -21,11 +21,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from megafab.distributed.blockwise_attention import LseMerge, compute_dtype
 from megafab.distributed.fused_attention import block_kernel
-from megafab.distributed.mappings import all_gather_single, reduce_scatter_first_dim
+from megafab.distributed.mappings import (
+    all_gather_single,
+    gather_from_sequence_parallel_region,
+    reduce_scatter_first_dim,
+)
+from megafab.distributed.masked_attention import apply_sink, attention, sink_grad, window_mask
 from megafab.distributed.random import host_seed
 from megafab.run import faults
 
@@ -256,19 +260,28 @@ def _start(ctx, q, group, dropout_p: float, seed: int, implementation: str, scal
     return dist.get_world_size(group), dist.get_rank(group), q.shape[2] // 2, LseMerge(q)
 
 
-def _save(ctx, q, k, v, merge: LseMerge) -> torch.Tensor:
+def _save(ctx, q, k, v, merge: LseMerge, sink) -> torch.Tensor:
+    """The merged output (with the sink's rescaling, masked_attention.apply_sink: the blocks'
+    backward from out' and lse' is then the sink attention's) saved with flash attention's set."""
+    ctx.sink = None if sink is None else sink.detach()
+    if sink is not None:
+        apply_sink(merge.out, merge.lse, ctx.sink)
     out = merge.out.to(q.dtype)  # [s, b, heads, d] memory: the caller's reshape to [s, b, h] is a view
     ctx.save_for_backward(q, k, v, out, merge.lse)
     return out
 
 
-def _grads(saved, dkv) -> tuple:
-    return dkv[0].to(saved[1].dtype), dkv[1].to(saved[2].dtype), None, None, None, None, None
+def _grads(ctx, saved, dkv, dout) -> tuple:
+    """dk, dv, None for group .. scale, and the sink's gradient (masked_attention.sink_grad)."""
+    dsink = None
+    if ctx.sink is not None and ctx.needs_input_grad[8]:
+        dsink = sink_grad(dout, saved[3], saved[4], ctx.sink)
+    return dkv[0].to(saved[1].dtype), dkv[1].to(saved[2].dtype), None, None, None, None, None, dsink
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, dropout_p: float, seed: int, implementation: str, scale=None):
+    def forward(ctx, q, k, v, group, dropout_p: float, seed: int, implementation: str, scale=None, sink=None):
         cp, r, c, merge = _start(ctx, q, group, dropout_p, seed, implementation, scale)
         ring, ctx.plan, ctx.aux = _Ring(group), ring_plan(c, cp, r), []
         kv = torch.stack([k, v])
@@ -277,7 +290,7 @@ class _RingAttention(torch.autograd.Function):
             ctx.aux.append(_forward_blocks(ctx.kernel, merge, q, kv, blocks, ctx.scale, 4 * step))
             if pending is not None:
                 kv = ring.finish(pending)
-        return _save(ctx, q, k, v, merge)
+        return _save(ctx, q, k, v, merge, sink)
 
     @staticmethod
     def backward(ctx, dout):
@@ -299,7 +312,7 @@ class _RingAttention(torch.autograd.Function):
             if pending is not None:
                 kv = ring.finish(pending)
         dkv = ring.finish(exchange) if exchange is not None else dkv
-        return (dq.to(q.dtype), *_grads(saved, dkv))
+        return (dq.to(q.dtype), *_grads(ctx, saved, dkv, dout))
 
 
 class _AllGatherAttention(torch.autograd.Function):
@@ -307,7 +320,7 @@ class _AllGatherAttention(torch.autograd.Function):
     the re-gather (backward) run; their dK/dV stay local, only the rest is reduce-scattered."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, dropout_p: float, seed: int, implementation: str, scale=None):
+    def forward(ctx, q, k, v, group, dropout_p: float, seed: int, implementation: str, scale=None, sink=None):
         cp, r, c, merge = _start(ctx, q, group, dropout_p, seed, implementation, scale)
         ctx.plan = local_blocks, gathered_blocks = allgather_plan(c, cp, r)
         kv = torch.stack([k, v])
@@ -315,7 +328,7 @@ class _AllGatherAttention(torch.autograd.Function):
         ctx.aux = _forward_blocks(ctx.kernel, merge, q, kv, local_blocks, ctx.scale, 0)
         ctx.aux += _forward_blocks(ctx.kernel, merge, q, _finish_kv_gather(pending), gathered_blocks,
                                    ctx.scale, len(local_blocks))
-        return _save(ctx, q, k, v, merge)
+        return _save(ctx, q, k, v, merge, sink)
 
     @staticmethod
     def backward(ctx, dout):
@@ -332,7 +345,7 @@ class _AllGatherAttention(torch.autograd.Function):
         dkv = torch.zeros_like(kv, dtype=dq.dtype)
         _backward_blocks(ctx, saved, dout, dq, kv, dkv, gathered_blocks, n_local, ctx.aux[n_local:])
         dkv_local += _reduce_scatter_kv(dkv, ctx.group)
-        return (dq.to(q.dtype), *_grads(saved, dkv_local))
+        return (dq.to(q.dtype), *_grads(ctx, saved, dkv_local, dout))
 
 
 def _sbhd_layout(x: torch.Tensor) -> torch.Tensor:
@@ -341,22 +354,40 @@ def _sbhd_layout(x: torch.Tensor) -> torch.Tensor:
     return x.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
 
 
-def _ulysses_attention(q, k, v, group, dropout_p: float, scale: float | None = None) -> torch.Tensor:
-    """a2a: heads scattered, sequences gathered (in sequence order), causal SDPA, and back."""
+def _ulysses_attention(q, k, v, group, dropout_p: float, scale: float | None = None,
+                       window: int | None = None, sink: torch.Tensor | None = None) -> torch.Tensor:
+    """a2a: heads scattered, sequences gathered (in sequence order), causal SDPA (or the window's
+    mask, this rank's heads' sinks: masked_attention.attention), and back."""
     cp = dist.get_world_size(group)
 
     def to_heads(x):  # [b, n, s/cp, d] -> [b, n/cp, s, d]
         return _to_natural_order(_AllToAll.apply(x, group, 1, 2), 2, cp)
 
     q, k, v = to_heads(q), to_heads(k), to_heads(v)
-    gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}  # K/V heads not repeated
-    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, **gqa)
+    positions = torch.arange(q.shape[2], device=q.device)
+    masked = None if window is None else window_mask(positions, positions, window)
+    sink = None if sink is None else sink.chunk(cp)[dist.get_rank(group)]
+    out = attention(q, k, v, masked, sink, dropout_p, scale)  # K/V heads not repeated (GQA)
     return _sbhd_layout(_AllToAll.apply(_to_rank_order(out, 2, cp), group, 2, 1))
+
+
+def _gathered_window_attention(q, k, v, group, dropout_p: float, scale: float | None, window: int,
+                               sink: torch.Tensor | None) -> torch.Tensor:
+    """allgather with a window: the whole sequence's K/V gathered (reduce-scattered back in
+    backward), this rank's queries masked by their global positions (masked_attention.attention)."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    kv = torch.stack([k, v]).permute(3, 0, 1, 2, 4)  # [s/cp, 2, b, g, d]
+    kv = _to_natural_order(gather_from_sequence_parallel_region(kv, group), 0, cp).permute(1, 2, 3, 0, 4)
+    s = kv.shape[3]
+    keys = torch.arange(s, device=q.device)
+    masked = window_mask(local_token_positions(s, rank, cp, q.device), keys, window)
+    return attention(q, kv[0], kv[1], masked, sink, dropout_p, scale)
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group,
                                comm_type: str = "p2p", dropout_p: float = 0.0, seed: int | None = None,
-                               implementation: str = "auto", scale: float | None = None) -> torch.Tensor:
+                               implementation: str = "auto", scale: float | None = None,
+                               window: int | None = None, sink: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's tokens against the whole sequence spread over `group`.
 
       p2p        ring: K/V blocks travel round the CP group (cp - 1 steps, the next block's transfer
@@ -380,12 +411,21 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     random.host_seed(tracker); drawn from the CPU generator when None); a2a draws from the device
     stream it runs in. implementation "reference" forces blockwise_attention's kernel (tests,
     benchmarks). scale: the softmax scale (default 1/sqrt(d)).
+
+    window (a sliding window's left size, masked_attention.window_mask): a2a masks its whole
+    sequences, allgather masks its queries against the gathered K/V by their global positions
+    (_gathered_window_attention); the p2p ring's blocks cannot be banded, so it refuses a window.
+    sink [heads] (attention sinks): every comm type, exact (p2p/allgather rescale the merged output).
     """
     if comm_type == "a2a":
-        return _ulysses_attention(q, k, v, group, dropout_p, scale)
+        return _ulysses_attention(q, k, v, group, dropout_p, scale, window, sink)
+    if window is not None and comm_type == "allgather":
+        return _gathered_window_attention(q, k, v, group, dropout_p, scale, window, sink)
+    if window is not None:
+        raise ValueError(f"a sliding window under CP comm type {comm_type!r}: use allgather or a2a")
     if dropout_p > 0 and seed is None:
         seed = host_seed(None)
-    args = (q, k, v, group, dropout_p, seed or 0, implementation, scale)
+    args = (q, k, v, group, dropout_p, seed or 0, implementation, scale, sink)
     if comm_type == "p2p":
         return _RingAttention.apply(*args)
     if comm_type == "allgather":

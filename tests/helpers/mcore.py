@@ -42,6 +42,11 @@ def init_parallel(tp: int, pp: int = 1) -> None:
     ps.initialize_model_parallel(tp, pp)
 
 
+def _as_list(freq):
+    """megatron-core takes a --window-attn-skip-freq pattern as a list (megafab keeps a tuple)."""
+    return list(freq) if isinstance(freq, tuple) else freq
+
+
 def transformer_config(m, dtype=torch.float32) -> TransformerConfig:
     """megatron-core's config of megafab ModelConfig `m` (GPT-2 or Llama style)."""
     return TransformerConfig(
@@ -50,7 +55,9 @@ def transformer_config(m, dtype=torch.float32) -> TransformerConfig:
         kv_channels=m.kv_channels, normalization=m.normalization, layernorm_epsilon=m.norm_epsilon,
         gated_linear_unit=m.swiglu, activation_func=F.silu if m.swiglu else F.gelu,
         add_bias_linear=m.add_bias_linear, add_qkv_bias=m.add_qkv_bias, qk_layernorm=m.qk_layernorm,
-        hidden_dropout=0.0,
+        hidden_dropout=0.0, window_size=getattr(m, "window_size", None),
+        window_attn_skip_freq=_as_list(getattr(m, "window_attn_skip_freq", None)),
+        softmax_type=getattr(m, "softmax_type", "vanilla"),
         attention_dropout=0.0, use_cpu_initialization=True, params_dtype=dtype,
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),

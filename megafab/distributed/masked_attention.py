@@ -1,0 +1,86 @@
+"""Attention with a sliding window and attention sinks, the math every layout shares.
+
+Window (megatron-core / Transformer Engine's (left, right) convention, right = 0 here): the query at
+position i sees the keys at positions j with i - left <= j <= i, left + 1 keys (left < 0: unbounded).
+Masks are built from the tokens' absolute positions, so the same rule holds for a training sequence,
+a context-parallel rank's chunks and a KV-cache step whose queries are the last of the keys.
+
+Sink (megatron-core's softmax_type off-by-one / learnable): one more logit per head in the softmax's
+denominator with a zero value, p_j = exp(s_j) / (exp(sink) + sum_k exp(s_k)) (off-by-one: sink 0).
+Given plain attention's output `out` and log-sum-exp `lse` the sink rescales it exactly,
+
+    lse' = log(exp(lse) + exp(sink)),   out' = out * exp(lse - lse') = out * sigmoid(lse - sink),
+
+and a flash backward run from (out', lse') is the sink attention's backward: the sink acts as one
+more key whose value is zero (apply_sink, sink_grad). Shapes: q [b, heads, sq, d], k and v
+[b, groups, sk, d] (GQA: query head = group * hpg + j), sink [heads].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megafab.distributed.blockwise_attention import compute_dtype
+
+
+def window_mask(q_positions: torch.Tensor, k_positions: torch.Tensor, left: int | None) -> torch.Tensor:
+    """[sq, sk] bool, True where attention is NOT allowed (Megatron's mask): a key after the query,
+    or (left not None and >= 0) more than `left` positions before it."""
+    distance = q_positions[:, None] - k_positions[None, :]  # query position - key position
+    masked = distance < 0
+    if left is not None and left >= 0:
+        masked |= distance > left
+    return masked
+
+
+def bottom_right_positions(sq: int, sk: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(query, key) positions when the sq queries are the last sq of the sk keys (a KV-cache step,
+    or sq == sk: a whole sequence), as megatron-core's get_sliding_window_causal_mask aligns them."""
+    keys = torch.arange(sk, device=device)
+    return keys[sk - sq:], keys
+
+
+def attention(q, k, v, masked: torch.Tensor | None, sink: torch.Tensor | None = None,
+              dropout_p: float = 0.0, scale: float | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale, masked out, with the sink's logit) v -> [b, heads, sq, d]. masked:
+    bool broadcastable to [b, heads, sq, sk], True = not allowed (None: causal, bottom-right).
+    Without a sink SDPA runs; with one the probabilities are formed explicitly (as megatron-core's
+    local DotProductAttention does), the softmax in fp32 for 16-bit inputs."""
+    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+    if sink is None:
+        if masked is None:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale,
+                                                  **gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=~masked, dropout_p=dropout_p, scale=scale,
+                                              **gqa)
+    b, heads, sq, d = q.shape
+    groups, sk = k.shape[1], k.shape[2]
+    if masked is None:
+        masked = window_mask(*bottom_right_positions(sq, sk, q.device), None)
+    scale = d ** -0.5 if scale is None else scale
+    qg = q.unflatten(1, (groups, heads // groups))  # [b, g, hpg, sq, d]
+    scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)).flatten(1, 2) * scale  # [b, heads, sq, sk]
+    acc = compute_dtype(q.dtype)
+    scores = scores.to(acc).masked_fill(masked, float("-inf"))
+    logits = torch.cat([scores, sink.to(acc).view(1, heads, 1, 1).expand(b, heads, sq, 1)], dim=-1)
+    probs = torch.softmax(logits, dim=-1)[..., :-1].to(q.dtype)
+    if dropout_p > 0:
+        probs = F.dropout(probs, dropout_p, training=True)
+    out = torch.matmul(probs.unflatten(1, (groups, heads // groups)), v.unsqueeze(2))  # [b, g, hpg, sq, d]
+    return out.flatten(1, 2)
+
+
+def apply_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> None:
+    """In place: plain attention's out [b, heads, s, d] and lse [b, heads, s] -> the sink's out', lse'
+    (module docstring)."""
+    new = torch.logaddexp(lse, sink.to(lse.dtype)[None, :, None])
+    out.mul_(torch.exp(lse - new)[..., None])
+    lse.copy_(new)
+
+
+def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """d loss / d sink [heads] from the sink attention's dout, out' and lse': the sink's probability
+    times its (zero) value's dp minus delta = rowsum(dout * out'), summed over batch and rows."""
+    delta = (dout.to(out.dtype) * out).sum(-1)  # [b, heads, s]
+    return -(torch.exp(sink.to(lse.dtype)[None, :, None] - lse) * delta).sum((0, 2)).to(sink.dtype)
