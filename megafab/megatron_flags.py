@@ -175,7 +175,6 @@ REFUSED.update({
     "--error-injection-rate": Refused(_RERUN, off=("0",)),
     "--cuda-graph-impl": Refused(_CUDA_GRAPHS, off=("none",)),
     "--cpu-offloading-num-layers": Refused(_OFFLOAD, off=("0",)),
-    "--softmax-type": Refused(_ATTENTION, off=("vanilla",)),
     "--glu-linear-offset": Refused(f"an offset in the GLU activation is {NOT_YET}", off=("0", "0.0")),
     "--head-lr-mult": Refused(f"a learning-rate multiplier for a model head is {NOT_YET}",
                               off=("1", "1.0")),
@@ -206,7 +205,7 @@ _refuse(_OFFLOAD, """--fine-grained-activation-offloading --offload-modules V+
 _refuse(_MLA, "--cache-mla-latents")
 _refuse(_ATTENTION, """--attention-output-gate --experimental-attention-variant V --dsa-indexer-n-heads V
     --dsa-indexer-head-dim V --dsa-indexer-topk V --dsa-indexer-loss-coeff V
-    --dsa-indexer-use-sparse-loss --window-size V --window-attn-skip-freq V --qk-l2-norm --qk-clip
+    --dsa-indexer-use-sparse-loss --qk-l2-norm --qk-clip
     --qk-clip-alpha V --qk-clip-threshold V --use-kitchen-attention --kitchen-attention-backend V
     --relative-attention-num-buckets V --relative-attention-max-distance V
     --apply-query-key-layer-scaling""")

@@ -31,6 +31,7 @@ def component_problems(cfg) -> list[str]:
     """The rules the components own, asked with this configuration's values."""
     # deferred: the components import torch; flag errors and --help stay free of it
     from megafab.distributed.data_parallel import bucket_size_problems
+    from megafab.model.core_attention import window_attention_problems
     from megafab.model.mtp import mtp_problems
     from megafab.model.recompute import RecomputeSettings
     from megafab.model.rotary import rope_scaling_problems
@@ -46,6 +47,7 @@ def component_problems(cfg) -> list[str]:
     out += te_layer_problems(m)
     out += mtp_problems(m, p)
     out += rope_scaling_problems(m)
+    out += window_attention_problems(m, p)
     if o.optimizer_offload_fraction is not None:
         out += offload_problems(o.optimizer_offload_fraction)
     if p.ddp_bucket_size is not None and not p.fully_sharded:

@@ -8,8 +8,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megafab.config.fields import Section, option
+from megafab.config.moe import parse_layer_freq
 
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
+
+
+def parse_window_size(text) -> tuple[int, ...]:
+    """--window-size as Megatron's tuple_type reads it: "128,0" or "(128,0)" -> (128, 0)."""
+    try:
+        return tuple(int(i) for i in str(text).strip().strip("()").split(","))
+    except ValueError:
+        raise ValueError(f"--window-size {text!r} is not a pair of ints like '(128,0)'") from None
+
+
+def parse_window_attn_skip_freq(text) -> int | tuple[int, ...]:
+    return parse_layer_freq(text, "--window-attn-skip-freq")
+
+
+parse_window_size.__name__ = "tuple_type"  # Megatron's names for the types, shown by argparse
+parse_window_attn_skip_freq.__name__ = "moe_freq_type"
 
 
 @dataclass
@@ -99,6 +117,20 @@ class ModelConfig(Section):
         False,
         help="Normalize each head's queries and keys (q_layernorm / k_layernorm over kv_channels, the "
              "--normalization type) before RoPE and attention.")
+    # ---- sliding-window attention and attention sinks (model/window_attention.py) ----
+    window_size: tuple[int, ...] | None = option(
+        None, parse=parse_window_size,
+        help="Sliding-window attention (left, right): query i sees keys i-left..i (right must be 0: causal; "
+             "left -1: unbounded). Megatron/TE's convention: HF's sliding_window W is (W-1, 0).")
+    window_attn_skip_freq: int | tuple[int, ...] | None = option(
+        None, parse=parse_window_attn_skip_freq,
+        help="Which layers keep full attention with --window-size: N: every N-th layer (layers N, 2N, .. "
+             "counted from 1), the others windowed; or a per-layer 0/1 pattern such as '([1]*3+[0]*1)*2' "
+             "(1: window, 0: full). Unset: every layer windowed.")
+    softmax_type: str = option(
+        "vanilla", choices=SOFTMAX_TYPES,
+        help="Attention sinks: vanilla softmax, off-by-one (an extra zero logit in the denominator) or "
+             "learnable (a per-head logit, self_attention.core_attention.softmax_offset).")
     apply_residual_connection_post_layernorm: bool = option(
         False,
         help="Take the residual from the norm's output instead of its input (the original BERT order).")

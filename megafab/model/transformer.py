@@ -15,11 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megafab.distributed.context_parallel import context_parallel_attention
 from megafab.distributed.layers import ColumnParallelLinear, RowParallelLinear
 from megafab.distributed.mappings import group_size
-from megafab.distributed.random import host_seed
-from megafab.model.attention_backend import sdpa_context
+from megafab.model.core_attention import CoreAttention
 from megafab.model.init import normal_init, output_layer_std
 from megafab.model.mla import MLASelfAttention
 from megafab.model.moe.balancing import LossScale
@@ -86,10 +84,11 @@ class SelfAttention(nn.Module):
     """Causal self-attention, multi-head or grouped-query, heads split over TP.
 
     linear_qkv packs each key/value group as [q_1 .. q_{heads/groups}, k, v] (megatron-core's
-    layout), so a TP shard holds whole groups.
+    layout), so a TP shard holds whole groups. layer_number (0-based, global): whether its
+    core_attention is windowed (model/core_attention.py).
     """
 
-    def __init__(self, cfg, ctx: LayerContext, prefix: str):
+    def __init__(self, cfg, ctx: LayerContext, prefix: str, layer_number: int = 0):
         super().__init__()
         tp = group_size(ctx.tp_group)
         self.ctx = ctx
@@ -99,7 +98,6 @@ class SelfAttention(nn.Module):
         self.dropout = cfg.attention_dropout
         self.recompute_core_attention = RecomputeSettings.from_model_config(cfg).core_attention
         qkv_out = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * self.d
-        self.sdpa_backend = sdpa_context(cfg.attention_backend)
         self.q_layernorm = self.k_layernorm = None
         if cfg.qk_layernorm:
             # Each TP rank normalizes its own heads with the same (replicated) weights, so each
@@ -119,6 +117,8 @@ class SelfAttention(nn.Module):
             gradient_accumulation_fusion=ctx.gradient_accumulation_fusion,
             init_method=normal_init(ctx.seed, prefix + "linear_proj.weight",
                                     output_layer_std(cfg.init_method_std, cfg.num_layers)))
+        # softmax(q k^T / sqrt(d)) v, windowed and with sinks as configured: [b, heads/tp, s, d]
+        self.core_attention = CoreAttention(cfg, ctx, prefix, layer_number)
 
     def forward(self, x, rotary_angles=None, attention_mask=None, kv_cache=None):
         """kv_cache (generation): holds this layer's keys/values of earlier positions; x then
@@ -147,24 +147,6 @@ class SelfAttention(nn.Module):
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads/tp * d]
         out, _ = self.linear_proj(ctx)
         return out
-
-    def core_attention(self, q, k, v, attention_mask, dropout):
-        """q [b, heads, s, d], k/v [b, groups, s, d] (or heads) -> [b, heads, s, d]; what selective
-        recompute recomputes. Grouped keys/values go to SDPA as they are (enable_gqa), so no
-        head-repeated copies of k and v are made or saved. Under context parallelism s is this
-        rank's s/cp tokens and the whole sequence's keys/values come from the CP group."""
-        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
-        with self.ctx.tp_region_rng() if dropout > 0 else contextlib.nullcontext(), self.sdpa_backend():
-            if self.ctx.cp_group is not None:
-                assert attention_mask is None, "context parallel attention takes no attention mask"
-                seed = host_seed(self.ctx.rng_tracker) if dropout > 0 else None
-                return context_parallel_attention(q, k, v, self.ctx.cp_group, self.ctx.cp_comm_type, dropout,
-                                                  seed)
-            if attention_mask is None:
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, **gqa)
-            # Megatron's mask: True where attention is NOT allowed
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, dropout_p=dropout,
-                                                  **gqa)
 
 
 class MLP(nn.Module):
@@ -223,8 +205,10 @@ class TransformerLayer(nn.Module):
         self.hidden_dropout = cfg.hidden_dropout
         self.residual_post_norm = cfg.apply_residual_connection_post_layernorm
         self.input_layernorm = build_norm(cfg, ctx)
-        attention = MLASelfAttention if cfg.multi_latent_attention else SelfAttention
-        self.self_attention = attention(cfg, ctx, prefix + "self_attention.")
+        if cfg.multi_latent_attention:
+            self.self_attention = MLASelfAttention(cfg, ctx, prefix + "self_attention.")
+        else:
+            self.self_attention = SelfAttention(cfg, ctx, prefix + "self_attention.", layer_number)
         self.pre_mlp_layernorm = build_norm(cfg, ctx)
         self.mlp = build_mlp(cfg, ctx, layer_number, prefix + "mlp.")
         self.recompute = RecomputeSettings.from_model_config(cfg)  # the selective modules
