@@ -337,7 +337,7 @@ _values("""--hierarchical-context-parallel-sizes V+ --moe-upcycling-granularity 
     --num-distributed-optimizer-instances V --spec V* --encoder-num-layers V
     --decoder-num-layers V --pipeline-model-parallel-layout V --ckpt-convert-format V --batch-size V
     --warmup V --model-parallel-size V --exit-signal V --rerun-mode V
-    --error-injection-rate V --cuda-graph-impl V --cpu-offloading-num-layers V --softmax-type V
+    --error-injection-rate V --cuda-graph-impl V --cpu-offloading-num-layers V
     --glu-linear-offset V --head-lr-mult V --weight-decay-incr-style V
     --main-grads-dtype V --main-params-dtype V --exp-avg-dtype V --exp-avg-sq-dtype V
     --cross-entropy-fusion-impl V --outer-dp-sharding-strategy V --dataloader-type V --vocab-extra-ids V""")
