@@ -13,20 +13,24 @@ import os
 import torch
 
 from megafab.config import Config, ModelConfig
-from megafab.convert import hf_gpt2, hf_llama, hf_mixtral, hf_qwen2, hf_qwen3, hf_qwen3_moe
+from megafab.convert import hf_deepseek_v3, hf_gpt2, hf_llama, hf_mixtral, hf_qwen2, hf_qwen3, hf_qwen3_moe
 from megafab.convert.state_dict import ConversionError, finalize_model_config
 from megafab.convert.tokenizer_files import save_tokenizer_files, tokenizer_special_ids
 
 ARCHITECTURES = {"gpt2": hf_gpt2, "llama": hf_llama, "mixtral": hf_mixtral, "qwen2": hf_qwen2,
-                 "qwen3": hf_qwen3, "qwen3_moe": hf_qwen3_moe}
-MOE_ARCHITECTURES = ("mixtral", "qwen3_moe")  # their converters take cfg.moe as `moe`
+                 "qwen3": hf_qwen3, "qwen3_moe": hf_qwen3_moe, "deepseek_v3": hf_deepseek_v3}
+MOE_ARCHITECTURES = ("mixtral", "qwen3_moe", "deepseek_v3")  # their converters take cfg.moe as `moe`
+CONFIG_READERS = ("deepseek_v3",)  # their from_hf_state_dict reads config.json too (hf_config)
 WEIGHTS = "model.safetensors"
 
 
 def architecture_of(m: ModelConfig, moe=None) -> str:
     """gpt2 (learned positions, LayerNorm, GELU, biases) or llama (RoPE, RMSNorm, SwiGLU, no biases),
     the latter as qwen3 with --qk-layernorm and qwen2 with --add-qkv-bias; a mixture of experts
-    (moe: cfg.moe) of the Llama architecture: qwen3_moe with --qk-layernorm, else mixtral."""
+    (moe: cfg.moe) of the Llama architecture: qwen3_moe with --qk-layernorm, else mixtral; multi-latent
+    attention: deepseek_v3."""
+    if m.multi_latent_attention:
+        return "deepseek_v3"
     if moe is not None and moe.num_experts is not None:
         return "qwen3_moe" if m.qk_layernorm else "mixtral"
     gpt2 = dict(position_embedding_type="learned_absolute", normalization="LayerNorm", swiglu=False,
@@ -56,7 +60,7 @@ def export_hf(sd: dict[str, torch.Tensor], cfg: Config, out_dir: str,
     hf_config = module.to_hf_config(cfg.model, **moe, eod=ids.get("eod"), **extra)
     hf_sd = module.to_hf_state_dict(sd, cfg.model, **moe)
     if dtype is not None:
-        hf_sd = {k: v.to(dtype) for k, v in hf_sd.items()}
+        hf_sd = {k: _cast(k, v, dtype, module) for k, v in hf_sd.items()}
         hf_config.dtype = str(dtype).removeprefix("torch.")
     os.makedirs(out_dir, exist_ok=True)
     hf_config.save_pretrained(out_dir)
@@ -64,6 +68,11 @@ def export_hf(sd: dict[str, torch.Tensor], cfg: Config, out_dir: str,
               metadata={"format": "pt"})
     save_tokenizer_files(cfg.data, out_dir)
     return arch
+
+
+def _cast(key: str, tensor: torch.Tensor, dtype: torch.dtype, module) -> torch.Tensor:
+    """`tensor` in `dtype`, but a module's KEEP_FP32 tensors (e.g. DeepSeek's expert bias) stay float32."""
+    return tensor if key.endswith(getattr(module, "KEEP_FP32", ())) else tensor.to(dtype)
 
 
 def _moe_args(arch: str, cfg: Config) -> dict:
@@ -116,7 +125,7 @@ def read_hf_config(hf_dir: str) -> dict:
         kind = c.get("model_type") if isinstance(c, dict) else None
         raise ConversionError(f"{path}: model_type {kind!r} is not one of "
                               f"{sorted(ARCHITECTURES)}; megafab converts GPT-2, Llama, Qwen2, Qwen3, "
-                              f"Mixtral and Qwen3-MoE models")
+                              f"Mixtral, Qwen3-MoE and DeepSeek-V3 models")
     return c
 
 
@@ -134,7 +143,8 @@ def import_hf(hf_dir: str, tp: int = 1, make_vocab_size_divisible_by: int = 128,
         flat.update(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=os.path.abspath(hf_dir))
     cfg = dataclasses.replace(Config.from_flat(flat), model=finalize_model_config(flat, tp))
     weights = read_hf_weights(hf_dir)
-    sd = module.from_hf_state_dict(weights, cfg.model, **_moe_args(c["model_type"], cfg))
+    extra = {"hf_config": c} if c["model_type"] in CONFIG_READERS else {}
+    sd = module.from_hf_state_dict(weights, cfg.model, **_moe_args(c["model_type"], cfg), **extra)
     if dtype is not None:
-        sd = {k: v.to(dtype) for k, v in sd.items()}
+        sd = {k: _cast(k, v, dtype, module) for k, v in sd.items()}
     return sd, cfg

@@ -16,6 +16,13 @@ def load_model(load_dir: str, iteration: int | None = None, dtype: torch.dtype =
                device: str | torch.device = "cpu"):
     """(GPTModel in eval mode holding every layer (and every expert), the checkpoint's Config)."""
     sd, cfg = read_checkpoint(load_dir, iteration)
+    return model_from_state_dict(sd, cfg, dtype, device), cfg
+
+
+def model_from_state_dict(sd: dict[str, torch.Tensor], cfg, dtype: torch.dtype = torch.float32,
+                          device: str | torch.device = "cpu") -> GPTModel:
+    """The one-process GPTModel (eval mode, no dropout) holding full megafab state dict `sd` of Config
+    `cfg` (convert/state_dict.py; e.g. import_hf's)."""
     m = cfg.model
     m.hidden_dropout = m.attention_dropout = 0.0
     device = torch.device(device)
@@ -25,4 +32,4 @@ def load_model(load_dir: str, iteration: int | None = None, dtype: torch.dtype =
     model = GPTModel(m, ctx).eval()
     weights = module_state_dict(sd, model.state_dict().keys())  # SequentialMLP experts: rows of the stack
     model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=True)
-    return model, cfg
+    return model
