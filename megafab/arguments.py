@@ -27,7 +27,14 @@ from megafab.config.fields import field_default, field_types
 from megafab.config.moe import NEEDS_EXPERTS
 from megafab.config.schema import SECTIONS, flag_fields
 from megafab.config_file import CONFIG_FLAGS, parser_defaults, split_config_files
-from megafab.megatron_flags import NARGS, NO_EFFECT, REFUSED, refused_problem
+from megafab.megatron_flags import (
+    NARGS,
+    NO_EFFECT,
+    REFUSED,
+    REFUSED_VALUES,
+    refused_problem,
+    refused_value_problem,
+)
 from megafab.run.launch import planned_world_size
 from megafab.run.report import exit_on_user_error
 
@@ -152,10 +159,10 @@ def _is_flag(token: str) -> bool:
 
 def _take_values(argv: list[str], i: int, nargs: int | str | None = "*") -> int:
     """Index after flag argv[i] and the values that follow it: as many as `nargs` (argparse's: 0 a
-    switch, None one, "*" / "+" up to the next --flag)."""
+    switch, None / "?" one at most, "*" / "+" up to the next --flag)."""
     j = i + 1
     if "=" not in argv[i]:
-        most = {0: 0, None: 1}.get(nargs, nargs if isinstance(nargs, int) else len(argv))
+        most = {0: 0, None: 1, "?": 1}.get(nargs, nargs if isinstance(nargs, int) else len(argv))
         while j < len(argv) and j - i <= most and not _is_flag(argv[j]):
             j += 1
     return j
@@ -164,10 +171,19 @@ def _take_values(argv: list[str], i: int, nargs: int | str | None = "*") -> int:
 def split_refused(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
     """(argv without refused flags, one problem per refused flag, "--flag value (why)" per refused
     flag given a value that is accepted without effect). A refused flag takes the values Megatron's
-    parser gives it (NARGS); given only its "off" value it asks for nothing and is dropped silently."""
+    parser gives it (NARGS); given only its "off" value it asks for nothing and is dropped silently.
+    An honoured flag given a value megafab refuses (REFUSED_VALUES) is one problem per such value."""
     kept, problems, notes, i = [], [], [], 0
     while i < len(argv):
         name = _flag_name(argv[i])
+        if name in REFUSED_VALUES:
+            end = _take_values(argv, i)
+            values = [argv[i].partition("=")[2]] if "=" in argv[i] else argv[i + 1:end]
+            refused_values = [v for v in values if v in REFUSED_VALUES[name]]
+            problems += [refused_value_problem(name, v) for v in refused_values]
+            if refused_values:
+                i = end
+                continue
         if name not in REFUSED:
             kept.append(argv[i])
             i += 1

@@ -7,13 +7,16 @@ so is a refused flag given one of its `no_effect` values (--rerun-mode validate_
 default). Both take the values Megatron's parser gives them (NARGS), so the rest of a Megatron
 command line parses as Megatron's would. Every other Megatron flag megafab knows is parsed into the
 config and honoured. tests/config/test_megatron_flag_census.py checks all of Megatron-LM 0.16.1's
-flags against this. The no-effect entries and their reasons are megatron_flags_no_effect.py's.
+and HEAD's flags against this. The no-effect entries and their reasons are megatron_flags_no_effect.py's;
+HEAD's flags (and REFUSED_VALUES, values of honoured flags refused by name) megatron_flags_head.py's.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
+from megafab import megatron_flags_head as head_flags
 from megafab import megatron_flags_no_effect as no_effect_flags
 
 NOT_YET = "not implemented in megafab yet"
@@ -31,9 +34,10 @@ class Refused:
 
 
 # Megatron's nargs for each refused or no-effect flag that takes values: None one value, "+" one or
-# more, "*" any number; a flag not listed is a switch (it takes none). Filled by _values below.
+# more, "*" any number, "?" one or none (a switch in one release, one value in another); a flag not listed
+# is a switch (it takes none). Filled by _values below.
 NARGS: dict[str, int | str | None] = {}
-_NARGS = {"V": None, "V+": "+", "V*": "*"}
+_NARGS = {"V": None, "V+": "+", "V*": "*", "V?": "?"}
 
 
 def _values(spec: str) -> list[str]:
@@ -187,9 +191,6 @@ REFUSED.update({
                                off=("fp32",)),
     "--exp-avg-sq-dtype": Refused(f"precision-aware optimizer dtypes other than fp32 are {NOT_YET}",
                                   off=("fp32",)),
-    "--cross-entropy-fusion-impl": Refused(
-        "Transformer Engine's parallel cross entropy is not in megafab; --cross-entropy-loss-fusion is "
-        "megatron-core's native one", off=("native",)),
     "--outer-dp-sharding-strategy": Refused(f"hybrid-sharded (HSDP) Megatron-FSDP; {FSDP}",
                                             off=("no_shard",)),
     "--dataloader-type": Refused(
@@ -316,7 +317,7 @@ _refuse(_DATA, """--data-args-path V --per-split-data-args-path V --per-dataset-
 _refuse(_VALIDATION, "--full-validation --multiple-validation-sets")
 _refuse(_TOKENIZER, """--tokenizer-metadata V --legacy-tokenizer --tokenizer-sentencepiece-legacy
     --tokenizer-hf-use-fast --tokenizer-hf-include-special-tokens""")
-_refuse(_PROCESS_GROUPS, """--distributed-timeout-seconds-after-init V --lazy-mpu-init V
+_refuse(_PROCESS_GROUPS, """--distributed-timeout-seconds-after-init V --lazy-mpu-init V?
     --fake-process-group --use-sharp --sharp-enabled-group V --nccl-communicator-config-path V""")
 _refuse(_DETERMINISM, "--deterministic-mode --batch-invariant-mode")
 _refuse(f"this training-loop option of Megatron's is {NOT_YET}", """--iterations-to-skip V+
@@ -327,6 +328,17 @@ _refuse(f"this training-loop option of Megatron's is {NOT_YET}", """--iterations
 NO_EFFECT: dict[str, str] = dict(no_effect_flags.LISTED)
 for _reason, _spec in no_effect_flags.FAMILIES:
     NO_EFFECT.update(dict.fromkeys(_values(_spec), _reason))
+
+# Megatron-LM HEAD's flags (megatron_flags_head.py): refused by family, then the no-effect ones
+for _reason, _spec in head_flags.refused(sys.modules[__name__]):
+    _refuse(_reason, _spec)
+for _flag, _off in head_flags.OFF.items():
+    REFUSED[_flag] = Refused(REFUSED[_flag].reason, off=_off)
+NO_EFFECT.update(head_flags.NO_EFFECT_LISTED)
+for _reason, _spec in head_flags.NO_EFFECT_FAMILIES:
+    NO_EFFECT.update(dict.fromkeys(_values(_spec), _reason))
+_values(head_flags.VALUED)
+REFUSED_VALUES: dict[str, dict[str, str]] = head_flags.refused_values(sys.modules[__name__])
 
 # The valued flags of REFUSED's entries above (the families' specs name their own). Flags of other Megatron-LM
 # versions than 0.16.1: --retro-project-dir (older) takes one value; --step-batch-size-schedule (after
@@ -340,9 +352,13 @@ _values("""--hierarchical-context-parallel-sizes V+ --moe-upcycling-granularity 
     --error-injection-rate V --cuda-graph-impl V --cpu-offloading-num-layers V
     --glu-linear-offset V --head-lr-mult V --weight-decay-incr-style V
     --main-grads-dtype V --main-params-dtype V --exp-avg-dtype V --exp-avg-sq-dtype V
-    --cross-entropy-fusion-impl V --outer-dp-sharding-strategy V --dataloader-type V --vocab-extra-ids V""")
+    --outer-dp-sharding-strategy V --dataloader-type V --vocab-extra-ids V""")
 _values(no_effect_flags.VALUED)
 
 
 def refused_problem(flag: str) -> str:
     return f"{flag}: refused, {REFUSED[flag].reason}; remove it (megafab never ignores a flag)"
+
+
+def refused_value_problem(flag: str, value: str) -> str:
+    return f"{flag} {value}: refused, {REFUSED_VALUES[flag][value]}; choose another value"

@@ -46,6 +46,8 @@ LISTED: dict[str, str] = {
     "--dist-ckpt-optim-fully-reshardable": "megafab's torch_dist optimizer state is always fully "
                                            "reshardable (Megatron's fully_reshardable layout)",
     "--ckpt-assume-constant-structure": "megafab plans every save anew",
+    "--cross-entropy-fusion-impl": "megafab's --cross-entropy-loss-fusion is megatron-core's native fused "
+                                   "cross entropy; Transformer Engine's (te) computes the same values",
     "--async-strategy": "Megatron's choice of asynchronous writer (NVIDIA Resiliency Extension's or "
                         "megatron-core's); megafab has one writer, and both write the same checkpoint",
     "--non-persistent-local-ckpt-algo": "the exchange between ranks of NVIDIA Resiliency Extension's local "
@@ -103,5 +105,5 @@ FAMILIES: tuple[tuple[str, str], ...] = (
     --defer-embedding-wgrad-compute --wgrad-deferral-limit V --train-sync-interval V"""),
 )
 
-VALUED = "--dist-ckpt-format V --fp8-interval V --local-rank V --memory-snapshot-path V --async-strategy V "\
-    "--non-persistent-local-ckpt-algo V"
+VALUED = "--cross-entropy-fusion-impl V --dist-ckpt-format V --fp8-interval V --local-rank V " \
+    "--memory-snapshot-path V --async-strategy V --non-persistent-local-ckpt-algo V"
