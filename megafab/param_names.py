@@ -345,6 +345,7 @@ TP_SPLITS = {
     "self_attention.linear_qkv.weight": Split(COLUMN_DIM),
     "self_attention.linear_qkv.bias": Split(COLUMN_DIM),
     "self_attention.linear_proj.weight": Split(ROW_DIM),
+    "self_attention.core_attention.softmax_offset": Split(0),  # a learnable attention sink per head
     "mlp.linear_fc1.weight": Split(COLUMN_DIM, strided_by_swiglu=True),
     "mlp.linear_fc1.bias": Split(COLUMN_DIM, strided_by_swiglu=True),
     "mlp.linear_fc2.weight": Split(ROW_DIM),

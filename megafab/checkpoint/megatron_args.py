@@ -21,12 +21,13 @@ MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_hea
               "kv_channels", "position_embedding_type", "rotary_percent", "rotary_base",
               "max_position_embeddings", "normalization", "norm_epsilon", "swiglu", "openai_gelu",
               "squared_relu", "apply_layernorm_1p", "qk_layernorm",
+              "window_size", "window_attn_skip_freq", "softmax_type",
               "apply_residual_connection_post_layernorm", "add_bias_linear", "add_qkv_bias",
               "untie_embeddings_and_output_weights")
 # Megatron model options megafab does not implement (once ModelConfig has the field, it is compared).
 MEGATRON_ONLY_ARGS = ("qk_l2_norm", "multi_latent_attention", "mtp_num_layers",
                       "rotary_interleaved", "use_rope_scaling", "rope_scaling_factor",
-                      "rotary_seq_len_interpolation_factor", "window_size")
+                      "rotary_seq_len_interpolation_factor")
 
 # Multi-latent attention's shapes and RoPE (compared when either model is an MLA model; Megatron
 # records their defaults in every checkpoint)
@@ -53,6 +54,8 @@ def _effective(name: str, args) -> object:
         return getattr(args, "num_attention_heads", None)
     if name == "add_qkv_bias":  # --add-bias-linear biases qkv too (Megatron sets add_qkv_bias then)
         return bool(value or getattr(args, "add_bias_linear", False))
+    if name in ("window_size", "window_attn_skip_freq") and isinstance(value, list):
+        return tuple(value)  # a tuple in the run's config, a list once stored as plain values
     if name == "position_embedding_type" and value is None:
         return "learned_absolute"
     if name == "rope_type" and value is None:  # megatron-core's MLA default

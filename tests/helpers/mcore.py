@@ -3,7 +3,8 @@
 Its CPU path still touches CUDA in a few places; the workarounds live here, never in megafab:
 torch.cuda.current_device() / synchronize() (RoPE, save's preload and failure broadcast), the
 async writer's spawn-context result queue and psutil memory probe, the CUDA RNG tracker's fork
-(dropout is off), and the default causal mask built on "cuda" (an explicit mask is passed).
+(dropout is off), and the default causal mask built on "cuda" (an explicit mask is passed), the
+sliding-window mask too (window_mask_on_cpu).
 Imported by the test modules before the harness forks, so ranks share the (slow) import.
 """
 
@@ -21,6 +22,8 @@ from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+from megatron.core.fusions import fused_softmax
+from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import random as mcore_random
@@ -34,6 +37,13 @@ def cpu_workarounds() -> None:
     filesystem_async._get_write_results_queue = queue.Queue
     filesystem_async._process_memory = lambda: 0
     mcore_random.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    fused_softmax.get_sliding_window_causal_mask = window_mask_on_cpu
+
+
+def window_mask_on_cpu(sq, skv, window_size):
+    """megatron-core's get_sliding_window_causal_mask (True: masked), built on the CPU."""
+    m = torch.ones(sq, skv, dtype=torch.bool)
+    return ~torch.tril(torch.triu(m, diagonal=skv - sq - window_size[0]), diagonal=skv - sq + window_size[1])
 
 
 def init_parallel(tp: int, pp: int = 1) -> None:
@@ -53,7 +63,9 @@ def transformer_config(m, dtype=torch.float32) -> TransformerConfig:
         num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
         num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
         kv_channels=m.kv_channels, normalization=m.normalization, layernorm_epsilon=m.norm_epsilon,
-        gated_linear_unit=m.swiglu, activation_func=F.silu if m.swiglu else F.gelu,
+        gated_linear_unit=m.swiglu or m.quick_geglu,
+        activation_func=quick_gelu if m.quick_geglu else F.silu if m.swiglu else F.gelu,
+        activation_func_clamp_value=m.activation_func_clamp_value, glu_linear_offset=m.glu_linear_offset,
         add_bias_linear=m.add_bias_linear, add_qkv_bias=m.add_qkv_bias, qk_layernorm=m.qk_layernorm,
         hidden_dropout=0.0, window_size=getattr(m, "window_size", None),
         window_attn_skip_freq=_as_list(getattr(m, "window_attn_skip_freq", None)),

@@ -30,19 +30,13 @@ CASES = {"window": dict(window_size=(3, 0)),
          "window_off_by_one_mha": dict(window_size=(4, 0), softmax_type="off-by-one", num_query_groups=4)}
 
 
-def _cpu_window_mask(sq, skv, window_size):
-    """megatron-core's get_sliding_window_causal_mask, on the CPU."""
-    m = torch.ones(sq, skv, dtype=torch.bool)
-    return ~torch.tril(torch.triu(m, diagonal=skv - sq - window_size[0]), diagonal=skv - sq + window_size[1])
-
-
 @pytest.fixture(scope="module")
 def megatron_cpu():
     from megatron.core.fusions import fused_softmax
 
     with megatron_moe_on_cpu():
         patch = pytest.MonkeyPatch()
-        patch.setattr(fused_softmax, "get_sliding_window_causal_mask", _cpu_window_mask)
+        patch.setattr(fused_softmax, "get_sliding_window_causal_mask", mcore.window_mask_on_cpu)
         yield
         patch.undo()
 
