@@ -211,3 +211,106 @@ def test_exports_that_hf_cannot_hold_are_refused_by_name(tmp_path):
     bad = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, mscale_all_dim=0.0))
     with pytest.raises(ConversionError, match="--mscale 0.9 with --mscale-all-dim 0.0"):
         export_hf(sd, bad, str(tmp_path / "out"))
+
+
+def _tp2_ep2_logits(rank, world, flat, load_dir):
+    from megafab import checks
+    from megafab.checkpoint import checkpointing
+    from megafab.config import Config
+    from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
+    from megafab.distributed.topology import build_topology
+    from megafab.training.build import TrainState, build_model, build_optimizer, build_scheduler
+    from tests.helpers.checkpoint import full_logits
+
+    cfg = Config.from_flat({**flat, "micro_batch_size": 1, "global_batch_size": 2, "train_iters": 1,
+                            "lr": 1e-3, "mock_data": True, "padded_vocab_size": None, "load": load_dir,
+                            "finetune": True, "tensor_model_parallel_size": 2, "sequence_parallel": True,
+                            "expert_model_parallel_size": 2, "seq_length": 40})
+    checks.finalize(cfg, world_size=world)
+    topo = build_topology(tp=2, ep=2)
+    tracker = RNGStatesTracker("cpu")
+    model_parallel_seed(cfg.training.seed, topo.tp_rank, topo.pp_rank, topo.device, tracker)
+    model = build_model(cfg, topo, tracker, dtype=torch.float32)
+    optimizer = build_optimizer(cfg, topo, model)
+    state = TrainState(cfg, topo, tracker, model, optimizer, build_scheduler(cfg, optimizer))
+    checkpointing.load_checkpoint(state)
+    with torch.no_grad():
+        return full_logits(state, TOKENS)
+
+
+def test_import_runs_at_tp2_ep2_with_transformers_logits(tmp_path):
+    """import_hf padded for TP 2 -> torch_dist -> four gloo ranks at TP 2 (+SP) x EP 2 load it with
+    --finetune: every rank's logits equal transformers' within 1e-5."""
+    from megafab.convert import write_checkpoint
+    from megafab.run.fork_ranks import run_ranks
+
+    hf = hf_deepseek_v3()
+    sd, cfg = _import(hf, tmp_path / "hf", tp=2, make_vocab_size_divisible_by=8)
+    write_checkpoint(str(tmp_path / "imported"), sd, cfg)
+    with torch.no_grad():
+        want = hf(TOKENS).logits
+    logits = run_ranks(_tp2_ep2_logits, 4, cfg.to_flat(), str(tmp_path / "imported"), timeout=180)
+    errors = [(out[..., :VOCAB] - want).abs().max().item() for out in logits]
+    assert max(errors) < 1e-5, errors
+    print(f"TP 2 x EP 2 logits vs transformers: {max(errors):.1e}")
+
+
+def test_convert_cli_hf_to_legacy_tp2_ep2_and_back(tmp_path):
+    """megafab-convert: HF -> legacy torch files at TP 2 x EP 2 -> HF: the files are split four ways,
+    load_model's logits equal transformers', and the final HF directory holds the original tensors."""
+    import os
+
+    from megafab.cli.convert import main as convert
+    from megafab.inference.load import load_model
+
+    hf = hf_deepseek_v3()
+    hf.save_pretrained(tmp_path / "hf")
+    legacy, back = str(tmp_path / "torch22"), str(tmp_path / "hf2")
+    assert convert(["convert", "--hf-dir", str(tmp_path / "hf"), "--save-dir", legacy, "--saver", "torch",
+                    "--target-tensor-parallel-size", "2", "--target-expert-parallel-size", "2",
+                    "--make-vocab-size-divisible-by", "8"]) == 0
+    assert len(os.listdir(os.path.join(legacy, "iter_0000000"))) == 4  # TP rank x EP rank files
+    assert convert(["convert", "--load-dir", legacy, "--save-dir", back, "--saver", "hf"]) == 0
+    model, cfg = load_model(legacy)
+    with torch.no_grad():
+        want = hf(TOKENS).logits
+    assert (megafab_logits(model, TOKENS, VOCAB) - want).abs().max().item() < 1e-5
+    original, exported = (load_file(os.path.join(d, "model.safetensors")) for d in (tmp_path / "hf", back))
+    assert original.keys() == exported.keys()
+    assert all(torch.equal(original[k], exported[k]) for k in original)
+
+
+def test_bf16_export_and_import_keep_the_correction_bias_float32(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    hf = hf_deepseek_v3()
+    sd, cfg = _import(hf, tmp_path / "hf")
+    export_hf(sd, cfg, str(tmp_path / "out"), dtype=torch.bfloat16)
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert exported[bias].dtype == torch.float32 and torch.equal(exported[bias], sd[bias.replace(
+        "model.layers", "decoder.layers").replace("gate.e_score_correction_bias", "router.expert_bias")])
+    assert exported["model.layers.1.self_attn.q_a_proj.weight"].dtype == torch.bfloat16
+    AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), local_files_only=True)
+    back, _ = import_hf(str(tmp_path / "out"), dtype=torch.bfloat16)
+    assert back["decoder.layers.2.mlp.router.expert_bias"].dtype == torch.float32
+    assert back["decoder.layers.2.mlp.router.weight"].dtype == torch.bfloat16
+
+
+def test_layernorm_1p_model_exports_plain_norms(tmp_path):
+    """A model trained with --apply-layernorm-1p stores every norm minus one, the latent norms and the
+    MTP norms too: it computes transformers' logits and exports the original tensors."""
+    hf = hf_deepseek_v3()
+    sd, cfg = with_mtp(*_import(hf, tmp_path / "hf"))
+    norms = [k for k in sd if k.endswith(("layernorm.weight", "enorm.weight", "hnorm.weight"))]
+    assert any("kv_layernorm" in k for k in norms) and any(k.endswith("hnorm.weight") for k in norms)
+    export_hf(sd, cfg, str(tmp_path / "plain"))
+    cfg.model.apply_layernorm_1p = True
+    sd_1p = {k: (v - 1 if k in norms else v) for k, v in sd.items()}
+    with torch.no_grad():
+        want = hf(TOKENS).logits
+    assert (_logits(sd_1p, cfg) - want).abs().max().item() < 1e-5
+    export_hf(sd_1p, cfg, str(tmp_path / "out"))
+    plain, exported = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("plain", "out"))
+    assert plain.keys() == exported.keys()
+    assert all(torch.allclose(plain[k], exported[k], rtol=0, atol=1e-6) for k in plain)

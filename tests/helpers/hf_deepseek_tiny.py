@@ -11,10 +11,10 @@ YARN = dict(rope_type="yarn", rope_theta=5000.0, factor=4.0, original_max_positi
             beta_fast=32.0, beta_slow=1.0, mscale=0.9, mscale_all_dim=0.7)
 
 
-def hf_deepseek_v3(seed=0, q_lora_rank=24, rope=None, tied=False, rope_interleave=True, **overrides):
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+def deepseek_config(q_lora_rank=24, rope=None, tied=False, rope_interleave=True, **overrides):
+    """The transformers DeepseekV3Config of the tiny model (rope: its rope_parameters, default YARN)."""
+    from transformers import DeepseekV3Config
 
-    torch.manual_seed(seed)
     fields = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, moe_intermediate_size=12,
                   num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=2,
                   n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=q_lora_rank,
@@ -22,7 +22,14 @@ def hf_deepseek_v3(seed=0, q_lora_rank=24, rope=None, tied=False, rope_interleav
                   num_experts_per_tok=4, first_k_dense_replace=1, max_position_embeddings=64,
                   rope_parameters=dict(rope or YARN), rope_interleave=rope_interleave, rms_norm_eps=1e-6,
                   tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
-    model = DeepseekV3ForCausalLM(DeepseekV3Config(**{**fields, **overrides})).eval()
+    return DeepseekV3Config(**{**fields, **overrides})
+
+
+def hf_deepseek_v3(seed=0, **config):
+    from transformers import DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(deepseek_config(**config)).eval()
     _randomize(model)
     with torch.no_grad():  # a correction bias large enough to change which experts are chosen
         for layer in model.model.layers[1:]:
