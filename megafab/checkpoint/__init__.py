@@ -11,6 +11,7 @@ read too. Parameter names and their grammar: megafab/param_names.py.
     vocab.py, safe_pickle.py  the padding-row rule; Megatron's pickles read without running code
     checkpointing.py     save_checkpoint / load_checkpoint of a training state
     async_save.py, dcp_async.py, non_persistent.py  --async-save; Megatron's non-persistent saves
+    staging_arena.py, writer_process.py  --async-save's shared host staging and writer process
 
 Importing this package does not import DCP (seconds per rank); dcp_io does, on first save or load.
 """

@@ -1,5 +1,6 @@
 """--async-save: a torch_dist save that stalls training only while each rank copies what it owns to
-host memory; a background writer (dcp_async.py) writes the files into SAVE/iter_N.tmp, and the
+host memory; the rank's writer process (dcp_async.py, writer_process.py) writes the files into
+SAVE/iter_N.tmp, and the
 checkpoint is finalized (DCP's .metadata, common.pt, metadata.json, the rename and the tracker:
 directory.py's commit) only once every rank's files are written and fsynced, all ranks agreeing
 in a collective. A crash at any moment before the tracker is replaced leaves the previous checkpoint
@@ -11,6 +12,7 @@ the latest. The checkpoint is the one the synchronous save writes (checkpointing
                                             maybe_finalize_async_save): finalize once all are done
     saver.maybe_finalize(topo, blocking=True)   wait for it (the next save, exit, end of training)
     saver.abandon(topo)                     an error: wait for this rank's writer, commit nothing
+    saver.close()                           the writer process ends (end of training)
 """
 
 from __future__ import annotations
@@ -60,18 +62,23 @@ def _previous(root: str) -> str:
 
 
 class AsyncSaver:
-    """The run's asynchronous saves: at most one pending; host staging buffers kept between saves."""
+    """The run's asynchronous saves: at most one pending; host staging memory and the writer
+    process kept between saves."""
 
     def __init__(self):
         self.pending: Pending | None = None
-        self.buffers: dict = {}
+        self.staging = None  # dcp_async.Staging, made at the first save
+
+    @property
+    def buffers(self) -> dict:
+        return {} if self.staging is None else self.staging.buffers
 
     @property
     def pending_iteration(self) -> int | None:
         return None if self.pending is None else self.pending.iteration
 
     def staged_bytes(self) -> int:
-        return dcp_async().staged_bytes(self.buffers) if self.buffers else 0
+        return 0 if self.staging is None else self.staging.staged_bytes()
 
     def schedule(self, state, root: str | None = None) -> None:
         """Collective: stage `state` to host memory and start writing it as ROOT/iter_N (ROOT: --save)."""
@@ -84,10 +91,12 @@ class AsyncSaver:
         start = time.time()
         tmp = checkpointing.start_save(state, root)
         shards, objects, common = checkpointing.torch_dist_parts(state, not ck.no_save_optim)
-        staged = dcp_async().stage(shards, self.buffers)
+        if self.staging is None:
+            self.staging = dcp_async().Staging()
+        staged, recipe = self.staging.stage(shards)
         if not ck.no_save_rng:
             torch.save(cs.rng_snapshot(state), rng_file(tmp, topo.rank))
-        write = dcp_async().BackgroundWrite(staged, tmp, objects)  # collective: plans with every rank
+        write = dcp_async().BackgroundWrite(staged, tmp, objects, recipe, self.staging.writer())  # collective
         most = torch.tensor([self.staged_bytes()], dtype=torch.int64, device=topo.device)
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
         self.pending = Pending(state.iteration, root, tmp, write, common, start, time.time() - start,
@@ -129,9 +138,16 @@ class AsyncSaver:
         p, self.pending = self.pending, None
         if p is None:
             return
-        p.write.thread.join(ABANDON_WAIT_S)
+        p.write.wait(ABANDON_WAIT_S)
+        self.close()
         _print0(topo, f"megafab: note: the run stopped before the asynchronous save of iteration "
                       f"{p.iteration} was finalized; {_previous(p.root)} stays the latest in {p.root}")
+
+
+    def close(self) -> None:
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None
 
 
 def _commit(p: Pending) -> None:

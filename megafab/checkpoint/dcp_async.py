@@ -1,23 +1,25 @@
-"""DCP's save cut in three for --async-save: plan (collective), write (a background thread), finish
-(collective): the files are those dcp.save writes (dcp_io.save_shards), byte layout and .metadata.
+"""DCP's save cut in three for --async-save: plan (collective), write (the rank's writer process,
+writer_process.py), finish (collective): the files are those dcp.save writes (dcp_io.save_shards),
+byte layout and .metadata.
 
-    staged = stage(shards, buffers)         host copies of this rank's boxes (pinned on CUDA)
-    write = BackgroundWrite(staged, path, objects)   plans with every rank, then writes in a thread
+    staging = Staging()                      the rank's arena and writer, kept between saves
+    staged, recipe = staging.stage(shards)   host copies of this rank's boxes (pinned on CUDA)
+    write = BackgroundWrite(staged, path, objects, recipe, staging.writer())
+                                             plans with every rank, then hands the writer its job
     write.done()                            this rank's files are written and fsynced (or it failed)
     write.finish()                          collective: rank 0 writes .metadata; any rank's failure
                                             raises one CheckpointError on every rank
 
 Not dcp.async_save: it runs the whole save, planning and metadata collectives included, in its
-thread on a process group, concurrently with training's collectives (gloo needs a second group
-for that), and its stager copies the state dict, which our planner never reads. Megatron's
-FileSystemWriterAsync splits DCP the same way.
+thread or process on a process group, concurrently with training's collectives (gloo needs a
+second group for that), and its stager copies the state dict, which our planner never reads.
+Megatron's FileSystemWriterAsync splits DCP the same way.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import threading
 import time
 
 import torch
@@ -27,49 +29,81 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 from megafab.checkpoint.dcp_io import _dcp_state_dict, _ShardSavePlanner
 from megafab.checkpoint.errors import CheckpointError
 from megafab.checkpoint.layout import Shard
+from megafab.checkpoint.staging_arena import StagingArena
+from megafab.checkpoint.writer_process import WriteJob, WriterProcess
 
 
-def _host_copy(view: torch.Tensor, reuse: torch.Tensor | None) -> torch.Tensor:
-    if reuse is None or reuse.shape != view.shape or reuse.dtype != view.dtype:
-        reuse = torch.empty(view.shape, dtype=view.dtype, pin_memory=view.device.type == "cuda")
-    return reuse.copy_(view.detach(), non_blocking=view.device.type == "cuda")
+class Staging:
+    """The rank's staging arena (reused while the tensors' shapes hold) and its writer process."""
 
+    def __init__(self):
+        self.arena: StagingArena | None = None
+        self.worker: WriterProcess | None = None
+        self.buffers: dict = {}  # first key of each staged shard -> its host buffers
 
-def stage(shards: dict[str, Shard], buffers: dict) -> dict[str, Shard]:
-    """Shards whose views are host copies of `shards`' (each its own exact-size storage, so DCP
-    writes them without another copy); `buffers` (key -> tensors) keeps them for the next save,
-    which reuses them when the shapes match. Shards shared by several keys are copied once."""
-    staged, seen = {}, {}
-    for key, shard in shards.items():
-        if id(shard) not in seen:
-            old = buffers.get(key, [])
-            views = [_host_copy(v, old[i] if i < len(old) else None) for i, v in enumerate(shard.views)]
-            buffers[key] = views
-            seen[id(shard)] = Shard(shard.global_shape, list(shard.boxes), views, shard.write)
-        staged[key] = seen[id(shard)]
-    if any(v.device.type == "cuda" for s in shards.values() for v in s.views):
-        torch.cuda.synchronize()  # GPU-only path: the non-blocking copies have landed
-    return staged
+    def stage(self, shards: dict[str, Shard]) -> tuple[dict[str, Shard], dict]:
+        """Shards whose views are host copies of `shards`' (in the arena), and the writer's recipe
+        of them (key -> global shape, boxes, (offset, shape, dtype) per view, write). Shards
+        shared by several keys are copied once."""
+        unique = {}
+        for key, shard in shards.items():
+            unique.setdefault(id(shard), (key, shard))
+        layout = tuple((tuple(v.shape), v.dtype) for _, s in unique.values() for v in s.views)
+        cuda = any(v.device.type == "cuda" for _, s in unique.values() for v in s.views)
+        if self.arena is None or self.arena.layout != layout:
+            self.close()
+            self.arena = StagingArena(layout, "cuda" if cuda else "cpu")
+        copies, self.buffers, i = {}, {}, 0
+        for sid, (key, shard) in unique.items():
+            n = len(shard.views)
+            views = self.arena.views[i:i + n]
+            for dst, src in zip(views, shard.views):
+                dst.copy_(src.detach(), non_blocking=src.device.type == "cuda")
+            self.buffers[key] = views
+            where = [(o, tuple(v.shape), v.dtype) for o, v in zip(self.arena.offsets[i:i + n], views)]
+            copies[sid] = (Shard(shard.global_shape, list(shard.boxes), views, shard.write), where)
+            i += n
+        if cuda:
+            torch.cuda.synchronize()  # GPU-only path: the non-blocking copies have landed
+        staged = {key: copies[id(shard)][0] for key, shard in shards.items()}
+        recipe = {key: (tuple(s.global_shape), list(s.boxes), copies[id(shards[key])][1], s.write)
+                  for key, s in staged.items()}
+        return staged, recipe
 
+    def writer(self) -> WriterProcess:
+        """The writer process of the current arena; a new one if it has died since the last save."""
+        if self.worker is not None and not self.worker.alive():
+            self.worker.close()
+            self.worker = None
+        if self.worker is None:
+            self.worker = WriterProcess(self.arena)
+        return self.worker
 
-def staged_bytes(buffers: dict) -> int:
-    return sum(t.nbytes for views in buffers.values() for t in views)
+    def staged_bytes(self) -> int:
+        return sum(t.nbytes for views in self.buffers.values() for t in views)
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
 
 
 class BackgroundWrite:
     """One rank's part of an asynchronous DCP save into `path` (see the module docstring)."""
 
-    def __init__(self, staged: dict[str, Shard], path: str, objects: dict | None = None):
-        self.path, self.error, self.results = path, None, None
+    def __init__(self, staged: dict[str, Shard], path: str, objects: dict | None, recipe: dict,
+                 worker: WriterProcess):
+        self.path, self.worker, self.outcome = path, worker, None
         self.writer = FileSystemWriter(path, thread_count=1)
         self.planner = _ShardSavePlanner(staged, objects)
         self.dist = _DistWrapper(None, True, 0)
         self.metadata = None
         self.plan = self.dist.reduce_scatter("plan", self._local_plan, self._global_plan)
         self.started = time.time()
-        self.written_at = None
-        self.thread = threading.Thread(target=self._write, name="megafab-checkpoint-writer", daemon=True)
-        self.thread.start()
+        worker.submit(WriteJob(path, self.dist.rank, self.plan, recipe, objects))
 
     def _local_plan(self):
         self.planner.set_up_planner(state_dict=_dcp_state_dict(self.planner.shards),
@@ -82,33 +116,36 @@ class BackgroundWrite:
         plans, self.metadata = self.planner.create_global_plan(plans)
         return self.writer.prepare_global_plan(plans)
 
-    def _write(self) -> None:
-        try:
-            future = self.writer.write_data(self.planner.finish_plan(self.plan), self.planner)
-            future.wait()
-            self.results = future.value()
-        except BaseException as e:  # noqa: BLE001 - reported to every rank by finish()
-            self.error = e
-        finally:
-            if hasattr(self.planner, "progress"):
-                self.planner.progress.close()
-            self.written_at = time.time()
-
     def done(self) -> bool:
-        return not self.thread.is_alive()
+        if self.outcome is None:
+            self.outcome = self.worker.poll()
+        return self.outcome is not None
 
-    def wait(self) -> None:
-        self.thread.join()
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until this rank's files are written (or the writer failed); False if `timeout` ran out."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.outcome is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            self.outcome = self.worker.poll(0.05)
+        return True
+
+    @property
+    def written_at(self) -> float:
+        return self.outcome.finished
+
+    @property
+    def error(self) -> str | None:
+        return self.outcome.error
 
     def finish(self) -> None:
         """Collective, once every rank is done(): rank 0 writes .metadata (DCP's finish), unless a
         rank's write failed: then every rank raises one CheckpointError naming the path and the
         first failure."""
-        failures = self.dist.all_gather_object(None if self.error is None else
-                                               f"{type(self.error).__name__}: {self.error}")
+        failures = self.dist.all_gather_object(self.error)
         failed = [(rank, text) for rank, text in enumerate(failures) if text is not None]
         if not failed:
-            self.dist.all_reduce("write", lambda: self.results, self._finish_metadata)
+            self.dist.all_reduce("write", lambda: self.outcome.results, self._finish_metadata)
             return
         rank, text = failed[0]
         raise CheckpointError(f"writing the checkpoint files into {self.path} failed on rank {rank} "

@@ -264,8 +264,8 @@ class CheckpointConfig(Section):
              "memory and trains on while a background writer writes its files; the checkpoint becomes "
              "the latest only once every rank's files are written.")
     use_persistent_ckpt_worker: bool = option(
-        False, help="Write --async-save checkpoints with one persistent background writer per rank "
-                    "(megafab's is a thread of each rank; Megatron's a process).")
+        False, help="Write --async-save checkpoints with one persistent background writer process per rank "
+                    "(as Megatron's), which maps the rank's host staging memory.")
     non_persistent_save_interval: int | None = option(
         None, help="Save a non-persistent checkpoint every this many iterations (--non-persistent-ckpt-type "
                    "says where); a restart loads it when it is newer than the persistent one.")

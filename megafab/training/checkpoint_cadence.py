@@ -70,6 +70,11 @@ class CheckpointCadence:
                 print("Unfinalized async checkpoint saves. Finalizing them synchronously now.", flush=True)
             self.saver.maybe_finalize(self.state.topology, blocking=True)
 
+    def close(self) -> None:
+        """The end of training (after finish): the async writer process ends."""
+        if self.saver is not None:
+            self.saver.close()
+
     def abandon(self) -> None:
         if self.saver is not None:
             self.saver.abandon(self.state.topology)

@@ -124,6 +124,7 @@ def train(state: TrainState, iterators, log: TrainingLog, gc_control: ManualGC,
         saves.abandon()
         raise
     finally:
+        saves.close()
         profiler.stop()
 
 

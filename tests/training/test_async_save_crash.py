@@ -12,8 +12,9 @@ import time
 import pytest
 
 from megafab.checkpoint import megatron_dist
+from tests.helpers.child_hooks import startup_hook_env
 from tests.helpers.main_ranks import run_ranks_main, start_ranks, wait_for_text
-from tests.helpers.tiny_corpus import TINY, write_corpus
+from tests.helpers.tiny_corpus import TINY, assert_one_message, write_corpus
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="these tests fork their ranks")
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -27,31 +28,50 @@ def _flags(corpus, iters, save, *extra):
                    "--save", save, "--async-save", "--use-persistent-ckpt-worker", *extra]
 
 
-def _slow_writer(marks: str):
-    """before_main: each rank's writer sleeps per tensor, and marks (outside the checkpoint) when its
-    files of a save are written and when the finalize of iteration 4 starts (then waits 2 s)."""
+# Run by each rank's writer process at its start (a sitecustomize.py on its PYTHONPATH): the writer
+# sleeps per tensor, and marks (outside the checkpoint) when it starts and ends a rank's files of a save.
+SLOW_WRITER = f"""
+import os, time
+marks = os.environ.get("MEGAFAB_TEST_MARKS")
+if marks:
+    import torch.distributed.checkpoint.filesystem as fs
+    from megafab.checkpoint import writer_process
+
+    write_item, run_job = fs._write_item, writer_process.run_job
+
+    def slow_item(*args, **kwargs):
+        time.sleep({SLOW_ITEM_S})
+        return write_item(*args, **kwargs)
+
+    def marked_job(block, job):
+        name = os.path.basename(job.path) + "." + str(job.rank)
+        with open(os.path.join(marks, "writing." + name), "w") as f:
+            f.write(str(os.getpid()))
+        out = run_job(block, job)
+        open(os.path.join(marks, "written." + name), "w").close()
+        return out
+
+    fs._write_item, writer_process.run_job = slow_item, marked_job
+"""
+
+
+def _slow_writer_env(tmp_path, marks: str) -> dict:
+    env = startup_hook_env(tmp_path / "writer_hook", SLOW_WRITER, {})
+    return {"PYTHONPATH": env["PYTHONPATH"], "MEGAFAB_TEST_MARKS": marks}
+
+
+def _marked_commit(marks: str):
+    """before_main: the rank marks when the finalize of iteration 4 starts, then waits 2 s."""
     def hook(rank: int) -> None:
-        import torch.distributed.checkpoint.filesystem as fs
+        from megafab.checkpoint import async_save
 
-        from megafab.checkpoint import async_save, dcp_async
-
-        write_item, write, commit = fs._write_item, dcp_async.BackgroundWrite._write, async_save._commit
-
-        def slow_item(*args, **kwargs):
-            time.sleep(SLOW_ITEM_S)
-            return write_item(*args, **kwargs)
-
-        def marked_write(self):
-            write(self)
-            open(os.path.join(marks, f"written.{os.path.basename(self.path)}.{rank}"), "w").close()
+        commit = async_save._commit
 
         def marked_commit(p):
             if p.iteration == 4:
                 open(os.path.join(marks, "finalizing.4"), "w").close()
                 time.sleep(2.0)
             commit(p)
-
-        fs._write_item, dcp_async.BackgroundWrite._write = slow_item, marked_write
         async_save._commit = marked_commit
     return hook
 
@@ -76,8 +96,8 @@ MOMENTS = ["while writing", "every rank's files written", "just before the final
 def test_sigkill_during_an_async_save_leaves_the_previous_checkpoint_latest(corpus, tmp_path, moment):
     save, marks = str(tmp_path / "ckpt"), str(tmp_path / "marks")
     os.makedirs(marks)
-    hook = _slow_writer(marks)
-    with start_ranks(2, _flags(corpus, 100000, save), tmp_path / "log", before_main=hook) as job:
+    with start_ranks(2, _flags(corpus, 100000, save), tmp_path / "log", env=_slow_writer_env(tmp_path, marks),
+                     before_main=_marked_commit(marks)) as job:
         if moment == MOMENTS[0]:
             wait_for_text(job, 0, "scheduled an async checkpoint save at iteration       4", timeout=60)
             time.sleep(0.2)
@@ -104,30 +124,25 @@ def test_sigkill_during_an_async_save_leaves_the_previous_checkpoint_latest(corp
                                                    "resolved_config.toml"])  # the stale .tmp is gone
 
 
-def _error_at_iteration_3(marks: str):
-    """before_main: the slow writer, and a user error (one message) raised in iteration 3's step."""
-    slow = _slow_writer(marks)
+def _error_at_iteration_3(rank: int) -> None:
+    """before_main: a user error (one message) raised in iteration 3's step."""
+    from megafab.errors import MegafabError
+    from megafab.training import pretrain
 
-    def hook(rank: int) -> None:
-        slow(rank)
-        from megafab.errors import MegafabError
-        from megafab.training import pretrain
+    step = pretrain.train_step
 
-        step = pretrain.train_step
-
-        def failing_step(state, *args, **kwargs):
-            if state.iteration == 2:
-                raise MegafabError("a user error in iteration 3")
-            return step(state, *args, **kwargs)
-        pretrain.train_step = failing_step
-    return hook
+    def failing_step(state, *args, **kwargs):
+        if state.iteration == 2:
+            raise MegafabError("a user error in iteration 3")
+        return step(state, *args, **kwargs)
+    pretrain.train_step = failing_step
 
 
 def test_an_error_with_a_save_pending_waits_for_the_writer_and_commits_nothing(corpus, tmp_path):
     save, marks = str(tmp_path / "ckpt"), str(tmp_path / "marks")
     os.makedirs(marks)
     result = run_ranks_main(2, _flags(corpus, 100000, save), tmp_path / "log", timeout=120,
-                            before_main=_error_at_iteration_3(marks))
+                            env=_slow_writer_env(tmp_path, marks), before_main=_error_at_iteration_3)
     assert result.codes == [2, 2], result.describe()
     assert "a user error in iteration 3" in result.err[0]
     note = "the asynchronous save of iteration 2 was finalized; no checkpoint yet stays the latest"
@@ -135,3 +150,29 @@ def test_an_error_with_a_save_pending_waits_for_the_writer_and_commits_nothing(c
     assert not os.path.exists(os.path.join(save, TRACKER))
     # each rank waited for its writer: its files of iteration 2 are complete, though never committed
     assert all(os.path.exists(os.path.join(marks, f"written.iter_0000002.tmp.{r}")) for r in (0, 1))
+
+
+def test_a_killed_writer_process_fails_its_save_with_one_message_and_the_previous_stays(corpus, tmp_path):
+    """SIGKILL of rank 0's writer process while it writes iteration 4: every rank stops with one
+    message naming the directory and the dead writer; iteration 2 stays the latest and a restart
+    resumes from it."""
+    save, marks = str(tmp_path / "ckpt"), str(tmp_path / "marks")
+    os.makedirs(marks)
+    with start_ranks(2, _flags(corpus, 100000, save), tmp_path / "log",
+                     env=_slow_writer_env(tmp_path, marks)) as job:
+        writing = os.path.join(marks, "writing.iter_0000004.tmp.0")
+        _wait_for([writing], job)
+        time.sleep(0.1)
+        writer = int(open(writing).read())
+        assert writer not in job.pids  # a process of its own, not the rank
+        os.kill(writer, signal.SIGKILL)
+        result = job.wait(timeout=60)
+    line = assert_one_message(result, r"writing the checkpoint files into .*iter_0000004\.tmp failed on rank "
+                                      r"0 \(the checkpoint writer process \(pid \d+\) was killed by SIGKILL")
+    assert "iteration 2 stays the latest" in line, line
+    assert open(os.path.join(save, TRACKER)).read() == "2"
+    assert not os.path.exists(os.path.join(marks, "written.iter_0000004.tmp.0"))
+    resumed = run_ranks_main(2, _flags(corpus, 4, save, "--load", save), tmp_path / "again", timeout=120)
+    assert resumed.codes == [0, 0], resumed.describe()
+    assert "at iteration 2 " in resumed.out[0]
+    assert open(os.path.join(save, TRACKER)).read() == "4"
