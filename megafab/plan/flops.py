@@ -12,7 +12,8 @@ per token for each element of its linear weights, as Megatron's num_floating_poi
 (GQA, SwiGLU, any ffn size; an MoE layer's k routed experts and its shared experts, not the router's
 2 h E nor the shared experts' gate); it reduces to the above for the GPT-3 shape. Attention counts the
 full s x s score and context matrices (Megatron-LM up to core 0.15; 0.16 counts the causal half,
-2 s^2 a d less per layer and sequence in forward); MLA's: 2 s^2 a (qk + pe + v).
+2 s^2 a d less per layer and sequence in forward); MLA's: 2 s^2 a (qk + pe + v). Sliding-window
+layers (--window-size) count full attention too, as Megatron-LM HEAD's num_floating_point_operations.
 """
 
 from __future__ import annotations
