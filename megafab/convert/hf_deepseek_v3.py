@@ -158,12 +158,13 @@ def from_hf_config(c: dict) -> dict:
                  "megafab's DeepSeek-V3 layers have shared experts (--moe-shared-expert-intermediate-size)")]
     for bad, field, rule in refusals:
         if bad:
-            raise ConversionError(f"config.json {field} {c.get(field)!r}: {rule}; convert a model without it")
+            raise ConversionError(f"config.json {field} {c.get(field)!r}: {rule}; megafab cannot import this "
+                                  f"model exactly")
     groups, group_topk = c.get("n_group") or 1, c.get("topk_group") or 1
     normalized = bool(c.get("norm_topk_prob", True))
     problems = _routing_problems(experts, topk, groups, group_topk, normalized)
     if problems:
-        raise ConversionError(f"config.json {problems[0]}; megafab cannot reproduce this routing exactly")
+        raise ConversionError(f"config.json {problems[0]}; megafab cannot import this routing exactly")
     grouped = groups > 1 and group_topk < groups
     dense = c.get("first_k_dense_replace", 0)
     flat = hf_llama.from_hf_config({**c, "head_dim": None, "rope_parameters": None, "rope_scaling": None})

@@ -35,7 +35,7 @@ def from_hf(c: dict) -> dict:
     theta = float(rope.pop("rope_theta", c.get("rope_theta", 10000.0)))
     if theta != int(theta):
         raise ConversionError(f"config.json rope_theta {theta} is not an integer; megafab's --rotary-base is "
-                              f"an int: convert a model with an integer base")
+                              f"an int; megafab cannot import this model exactly")
     if rope.get("partial_rotary_factor", 1.0) == 1.0:
         rope.pop("partial_rotary_factor", None)
     out = dict(rope_type="rope", rotary_base=int(theta), rotary_percent=1.0)
@@ -47,8 +47,8 @@ def from_hf(c: dict) -> dict:
             raise ConversionError(f"config.json rope_parameters mscale {mscale!r} with mscale_all_dim "
                                   f"{mscale_all_dim}: transformers then scales cos and sin by "
                                   f"yarn_mscale(factor) alone, megatron-core's YaRN divides by "
-                                  f"yarn_mscale(factor, mscale_all_dim); set mscale (1.0 is YaRN's) to "
-                                  f"convert")
+                                  f"yarn_mscale(factor, mscale_all_dim); megafab cannot import this model "
+                                  f"exactly")
         out.update(rope_type="yarn", rotary_scaling_factor=float(factor),
                    yarn_original_max_position_embeddings=int(original),
                    yarn_beta_fast=float(rope.pop("beta_fast", None) or 32.0),
@@ -58,12 +58,13 @@ def from_hf(c: dict) -> dict:
                    yarn_correction_range_round_to_int=bool(rope.pop("truncate", True)))
     elif kind != "default":
         raise ConversionError(f"config.json rope_parameters rope_type {kind!r}: megafab's multi-latent "
-                              f"attention takes rope_type default or yarn; convert a model with one of them")
+                              f"attention takes rope_type default or yarn; megafab cannot import this model "
+                              f"exactly")
     if rope:
         extra = ", ".join(f"{k}={v!r}" for k, v in rope.items())
         raise ConversionError(f"config.json rope_parameters {kind} has {extra}, which megafab does not "
-                              f"reproduce (its YaRN takes {', '.join(_YARN_KEYS)}); convert a model "
-                              f"without it")
+                              f"reproduce (its YaRN takes {', '.join(_YARN_KEYS)}); megafab cannot import "
+                              f"this model exactly")
     return out
 
 
