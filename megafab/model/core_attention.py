@@ -68,9 +68,6 @@ def window_attention_problems(m, p) -> list[str]:
         if m.mtp_num_layers:
             out.append(f"{flag} with --mtp-num-layers is not implemented in megafab yet (megatron-core "
                        f"numbers MTP layers past --num-layers); drop one")
-        if m.transformer_impl == "transformer_engine":
-            out.append(f"{flag} with --transformer-impl transformer_engine is not implemented in megafab "
-                       f"yet; use --transformer-impl local")
     if windowed and p.context_parallel_size > 1 and p.cp_comm_type == "p2p":
         out.append(f"--window-size with --context-parallel-size {p.context_parallel_size} and --cp-comm-type "
                    f"p2p: the K/V ring's blocks are causal or full, not banded (Transformer Engine too "

@@ -30,9 +30,16 @@ _ADAPTED: dict[type, type] = {}
 
 def needs_wrapped_layer(cfg) -> bool:
     """What TETransformerLayer (the dense TE layer) does not build: MLA, MoE, qk norms, MTP's
-    prefixed layers and selective recompute go through megafab's layer around TE modules."""
-    return bool(cfg.multi_latent_attention or cfg.qk_layernorm
+    prefixed layers, selective recompute, sliding windows and attention sinks go through megafab's
+    layer around TE modules."""
+    return bool(cfg.multi_latent_attention or cfg.qk_layernorm or local_core_attention(cfg)
                 or RecomputeSettings.from_model_config(cfg, check=False).granularity == "selective")
+
+
+def local_core_attention(cfg) -> bool:
+    """A sliding window or attention sinks: the wrapped layer keeps megafab's core attention (the
+    same softmax_offset name as megatron-core's TE spec) instead of TE's DotProductAttention."""
+    return cfg.window_size is not None or cfg.softmax_type != "vanilla"
 
 
 def transformer_layer_class(cfg, moe: bool = False):
@@ -134,8 +141,9 @@ def wrap_attention(b: _Builder, layer, cfg) -> None:
     if hasattr(attn, "linear_qkv"):  # standard attention: the input norm fused into linear_qkv
         attn.linear_qkv = b.linear(attn.linear_qkv, "column", norm=layer.input_layernorm)
         layer.input_layernorm = nn.Identity()
-        attn.core_attention = b.attention(cfg.num_attention_heads, cfg.kv_channels, cfg.num_query_groups,
-                                          cfg.kv_channels ** -0.5)
+        if not local_core_attention(cfg):
+            attn.core_attention = b.attention(cfg.num_attention_heads, cfg.kv_channels,
+                                              cfg.num_query_groups, cfg.kv_channels ** -0.5)
     else:  # MLA: a separate input norm (TENorm), latent norms fused into the up projections
         names = "self_attention."
         if attn.q_lora_rank is None:

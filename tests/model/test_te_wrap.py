@@ -151,10 +151,10 @@ def test_te_wrapped_deepseek_shape_equals_local_on_gpu():
 
 def test_moe_permute_fusion_runs_tes_fused_permutation(monkeypatch):
     """--moe-permute-fusion with Transformer Engine's layers: accepted, and the dispatcher permutes
-    through TE's moe_permute_with_probs / moe_unpermute (the stand-in's), same outputs and grads."""
+    through TE's moe_permute_with_probs / moe_unpermute (the stand-in's), same outputs and grads
+    (local layers accept it too and permute unfused: no effect, announced by the parser)."""
     record = fake_te.install(monkeypatch)
-    with pytest.raises(ValueError, match="--moe-permute-fusion is a Transformer Engine GPU fusion"):
-        tiny_config(num_experts=4, moe_router_topk=2, moe_permute_fusion=True)  # local layers
+    assert tiny_config(num_experts=4, moe_router_topk=2, moe_permute_fusion=True).moe.moe_permute_fusion
     cfg = tiny_config(num_experts=4, moe_router_topk=2, moe_permute_fusion=True, **TE)
     assert cfg.moe.moe_permute_fusion
     m, local, te_model = deepseek_models()
@@ -176,3 +176,27 @@ def test_moe_permute_fusion_runs_tes_fused_permutation(monkeypatch):
     fused_params = dict(fused.named_parameters())
     for name, p in te_model.named_parameters():
         assert (p.grad - fused_params[name].grad).abs().max() < 1e-12, name
+
+
+def test_te_with_sliding_window_and_sinks_keeps_megafabs_core_attention(monkeypatch):
+    """--window-size / --softmax-type with TE: the wrapped layer (TE's linears) keeps megafab's
+    core attention and its softmax_offset (megatron-core's TE-spec name too): the local model's
+    parameters, outputs and gradients."""
+    fake_te.install(monkeypatch)
+    style = dict(LLAMA_STYLE, window_size=(3, 0), window_attn_skip_freq=2, softmax_type="learnable")
+    m_local, m_te = tiny_config(style=style).model, tiny_config(style=style, **TE).model
+    ctx = LayerContext(None, False, torch.float64, torch.device("cpu"), 1234)
+    local, te_model = GPTModel(m_local, ctx), GPTModel(m_te, ctx)
+    assert isinstance(te_model.decoder.layers["0"], TEWrappedTransformerLayer)
+    te_state = te_model.state_dict()
+    assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in te_state
+    assert torch.equal(te_state["decoder.layers.2.self_attention.core_attention.softmax_offset"],
+                       local.state_dict()["decoder.layers.2.self_attention.core_attention.softmax_offset"])
+    tokens, labels, mask = batch(m_local)
+    grads = []
+    for model in (local, te_model):
+        (model(tokens, labels=labels) * mask).sum().backward()
+        grads.append(model.decoder.layers["0"].self_attention.core_attention.softmax_offset.grad)
+    assert (grads[0] - grads[1]).abs().max() < 1e-10 and grads[0].abs().max() > 0
+    with torch.no_grad():
+        assert (local(tokens) - te_model(tokens)).abs().max() < 1e-10
