@@ -179,7 +179,6 @@ REFUSED.update({
     "--error-injection-rate": Refused(_RERUN, off=("0",)),
     "--cuda-graph-impl": Refused(_CUDA_GRAPHS, off=("none",)),
     "--cpu-offloading-num-layers": Refused(_OFFLOAD, off=("0",)),
-    "--glu-linear-offset": Refused(f"an offset in the GLU activation is {NOT_YET}", off=("0", "0.0")),
     "--head-lr-mult": Refused(f"a learning-rate multiplier for a model head is {NOT_YET}",
                               off=("1", "1.0")),
     "--weight-decay-incr-style": Refused(_WD, off=("constant",)),
@@ -273,11 +272,10 @@ _refuse(_FP8, """--fp8-quantizer-factory V --no-fp8-wgrad --disable-fp8-wgrad --
     --num-layers-at-start-in-bf16 V --num-layers-at-end-in-bf16 V --fp4-format V --fp4-recipe V
     --fp4-param-gather --fp4-quantizer-factory V --te-precision-config-file V --keep-fp8-transpose-cache
     --reuse-grad-buf-for-mxfp8-param-ag""")
-_refuse(_PRECISION, """--fp32-residual-connection --fp16-lm-cross-entropy
-    --disable-bf16-reduced-precision-matmul""")
+_refuse(_PRECISION, "--fp32-residual-connection --fp16-lm-cross-entropy")
 _refuse("Megatron's ONNX-export workarounds are not in megafab", "--onnx-safe V")
-_refuse(f"this activation function is {NOT_YET}", """--activation-func-clamp-value V --quick-geglu
-    --use-fused-weighted-squared-relu --use-te-activation-func""")
+_refuse(f"this activation function is {NOT_YET}",
+        "--use-fused-weighted-squared-relu --use-te-activation-func")
 _refuse(_INIT, """--embedding-init-method-std V --init-method-xavier-uniform --data-parallel-random-init""")
 _refuse(_PIPELINE, """--microbatch-group-size-per-virtual-pipeline-stage V --use-ring-exchange-p2p
     --pipeline-model-parallel-comm-backend V""")
@@ -350,7 +348,7 @@ _values("""--hierarchical-context-parallel-sizes V+ --moe-upcycling-granularity 
     --decoder-num-layers V --pipeline-model-parallel-layout V --ckpt-convert-format V --batch-size V
     --warmup V --model-parallel-size V --exit-signal V --rerun-mode V
     --error-injection-rate V --cuda-graph-impl V --cpu-offloading-num-layers V
-    --glu-linear-offset V --head-lr-mult V --weight-decay-incr-style V
+    --head-lr-mult V --weight-decay-incr-style V
     --main-grads-dtype V --main-params-dtype V --exp-avg-dtype V --exp-avg-sq-dtype V
     --outer-dp-sharding-strategy V --dataloader-type V --vocab-extra-ids V""")
 _values(no_effect_flags.VALUED)

@@ -89,6 +89,10 @@ LISTED.update({
     "--disable-straggler-on-startup": _ONLY_WITH.format("--log-straggler"),
     "--ep-overlap-early-attn-memory-release": _ONLY_WITH.format("--overlap-moe-expert-parallel-comm"),
     "--disable-symmetric-registration": _ONLY_WITH.format("--use-nccl-ub"),
+    "--export-force-local-attention": "Megatron-LM HEAD's ModelOpt builder: megatron-core's local "
+                                      "DotProductAttention instead of TEDotProductAttention in its export "
+                                      "spec (pretrain_gpt.py uses it only for a ModelOpt model), the same "
+                                      "math; megafab's attention is PyTorch SDPA (--attention-backend)",
 })
 
 FAMILIES: tuple[tuple[str, str], ...] = (

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megafab.checkpoint.boxes import Box, flat_range_boxes
+from megafab.model.activations import gated_linear_unit
 from megafab.param_names import (
     OUTPUT_LAYER,
     WORD_EMBEDDING,
@@ -91,13 +92,13 @@ def strided_dim(name: str, swiglu: bool) -> int | None:
 
 def to_stored(name: str, full: torch.Tensor, model_cfg) -> torch.Tensor:
     """A full (TP=1) parameter as the checkpoint stores it (a view)."""
-    dim = strided_dim(name, model_cfg.swiglu)
+    dim = strided_dim(name, gated_linear_unit(model_cfg))
     return full if dim is None else full.view(strided_shape(tuple(full.shape), dim, 2))
 
 
 def from_stored(name: str, stored: torch.Tensor, model_cfg) -> torch.Tensor:
     """Inverse of to_stored: [2, f, h] -> [2f, h] ([E, 2, f, h] -> [E, 2f, h]) for strided parameters."""
-    dim = strided_dim(name, model_cfg.swiglu)
+    dim = strided_dim(name, gated_linear_unit(model_cfg))
     return stored if dim is None else stored.flatten(dim, dim + 1)
 
 
@@ -173,10 +174,11 @@ class ParamLayout:
 @dataclass(frozen=True)
 class ExpertPlacement:
     """This rank's routed experts: global experts [first, first + E_local) of `total` (EP rank r
-    holds first = r * total / EP), each split over expert-TP (etp, etp_rank); swiglu: fc1 is
-    [gate; up] (strided). Routed experts are stored under their grouped names with the global
-    expert axis first, `mlp.experts.linear_fc1.weight` [E, 2, f, h] (param_names.experts_name): a
-    rank holds the rows of its experts, its expert-TP block inside them."""
+    holds first = r * total / EP), each split over expert-TP (etp, etp_rank); swiglu: a gated
+    MLP (SwiGLU or quick-GEGLU), fc1 [gate; up] (strided). Routed experts are stored under their
+    grouped names with the global expert axis first, `mlp.experts.linear_fc1.weight` [E, 2, f, h]
+    (param_names.experts_name): a rank holds the rows of its experts, its expert-TP block inside
+    them."""
 
     total: int
     first: int = 0

@@ -20,7 +20,8 @@ from megafab.checkpoint.errors import CheckpointError
 MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
               "kv_channels", "position_embedding_type", "rotary_percent", "rotary_base",
               "max_position_embeddings", "normalization", "norm_epsilon", "swiglu", "openai_gelu",
-              "squared_relu", "apply_layernorm_1p", "qk_layernorm",
+              "squared_relu", "quick_geglu", "activation_func_clamp_value", "glu_linear_offset",
+              "apply_layernorm_1p", "qk_layernorm",
               "window_size", "window_attn_skip_freq", "softmax_type",
               "apply_residual_connection_post_layernorm", "add_bias_linear", "add_qkv_bias",
               "untie_embeddings_and_output_weights")

@@ -29,6 +29,7 @@ from megafab.checkpoint.layout import (
     strided_dim,
     strided_shape,
 )
+from megafab.model.activations import gated_linear_unit
 from megafab.param_names import (
     LAYERS,
     dist_expert_name,
@@ -192,7 +193,7 @@ def to_megatron(shards: dict[str, Shard], model_cfg, main_kind: str = "fp32_para
         if kind == STEP:
             continue
         base, layer = _stored_name(name, stored_keys, mla)
-        dim = strided_dim(name, model_cfg.swiglu)
+        dim = strided_dim(name, gated_linear_unit(model_cfg))
         shape = tuple(shard.global_shape)
         if dim is not None:
             shape = (*shape[:dim], shape[dim] * shape[dim + 1], *shape[dim + 2:])
@@ -238,7 +239,7 @@ def megafab_view(stored: dict, model_cfg, path: str) -> dict:
             layers, size = range(size[0]), size[1:]
         for layer in layers:
             name = megafab_name(param, layer, te_names)
-            dim = strided_dim(name, model_cfg.swiglu)
+            dim = strided_dim(name, gated_linear_unit(model_cfg))
             shape = size if dim is None else strided_shape(size, dim, 2)
             fab_key = model_key(name) if kind is None else optim_key(
                 name, MAIN_PARAM if kind in MAIN_PARAM_KINDS else kind)

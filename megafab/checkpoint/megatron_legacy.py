@@ -28,6 +28,7 @@ from megafab.checkpoint.megatron_keys import LINEAR_MODULES
 from megafab.checkpoint.source import CheckpointSource, Counters, counters_from_common
 from megafab.config import Config
 from megafab.distributed.layers import join_partitions, partition_of
+from megafab.model.activations import gated_linear_unit
 from megafab.param_names import (
     EXPERT_BIAS,
     EXTRA_STATE,
@@ -182,7 +183,7 @@ class LegacySource(CheckpointSource):
     def _split(self, name: str):
         """TP split of `name`'s pieces: a routed expert's as its sequential name (one expert) has it."""
         piece_name = sequential_expert_name(name, 0) if is_routed_expert(name) else name
-        return tp_partition(piece_name, self.model_cfg.swiglu)
+        return tp_partition(piece_name, gated_linear_unit(self.model_cfg))
 
     def _stored_shape(self, name: str, pieces) -> tuple[int, ...]:
         shape = list(pieces[0][-1].shape)
@@ -191,7 +192,7 @@ class LegacySource(CheckpointSource):
             shape[split[0]] *= self.tp
         if is_routed_expert(name):
             shape = [len({g for _, g, _ in pieces}), *shape]
-        dim = strided_dim(name, self.model_cfg.swiglu)
+        dim = strided_dim(name, gated_linear_unit(self.model_cfg))
         return tuple(shape) if dim is None else strided_shape(tuple(shape), dim, 2)
 
     def full_tensor(self, name: str) -> torch.Tensor:
@@ -302,7 +303,7 @@ def rank_state_dict(sd: dict, model_cfg, tp: int, tp_rank: int, pp: int, pp_rank
         local_experts = tensor.shape[0] // ep if is_routed_expert(stacked) else None
         first_expert = ep_rank * (local_experts or 0)
         for name, full in _as_sequential(stacked, tensor, first_expert, local_experts).items():
-            split = tp_partition(name, model_cfg.swiglu)
+            split = tp_partition(name, gated_linear_unit(model_cfg))
             local = partition_of(full, split[0], tp_rank, tp, split[1]) if split else full
             out[to_stage(name, first)] = local.contiguous().clone()
     return _with_extra_states(out)

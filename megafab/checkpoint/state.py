@@ -32,6 +32,7 @@ from megafab.checkpoint.layout import (
 )
 from megafab.distributed.fsdp import is_fully_sharded, local_tensor
 from megafab.distributed.random import checkpoint_rng_state, restore_rng_state
+from megafab.model.activations import gated_linear_unit
 from megafab.param_names import EXPERT_BIAS, mtp_split_key, parse_index
 
 
@@ -43,7 +44,7 @@ def expert_placement(state) -> ExpertPlacement | None:
     topo = state.topology
     ep, etp = topo.size("ep"), topo.size("etp")
     return ExpertPlacement(moe.num_experts, topo.coord("ep") * (moe.num_experts // ep), etp,
-                           topo.coord("etp"), state.cfg.model.swiglu)
+                           topo.coord("etp"), gated_linear_unit(state.cfg.model))
 
 
 def _layout(state, name: str, p) -> ParamLayout:

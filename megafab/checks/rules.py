@@ -31,6 +31,7 @@ def component_problems(cfg) -> list[str]:
     """The rules the components own, asked with this configuration's values."""
     # deferred: the components import torch; flag errors and --help stay free of it
     from megafab.distributed.data_parallel import bucket_size_problems
+    from megafab.model.activations import activation_problems
     from megafab.model.core_attention import window_attention_problems
     from megafab.model.mtp import mtp_problems
     from megafab.model.recompute import RecomputeSettings
@@ -47,6 +48,7 @@ def component_problems(cfg) -> list[str]:
     out += te_layer_problems(m)
     out += mtp_problems(m, p)
     out += rope_scaling_problems(m)
+    out += activation_problems(m)
     out += window_attention_problems(m, p)
     if o.optimizer_offload_fraction is not None:
         out += offload_problems(o.optimizer_offload_fraction)
@@ -99,8 +101,9 @@ def model_problems(cfg) -> list[str]:
     for name in ("hidden_dropout", "attention_dropout"):
         if not 0.0 <= getattr(m, name) < 1.0:
             out.append(f"--{name.replace('_', '-')} {getattr(m, name)} must be in [0, 1)")
-    activations = [f for f, on in (("--swiglu", m.swiglu), ("--squared-relu", m.squared_relu),
-                                   ("--openai-gelu", m.openai_gelu)) if on]
+    activations = [f for f, on in (("--swiglu", m.swiglu), ("--quick-geglu", m.quick_geglu),
+                                   ("--squared-relu", m.squared_relu), ("--openai-gelu", m.openai_gelu))
+                   if on]
     if len(activations) > 1:
         out.append(f"{' and '.join(activations)} each choose the MLP activation; give one of them")
     return out + padded_vocab_problems(cfg) + mla_problems(cfg)

@@ -33,8 +33,18 @@ def default_bucket_size(dp: int) -> int:
     return max(40_000_000, 1_000_000 * dp)
 
 
+# --enable-gpt-oss: the values Megatron-LM HEAD's ModelOpt model builder sets on the config
+GPT_OSS_YARN = {"position_embedding_type": "yarn", "rotary_scaling_factor": 32.0,
+                "yarn_original_max_position_embeddings": 131072, "yarn_beta_fast": 32.0,
+                "yarn_beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0,
+                "yarn_correction_range_round_to_int": False}
+
+
 def derive_model(m, tp: int) -> None:
     """Fill the model's derived sizes that are unset, in place (`m` is not yet frozen)."""
+    if m.enable_gpt_oss:
+        for name, value in GPT_OSS_YARN.items():
+            setattr(m, name, value)
     if m.hidden_size and m.ffn_hidden_size is None:
         m.ffn_hidden_size = swiglu_ffn_size(m.hidden_size) if m.swiglu else 4 * m.hidden_size
     if m.hidden_size and m.num_attention_heads and m.kv_channels is None \

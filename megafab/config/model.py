@@ -109,6 +109,21 @@ class ModelConfig(Section):
     openai_gelu: bool = option(
         False, help="GELU in its tanh approximation (OpenAI GPT-2's gelu_new) instead of the exact erf GELU.")
     squared_relu: bool = option(False, help="relu(x)^2 as the MLP activation instead of GELU.")
+    # ---- gpt-oss's clamped quick-GEGLU (model/activations.py) ----
+    quick_geglu: bool = option(
+        False,
+        help="Gated MLP with quick_gelu(x) = x * sigmoid(1.702 x) on the gate (gpt-oss) instead of GELU.")
+    activation_func_clamp_value: float | None = option(
+        None,
+        help="Clamp of a gated MLP's fc1 output before the activation: the gate to at most this value, the "
+             "linear half to [-value, value] (gpt-oss: 7).")
+    glu_linear_offset: float = option(
+        0.0, help="Offset added to a gated MLP's linear half: act(gate) * (linear + offset) (gpt-oss: 1).")
+    enable_gpt_oss: bool = option(
+        False,
+        help="gpt-oss's YaRN RoPE, as Megatron's ModelOpt model builder sets it: --position-embedding-type "
+             "yarn with scaling factor 32, original context 131072, beta fast 32 / slow 1, mscale 1, "
+             "mscale_all_dim 0, no rounding of the correction range (these replace the flags' values).")
     apply_layernorm_1p: bool = option(
         False,
         help="Zero-centered norm weight: every LayerNorm/RMSNorm computes norm(x) * (1 + weight) and its "

@@ -36,6 +36,10 @@ TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePie
 class PrecisionConfig(Section):
     fp16: bool = option(False, help="Train in fp16 with a loss scaler.")
     bf16: bool = option(False, help="Train in bf16.")
+    disable_bf16_reduced_precision_matmul: bool = option(
+        False,
+        help="With --bf16, set torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False: "
+             "cuBLAS then accumulates bf16 GEMMs without reduced-precision reductions (CPU math unchanged).")
     loss_scale: float | None = option(None, help="Static loss scale for fp16; dynamic scaling when unset.")
     initial_loss_scale: float = option(2.0**32, help="Starting dynamic loss scale.")
     min_loss_scale: float = option(1.0, help="Floor of the dynamic loss scale.")

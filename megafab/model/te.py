@@ -26,9 +26,10 @@ from torch import nn
 from megafab.distributed.layers import partition_of
 from megafab.distributed.mappings import group_rank, group_size
 from megafab.errors import MegafabError
+from megafab.model.activations import MLPActivation, gated_linear_unit
 from megafab.model.attention_backend import set_te_attention_switches
 from megafab.model.init import normal_init, output_layer_std
-from megafab.model.transformer import apply_rotary, mlp_activation
+from megafab.model.transformer import apply_rotary
 from megafab.param_names import (
     layer_prefix,
     local_to_te_name,
@@ -226,9 +227,9 @@ class TETransformerLayer(nn.Module):
         norm = dict(eps=cfg.norm_epsilon, normalization=cfg.normalization,
                     zero_centered_gamma=cfg.apply_layernorm_1p)
         set_te_attention_switches(cfg.attention_backend)
-        self.activation = mlp_activation(cfg)
+        self.activation = MLPActivation.from_model_config(cfg)
         qkv_out = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * self.d
-        ffn_out = cfg.ffn_hidden_size * (2 if cfg.swiglu else 1)
+        ffn_out = cfg.ffn_hidden_size * (2 if self.activation.gated else 1)
         self.self_attention = nn.Module()
         self.self_attention.linear_qkv = te.LayerNormLinear(
             cfg.hidden_size, qkv_out, bias=cfg.add_bias_linear or cfg.add_qkv_bias, parallel_mode="column",
@@ -247,14 +248,13 @@ class TETransformerLayer(nn.Module):
                                                  parallel_mode="column", **norm, **common)
         self.mlp.linear_fc2 = te.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=cfg.add_bias_linear,
                                         parallel_mode="row", **common)
-        self.swiglu = cfg.swiglu
         std, out_std = cfg.init_method_std, output_layer_std(cfg.init_method_std, cfg.num_layers)
         for module, name, init_std in (
                 (self.self_attention.linear_qkv, "self_attention.linear_qkv.weight", std),
                 (self.self_attention.linear_proj, "self_attention.linear_proj.weight", out_std),
                 (self.mlp.linear_fc1, "mlp.linear_fc1.weight", std),
                 (self.mlp.linear_fc2, "mlp.linear_fc2.weight", out_std)):
-            dim, stride = tp_partition(prefix + name, cfg.swiglu)
+            dim, stride = tp_partition(prefix + name, gated_linear_unit(cfg))
             _init_shard(module.weight, ctx.seed, prefix + name, init_std, dim, stride, ctx.tp_group)
             module.weight.partition_stride = stride
             if getattr(module, "bias", None) is not None and module.bias.numel():
@@ -288,5 +288,4 @@ class TETransformerLayer(nn.Module):
         with _layer_fp8_context(self.ctx):
             x = x + self._dropout(self._attention(x, rotary_angles, attention_mask))
             h = self.mlp.linear_fc1(x)
-            h = F.silu(h.chunk(2, dim=-1)[0]) * h.chunk(2, dim=-1)[1] if self.swiglu else self.activation(h)
-            return x + self._dropout(self.mlp.linear_fc2(h))
+            return x + self._dropout(self.mlp.linear_fc2(self.activation(h)))

@@ -17,6 +17,7 @@ from torch import nn
 
 from megafab.distributed.layers import ColumnParallelLinear, RowParallelLinear
 from megafab.distributed.mappings import group_size
+from megafab.model.activations import MLPActivation, gated_linear_unit
 from megafab.model.core_attention import CoreAttention
 from megafab.model.init import normal_init, output_layer_std
 from megafab.model.mla import MLASelfAttention
@@ -64,20 +65,6 @@ class LayerContext:
     def residual_rng(self):
         """The residual stream is TP-sharded (so per-rank RNG) only under sequence parallel."""
         return self.tp_region_rng() if self.sequence_parallel else contextlib.nullcontext()
-
-
-def squared_relu(x: torch.Tensor) -> torch.Tensor:
-    return F.relu(x).square()
-
-
-def openai_gelu(x: torch.Tensor) -> torch.Tensor:
-    """GPT-2's tanh approximation of GELU (HF's gelu_new, Megatron's openai_gelu)."""
-    return F.gelu(x, approximate="tanh")
-
-
-def mlp_activation(cfg):
-    """The non-gated MLP activation: exact GELU unless --openai-gelu or --squared-relu."""
-    return squared_relu if cfg.squared_relu else openai_gelu if cfg.openai_gelu else F.gelu
 
 
 class SelfAttention(nn.Module):
@@ -150,18 +137,17 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """h -> ffn (GELU, tanh GELU or squared ReLU) -> h, or SwiGLU with fc1 packed [gate; up] and
-    split with stride 2."""
+    """h -> ffn (GELU, tanh GELU or squared ReLU) -> h, or a gated unit (SwiGLU, gpt-oss's clamped
+    quick-GEGLU) with fc1 packed [gate; linear] and split with stride 2 (model/activations.py)."""
 
     def __init__(self, cfg, ctx: LayerContext, prefix: str):
         super().__init__()
-        self.swiglu = cfg.swiglu
-        self.activation = mlp_activation(cfg)
-        fc1_out = cfg.ffn_hidden_size * (2 if cfg.swiglu else 1)
+        self.activation = MLPActivation.from_model_config(cfg)
+        fc1_out = cfg.ffn_hidden_size * (2 if self.activation.gated else 1)
         self.linear_fc1 = ColumnParallelLinear(
             cfg.hidden_size, fc1_out, tp_group=ctx.tp_group, bias=cfg.add_bias_linear,
             sequence_parallel=ctx.sequence_parallel,
-            stride=partition_stride(prefix + "linear_fc1.weight", cfg.swiglu),
+            stride=partition_stride(prefix + "linear_fc1.weight", gated_linear_unit(cfg)),
             params_dtype=ctx.params_dtype, device=ctx.device,
             gradient_accumulation_fusion=ctx.gradient_accumulation_fusion,
             init_method=normal_init(ctx.seed, prefix + "linear_fc1.weight", cfg.init_method_std))
@@ -174,13 +160,8 @@ class MLP(nn.Module):
                                     output_layer_std(cfg.init_method_std, cfg.num_layers)))
 
     def forward(self, x):
-        h, _ = self.linear_fc1(x)
-        if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = self.activation(h)
-        out, _ = self.linear_fc2(h)
+        h, _ = self.linear_fc1(x)  # bias added: the activation clamps fc1's whole output
+        out, _ = self.linear_fc2(self.activation(h))
         return out
 
 
@@ -189,9 +170,9 @@ def build_mlp(cfg, ctx: LayerContext, layer_number: int, prefix: str) -> nn.Modu
     (its input is the residual stream as it is, [s/tp, b, h] under SP), else the dense MLP."""
     if ctx.moe is None or not ctx.moe.is_moe_layer(layer_number):
         return MLP(cfg, ctx, prefix)
-    return MoELayer(ctx.moe, cfg, ctx, prefix, activation=mlp_activation(cfg), ep_group=ctx.ep_group,
-                    etp_group=ctx.etp_group, tp_ep_group=ctx.tp_ep_group, tp_cp_group=ctx.tp_cp_group,
-                    tp_dp_cp_group=ctx.tp_dp_cp_group,
+    return MoELayer(ctx.moe, cfg, ctx, prefix, activation=MLPActivation.from_model_config(cfg),
+                    ep_group=ctx.ep_group, etp_group=ctx.etp_group, tp_ep_group=ctx.tp_ep_group,
+                    tp_cp_group=ctx.tp_cp_group, tp_dp_cp_group=ctx.tp_dp_cp_group,
                     loss_scale=ctx.moe_loss_scale, calculate_per_token_loss=ctx.calculate_per_token_loss)
 
 

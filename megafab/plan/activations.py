@@ -11,6 +11,7 @@ The terms are written out in layer_activation_bytes' docstring; plan() adds them
 
 from __future__ import annotations
 
+from megafab.model.activations import gated_linear_unit
 from megafab.model.recompute import RecomputeSettings
 from megafab.plan.mla_activations import mla_attention_bytes
 from megafab.plan.state_memory import BYTES
@@ -153,7 +154,7 @@ def mlp_activation_bytes(cfg) -> int:
         return 0
     s, b = m.seq_length // p.context_parallel_size, cfg.training.micro_batch_size
     f, e = m.ffn_hidden_size, BYTES[cfg.precision.params_dtype_name]
-    widths = f * (2 if m.swiglu else 1) + f + (f if m.swiglu else 0)
+    widths = f * (2 if gated_linear_unit(m) else 1) + f + (f if gated_linear_unit(m) else 0)
     return int(e * s * b * widths / p.tensor_model_parallel_size)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megafab.config.moe import moe_settings
+from megafab.model.activations import gated_linear_unit
 from megafab.model.recompute import RecomputeSettings
 from megafab.plan.collectives import collective_seconds, group_placement, p2p_seconds
 from megafab.plan.moe import expected_rows, expert_sizes, router_tokens
@@ -96,7 +97,7 @@ class Shapes:
 
 def _mlp_shapes(x: Shapes, rows: int, f: int, parts: int) -> list[tuple[int, int, int]]:
     """(m, n, k) of fc1 and fc2 of an MLP of width f split `parts` ways, on `rows` rows."""
-    fc1 = f * (2 if x.cfg.model.swiglu else 1)
+    fc1 = f * (2 if gated_linear_unit(x.cfg.model) else 1)
     return [(rows, fc1 // parts, x.h), (rows, x.h, f // parts)]
 
 
@@ -138,7 +139,7 @@ def _elementwise_bytes(x: Shapes, moe_layer: bool = False) -> float:
     mask = 1 if m.hidden_dropout > 0 else 0
     norms = 2 * 2 * x.e * tokens * x.h
     residual_adds = 2 * (3 * x.e + mask) * tokens * x.h
-    act = (3 if m.swiglu else 2) * x.e
+    act = (3 if gated_linear_unit(m) else 2) * x.e
     if moe_layer:
         copies = x.N * x.moe.moe_router_topk
         activation = act * (x.rows * x.f_e / x.etp + x.M * x.f_s / x.tp) \
@@ -262,7 +263,7 @@ def _selective_recompute(x: Shapes, moe_layer: bool, fwd_g: list[float], att_f: 
     MLP (router, experts, shared experts, dispatch), shared_experts and moe_act their parts."""
     on = RecomputeSettings.from_model_config(x.cfg.model, check=False).selects
     tokens = x.M / (x.tp if x.sp else 1)
-    act = (3 if x.cfg.model.swiglu else 2) * x.e
+    act = (3 if gated_linear_unit(x.cfg.model) else 2) * x.e
     norms = x.machine.memory_seconds(2 * 2 * x.e * tokens * x.h, kernels=2)
     out = Pass(attention=att_f if on("core_attn") else 0.0, memory=norms if on("layernorm") else 0.0)
     if not moe_layer:

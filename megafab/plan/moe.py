@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 
 from megafab.layout import Layout, expert_tensor_parallel_size
+from megafab.model.activations import gated_linear_unit
 from megafab.model.recompute import RecomputeSettings
 from megafab.param_names import ROUTER, SHARED_EXPERTS, parse_index
 from megafab.plan.inventory import Inventory
@@ -138,17 +139,18 @@ def moe_mlp_activation_bytes(cfg, moe, rows: int, e: int) -> int:
     _, etp = expert_sizes(cfg)
     tp = p.tensor_model_parallel_size
     h, f_e = m.hidden_size, moe.ffn_hidden_size(m.ffn_hidden_size)
-    fc1 = f_e * (2 if m.swiglu else 1)
+    gated = gated_linear_unit(m)
+    fc1 = f_e * (2 if gated else 1)
     router = router_tokens(cfg) * (12 * moe.moe_router_topk + moe.num_experts * (1 + e))
     # moe_act: the activation's intermediates and output recomputed from fc1's output
-    act = 0 if recompute.selects("moe_act") and moe.moe_grouped_gemm else 2 * f_e + (f_e if m.swiglu else 0)
+    act = 0 if recompute.selects("moe_act") and moe.moe_grouped_gemm else 2 * f_e + (f_e if gated else 0)
     # with expert biases (--add-bias-linear) fc2's bias rows, weighted by the probabilities, are kept too
     per_row = 2 * e * h + e * (fc1 + act) // etp + 8 + e + (e * h if m.add_bias_linear else 0)
     shared = 0
     f_s = moe.moe_shared_expert_intermediate_size
     if f_s and not recompute.selects("shared_experts"):
         tokens = t.micro_batch_size * m.seq_length // p.context_parallel_size
-        shared = e * tokens * (f_s * (2 if m.swiglu else 1) + f_s + (f_s if m.swiglu else 0)) // tp
+        shared = e * tokens * (f_s * (2 if gated else 1) + f_s + (f_s if gated else 0)) // tp
     return router + rows * per_row + shared
 
 

@@ -88,6 +88,10 @@ def params_dtype(cfg) -> torch.dtype:
 def build_model(cfg, topo: Topology, tracker, dtype: torch.dtype | None = None) -> list:
     """This rank's model chunks, each wrapped for data parallelism (DDP, or FSDP2)."""
     dtype = dtype or params_dtype(cfg)
+    if cfg.precision.bf16 and cfg.precision.disable_bf16_reduced_precision_matmul:
+        # as megatron-core's TransformerConfig does: cuBLAS keeps bf16 GEMM reductions in fp32 (on CPU,
+        # where the flag is still set, torch's bf16 matmul has no such reduced-precision path)
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     ctx = LayerContext(topo.group("tp") if topo.tp > 1 else None, cfg.parallel.sequence_parallel, dtype,
                        topo.device, cfg.training.seed, tracker, precision=cfg.precision,
                        gradient_accumulation_fusion=cfg.parallel.gradient_accumulation_fusion,

@@ -21,6 +21,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from megafab.model.activations import MLPActivation
 from megafab.model.moe.layer import MoELayer
 from megafab.model.moe.settings import MoESettings
 from megafab.model.transformer import LayerContext
@@ -101,20 +102,43 @@ def megatron_moe_on_cpu(**parallel):
         torch.compiler.set_stance("default")
 
 
-def model_cfg(swiglu: bool, bias: bool = False):
+# gpt-oss's experts: clamped quick-GEGLU with the +1 offset (the clamp small enough to bite here)
+GPT_OSS_GLU = dict(quick_geglu=True, activation_func_clamp_value=0.05, glu_linear_offset=1.0)
+
+
+def model_cfg(swiglu: bool, bias: bool = False, glu: dict | None = None):
+    """The model fields MoELayer reads; `glu`: quick_geglu / activation_func_clamp_value /
+    glu_linear_offset (default off)."""
+    glu = {"quick_geglu": False, "activation_func_clamp_value": None, "glu_linear_offset": 0.0, **(glu or {})}
     return types.SimpleNamespace(hidden_size=HIDDEN, ffn_hidden_size=FFN, swiglu=swiglu, add_bias_linear=bias,
-                                 init_method_std=0.02, num_layers=LAYERS)
+                                 init_method_std=0.02, num_layers=LAYERS, squared_relu=False,
+                                 openai_gelu=False, **glu)
 
 
 def megafab_layer(settings: MoESettings, swiglu: bool, dtype, bias: bool = False, per_token: bool = False,
-                  seed: int = 5, tp_group=None, sequence_parallel: bool = False, **groups) -> MoELayer:
+                  seed: int = 5, tp_group=None, sequence_parallel: bool = False, glu: dict | None = None,
+                  **groups) -> MoELayer:
     ctx = LayerContext(tp_group, sequence_parallel, dtype, torch.device("cpu"), seed)
-    return MoELayer(settings, model_cfg(swiglu, bias), ctx, "decoder.layers.0.mlp.",
-                    activation=F.silu if swiglu else F.gelu, calculate_per_token_loss=per_token, **groups)
+    cfg = model_cfg(swiglu, bias, glu)
+    return MoELayer(settings, cfg, ctx, "decoder.layers.0.mlp.",
+                    activation=MLPActivation.from_model_config(cfg), calculate_per_token_loss=per_token,
+                    **groups)
+
+
+def megatron_activation(swiglu: bool, glu: dict | None = None) -> dict:
+    """TransformerConfig's activation fields for megafab_layer's `swiglu` / `glu`."""
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    glu = glu or {}
+    quick = glu.get("quick_geglu", False)
+    return dict(gated_linear_unit=swiglu or quick,
+                activation_func=quick_gelu if quick else F.silu if swiglu else F.gelu,
+                activation_func_clamp_value=glu.get("activation_func_clamp_value"),
+                glu_linear_offset=glu.get("glu_linear_offset", 0.0))
 
 
 def megatron_layer(settings: MoESettings, swiglu: bool, dtype, bias: bool = False, per_token: bool = False,
-                   layer_number: int = 1, fresh_logs: bool = True, **parallel):
+                   layer_number: int = 1, fresh_logs: bool = True, glu: dict | None = None, **parallel):
     """megatron-core's MoELayer (local spec: SequentialMLP experts) with the same settings;
     `parallel`: TransformerConfig's parallel sizes (those given to megatron_moe_on_cpu)."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
@@ -131,8 +155,7 @@ def megatron_layer(settings: MoESettings, swiglu: bool, dtype, bias: bool = Fals
             num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=4, ffn_hidden_size=FFN,
             num_moe_experts=settings.num_experts, use_cpu_initialization=True, params_dtype=dtype,
             gradient_accumulation_fusion=False, add_bias_linear=bias, bias_activation_fusion=False,
-            gated_linear_unit=swiglu, activation_func=F.silu if swiglu else F.gelu,
-            calculate_per_token_loss=per_token, **parallel, **moe)
+            calculate_per_token_loss=per_token, **megatron_activation(swiglu, glu), **parallel, **moe)
         spec = get_moe_module_spec(use_te=False, num_experts=settings.num_experts, moe_grouped_gemm=False)
         layer = build_module(spec, config=config, layer_number=layer_number)
     layer.set_layer_number(layer_number)

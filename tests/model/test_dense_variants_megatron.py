@@ -1,9 +1,10 @@
 """Llama 3.x RoPE scaling (--use-rope-scaling, --rope-scaling-factor), position interpolation
-(--rotary-seq-len-interpolation-factor), Q/K/V biases without other biases (--add-qkv-bias, Qwen2)
-and QK-norm (--qk-layernorm, Qwen3) equal megatron-core 0.16.1's: its scaled RoPE frequencies
-(float32, as it computes them), and a whole GPT (local spec) in float64 within 1e-12: the per-token
-loss and every gradient. megatron-core's frequencies are float32, so the GPT oracle gets float64 ones
-(its own _apply_scaling run on float64 plain frequencies). CPU shims: tests/helpers/mcore_moe.py's."""
+(--rotary-seq-len-interpolation-factor), Q/K/V biases without other biases (--add-qkv-bias, Qwen2),
+QK-norm (--qk-layernorm, Qwen3) and gpt-oss's clamped quick-GEGLU with biases equal megatron-core
+0.16.1's: its scaled RoPE frequencies (float32, as it computes them), and a whole GPT (local spec)
+in float64 within 1e-12: the per-token loss and every gradient. megatron-core's frequencies are
+float32, so the GPT oracle gets float64 ones (its own _apply_scaling run on float64 plain
+frequencies). CPU shims: tests/helpers/mcore_moe.py's."""
 
 from __future__ import annotations
 
@@ -25,7 +26,12 @@ CASES = {"llama3": dict(use_rope_scaling=True, rope_scaling_factor=8.0),
          "both": dict(use_rope_scaling=True, rope_scaling_factor=32.0,
                       rotary_seq_len_interpolation_factor=2.0),
          "qkv_bias": dict(add_qkv_bias=True), "qk_norm": dict(qk_layernorm=True),
-         "qk_norm_gqa1": dict(qk_layernorm=True, num_query_groups=1, use_rope_scaling=True)}
+         "qk_norm_gqa1": dict(qk_layernorm=True, num_query_groups=1, use_rope_scaling=True),
+         # gpt-oss's dense MLP: clamped quick-GEGLU (the clamp small enough to bite), +1 offset, biases
+         "quick_geglu": dict(swiglu=False, quick_geglu=True, activation_func_clamp_value=0.05,
+                             glu_linear_offset=1.0, add_bias_linear=True)}
+# the model "without the variant" keeps these (the same weights): a plain SwiGLU MLP with biases
+PLAIN = {"quick_geglu": dict(swiglu=True, add_bias_linear=True, ffn_hidden_size=128)}
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +86,10 @@ def test_gpt_variant_equals_megatron_core(megatron_cpu, monkeypatch, case):
     for name, p in theirs.named_parameters():
         assert (p.grad - params[name].grad).abs().max().item() < 1e-12, name
     # the variant is in effect: the model without it (its extra weights dropped) computes otherwise
-    plain_model = reference_model(tiny_config(style=ROPE, num_query_groups=m.num_query_groups).model)
+    plain_model = reference_model(tiny_config(style=ROPE, num_query_groups=m.num_query_groups,
+                                              **PLAIN.get(case, {})).model)
     plain = plain_model.state_dict()
     plain_model.load_state_dict({k: v for k, v in ours.state_dict().items() if k in plain})
-    assert len(plain) < len(params) or m.use_rope_scaling or m.rotary_seq_len_interpolation_factor
+    assert len(plain) < len(params) or m.use_rope_scaling or m.rotary_seq_len_interpolation_factor \
+        or case in PLAIN
     assert (plain_model(tokens, labels=labels) - loss).abs().max().item() > 1e-5  # llama3 alone: 7e-5

@@ -13,8 +13,9 @@ import torch.nn.functional as F
 
 from megafab.distributed.finalize_grads import finalize_model_grads
 from megafab.distributed.topology import build_topology
+from megafab.model.activations import openai_gelu
 from megafab.model.gpt import GPTModel, masked_mean_loss
-from megafab.model.transformer import TransformerLayer, build_norm, openai_gelu
+from megafab.model.transformer import TransformerLayer, build_norm
 from megafab.run.fork_ranks import run_ranks
 from tests.helpers.tiny import (
     GPT2_STYLE,

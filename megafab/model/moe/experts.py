@@ -22,6 +22,7 @@ from torch import nn
 
 from megafab.distributed.layers import ParallelLayerError, partition_of
 from megafab.distributed.mappings import group_rank, group_size
+from megafab.model.activations import MLPActivation
 from megafab.model.init import normal_init, output_layer_std
 from megafab.model.recompute import DiscardedOutput
 from megafab.param_names import COLUMN_DIM, ROW_DIM, SWIGLU_STRIDE
@@ -30,25 +31,19 @@ GROUPED_MM = getattr(F, "grouped_mm", None)
 
 
 class ExpertShape:
-    """What every expert of a layer shares: widths, activation, bias, init."""
+    """What every expert of a layer shares: widths, activation (model/activations.py), bias, init."""
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, *, swiglu: bool, activation,
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, *, activation: MLPActivation,
                  bias: bool, init_method_std: float, num_layers: int):
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
-        self.swiglu, self.activation, self.bias = swiglu, activation, bias
-        self.fc1_out = ffn_hidden_size * (2 if swiglu else 1)
+        self.act, self.bias = activation, bias
+        self.gated = activation.gated  # fc1 packed [gate; linear], twice as wide
+        self.fc1_out = ffn_hidden_size * (2 if self.gated else 1)
         self.fc1_std = init_method_std
         self.fc2_std = output_layer_std(init_method_std, num_layers)
 
-    def act(self, h: torch.Tensor) -> torch.Tensor:
-        """fc1 output -> activation (SwiGLU: silu(gate) * up, fc1 packed [gate; up])."""
-        if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            return F.silu(gate) * up
-        return self.activation(h)
-
     def activate(self, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        """The activation weighted by each row's routing probability."""
+        """fc1's output (its bias added) -> the activation weighted by each row's routing probability."""
         h = self.act(h)
         return (h * probs.unsqueeze(-1)).to(h.dtype)
 
@@ -75,7 +70,7 @@ class ExpertSplit:
             raise ParallelLayerError(
                 f"the expert FFN hidden size is {shape.ffn_hidden_size}, which is not divisible by the "
                 f"expert-tensor-parallel size {self.size}; choose a multiple of {self.size}")
-        self.fc1_stride = SWIGLU_STRIDE if shape.swiglu else 1
+        self.fc1_stride = SWIGLU_STRIDE if shape.gated else 1
 
     def weights(self, seed: int, name: str, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's partitions of the expert `name`'s full fc1 [fc1_out, h] (column) and fc2

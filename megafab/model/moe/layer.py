@@ -28,9 +28,10 @@ class MoELayer(nn.Module):
     def __init__(self, settings: MoESettings, cfg, ctx, prefix: str, *, activation, ep_group=None,
                  etp_group=None, tp_ep_group=None, tp_cp_group=None, tp_dp_cp_group=None,
                  loss_scale: LossScale | None = None, calculate_per_token_loss: bool = False):
-        """cfg: the model config (hidden_size, ffn_hidden_size, swiglu, add_bias_linear,
-        init_method_std, num_layers); ctx: the LayerContext; prefix: this MLP's global parameter
-        name prefix ("decoder.layers.L.mlp."), which keys the initialization. Groups (None: one
+        """cfg: the model config (hidden_size, ffn_hidden_size, add_bias_linear, init_method_std,
+        num_layers); activation: the experts' MLPActivation (model/activations.py); ctx: the
+        LayerContext; prefix: this MLP's global parameter name prefix ("decoder.layers.L.mlp."),
+        which keys the initialization. Groups (None: one
         rank; EP 1 needs no process group): ep_group splits the experts, etp_group shards each
         expert, tp_ep_group is their product (dispatcher.py, experts.py); tp_cp_group and
         tp_dp_cp_group are the router's token-count groups (router.py)."""
@@ -52,8 +53,7 @@ class MoELayer(nn.Module):
         self.router.random_offset = 100 * group_rank(ep_group) + group_rank(etp_group)
         self.dispatcher = DISPATCHERS[settings.moe_token_dispatcher_type](
             settings.num_experts, ep_group, etp_group, tp_ep_group)
-        common = dict(swiglu=cfg.swiglu, activation=activation, init_method_std=cfg.init_method_std,
-                      num_layers=cfg.num_layers)
+        common = dict(activation=activation, init_method_std=cfg.init_method_std, num_layers=cfg.num_layers)
         shape = ExpertShape(cfg.hidden_size, settings.ffn_hidden_size(cfg.ffn_hidden_size),
                             bias=cfg.add_bias_linear, **common)
         experts = GroupedExperts if settings.moe_grouped_gemm else SequentialExperts

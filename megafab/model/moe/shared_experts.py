@@ -22,7 +22,7 @@ class SharedExpertMLP(nn.Module):
                       params_dtype=ctx.params_dtype, device=ctx.device,
                       gradient_accumulation_fusion=ctx.gradient_accumulation_fusion)
         self.linear_fc1 = ColumnParallelLinear(
-            shape.hidden_size, shape.fc1_out, stride=2 if shape.swiglu else 1,
+            shape.hidden_size, shape.fc1_out, stride=2 if shape.gated else 1,
             init_method=normal_init(seed, prefix + "linear_fc1.weight", shape.fc1_std), **common)
         self.linear_fc2 = RowParallelLinear(
             shape.ffn_hidden_size, shape.hidden_size, input_is_parallel=True,

@@ -16,6 +16,7 @@ from megafab.model.moe.loss_logging import moe_loss_values
 from megafab.model.moe.routing import expert_capacity
 from megafab.model.moe.settings import MoESettings
 from tests.helpers.mcore_moe import (
+    GPT_OSS_GLU,
     HIDDEN,
     copy_weights,
     megafab_layer,
@@ -113,9 +114,9 @@ def _check_losses(layer, dtype):
     return ours
 
 
-def _run_case(settings, swiglu, dtype, grouped=False, bias=False, per_token=False, scale=0.5):
-    ref_layer = megatron_layer(settings, swiglu, dtype, bias, per_token)
-    layer = megafab_layer(settings, swiglu, dtype, bias, per_token)
+def _run_case(settings, swiglu, dtype, grouped=False, bias=False, per_token=False, scale=0.5, glu=None):
+    ref_layer = megatron_layer(settings, swiglu, dtype, bias, per_token, glu=glu)
+    layer = megafab_layer(settings, swiglu, dtype, bias, per_token, glu=glu)
     copy_weights(ref_layer, layer, grouped)
     x, grad = _inputs(dtype)
     ref = _step(ref_layer, x, grad, scale, megatron=True)
@@ -157,6 +158,15 @@ def test_layer_equals_megatron_bf16(megatron_cpu, case, dispatcher):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_gelu_experts_with_bias(megatron_cpu, dtype):
     _run_case(MoESettings(**BASE), swiglu=False, dtype=dtype, bias=True)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+def test_gpt_oss_experts_equal_megatron(megatron_cpu, dispatcher, grouped):
+    """gpt-oss's experts: clamped quick-GEGLU with the +1 offset, biases on the router and on every
+    expert's fc1 and fc2 (megatron-core's unfused path: fc1's bias added before the clamp)."""
+    settings = MoESettings(**{**BASE, "moe_grouped_gemm": grouped, "moe_token_dispatcher_type": dispatcher})
+    _run_case(settings, swiglu=False, dtype=torch.float64, grouped=grouped, bias=True, glu=GPT_OSS_GLU)
 
 
 def test_per_token_loss_scaling(megatron_cpu):
