@@ -12,6 +12,8 @@
 #   5. Transformer Engine layers (issue 37): TE's dense layer equals the local one, and megafab's layer
 #      around TE's linears/attention (MLA, MoE + shared experts, --qk-layernorm, MTP) equals the local
 #      model on the GPU (tests/model/test_te.py, test_te_wrap.py; "skipped" without TE)
+#   6. --async-save (issue 40) on the device: the host staging arena pinned with cudaHostRegister, the
+#      writer process, a resume from the async checkpoint (pretrain_gpt.py with mock data, 1 rank)
 #   all: then issue 13's checks (TP layers on NCCL, the 1.3B MFU check), about 5 minutes more.
 # Results land in ${OUT:-benchmarks/results} (one .log per step, .json where the step writes one);
 # the last lines list each step's exit status.
@@ -83,6 +85,16 @@ else
     echo "== te_layers: skipped: needs CUDA and transformer_engine"
     summary+=("te_layers: skipped")
 fi
+
+# 6. --async-save: train 4 iterations saving every 2 in the background, resume to 6 from iteration 4
+async_flags="--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 \
+    --max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 2 --mock-data \
+    --tokenizer-type NullTokenizer --vocab-size 127 --lr 1e-3 --lr-decay-iters 6 --log-interval 1 --save-interval 2 \
+    --async-save --use-persistent-ckpt-worker --save $out/async_ckpt"
+rm -rf "$out/async_ckpt"
+step async_save 240 bash -c "python pretrain_gpt.py $async_flags --train-iters 4 && \
+    python pretrain_gpt.py $async_flags --train-iters 6 --load $out/async_ckpt | tee /dev/stderr | \
+    grep -q 'loaded checkpoint from .* at iteration 4'"
 
 # issue 13's checks, on request
 if [ "${1:-}" = all ] && [ "$device" = cuda ]; then
