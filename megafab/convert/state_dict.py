@@ -139,6 +139,10 @@ def hf_variant_problems(m: ModelConfig, architecture: str) -> list[str]:
     if m.apply_residual_connection_post_layernorm:
         out.append(f"--apply-residual-connection-post-layernorm (HF {architecture} adds the residual "
                    f"before the norm)")
+    if m.window_size is not None and m.window_size[0] >= 0:
+        out.append(f"--window-size {m.window_size} (HF {architecture} attends over the whole context)")
+    if m.softmax_type != "vanilla":
+        out.append(f"--softmax-type {m.softmax_type} (HF {architecture} has no attention sinks)")
     return out
 
 
