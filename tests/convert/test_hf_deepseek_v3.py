@@ -18,8 +18,9 @@ from megafab.convert import ConversionError, export_hf, import_hf
 from megafab.inference.generate import SamplingParams, generate
 from megafab.inference.load import model_from_state_dict
 from megafab.model.mtp import roll_left
+from tests.helpers.checkpoint import finetune_state, full_logits
 from tests.helpers.hf_deepseek_tiny import hf_deepseek_v3, with_mtp
-from tests.helpers.hf_tiny import VOCAB, megafab_logits
+from tests.helpers.hf_tiny import VOCAB, edit_hf_config, megafab_logits
 
 PLAIN_ROPE = dict(rope_type="default", rope_theta=5000.0)
 CASES = {"yarn-qlora": lambda: hf_deepseek_v3(),
@@ -102,7 +103,7 @@ def test_each_feature_is_in_effect(feature, tmp_path):
     elif feature == "shared":
         sd = {k: (torch.zeros_like(v) if "shared_experts.linear_fc2" in k else v) for k, v in sd.items()}
     else:  # rotate-half's pe rows taken as they are stored, not interleaved from their halves
-        _edit_config(tmp_path, rope_interleave=True)
+        edit_hf_config(tmp_path, rope_interleave=True)
         sd, _ = import_hf(str(tmp_path))
     delta = (_logits(sd, cfg) - got).abs().max().item()
     assert delta > 1e-3, delta
@@ -170,16 +171,6 @@ def test_mtp_exports_as_deepseek_layer_that_transformers_mtp_reads(tmp_path):
     assert cfg_back.model.mtp_num_layers is None and not any(k.startswith("mtp.") for k in sd_back)
 
 
-def _edit_config(path, **changes):
-    c = json.loads((path / "config.json").read_text())
-    for key, value in changes.items():
-        if isinstance(value, dict) and isinstance(c.get(key), dict):
-            c[key].update(value)
-        else:
-            c[key] = value
-    (path / "config.json").write_text(json.dumps(c))
-
-
 @pytest.mark.parametrize("changes,field", [
     ({"rms_norm_eps": 1e-5}, "rms_norm_eps 1e-05"),
     ({"topk_group": 1}, "n_group 4, topk_group 1"),
@@ -193,7 +184,7 @@ def _edit_config(path, **changes):
 ])
 def test_config_values_not_reproduced_are_refused_by_name(changes, field, tmp_path):
     hf_deepseek_v3().save_pretrained(tmp_path)
-    _edit_config(tmp_path, **changes)
+    edit_hf_config(tmp_path, **changes)
     with pytest.raises(ConversionError, match=field) as e:
         import_hf(str(tmp_path))
     assert "\n" not in str(e.value)
@@ -214,26 +205,7 @@ def test_exports_that_hf_cannot_hold_are_refused_by_name(tmp_path):
 
 
 def _tp2_ep2_logits(rank, world, flat, load_dir):
-    from megafab import checks
-    from megafab.checkpoint import checkpointing
-    from megafab.config import Config
-    from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
-    from megafab.distributed.topology import build_topology
-    from megafab.training.build import TrainState, build_model, build_optimizer, build_scheduler
-    from tests.helpers.checkpoint import full_logits
-
-    cfg = Config.from_flat({**flat, "micro_batch_size": 1, "global_batch_size": 2, "train_iters": 1,
-                            "lr": 1e-3, "mock_data": True, "padded_vocab_size": None, "load": load_dir,
-                            "finetune": True, "tensor_model_parallel_size": 2, "sequence_parallel": True,
-                            "expert_model_parallel_size": 2, "seq_length": 40})
-    checks.finalize(cfg, world_size=world)
-    topo = build_topology(tp=2, ep=2)
-    tracker = RNGStatesTracker("cpu")
-    model_parallel_seed(cfg.training.seed, topo.tp_rank, topo.pp_rank, topo.device, tracker)
-    model = build_model(cfg, topo, tracker, dtype=torch.float32)
-    optimizer = build_optimizer(cfg, topo, model)
-    state = TrainState(cfg, topo, tracker, model, optimizer, build_scheduler(cfg, optimizer))
-    checkpointing.load_checkpoint(state)
+    state = finetune_state(flat, world, load_dir, tp=2, ep=2, sequence_parallel=True, seq_length=40)
     with torch.no_grad():
         return full_logits(state, TOKENS)
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from megafab.convert import ConversionError, export_hf, import_hf
 from megafab.inference.generate import SamplingParams, generate
-from tests.helpers.hf_tiny import LLAMA3_ROPE, VOCAB, hf_dense, megafab_logits, megafab_model
+from tests.helpers.hf_tiny import LLAMA3_ROPE, VOCAB, edit_hf_config, hf_dense, megafab_logits, megafab_model
 
 LINEAR_ROPE = dict(rope_type="linear", rope_theta=5000.0, factor=4.0)
 CASES = {"llama3": lambda: hf_dense("llama", rope=LLAMA3_ROPE),
@@ -97,16 +97,6 @@ def test_imported_rope_values(tmp_path):
             m.rotary_base) == (True, 8.0, 1.0, 4.0, 512, 5000)
 
 
-def _edit_config(path, **changes):
-    c = json.loads((path / "config.json").read_text())
-    for key, value in changes.items():
-        if isinstance(value, dict) and isinstance(c.get(key), dict):
-            c[key].update(value)
-        else:
-            c[key] = value
-    (path / "config.json").write_text(json.dumps(c))
-
-
 @pytest.mark.parametrize("family,changes,field", [
     ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "'dynamic'"),
     ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "'yarn'"),
@@ -116,7 +106,7 @@ def _edit_config(path, **changes):
 ])
 def test_config_values_not_reproduced_are_refused_by_name(family, changes, field, tmp_path):
     hf_dense(family).save_pretrained(tmp_path)
-    _edit_config(tmp_path, **changes)
+    edit_hf_config(tmp_path, **changes)
     with pytest.raises(ConversionError, match=field):
         import_hf(str(tmp_path))
 

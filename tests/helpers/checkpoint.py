@@ -3,7 +3,10 @@ loop whose global samples do not depend on the DP size, and every tensor of a sa
 
 import torch
 
+from megafab import checks
+from megafab.checkpoint import checkpointing
 from megafab.checkpoint.megatron_dist import TorchDistSource
+from megafab.config import Config
 from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
 from megafab.distributed.topology import build_topology
 from megafab.training.build import TrainState, build_model, build_optimizer, build_scheduler
@@ -47,6 +50,24 @@ def moe_state(dp, dist_opt, ep=1, save=None, load=None, tp=1, **overrides):
     model = build_model(cfg, topo, tracker, dtype=torch.float64)
     optimizer = build_optimizer(cfg, topo, model)
     return TrainState(cfg, topo, tracker, model, optimizer, build_scheduler(cfg, optimizer))
+
+
+def finetune_state(flat: dict, world: int, load_dir: str, tp=1, pp=1, ep=1, dtype=torch.float32, **overrides):
+    """One rank's TrainState of `world` ranks at TP x PP x EP that loads `load_dir` with --finetune
+    (a converted checkpoint); the model flags are `flat` (Config.to_flat of an import)."""
+    run = dict(micro_batch_size=1, global_batch_size=world // (tp * pp), train_iters=1, lr=1e-3,
+               mock_data=True, padded_vocab_size=None, load=load_dir, finetune=True,
+               tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep)
+    cfg = Config.from_flat({**flat, **run, **overrides})
+    checks.finalize(cfg, world_size=world)
+    topo = build_topology(tp=tp, pp=pp, ep=ep)
+    tracker = RNGStatesTracker("cpu")
+    model_parallel_seed(cfg.training.seed, topo.tp_rank, topo.pp_rank, topo.device, tracker)
+    model = build_model(cfg, topo, tracker, dtype=dtype)
+    optimizer = build_optimizer(cfg, topo, model)
+    state = TrainState(cfg, topo, tracker, model, optimizer, build_scheduler(cfg, optimizer))
+    checkpointing.load_checkpoint(state)
+    return state
 
 
 def train(state, steps: int) -> list[float]:

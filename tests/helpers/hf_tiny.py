@@ -1,6 +1,8 @@
 """Tiny random HF GPT-2 / Llama (plain and Llama-3 RoPE) / Qwen2 / Qwen3 models built locally (no
 downloads) and megafab models from a full state dict."""
 
+import json
+
 import torch
 
 from megafab.model.gpt import GPTModel
@@ -64,6 +66,17 @@ def _randomize(model):
     """Norm weights/biases are initialized to 1/0: perturb every tensor so no mix-up can hide."""
     for p in model.parameters():
         p.add_(torch.randn_like(p) * 0.05)
+
+
+def edit_hf_config(path, **changes):
+    """Change config.json fields in HF directory `path` (a dict value updates a dict field)."""
+    c = json.loads((path / "config.json").read_text())
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(c.get(key), dict):
+            c[key].update(value)
+        else:
+            c[key] = value
+    (path / "config.json").write_text(json.dumps(c))
 
 
 def megafab_model(sd, model_cfg, dtype=torch.float32):
