@@ -311,6 +311,10 @@ def no_effect_flags(cfg: Config, given: set[str], argv: list[str]) -> list[str]:
             unused(["moe_router_bias_update_rate"], "only with --moe-router-enable-expert-bias")
         if moe.moe_expert_capacity_factor is None:
             unused(["moe_token_drop_policy"], "only with --moe-expert-capacity-factor")
+        if moe.moe_permute_fusion and cfg.model.transformer_impl != "transformer_engine":
+            out.append("--moe-permute-fusion (Transformer Engine's fused token permutation, which megafab "
+                       "runs with --transformer-impl transformer_engine; local layers permute unfused, "
+                       "the same values)")
     if cfg.parallel.tensor_model_parallel_size == 1 and cfg.model.cross_entropy_loss_fusion:
         out.append("--cross-entropy-loss-fusion (with one tensor-parallel rank the cross entropy makes "
                    "no all-reduce to fuse)")

@@ -46,6 +46,8 @@ LISTED: dict[str, str] = {
     "--dist-ckpt-optim-fully-reshardable": "megafab's torch_dist optimizer state is always fully "
                                            "reshardable (Megatron's fully_reshardable layout)",
     "--ckpt-assume-constant-structure": "megafab plans every save anew",
+    "--moe-router-fusion": "Transformer Engine's fused top-k routing kernel; megafab's unfused router "
+                           "computes the same values",
     "--cross-entropy-fusion-impl": "megafab's --cross-entropy-loss-fusion is megatron-core's native fused "
                                    "cross entropy; Transformer Engine's (te) computes the same values",
     "--async-strategy": "Megatron's choice of asynchronous writer (NVIDIA Resiliency Extension's or "

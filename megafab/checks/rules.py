@@ -215,8 +215,7 @@ def moe_problems(cfg) -> list[str]:
     topology.layout_problems, in parallel_problems)."""
     m, p, moe = cfg.model, cfg.parallel, cfg.moe
     tp, ep, etp = p.tensor_model_parallel_size, p.expert_model_parallel_size, p.expert_tensor_parallel_size
-    out = moe.problems(num_layers=m.num_layers, expert_parallel_size=max(ep, 1),
-                       transformer_engine=m.transformer_impl == "transformer_engine")
+    out = moe.problems(num_layers=m.num_layers, expert_parallel_size=max(ep, 1))
     if moe.num_experts is None:
         if ep > 1:
             out.append(f"--expert-model-parallel-size {ep} needs --num-experts (a dense model has no "

@@ -125,9 +125,8 @@ class MoEConfig(Section):
         help="How tokens reach their experts over the expert-parallel group: allgather or alltoall "
              "(flex, DeepEP / HybridEP, is refused).")
     moe_permute_fusion: bool = option(
-        False, help="Transformer Engine's fused token permutation (GPU only; refused).")
-    moe_router_fusion: bool = option(
-        False, help="Transformer Engine's fused router (GPU only; refused).")
+        False, help="Transformer Engine's fused token permutation (with --transformer-impl "
+                    "transformer_engine; local layers permute unfused, the same values).")
     moe_router_force_load_balancing: bool = option(
         False,
         help="[Experimental] Force load balancing with random logits for MoE router, supports naive "
@@ -164,10 +163,8 @@ class MoEConfig(Section):
     def ffn_hidden_size(self, dense_ffn_hidden_size: int) -> int:
         return self.moe_ffn_hidden_size or dense_ffn_hidden_size
 
-    def problems(self, num_layers: int | None = None, expert_parallel_size: int = 1,
-                 transformer_engine: bool = False) -> list[str]:
-        """Every rule these settings break, one line each (value, rule, fix); transformer_engine: the
-        layers are --transformer-impl transformer_engine's (TE's fused permutation is there)."""
+    def problems(self, num_layers: int | None = None, expert_parallel_size: int = 1) -> list[str]:
+        """Every rule these settings break, one line each (value, rule, fix)."""
         if self.num_experts is None:
             return [f"--{name.replace('_', '-')} needs --num-experts" for name in NEEDS_EXPERTS
                     if getattr(self, name) is not None]
@@ -195,11 +192,6 @@ class MoEConfig(Section):
                        f"must be positive (num shared experts x each one's width)")
         if self.moe_shared_expert_overlap and self.moe_token_dispatcher_type != "alltoall":
             out.append("--moe-shared-expert-overlap works only with --moe-token-dispatcher-type alltoall")
-        for flag, value in (("--moe-permute-fusion", self.moe_permute_fusion and not transformer_engine),
-                            ("--moe-router-fusion", self.moe_router_fusion)):
-            if value:
-                out.append(f"{flag} is a Transformer Engine GPU fusion megafab does not have; drop it "
-                           f"(the unfused path computes the same values)")
         if num_layers is not None:
             out += self._layer_freq_problems(num_layers)
         return out

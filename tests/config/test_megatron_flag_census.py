@@ -260,3 +260,15 @@ def test_the_entry_point_stops_on_a_refused_flag_with_exit_2_before_any_process_
     assert "--no-rope-freq: refused, this RoPE variant" in err
     assert "unrecognized" not in err
     assert not dist.is_initialized()
+
+
+def test_kernel_fusion_choices_are_accepted_and_announced_as_no_effect():
+    """Megatron's fused kernels that compute the unfused values: accepted, each announced once."""
+    moe = ["--num-experts", "4", "--moe-router-topk", "2"]
+    cfg = config_from_args(BASE + moe + ["--moe-router-fusion", "--moe-permute-fusion",
+                                         "--cross-entropy-fusion-impl", "te", "--fused-residual-rmsnorm"],
+                           world_size=1)
+    assert sorted(n.split(" (")[0] for n in cfg.no_effect) == [
+        "--cross-entropy-fusion-impl", "--fused-residual-rmsnorm", "--moe-permute-fusion",
+        "--moe-router-fusion"]
+    assert cfg.moe.moe_permute_fusion  # (TE's permutation with --transformer-impl transformer_engine)

@@ -30,7 +30,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # their fields, and the refused flags to the epilog's list; issue 37 appended multi-latent attention's
 # and YaRN's flags and took them off the refused list, then Megatron-FSDP's two gradient dtypes, then
 # --padded-vocab-size and --trust-remote-code, the Kimi-K2 bundle's; issue 38 appended --window-size,
-# --window-attn-skip-freq and --softmax-type and took them off the refused list).
+# --window-attn-skip-freq and --softmax-type and took them off the refused list; issue 39's HEAD census
+# appended HEAD's no-effect flags and --cross-entropy-fusion-impl (no longer refused), added HEAD's
+# refused flags to the epilog, and reworded --moe-permute-fusion / --moe-router-fusion, no longer refused).
 BEFORE = os.path.join(HERE, "help_before.json")
 BEFORE_TEXT = os.path.join(HERE, "help_before.txt")
 # The two parser defaults that now equal the schema's (both flags carry their own help text, so

@@ -151,10 +151,10 @@ def test_te_wrapped_deepseek_shape_equals_local_on_gpu():
 
 def test_moe_permute_fusion_runs_tes_fused_permutation(monkeypatch):
     """--moe-permute-fusion with Transformer Engine's layers: accepted, and the dispatcher permutes
-    through TE's moe_permute_with_probs / moe_unpermute (the stand-in's), same outputs and grads."""
+    through TE's moe_permute_with_probs / moe_unpermute (the stand-in's), same outputs and grads
+    (local layers accept it too and permute unfused: no effect, announced by the parser)."""
     record = fake_te.install(monkeypatch)
-    with pytest.raises(ValueError, match="--moe-permute-fusion is a Transformer Engine GPU fusion"):
-        tiny_config(num_experts=4, moe_router_topk=2, moe_permute_fusion=True)  # local layers
+    assert tiny_config(num_experts=4, moe_router_topk=2, moe_permute_fusion=True).moe.moe_permute_fusion
     cfg = tiny_config(num_experts=4, moe_router_topk=2, moe_permute_fusion=True, **TE)
     assert cfg.moe.moe_permute_fusion
     m, local, te_model = deepseek_models()

@@ -40,8 +40,6 @@ BROKEN = {
     "shared size": (dict(moe_shared_expert_intermediate_size=0), "must be positive"),
     "overlap with allgather": (dict(moe_shared_expert_intermediate_size=64, moe_shared_expert_overlap=True),
                                "--moe-shared-expert-overlap works only with --moe-token-dispatcher-type"),
-    "permute fusion": (dict(moe_permute_fusion=True),
-                   "--moe-permute-fusion is a Transformer Engine GPU fusion"),
     "pattern length": (dict(moe_layer_freq=(1, 0, 1)),
                    "--moe-layer-freq pattern has 3 entries for --num-layers 4"),
     "pattern values": (dict(moe_layer_freq=(1, 2, 1, 1)), "entries must be 0 (dense) or 1 (MoE)"),
@@ -67,6 +65,7 @@ def test_each_rule_has_one_line(rule):
          moe_token_dispatcher_type="alltoall", moe_layer_freq=(0, 1, 1, 1)),
     dict(num_experts=8, moe_router_load_balancing_type=("aux_loss", "seq_aux_loss"),
          moe_aux_loss_coeff=(1e-2, 1e-3)),
+    dict(num_experts=8, moe_permute_fusion=True),  # TE's kernel, or no effect with local layers
 ])
 def test_valid_settings_have_no_problems(settings):
     assert MoESettings(**settings).problems(num_layers=4, expert_parallel_size=4) == []
