@@ -155,7 +155,10 @@ def from_hf_config(c: dict) -> dict:
                 (c.get("first_k_dense_replace", 0) >= c["num_hidden_layers"], "first_k_dense_replace",
                  "a model with no MoE layer is not a DeepSeek-V3 mixture of experts"),
                 (not c.get("n_shared_experts"), "n_shared_experts",
-                 "megafab's DeepSeek-V3 layers have shared experts (--moe-shared-expert-intermediate-size)")]
+                 "megafab's DeepSeek-V3 layers have shared experts (--moe-shared-expert-intermediate-size)"),
+                (c.get("quantization_config") is not None, "quantization_config",
+                 "megafab imports unquantized weights (DeepSeek's own release stores FP8 blocks with "
+                 "weight_scale_inv); save_pretrained a dequantized (bf16) copy and import that")]
     for bad, field, rule in refusals:
         if bad:
             raise ConversionError(f"config.json {field} {c.get(field)!r}: {rule}; megafab cannot import this "

@@ -181,6 +181,7 @@ def test_mtp_exports_as_deepseek_layer_that_transformers_mtp_reads(tmp_path):
     ({"attention_bias": True}, "attention_bias True"),
     ({"num_key_value_heads": 2}, "num_key_value_heads 2"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
 ])
 def test_config_values_not_reproduced_are_refused_by_name(changes, field, tmp_path):
     hf_deepseek_v3().save_pretrained(tmp_path)
