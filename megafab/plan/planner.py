@@ -75,6 +75,7 @@ class StagePlan:
     activation_peak_bytes: int
     forward_saved_bytes: int = 0  # what one micro-batch's forward leaves saved for its backward
     host_bytes: int = 0  # optimizer CPU offload: main params, Adam state and copy buffers on the host
+    staging_bytes: int = 0  # --async-save's host staging (included in host_bytes)
     fsdp_held_bytes: int = 0  # FSDP2: the root's gathered weights and unsharded grads in backward
     fsdp_transient_bytes: int = 0  # FSDP2: the largest unsharded-gradient moment on top
     fsdp_moment: str = ""  # FSDP2: which moment fsdp_transient_bytes is
@@ -204,7 +205,8 @@ def plan(cfg, kernels: str = "flash", routing: str = "bound") -> list[StagePlan]
         moment = max(moments, key=moments.get)
         out.append(StagePlan(
             pp_rank=rank, params=params, weights_bytes=state.weights, grads_bytes=state.grads,
-            optimizer_bytes=state.optimizer, host_bytes=state.host, fsdp_held_bytes=state.fsdp_held,
+            optimizer_bytes=state.optimizer, host_bytes=state.host, staging_bytes=state.staging,
+            fsdp_held_bytes=state.fsdp_held,
             fsdp_transient_bytes=state.fsdp_transient, fsdp_moment=moment if p.fully_sharded else "",
             gather_transient_bytes=state.gather_transient,
             activation_bytes_per_micro_batch=vpp * (chunk_kept + transient) + embed + rotary + logits,
@@ -283,7 +285,9 @@ def format_plan(cfg, stages: list[StagePlan], mfu: float = 0.4, peak_tflops: flo
             + (f" (routed experts {st.expert_params / 1e6:.1f}M)" if st.expert_params else "")
             + f" | weights {st.weights_bytes / gib:.2f} GiB"
             f" | grads {st.grads_bytes / gib:.2f} GiB | optimizer {st.optimizer_bytes / gib:.2f} GiB"
-            + (f" (+ host {st.host_bytes / gib:.2f} GiB)" if st.host_bytes else "")
+            + (f" (+ host {st.host_bytes / gib:.2f} GiB"
+               + (f", of which async-save staging {st.staging_bytes / gib:.2f} GiB" if st.staging_bytes else "")
+               + ")" if st.host_bytes else "")
             + (f" | FSDP2 root gathered/unsharded {st.fsdp_held_bytes / gib:.2f} GiB,"
                f" unit/embedding grads {st.fsdp_transient_bytes / gib:.2f} GiB"
                if st.fsdp_held_bytes or st.fsdp_transient_bytes else "") +

@@ -7,11 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megafab.arguments import config_from_args
 from megafab.checkpoint import checkpointing
 from megafab.checkpoint.async_save import AsyncSaver
+from megafab.plan.planner import format_plan, plan
 from megafab.plan.state_memory import state_bytes
 from megafab.run.fork_ranks import run_ranks
 from tests.helpers.checkpoint import make_state, train
+from tests.helpers.flags import tiny_flags
 
 
 def _staged(rank, world, root, dist_opt, dtype):
@@ -44,3 +47,15 @@ def test_staged_bytes_are_the_planned_ones(tmp_path, dist_opt, dtype):
         assert planned > 0 and host >= planned
         assert abs(staged - planned) <= 0.01 * planned, (staged, planned)
         assert unchanged and reused and latest == 2
+
+
+def test_the_plan_states_the_staging_bytes():
+    """--dry-run's stage line names the async-save staging inside the host bytes (fp32: 4 + 8 bytes
+    per parameter on one rank); without --async-save there is none."""
+    base = tiny_flags(num_layers=2) + ["--micro-batch-size", "1", "--global-batch-size", "1", "--mock-data",
+                                       "--vocab-size", "64", "--lr", "1e-3", "--train-iters", "2", "--save", "s"]
+    for extra, want in ((["--async-save", "--use-persistent-ckpt-worker"], True), ([], False)):
+        cfg = config_from_args(base + extra, world_size=1)
+        stages = plan(cfg)
+        assert (stages[0].staging_bytes == 12 * stages[0].params) is want, stages[0].staging_bytes
+        assert ("async-save staging" in format_plan(cfg, stages)) is want
