@@ -286,7 +286,8 @@ def format_plan(cfg, stages: list[StagePlan], mfu: float = 0.4, peak_tflops: flo
             + f" | weights {st.weights_bytes / gib:.2f} GiB"
             f" | grads {st.grads_bytes / gib:.2f} GiB | optimizer {st.optimizer_bytes / gib:.2f} GiB"
             + (f" (+ host {st.host_bytes / gib:.2f} GiB"
-               + (f", of which async-save staging {st.staging_bytes / gib:.2f} GiB" if st.staging_bytes else "")
+               + (f", of which async-save staging {st.staging_bytes / gib:.2f} GiB"
+                  if st.staging_bytes else "")
                + ")" if st.host_bytes else "")
             + (f" | FSDP2 root gathered/unsharded {st.fsdp_held_bytes / gib:.2f} GiB,"
                f" unit/embedding grads {st.fsdp_transient_bytes / gib:.2f} GiB"

@@ -53,7 +53,8 @@ def test_the_plan_states_the_staging_bytes():
     """--dry-run's stage line names the async-save staging inside the host bytes (fp32: 4 + 8 bytes
     per parameter on one rank); without --async-save there is none."""
     base = tiny_flags(num_layers=2) + ["--micro-batch-size", "1", "--global-batch-size", "1", "--mock-data",
-                                       "--vocab-size", "64", "--lr", "1e-3", "--train-iters", "2", "--save", "s"]
+                                       "--vocab-size", "64", "--lr", "1e-3", "--train-iters", "2",
+                                       "--save", "s"]
     for extra, want in ((["--async-save", "--use-persistent-ckpt-worker"], True), ([], False)):
         cfg = config_from_args(base + extra, world_size=1)
         stages = plan(cfg)
