@@ -228,12 +228,14 @@ def test_import_runs_at_tp2_ep2_with_transformers_logits(tmp_path):
     print(f"TP 2 x EP 2 logits vs transformers: {max(errors):.1e}")
 
 
-def test_convert_cli_hf_to_legacy_tp2_ep2_and_back(tmp_path):
+def test_convert_cli_hf_to_legacy_tp2_ep2_and_back(tmp_path, capsys):
     """megafab-convert: HF -> legacy torch files at TP 2 x EP 2 -> HF: the files are split four ways,
-    load_model's logits equal transformers', and the final HF directory holds the original tensors."""
+    load_model's logits equal transformers', megafab-generate's greedy ids transformers.generate's,
+    and the final HF directory holds the original tensors."""
     import os
 
     from megafab.cli.convert import main as convert
+    from megafab.cli.generate import main as megafab_generate
     from megafab.inference.load import load_model
 
     hf = hf_deepseek_v3()
@@ -248,6 +250,15 @@ def test_convert_cli_hf_to_legacy_tp2_ep2_and_back(tmp_path):
     with torch.no_grad():
         want = hf(TOKENS).logits
     assert (megafab_logits(model, TOKENS, VOCAB) - want).abs().max().item() < 1e-5
+    prompt = TOKENS[1, :20].tolist()
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)[0, 20:].tolist()
+    capsys.readouterr()
+    assert megafab_generate(["--load", legacy, "--prompt", " ".join(map(str, prompt)), "--greedy",
+                             "--max-new-tokens", "8", "--eod", "-1", "--print-ids"]) == 0
+    ids = [line for line in capsys.readouterr().out.splitlines() if line.startswith("ids: ")][0]
+    assert [int(t) for t in ids[5:].split()] == theirs
     original, exported = (load_file(os.path.join(d, "model.safetensors")) for d in (tmp_path / "hf", back))
     assert original.keys() == exported.keys()
     assert all(torch.equal(original[k], exported[k]) for k in original)
