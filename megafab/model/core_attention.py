@@ -55,7 +55,7 @@ def window_attention_problems(m, p) -> list[str]:
         out.append("--window-attn-skip-freq needs --window-size (it chooses which layers are windowed)")
     if isinstance(freq, int) and freq < 1:
         out.append(f"--window-attn-skip-freq {freq} must be at least 1")
-    if isinstance(freq, tuple) and m.num_layers and len(freq) != m.num_layers:
+    if isinstance(freq, (tuple, list)) and m.num_layers and len(freq) != m.num_layers:
         out.append(f"--window-attn-skip-freq pattern has {len(freq)} entries for --num-layers "
                    f"{m.num_layers}; give one 0/1 per layer")
     windowed = m.window_size is not None and m.window_size[0] >= 0
