@@ -131,7 +131,7 @@ def read_hf_config(hf_dir: str) -> dict:
 
 def import_hf(hf_dir: str, tp: int = 1, make_vocab_size_divisible_by: int = 128,
               dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], Config]:
-    """(full megafab state dict, Config) of a HF GPT-2/Llama/Qwen2/Qwen3/Mixtral/Qwen3-MoE directory. The
+    """(full megafab state dict, Config) of a HF directory of one of ARCHITECTURES' model types. The
     vocabulary is padded for tensor-parallel size `tp` as training with --make-vocab-size-divisible-by
     will pad it; the tokenizer directory is recorded as HuggingFaceTokenizer when it has tokenizer files."""
     c = read_hf_config(hf_dir)
