@@ -26,6 +26,11 @@ MOE = dict(num_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=40,
            moe_shared_expert_intermediate_size=24, moe_shared_expert_gate=True,
            moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none",
            moe_aux_loss_coeff=0.0)
+# gpt-oss's MLP instead (megafab_config / megatron_args overrides): clamped quick-GEGLU with the +1
+# offset (the clamp bites at these weights), biases on every linear and the router, no shared expert
+# (megatron-core's shared experts take no bias)
+GPT_OSS = dict(swiglu=False, quick_geglu=True, activation_func_clamp_value=0.3, glu_linear_offset=1.0,
+               add_bias_linear=True, moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False)
 
 
 def megafab_config(**moe) -> Config:
@@ -45,22 +50,26 @@ def megatron_moe_ranks(ep: int):
         yield
 
 
-def gpt_model(seed: int = 7):
-    """This rank's megatron-core MoE GPTModel; every rank draws the same full weights (CPU init
-    from one seed) and keeps its experts."""
+def gpt_model(seed: int = 7, gpt_oss: bool = False):
+    """This rank's megatron-core MoE GPTModel (gpt_oss: GPT_OSS's MLP); every rank draws the same
+    full weights (CPU init from one seed) and keeps its experts."""
     from megatron.core import parallel_state as ps
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    m = {**MODEL}
+    m = {**MODEL, **MOE, **(GPT_OSS if gpt_oss else {})}
+    mlp = dict(activation_func=quick_gelu, activation_func_clamp_value=m["activation_func_clamp_value"],
+               glu_linear_offset=m["glu_linear_offset"]) if gpt_oss else dict(activation_func=F.silu)
     config = TransformerConfig(
         num_layers=LAYERS, hidden_size=m["hidden_size"], ffn_hidden_size=m["ffn_hidden_size"],
         num_attention_heads=m["num_attention_heads"], kv_channels=m["kv_channels"], normalization="RMSNorm",
-        layernorm_epsilon=m["norm_epsilon"], gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
-        qk_layernorm=True, num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=40,
-        moe_shared_expert_intermediate_size=24, moe_shared_expert_gate=True,
+        layernorm_epsilon=m["norm_epsilon"], gated_linear_unit=True, **mlp,
+        add_bias_linear=m["add_bias_linear"], hidden_dropout=0.0, attention_dropout=0.0,
+        use_cpu_initialization=True, qk_layernorm=True, num_moe_experts=EXPERTS, moe_router_topk=TOPK,
+        moe_ffn_hidden_size=40, moe_shared_expert_intermediate_size=m["moe_shared_expert_intermediate_size"],
+        moe_shared_expert_gate=m["moe_shared_expert_gate"],
         moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         expert_model_parallel_size=ps.get_expert_model_parallel_world_size())
