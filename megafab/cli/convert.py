@@ -25,6 +25,7 @@ from megafab.config import Config
 from megafab.convert import export_hf, import_hf, read_checkpoint, write_checkpoint
 from megafab.convert.checkpoint import open_checkpoint, target_config
 from megafab.convert.hf_dir import ARCHITECTURES, read_hf_config
+from megafab.convert.model_flags import write_model_flags
 from megafab.convert.state_dict import finalize_model_config
 from megafab.run.report import exit_status
 
@@ -116,11 +117,12 @@ def convert(args) -> str:
         return f"converted {what} to HF {arch} in {args.save_dir}"
     path = write_checkpoint(args.save_dir, sd, cfg, ckpt_format=args.saver, tp=tp, pp=pp, ep=ep)
     target = target_config(cfg, tp, pp, ep)  # what write_checkpoint recorded
+    flags = write_model_flags(target, args.save_dir, args.hf_dir or args.load_dir)
     p = target.parallel
     return (f"converted {what} ({sum(t.numel() for t in sd.values()):,} parameters, vocabulary "
             f"{target.model.vocab_size} padded to {target.model.padded_vocab_size}) to {args.saver} for TP "
             f"{p.tensor_model_parallel_size} x PP {p.pipeline_model_parallel_size} in {path}; continue with "
-            f"pretrain_gpt.py --load {args.save_dir} --finetune")
+            f"pretrain_gpt.py --config {flags} --load {args.save_dir} --finetune")
 
 
 def main(argv=None) -> int:

@@ -259,6 +259,8 @@ def _build_encoder(spec: TokenizerSpec, vocab_size: int, eod: int, note) -> Enco
         )
     except ImportError:
         fast, reason = None, "gigatoken is not installed (pip install gigatoken, or pip install -e '.[data]')"
+    except (RuntimeError, ValueError) as e:  # e.g. a BPE that is not byte-level: gigatoken cannot load it
+        fast, reason = None, f"gigatoken cannot load this tokenizer ({str(e).splitlines()[0]})"
     if fast is not None and not _agrees(fast, reference):
         fast, reason = None, "gigatoken's ids differ from the reference tokenizer's on the probe texts"
     if fast is None:
