@@ -3,8 +3,9 @@ kernels (fused_attention.py) are tested against, and the kernel wherever none of
 (attention dropout, float64 on CUDA, devices without a flash kernel).
 
 A block is either full (every query sees every key) or causal: square, query i sees key j iff
-j <= i (the fused kernels' top-left convention). The forward also returns each query row's
-log-sum-exp, so partial results over disjoint key blocks merge exactly (LseMerge):
+j <= i (the fused kernels' top-left convention; with ReferenceKernel's sliding `window` also
+j >= i - window). The forward also returns each query row's log-sum-exp, so partial results over
+disjoint key blocks merge exactly (LseMerge):
 
     lse = log(exp(lse_1) + exp(lse_2)),   out = exp(lse_1 - lse) * out_1 + exp(lse_2 - lse) * out_2
 
@@ -48,36 +49,43 @@ def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x.unflatten(1, (groups, -1))
 
 
-def _tiles(q_shape, sk: int, causal: bool):
+def _tiles(q_shape, sk: int, causal: bool, window: int | None = None):
     """(tile index, query rows, visible keys, first masked key offset or None) over tiles of query
-    rows; under a causal block keys after a tile's last query are never computed."""
+    rows; under a causal block keys after a tile's last query (and, with a window, keys more than
+    `window` before its first query) are never computed."""
     b, h, sq, _ = q_shape
     assert not causal or sq == sk, "a causal block is square"
+    assert window is None or causal, "a window applies to causal blocks"
     rows = max(1, TILE_ELEMENTS // max(1, b * h * sk))
     for tile, start in enumerate(range(0, sq, rows)):
         end = min(start + rows, sq)
-        yield tile, slice(start, end), slice(0, end if causal else sk), start if causal else None
+        first = 0 if window is None else max(0, start - window)
+        yield tile, slice(start, end), slice(first, end if causal else sk), start if causal else None
 
 
-def _probabilities(q_tile, k, scale, mask_from: int | None, lse_tile=None):
+def _probabilities(q_tile, k, scale, mask_from: int | None, lse_tile=None, keys_from: int = 0,
+                   window: int | None = None):
     """exp(q k^T * scale - lse) [b, g, hpg, t, sk], 0 above the causal diagonal (row i of the tile
-    is query mask_from + i); with lse_tile None the tile's own log-sum-exp is computed too."""
+    is query mask_from + i, column j key keys_from + j) and, with a window, more than `window` keys
+    back; with lse_tile None the tile's own log-sum-exp is computed too."""
     s = torch.matmul(q_tile, k.unsqueeze(2).transpose(-1, -2)).mul_(scale)
     if mask_from is not None:
         t, sk = s.shape[-2:]
-        future = torch.ones(t, sk, dtype=torch.bool, device=s.device).triu_(mask_from + 1)
-        s.masked_fill_(future, float("-inf"))
+        distance = (torch.arange(mask_from, mask_from + t, device=s.device)[:, None]
+                    - torch.arange(keys_from, keys_from + sk, device=s.device)[None, :])
+        masked = distance < 0 if window is None else (distance < 0) | (distance > window)
+        s.masked_fill_(masked, float("-inf"))
     if lse_tile is None:
         lse_tile = torch.logsumexp(s, dim=-1)
     return s.sub_(lse_tile[..., None]).exp_(), lse_tile
 
 
 class ReferenceKernel:
-    """Block forward/backward in plain PyTorch, with optional BlockDropout (same interface as
-    fused_attention's kernels; `aux` is unused)."""
+    """Block forward/backward in plain PyTorch, with optional BlockDropout and a sliding window on
+    causal blocks (same interface as fused_attention's kernels; `aux` is unused)."""
 
-    def __init__(self, dropout: BlockDropout | None = None):
-        self.dropout = dropout
+    def __init__(self, dropout: BlockDropout | None = None, window: int | None = None):
+        self.dropout, self.window = dropout, window
 
     def forward(self, q, k, v, causal: bool, scale: float, block_id: int = 0):
         """(out [b, heads, sq, d], lse [b, heads, sq], aux) in the compute dtype."""
@@ -87,8 +95,9 @@ class ReferenceKernel:
         qg = _grouped(q, g)
         out = q.new_empty(qg.shape, dtype=acc)
         lse = q.new_empty(qg.shape[:-1], dtype=acc)
-        for tile, rows, keys, mask_from in _tiles(q.shape, k.shape[2], causal):
-            p, lse[..., rows] = _probabilities(qg[..., rows, :].to(acc), k[:, :, keys], scale, mask_from)
+        for tile, rows, keys, mask_from in _tiles(q.shape, k.shape[2], causal, self.window):
+            p, lse[..., rows] = _probabilities(qg[..., rows, :].to(acc), k[:, :, keys], scale, mask_from,
+                                               keys_from=keys.start, window=self.window)
             if self.dropout is not None:
                 p.mul_(self.dropout.keep(block_id, tile, p.shape, p.device)).div_(1.0 - self.dropout.p)
             out[..., rows, :] = torch.matmul(p, v[:, :, keys].unsqueeze(2))
@@ -111,10 +120,10 @@ class ReferenceKernel:
         lse = _grouped(lse, g)
         dq = q.new_empty(qg.shape, dtype=acc)
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-        for tile, rows, keys, mask_from in _tiles(q.shape, k.shape[2], causal):
+        for tile, rows, keys, mask_from in _tiles(q.shape, k.shape[2], causal, self.window):
             q_tile, dout_tile = qg[..., rows, :].to(acc), dout[..., rows, :]
             k_tile, v_tile = k[:, :, keys], v[:, :, keys]
-            p, _ = _probabilities(q_tile, k_tile, scale, mask_from, lse[..., rows])
+            p, _ = _probabilities(q_tile, k_tile, scale, mask_from, lse[..., rows], keys.start, self.window)
             dp = torch.matmul(dout_tile, v_tile.unsqueeze(2).transpose(-1, -2))  # [b, g, hpg, t, sk]
             if self.dropout is not None:
                 keep = self.dropout.keep(block_id, tile, p.shape, p.device).to(acc).div_(1.0 - self.dropout.p)

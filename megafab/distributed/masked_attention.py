@@ -12,8 +12,8 @@ Given plain attention's output `out` and log-sum-exp `lse` the sink rescales it 
     lse' = log(exp(lse) + exp(sink)),   out' = out * exp(lse - lse') = out * sigmoid(lse - sink),
 
 and a flash backward run from (out', lse') is the sink attention's backward: the sink acts as one
-more key whose value is zero (apply_sink, sink_grad). Shapes: q [b, heads, sq, d], k and v
-[b, groups, sk, d] (GQA: query head = group * hpg + j), sink [heads].
+more key whose value is zero (apply_sink, sink_grad; sink_attention keeps flash's saved set). Shapes:
+q [b, heads, sq, d], k and v [b, groups, sk, d] (GQA: query head = group * hpg + j), sink [heads].
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megafab.distributed.blockwise_attention import compute_dtype
+from megafab.distributed.blockwise_attention import BlockDropout, ReferenceKernel, compute_dtype
+from megafab.distributed.fused_attention import block_kernel
 
 
 def window_mask(q_positions: torch.Tensor, k_positions: torch.Tensor, left: int | None) -> torch.Tensor:
@@ -84,3 +85,36 @@ def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: to
     times its (zero) value's dp minus delta = rowsum(dout * out'), summed over batch and rows."""
     delta = (dout.to(out.dtype) * out).sum(-1)  # [b, heads, s]
     return -(torch.exp(sink.to(lse.dtype)[None, :, None] - lse) * delta).sum((0, 2)).to(sink.dtype)
+
+
+class _SinkAttention(torch.autograd.Function):
+    """Causal attention of a whole sequence with a sink (and a window): one block on the fused kernel
+    (the reference kernel for a window or dropout), rescaled by the sink; saves q, k, v, out', lse'."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sink, window, dropout_p: float, seed: int, scale: float):
+        if window is None and dropout_p == 0:
+            ctx.kernel = block_kernel(q)
+        else:
+            ctx.kernel = ReferenceKernel(BlockDropout(dropout_p, seed) if dropout_p > 0 else None, window)
+        out, lse, ctx.aux = ctx.kernel.forward(q, k, v, True, scale)
+        apply_sink(out, lse, sink.detach())
+        ctx.scale, out = scale, out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, sink = ctx.saved_tensors
+        dq, dk, dv = ctx.kernel.backward(dout, q, k, v, out, lse, True, ctx.scale, 0, ctx.aux)
+        dsink = sink_grad(dout, out, lse, sink) if ctx.needs_input_grad[3] else None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsink, None, None, None, None
+
+
+def sink_attention(q, k, v, sink: torch.Tensor, window: int | None = None, dropout_p: float = 0.0,
+                   seed: int = 0, scale: float | None = None) -> torch.Tensor:
+    """attention(q, k, v, window_mask(window), sink) of a whole causal sequence (sq == sk) without
+    its [sq, sk] probabilities: what flash attention saves, tiles of query rows transient. Dropout
+    masks come from `seed` (blockwise_attention.BlockDropout)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _SinkAttention.apply(q, k, v, sink, window, dropout_p, seed, scale)

@@ -6,7 +6,9 @@ Which layers are windowed is megatron-core's is_layer_window_attention with its 
 numbers: freq N windows every layer but N, 2N, ...; a pattern windows layer n (1-based) where its
 n-th entry is 1. A learnable sink is one logit per head, `core_attention.softmax_offset` [heads/tp]
 (megatron-core's name), drawn normal(0, --init-method-std) as megatron-core's init_method draws it
-(the full [heads] tensor from its name's seed, each TP rank keeping its heads).
+(the full [heads] tensor from its name's seed, each TP rank keeping its heads). A whole sequence
+with sinks runs masked_attention.sink_attention (flash's saved set, no [s, s] probabilities);
+document masks and KV-cache steps the explicit softmax, windows without sinks SDPA with the mask.
 
 Megatron's local DotProductAttention replaces the --reset-attention-mask document mask by the
 window mask on windowed layers; here the two combine (a key must be in the same document and in the
@@ -23,7 +25,12 @@ from torch import nn
 from megafab.distributed.context_parallel import context_parallel_attention
 from megafab.distributed.layers import partition_of
 from megafab.distributed.mappings import group_rank, group_size
-from megafab.distributed.masked_attention import attention, bottom_right_positions, window_mask
+from megafab.distributed.masked_attention import (
+    attention,
+    bottom_right_positions,
+    sink_attention,
+    window_mask,
+)
 from megafab.distributed.random import host_seed
 from megafab.model.attention_backend import sdpa_context
 from megafab.model.init import normal_init
@@ -111,6 +118,10 @@ class CoreAttention(nn.Module):
                 seed = host_seed(self.ctx.rng_tracker) if dropout > 0 else None
                 return context_parallel_attention(q, k, v, self.ctx.cp_group, self.ctx.cp_comm_type, dropout,
                                                   seed, window=self.window, sink=sink)
+            if sink is not None and attention_mask is None and q.shape[2] == k.shape[2]:
+                # a whole causal sequence: flash's saved set, not the [s, s] probabilities
+                seed = host_seed(self.ctx.rng_tracker) if dropout > 0 else 0
+                return sink_attention(q, k, v, sink, self.window, dropout, seed)
             masked = attention_mask
             if self.window is not None:
                 local = window_mask(*bottom_right_positions(q.shape[2], k.shape[2], q.device), self.window)
