@@ -43,3 +43,26 @@ def script_flags(path: str, env: dict[str, str]) -> list[str]:
     out = subprocess.run(["bash", "-c", body], capture_output=True, text=True, check=True, timeout=30,
                          env={**os.environ, **env})
     return out.stdout.split()
+
+
+def launch_script_flags(path: str, script_args: list[str], workdir: str) -> tuple[list[str], list[str]]:
+    """A script that launches `python -m torch.distributed.run ... pretrain_gpt.py ARGS` itself
+    (examples/gptoss/02_train.sh), run by bash in `workdir` (given the pretrain_gpt.py it looks for)
+    with its own `script_args` and a `python` on PATH that prints its arguments instead of running:
+    (torch.distributed.run's arguments, pretrain_gpt.py's), as bash expands them."""
+    import os
+    import stat
+    import subprocess
+
+    shim = os.path.join(workdir, "bin")
+    os.makedirs(shim, exist_ok=True)
+    with open(os.path.join(shim, "python"), "w") as f:
+        f.write('#!/bin/bash\nprintf "%s\\n" "$@"\n')
+    os.chmod(os.path.join(shim, "python"), stat.S_IRWXU)
+    open(os.path.join(workdir, "pretrain_gpt.py"), "w").close()
+    out = subprocess.run(["bash", path, *script_args], capture_output=True, text=True, check=True, timeout=30,
+                         cwd=workdir, env={**os.environ, "PATH": f"{shim}:{os.environ['PATH']}"})
+    words = out.stdout.split("\n")
+    start = words.index("torch.distributed.run")
+    split = words.index("pretrain_gpt.py")
+    return words[start + 1:split], [w for w in words[split + 1:] if w]
