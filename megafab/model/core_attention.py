@@ -77,8 +77,8 @@ def window_attention_problems(m, p) -> list[str]:
                        f"numbers MTP layers past --num-layers); drop one")
     if windowed and p.context_parallel_size > 1 and p.cp_comm_type == "p2p":
         out.append(f"--window-size with --context-parallel-size {p.context_parallel_size} and --cp-comm-type "
-                   f"p2p: the K/V ring's blocks are causal or full, not banded (Transformer Engine too "
-                   f"restricts sliding windows under CP); use --cp-comm-type allgather or a2a")
+                   f"p2p: megafab's K/V ring has causal or full blocks, not banded ones; use --cp-comm-type "
+                   f"allgather or a2a")
     return out
 
 
