@@ -168,6 +168,21 @@ def _take_values(argv: list[str], i: int, nargs: int | str | None = "*") -> int:
     return j
 
 
+# One-value flags whose value a launch script's unquoted array expansion splits into words, as
+# Megatron-LM HEAD's examples/gpt3/train_gpt3_175b_distributed.sh does its "0:16 2.4B:320 ..." (which
+# Megatron's own parser then rejects): the words up to the next flag are the value, joined by spaces.
+JOINED_VALUES = ("--step-batch-size-schedule",)
+
+
+def join_split_values(argv: list[str]) -> list[str]:
+    out, i = [], 0
+    while i < len(argv):
+        end = _take_values(argv, i) if argv[i] in JOINED_VALUES else i + 1
+        out += [argv[i]] + ([" ".join(argv[i + 1:end])] if end > i + 1 else [])
+        i = end
+    return out
+
+
 def split_refused(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
     """(argv without refused flags, one problem per refused flag, "--flag value (why)" per refused
     flag given a value that is accepted without effect). A refused flag takes the values Megatron's
@@ -346,7 +361,7 @@ def config_from_args(argv: list[str] | None = None, world_size: int | None = Non
     problems += file_problems
     flag_defaults = {dest: parser.get_default(dest) for dest in file_values}
     parser.set_defaults(**file_values)
-    kept, refused, refused_notes = split_refused(argv)
+    kept, refused, refused_notes = split_refused(join_split_values(argv))
     problems += refused
     args, extras, parse_problems, broken = _parse_collecting(parser, kept)
     problems += parse_problems

@@ -98,9 +98,6 @@ REFUSED: dict[str, Refused] = {
     "--pipeline-model-parallel-layout": Refused(
         f"custom pipeline layouts are {NOT_YET}; use --decoder-first/last-pipeline-num-layers or "
         f"--account-for-embedding/loss-in-pipeline-split"),
-    "--step-batch-size-schedule": Refused(
-        "this is Megatron-LM after core 0.16 (its replacement of --rampup-batch-size); megafab follows "
-        "0.16.1: use --rampup-batch-size START INCREMENT SAMPLES"),
     "--cpu-offloading": Refused(f"activation CPU offloading is {NOT_YET}"),
     "--recompute-activations-offload": Refused(f"activation CPU offloading is {NOT_YET}"),
     "--delay-wgrad-compute": Refused(f"delayed weight-gradient computation is {NOT_YET}"),
@@ -339,9 +336,8 @@ _values(head_flags.VALUED)
 REFUSED_VALUES: dict[str, dict[str, str]] = head_flags.refused_values(sys.modules[__name__])
 
 # The valued flags of REFUSED's entries above (the families' specs name their own). Flags of other Megatron-LM
-# versions than 0.16.1: --retro-project-dir (older) takes one value; --step-batch-size-schedule (after
-# 0.16) takes whatever follows it up to the next flag, as a schedule split into words.
-_values("--retro-project-dir V --step-batch-size-schedule V*")
+# versions than 0.16.1: --retro-project-dir (older) takes one value.
+_values("--retro-project-dir V")
 _values("""--hierarchical-context-parallel-sizes V+ --moe-upcycling-granularity V
     --moe-flex-dispatcher-backend V --moe-deepep-num-sms V --moe-hybridep-num-sms V --moe-latent-size V
     --num-distributed-optimizer-instances V --spec V* --encoder-num-layers V

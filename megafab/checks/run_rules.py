@@ -4,6 +4,7 @@ values; each broken rule is one line."""
 from __future__ import annotations
 
 from megafab.checks.rules import required
+from megafab.config.batch_schedule import parse_step_schedule
 from megafab.config.schema import CKPT_FORMATS
 from megafab.data.blend_spec import parse_blend, parse_split
 from megafab.data.errors import DataError
@@ -47,8 +48,72 @@ def training_problems(cfg) -> list[str]:
     if t.manual_gc_interval < 0:
         out.append(f"--manual-gc-interval {t.manual_gc_interval} must be 0 (off) or positive")
     out += rampup_problems(cfg)
+    out += step_schedule_problems(cfg)
+    out += eval_batch_problems(cfg)
     out += profile_problems(cfg)
     return out
+
+
+def step_schedule_problems(cfg) -> list[str]:
+    """--step-batch-size-schedule: its own rules (config/batch_schedule.py), then with the layout.
+    Megatron checks each step's batch against micro batch x dp when the step runs; a run without
+    --load must fit all of them, a resumed one the batches after the first that fits (those before
+    may lie behind it, with more DP ranks now; training/batch_size.py checks the resumed batch)."""
+    t, p = cfg.training, cfg.parallel
+    if t.step_batch_size_schedule is None:
+        return []
+    flag = f"--step-batch-size-schedule {t.step_batch_size_schedule!r}"
+    try:
+        schedule = parse_step_schedule(t.step_batch_size_schedule, cfg.model.seq_length)
+    except ValueError as e:
+        return [f"{flag}: {e}"]
+    out, final = [], schedule[-1][1]
+    if t.rampup_batch_size is not None:
+        out.append(f"{flag} and --rampup-batch-size are two batch-size ramps; give one (Megatron-LM HEAD "
+                   f"ignores --rampup-batch-size)")
+    step = (t.micro_batch_size or 0) * (p.data_parallel_size or 0)
+    gbs = t.global_batch_size
+    if gbs not in (None, final, step):
+        out.append(f"--global-batch-size {gbs} with {flag}: the schedule sets each step's batch (Megatron-LM "
+                   f"refuses both flags); drop --global-batch-size, or give the schedule's last, {final}")
+    if t.train_iters is not None and gbs != final:
+        out.append(f"{flag} with --train-iters: the LR schedule's and the dataset's lengths count "
+                   f"iterations of --global-batch-size samples, here micro batch x dp = {gbs}, not the "
+                   f"schedule's batches; give --train-samples (and --lr-*-samples), or --global-batch-size "
+                   f"{final}")
+    if not step:
+        return out
+    batches = [b for _, b in schedule]
+    fits = [b % step == 0 for b in batches]
+    first = fits.index(True) if any(fits) and cfg.checkpoint.load else 0
+    broken = [b for b, ok in zip(batches[first:], fits[first:]) if not ok]
+    if broken:
+        out.append(f"{flag}: batch {broken[0]} is not divisible by --micro-batch-size x data-parallel size "
+                   f"= {step}; every step is whole micro-batches on each rank")
+    pp = p.pipeline_model_parallel_size
+    if (p.virtual_pipeline_model_parallel_size or 1) > 1 and any((b // step) % pp for b in batches[first:]):
+        out.append(f"{flag}: with the interleaved schedule every batch's micro-batch count must be a "
+                   f"multiple of --pipeline-model-parallel-size {pp}")
+    return out
+
+
+def eval_batch_problems(cfg) -> list[str]:
+    """--eval-micro-batch-size / --eval-global-batch-size (Megatron HEAD's validate_args)."""
+    t, p = cfg.training, cfg.parallel
+    micro, gbs, dp = t.eval_micro_batch_size, t.eval_global_batch_size, p.data_parallel_size or 0
+    bad = [f"--eval-{n}-batch-size {v} must be positive" for n, v in (("micro", micro), ("global", gbs))
+           if v is not None and v <= 0]
+    if bad or not (micro and gbs and dp):
+        return bad
+    if gbs % (micro * dp):
+        return [f"--eval-global-batch-size {gbs} is not divisible by --eval-micro-batch-size {micro} x "
+                f"data-parallel size {dp} = {micro * dp}; use a multiple of {micro * dp}"]
+    pp = p.pipeline_model_parallel_size
+    if (p.virtual_pipeline_model_parallel_size or 1) > 1 and (gbs // (micro * dp)) % pp:
+        return [f"the interleaved schedule needs the evaluation's micro-batches ({gbs // (micro * dp)} = "
+                f"eval global batch / (eval micro batch x dp)) to be a multiple of "
+                f"--pipeline-model-parallel-size {pp}"]
+    return []
 
 
 def rampup_problems(cfg) -> list[str]:

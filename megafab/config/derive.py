@@ -8,6 +8,7 @@ grid's sizes (DP, ETP's default) are megafab.layout's, read from there.
 
 from __future__ import annotations
 
+from megafab.config.batch_schedule import final_scheduled_batch
 from megafab.layout import data_parallel_size, expert_tensor_parallel_size
 
 # --cp-comm-type spellings -> the name megafab uses (Megatron says allgather).
@@ -138,8 +139,13 @@ def derive(cfg, world_size: int) -> None:
     if t.global_batch_size is None and t.micro_batch_size and dp:
         t.global_batch_size = t.micro_batch_size * dp
     per_step = (t.micro_batch_size or 0) * (dp or 0)
-    if t.global_batch_size and per_step and t.global_batch_size % per_step == 0:
-        t.num_micro_batches = t.global_batch_size // per_step
+    steady = final_scheduled_batch(t.step_batch_size_schedule, m.seq_length) or t.global_batch_size
+    if steady and per_step and steady % per_step == 0:  # (a schedule's: its last batch, Megatron's too)
+        t.num_micro_batches = steady // per_step
+    if t.eval_global_batch_size is None:  # Megatron HEAD's validate_args
+        t.eval_global_batch_size = t.global_batch_size
+    if t.eval_micro_batch_size is None:
+        t.eval_micro_batch_size = t.micro_batch_size
     if o.lr_decay_iters is None and o.lr_decay_samples is None:
         o.lr_decay_iters, o.lr_decay_samples = t.train_iters, t.train_samples
     if d.tokenizer_type is None and d.vocab_file and d.merge_file:

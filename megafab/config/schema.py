@@ -178,6 +178,12 @@ class TrainingConfig(Section):
     train_iters: int | None = option(None, help="Optimizer steps to train.")
     train_samples: int | None = option(None, help="Samples to train (alternative to train_iters).")
     eval_iters: int = option(100, help="Batches per evaluation.")
+    eval_micro_batch_size: int | None = option(
+        None, help="Micro batch size to use during evaluation (samples per micro-batch per data-parallel "
+                   "rank); default --micro-batch-size.")
+    eval_global_batch_size: int | None = option(
+        None, help="Global batch size to use during evaluation (samples per evaluation batch); default "
+                   "--global-batch-size. Must be divisible by eval micro batch size x data-parallel size.")
     eval_interval: int = option(1000, help="Evaluate every this many iterations.")
     skip_train: bool = option(False, help="Only evaluate.")
     exit_interval: int | None = option(None, help="Exit after an iteration divisible by this.")
@@ -190,6 +196,11 @@ class TrainingConfig(Section):
         flag_help="START INCREMENT SAMPLES",
         help="START INCREMENT SAMPLES: the global batch starts at START and grows by INCREMENT in equal "
              "steps over SAMPLES consumed samples up to --global-batch-size (needs --train-samples).")
+    step_batch_size_schedule: str | None = option(
+        None,
+        help='Step-wise global batch size by consumed tokens, "THRESHOLD:BS THRESHOLD:BS ..." (thresholds in '
+             'tokens with an optional K, M, B or T suffix, the first 0), e.g. "0:768 250B:1536 500B:3072"; '
+             'instead of --rampup-batch-size (megafab/config/batch_schedule.py).')
     calculate_per_token_loss: bool = option(
         False,
         help="Average the loss over every token of the global batch (sum of losses / number of tokens over"

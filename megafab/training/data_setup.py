@@ -18,13 +18,12 @@ def attach_tokenizer(cfg):
 
 
 def sample_counts(cfg, train_iters: int) -> tuple[int, int, int]:
-    """Megatron's: train = iters * gbs; valid = (iters // eval_interval + 1) * eval_iters * gbs;
-    test = eval_iters * gbs."""
+    """Megatron's: train = iters * gbs; valid = (iters // eval_interval + 1) * eval_iters * eval gbs;
+    test = eval_iters * eval gbs (--eval-global-batch-size, default --global-batch-size)."""
     t = cfg.training
-    gbs = t.global_batch_size
-    train = t.train_samples or train_iters * gbs
-    valid = (train_iters // t.eval_interval + 1) * t.eval_iters * gbs
-    return train, valid, t.eval_iters * gbs
+    train = t.train_samples or train_iters * t.global_batch_size
+    valid = (train_iters // t.eval_interval + 1) * t.eval_iters * t.eval_global_batch_size
+    return train, valid, t.eval_iters * t.eval_global_batch_size
 
 
 def build_datasets(cfg, topo, tokenizer=None) -> list:
@@ -54,5 +53,6 @@ def build_data_iterators(cfg, topo, consumed_train_samples: int, tokenizer=None,
     # Validation restarts from its first batch once a resumed run has evaluated on all of it.
     valid = consumed_valid_samples % len(datasets[1]) if datasets[1] is not None and len(datasets[1]) else 0
     consumed = [consumed_train_samples, valid, 0]
-    return tuple(build_data_iterator(ds, consumed[i], t.micro_batch_size, topo.dp_rank, topo.dp,
+    micro = [t.micro_batch_size, t.eval_micro_batch_size, t.eval_micro_batch_size]  # Megatron HEAD's loaders
+    return tuple(build_data_iterator(ds, consumed[i], micro[i], topo.dp_rank, topo.dp,
                                      num_workers=d.num_workers) for i, ds in enumerate(datasets))

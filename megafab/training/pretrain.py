@@ -12,7 +12,7 @@ from megafab.checkpoint import checkpointing, non_persistent
 from megafab.run.faults import FaultWatch
 from megafab.run.launch import restart_count
 from megafab.run.signals import SigtermFlag
-from megafab.training.batch_size import train_iterations
+from megafab.training.batch_size import batch_problem_at, num_micro_batches_at, train_iterations
 from megafab.training.build import (
     TrainState,
     build_model,
@@ -66,6 +66,8 @@ def setup(cfg, topo, tracker) -> TrainState:
     state = TrainState(cfg, topo, tracker, model, optimizer, scheduler)
     if cfg.checkpoint.load or cfg.checkpoint.pretrained_checkpoint:
         checkpointing.load_checkpoint(state)
+    if (problem := batch_problem_at(cfg, state.consumed_train_samples)) is not None:
+        raise problem
     return state
 
 
@@ -94,9 +96,14 @@ def train(state: TrainState, iterators, log: TrainingLog, gc_control: ManualGC,
     profiler = StepProfiler(cfg, topo.rank, topo.device)
     saves = CheckpointCadence(state, watch, record=log.record)
     start = time.time()
+    micro_batches = num_micro_batches_at(cfg, state.consumed_train_samples)
     try:
         while state.iteration < total:
             saves.at_iteration_start()
+            # Megatron saves a checkpoint where a batch-size ramp changes the number of micro-batches
+            previous, micro_batches = micro_batches, num_micro_batches_at(cfg, state.consumed_train_samples)
+            if micro_batches != previous and cfg.checkpoint.save and not saves.saved_now():
+                saves.save()
             profiler.before_step(state.iteration)
             if watch is not None:
                 watch.where = f"iteration {state.iteration + 1}"

@@ -93,9 +93,10 @@ def global_batch_tokens(batches: list, topo) -> float:
 
 
 def run_schedule(state, data_iterator, forward_only: bool, num_micro_batches: int | None = None,
-                 timers=None) -> list:
+                 timers=None, micro_batch_size: int | None = None) -> list:
     """One forward(-backward) pass over a global batch of num_micro_batches (default: the config's;
-    fewer while --rampup-batch-size ramps up). timers: megafab.timers.Timers (or None)."""
+    fewer while a batch-size ramp ramps up) of micro_batch_size samples (default: the config's; the
+    evaluation's own). timers: megafab.timers.Timers (or None)."""
     cfg, topo = state.cfg, state.topology
     p, t, m = cfg.parallel, cfg.training, cfg.model
     num_micro_batches = num_micro_batches or t.num_micro_batches
@@ -135,7 +136,8 @@ def run_schedule(state, data_iterator, forward_only: bool, num_micro_batches: in
     return schedule(
         forward_step_func=forward_step, data_iterator=iterators,
         model=state.model if vpp > 1 else state.model[0], num_microbatches=num_micro_batches,
-        seq_length=m.seq_length // topo.cp, micro_batch_size=t.micro_batch_size, hidden_size=m.hidden_size,
+        seq_length=m.seq_length // topo.cp, micro_batch_size=micro_batch_size or t.micro_batch_size,
+        hidden_size=m.hidden_size,
         topology=topo, dtype=compute_dtype(state.model[0]), forward_only=forward_only,
         sequence_parallel=p.sequence_parallel,
         finalize_model_grads_func=None if forward_only else finalize,
@@ -169,7 +171,7 @@ def nan_iteration(grad_norm: float | None) -> bool:
 def train_step(state, data_iterator, timers=None) -> dict:
     check = state.cfg.training.check_for_nan_in_loss_and_grad
     state.optimizer.zero_grad()  # zeroes every chunk's DDP grad buffer (once: it is a full memset)
-    gbs = global_batch_size_at(state.cfg, state.consumed_train_samples)  # ramps with --rampup-batch-size
+    gbs = global_batch_size_at(state.cfg, state.consumed_train_samples)  # a ramp or step schedule's
     num_micro_batches = num_micro_batches_at(state.cfg, state.consumed_train_samples)
     with timed(timers, "forward-backward", 1):
         logs = run_schedule(state, data_iterator, forward_only=False, timers=timers,
@@ -205,18 +207,23 @@ def train_step(state, data_iterator, timers=None) -> dict:
 
 
 def evaluate(state, data_iterator, eval_iters: int, counts_as_validation: bool = True) -> float | None:
-    """Mean loss over eval_iters global batches; validation batches are counted in
-    state.consumed_valid_samples, so a resumed run evaluates on the batches the first run would."""
+    """Mean loss over eval_iters batches of --eval-global-batch-size samples in micro-batches of
+    --eval-micro-batch-size (Megatron HEAD's evaluate; both default to training's); validation batches
+    are counted in state.consumed_valid_samples, so a resumed run evaluates on the batches the first
+    run would."""
+    t = state.cfg.training
+    micro_batches = t.eval_global_batch_size // (t.eval_micro_batch_size * state.topology.dp)
     for chunk in state.model:
         chunk.eval()
     losses = []
     with torch.no_grad():
         for _ in range(eval_iters):
-            logs = run_schedule(state, data_iterator, forward_only=True)
+            logs = run_schedule(state, data_iterator, forward_only=True, num_micro_batches=micro_batches,
+                                micro_batch_size=t.eval_micro_batch_size)
             empty_unused_memory(state.cfg.training.empty_unused_memory_level, 1, state.topology.device)
             losses.append(average_loss_across_dp(logs, state.topology, state.topology.device))
             if counts_as_validation:
-                state.consumed_valid_samples += state.cfg.training.global_batch_size
+                state.consumed_valid_samples += t.eval_global_batch_size
     for chunk in state.model:
         chunk.train()
     return sum(losses) / len(losses) if state.topology.is_last_stage and losses else None

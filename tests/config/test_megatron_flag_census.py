@@ -33,11 +33,9 @@ CENSUSES = {"core_v0.16.1": _census("megatron_flags.json"), "head": _census("meg
 CENSUS = CENSUSES["core_v0.16.1"][1]
 HEAD = CENSUSES["head"][1]
 RELEASES = list(CENSUSES)
-# HEAD's flags that are features being built (issue 39), unknown meanwhile (--step-batch-size-schedule:
-# refused, its schedule taken as words up to the next flag); delete a flag here when megafab honours it
-LEFT_FOR_FEATURES = {"--dataloader-inter-document-masking", "--eval-micro-batch-size",
-                     "--eval-global-batch-size", "--megatron-fsdp-main-params-dtype",
-                     "--step-batch-size-schedule"}
+# HEAD's flags that are features being built (issue 39), unknown meanwhile; delete a flag here when
+# megafab honours it
+LEFT_FOR_FEATURES = {"--dataloader-inter-document-masking", "--megatron-fsdp-main-params-dtype"}
 # Megatron's nargs for a flag that one release made a switch and another a one-value flag (megafab
 # takes either: "?"), or a list of any length and another one or more (megafab takes any: "*")
 LOOSER = {"?": (0, None), "*": ("+",)}
