@@ -83,7 +83,7 @@ def apply_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> None
 def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
     """d loss / d sink [heads] from the sink attention's dout, out' and lse': the sink's probability
     times its (zero) value's dp minus delta = rowsum(dout * out'), summed over batch and rows."""
-    delta = (dout.to(out.dtype) * out).sum(-1)  # [b, heads, s]
+    delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # [b, heads, s], in lse's fp32 / fp64
     return -(torch.exp(sink.to(lse.dtype)[None, :, None] - lse) * delta).sum((0, 2)).to(sink.dtype)
 
 
