@@ -13,12 +13,22 @@ import os
 import torch
 
 from megafab.config import Config, ModelConfig
-from megafab.convert import hf_deepseek_v3, hf_gpt2, hf_llama, hf_mixtral, hf_qwen2, hf_qwen3, hf_qwen3_moe
+from megafab.convert import (
+    hf_deepseek_v3,
+    hf_gpt2,
+    hf_llama,
+    hf_mistral,
+    hf_mixtral,
+    hf_qwen2,
+    hf_qwen3,
+    hf_qwen3_moe,
+)
 from megafab.convert.state_dict import ConversionError, finalize_model_config
 from megafab.convert.tokenizer_files import save_tokenizer_files, tokenizer_special_ids
 
-ARCHITECTURES = {"gpt2": hf_gpt2, "llama": hf_llama, "mixtral": hf_mixtral, "qwen2": hf_qwen2,
-                 "qwen3": hf_qwen3, "qwen3_moe": hf_qwen3_moe, "deepseek_v3": hf_deepseek_v3}
+ARCHITECTURES = {"gpt2": hf_gpt2, "llama": hf_llama, "mistral": hf_mistral, "mixtral": hf_mixtral,
+                 "qwen2": hf_qwen2, "qwen3": hf_qwen3, "qwen3_moe": hf_qwen3_moe,
+                 "deepseek_v3": hf_deepseek_v3}
 MOE_ARCHITECTURES = ("mixtral", "qwen3_moe", "deepseek_v3")  # their converters take cfg.moe as `moe`
 CONFIG_READERS = ("deepseek_v3",)  # their from_hf_state_dict reads config.json too (hf_config)
 WEIGHTS = "model.safetensors"
@@ -26,7 +36,8 @@ WEIGHTS = "model.safetensors"
 
 def architecture_of(m: ModelConfig, moe=None) -> str:
     """gpt2 (learned positions, LayerNorm, GELU, biases) or llama (RoPE, RMSNorm, SwiGLU, no biases),
-    the latter as qwen3 with --qk-layernorm and qwen2 with --add-qkv-bias; a mixture of experts
+    the latter as qwen3 with --qk-layernorm, qwen2 with --add-qkv-bias and mistral with --window-size
+    (every layer windowed); a mixture of experts
     (moe: cfg.moe) of the Llama architecture: qwen3_moe with --qk-layernorm, else mixtral; multi-latent
     attention: deepseek_v3."""
     if m.multi_latent_attention:
@@ -40,6 +51,8 @@ def architecture_of(m: ModelConfig, moe=None) -> str:
         if all(getattr(m, k) == v for k, v in want.items()):
             if name == "llama" and (m.qk_layernorm or m.add_qkv_bias):
                 return "qwen3" if m.qk_layernorm else "qwen2"
+            if name == "llama" and hf_mistral.window_of(m) is not None:
+                return "mistral"
             return name
     have = {k: getattr(m, k) for k in gpt2}
     raise ConversionError(f"model {have} is neither the GPT-2 architecture {gpt2} nor the Llama architecture "

@@ -46,11 +46,12 @@ HF_LAYERS = "model.layers."  # HF's numbered layers: model.layers.<i>.<name>
 
 
 def check_exportable(m: ModelConfig, allow_qk_layernorm: bool = False, allow_qkv_bias: bool = False,
-                     architecture: str = "Llama") -> None:
+                     architecture: str = "Llama", allow_window: bool = False) -> None:
     """allow_qk_layernorm: for Qwen3's Llama-family attention, which has q/k norms; allow_qkv_bias:
-    Qwen2's, which has q/k/v biases."""
+    Qwen2's, which has q/k/v biases; allow_window: Mistral's, which has a sliding window."""
     problems = [p for p in hf_variant_problems(m, architecture)
-                if not (allow_qk_layernorm and p.startswith("--qk-layernorm"))]
+                if not (allow_qk_layernorm and p.startswith("--qk-layernorm"))
+                and not (allow_window and p.startswith("--window-size"))]
     if problems:
         raise ConversionError(f"HF {architecture} cannot express {', '.join(problems)}; this model cannot "
                               f"be exported")

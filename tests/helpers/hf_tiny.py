@@ -42,20 +42,22 @@ LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=5000.0, factor=8.0, low_freq_f
                    high_freq_factor=4.0, original_max_position_embeddings=512)
 
 
-def hf_dense(family, seed=0, groups=2, tied=False, rope=None):
+def hf_dense(family, seed=0, groups=2, tied=False, rope=None, **extra):
     """A tiny random Llama-family model: "llama" (rope: its rope_parameters, default plain RoPE),
-    "qwen2" (q/k/v biases) or "qwen3" (QK-norm)."""
+    "qwen2" (q/k/v biases), "qwen3" (QK-norm) or "mistral" (extra: sliding_window=W); `extra`: more
+    config fields."""
     import transformers
 
     torch.manual_seed(seed)
     config_class, model_class = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
                                  "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-                                 "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[family]
+                                 "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+                                 "mistral": ("MistralConfig", "MistralForCausalLM")}[family]
     cfg = getattr(transformers, config_class)(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=groups, head_dim=8, max_position_embeddings=128, rms_norm_eps=1e-5,
         rope_parameters=rope or dict(rope_type="default", rope_theta=5000.0), tie_word_embeddings=tied,
-        bos_token_id=1, eos_token_id=2)
+        bos_token_id=1, eos_token_id=2, **extra)
     model = getattr(transformers, model_class)(cfg).eval()
     _randomize(model)
     return model
