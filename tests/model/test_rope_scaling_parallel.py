@@ -1,5 +1,6 @@
-"""A GPT with Llama 3.x RoPE scaling and position interpolation under TP 2 (with and without SP) and
-CP 2 (each rank's positions offset by its chunks), and Qwen2's q/k/v biases without other biases
+"""A GPT with Llama 3.x RoPE scaling and position interpolation, and one with YaRN for standard
+attention (a short original context), under TP 2 (with and without SP) and CP 2 (each rank's
+positions offset by its chunks), and Qwen2's q/k/v biases without other biases and Qwen3's QK-norm
 under TP 2 (+ SP), equal the single-process model in float64: the loss and every gradient within
 1e-10; the config rules refuse the RoPE flags where they have no effect."""
 
@@ -28,6 +29,9 @@ STYLE = dict(LLAMA_STYLE, rotary_percent=1.0, rotary_base=500000, use_rope_scali
              rope_scaling_factor=16.0, rope_scaling_original_max_position_embeddings=64,
              rotary_seq_len_interpolation_factor=2.0)
 QKV_BIAS = dict(LLAMA_STYLE, rotary_percent=1.0, add_qkv_bias=True)  # Qwen2's attention
+QK_NORM = dict(LLAMA_STYLE, rotary_percent=1.0, qk_layernorm=True)  # Qwen3's attention
+YARN = dict(LLAMA_STYLE, rotary_percent=1.0, position_embedding_type="yarn", rotary_scaling_factor=4.0,
+            yarn_original_max_position_embeddings=4)  # gpt-oss's RoPE, its original context shorter here
 
 
 def loss_and_grads(model, tokens, labels, mask, tp_group=None):
@@ -35,6 +39,9 @@ def loss_and_grads(model, tokens, labels, mask, tp_group=None):
     loss.backward()
     if model.ctx.sequence_parallel:
         reduce_sequence_parallel_grads(model, tp_group)
+    for p in model.parameters():  # QK-norm's replicated weights: finalize_model_grads sums them over TP
+        if tp_group is not None and getattr(p, "grad_sum_over_tp", False):
+            torch.distributed.all_reduce(p.grad, group=tp_group)
     return loss.item(), {n: full_grad(p, tp_group) for n, p in model.named_parameters()}
 
 
@@ -49,7 +56,7 @@ def _compare(loss, grads, ref_loss, ref_grads):
 def _tp_parity(rank, world):
     topo = build_topology(tp=world)
     checked = []
-    for style in (STYLE, QKV_BIAS):
+    for style in (STYLE, QKV_BIAS, QK_NORM, YARN):
         cfg = tiny_config(tp=world, style=style).model
         tokens, labels, mask = batch(cfg)
         ref = loss_and_grads(reference_model(cfg), tokens, labels, mask)
@@ -62,12 +69,12 @@ def _tp_parity(rank, world):
 
 def test_rope_scaling_and_qkv_bias_tensor_and_sequence_parallel_equal_single_process():
     checked = run_ranks(_tp_parity, 2, timeout=120)
-    assert all(len(c) == 4 and min(c) > 0 for c in checked)
+    assert all(len(c) == 8 and min(c) > 0 for c in checked)
 
 
-def _cp_parity(rank, world):
+def _cp_parity(rank, world, style):
     topo = build_topology(cp=world)
-    cfg = tiny_config(style=STYLE).model
+    cfg = tiny_config(style=style).model
     tokens, labels, mask = batch(cfg)
     ref_loss, ref_grads = loss_and_grads(reference_model(cfg), tokens, labels, mask)
     group = topo.group("cp")
@@ -86,13 +93,17 @@ def _cp_parity(rank, world):
     return _compare(loss.item(), grads, ref_loss, ref_grads)
 
 
-def test_rope_scaling_context_parallel_equals_single_process():
-    assert min(run_ranks(_cp_parity, 2, timeout=120)) > 0
+@pytest.mark.parametrize("style", [STYLE, YARN], ids=["llama3+interpolation", "yarn"])
+def test_rope_scaling_context_parallel_equals_single_process(style):
+    assert min(run_ranks(_cp_parity, 2, style, timeout=120)) > 0
 
 
-def test_scaling_is_in_effect():
-    cfg = tiny_config(style=STYLE).model
-    plain = tiny_config(style=dict(STYLE, use_rope_scaling=False, rotary_seq_len_interpolation_factor=None))
+@pytest.mark.parametrize("style,plain_style", [
+    (STYLE, dict(STYLE, use_rope_scaling=False, rotary_seq_len_interpolation_factor=None)),
+    (YARN, dict(YARN, position_embedding_type="rope"))], ids=["llama3+interpolation", "yarn"])
+def test_scaling_is_in_effect(style, plain_style):
+    cfg = tiny_config(style=style).model
+    plain = tiny_config(style=plain_style)
     tokens, labels, _ = batch(cfg)
     ours = reference_model(cfg)
     other = reference_model(plain.model)
