@@ -8,12 +8,12 @@ import dataclasses
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 
 from megafab.convert import export_hf, import_hf  # noqa: E402
 from megafab.convert.state_dict import ConversionError, module_state_dict  # noqa: E402
+from megafab.model.activations import MLPActivation  # noqa: E402
 from megafab.model.moe.layer import MoELayer  # noqa: E402
 from megafab.model.transformer import LayerContext  # noqa: E402
 from tests.helpers.hf_moe_tiny import EXPERTS, TOPK, hf_mixtral, hf_qwen3_moe  # noqa: E402
@@ -85,7 +85,8 @@ def _megafab_moe_layer(sd, cfg, layer: int, grouped: bool) -> MoELayer:
     moe = dataclasses.replace(cfg.moe, moe_grouped_gemm=grouped)
     ctx = LayerContext(None, False, torch.float32, torch.device("cpu"), 1)
     prefix = f"decoder.layers.{layer}.mlp."
-    ours = MoELayer(moe, cfg.model, ctx, prefix, activation=F.silu).eval()
+    ours = MoELayer(moe, cfg.model, ctx, prefix, activation=MLPActivation.from_model_config(cfg.model))
+    ours.eval()
     names = [prefix + k for k in ours.state_dict()]
     weights = module_state_dict(sd, names)
     ours.load_state_dict({k[len(prefix):]: v for k, v in weights.items()}, strict=True)

@@ -233,8 +233,8 @@ def test_search_enumerates_expert_parallel_layouts_the_rules_accept():
     (False, False, None, False, False), (True, True, None, False, True), (True, False, 24, True, False)])
 def test_moe_mlp_params_are_what_megafabs_moe_layer_builds(swiglu, bias, shared, gate, grouped):
     import torch
-    import torch.nn.functional as F
 
+    from megafab.model.activations import MLPActivation
     from megafab.model.moe.layer import MoELayer
     from megafab.model.transformer import LayerContext
 
@@ -244,7 +244,7 @@ def test_moe_mlp_params_are_what_megafabs_moe_layer_builds(swiglu, bias, shared,
     extra = {"moe_shared_expert_intermediate_size": shared} if shared else {}
     cfg = with_moe(flags, num_experts=4, moe_router_topk=2, **extra)
     layer = MoELayer(cfg.moe, cfg.model, LayerContext(None, False, torch.float32, torch.device("cpu"), 5),
-                     "decoder.layers.0.mlp.", activation=F.silu if swiglu else F.gelu)
+                     "decoder.layers.0.mlp.", activation=MLPActivation.from_model_config(cfg.model))
     counted = moe_mlp_params(cfg.model, cfg.moe)
     assert counted.total == sum(p.numel() for p in layer.parameters())
     assert counted.router == sum(p.numel() for p in layer.router.parameters())
@@ -257,8 +257,8 @@ def test_moe_mlp_params_are_what_megafabs_moe_layer_builds(swiglu, bias, shared,
 def test_moe_mlp_activation_bytes_equal_what_autograd_saves(swiglu, bf16, shared):
     """One rank: the routed rows are exactly N k, the bound and the balanced count alike."""
     import torch
-    import torch.nn.functional as F
 
+    from megafab.model.activations import MLPActivation
     from megafab.model.moe.layer import MoELayer
     from megafab.model.transformer import LayerContext
     from megafab.optim.memory import SavedActivations
@@ -269,7 +269,7 @@ def test_moe_mlp_activation_bytes_equal_what_autograd_saves(swiglu, bf16, shared
                    **extra)
     dtype, e = (torch.bfloat16, 2) if bf16 else (torch.float32, 4)
     layer = MoELayer(cfg.moe, cfg.model, LayerContext(None, False, dtype, torch.device("cpu"), 5),
-                     "decoder.layers.0.mlp.", activation=F.silu if swiglu else F.gelu)
+                     "decoder.layers.0.mlp.", activation=MLPActivation.from_model_config(cfg.model))
     m = cfg.model
     x = torch.randn(m.seq_length, cfg.training.micro_batch_size, m.hidden_size, dtype=dtype,
                     requires_grad=True)
