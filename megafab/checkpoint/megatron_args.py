@@ -15,6 +15,7 @@ import argparse
 import types
 
 from megafab.checkpoint.errors import CheckpointError
+from megafab.config.derive import GPT_OSS_YARN
 
 # ModelConfig fields that define the model's weights or its function.
 MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
@@ -51,6 +52,8 @@ def _effective(name: str, args) -> object:
     """The value an argument has after Megatron's validate_args derived it (megafab's ModelConfig
     or a checkpoint's args alike)."""
     value = getattr(args, name, None)
+    if name in GPT_OSS_YARN and getattr(args, "enable_gpt_oss", False):  # Megatron's args keep the flags'
+        return GPT_OSS_YARN[name]  # values; its ModelOpt builder sets these on the model's config
     if name == "num_query_groups" and not getattr(args, "group_query_attention", False):
         return getattr(args, "num_attention_heads", None)
     if name == "add_qkv_bias":  # --add-bias-linear biases qkv too (Megatron sets add_qkv_bias then)

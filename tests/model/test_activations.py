@@ -6,7 +6,8 @@
   offset, the expert biases (megatron-core's equality is tests/model/moe/test_moe_megatron.py's and,
   dense, tests/model/test_dense_variants_megatron.py's);
 - the rules: --quick-geglu with --swiglu, the clamp and the offset without a gated unit, a clamp <= 0;
-- --enable-gpt-oss sets the YaRN of Megatron-LM HEAD's ModelOpt builder, over the given RoPE flags;
+- --enable-gpt-oss sets the YaRN of Megatron-LM HEAD's ModelOpt builder, over the given RoPE flags
+  (and a Megatron checkpoint's args with it compare as YaRN);
 - --disable-bf16-reduced-precision-matmul with --bf16 turns torch's cuBLAS flag off when the model
   is built (as megatron-core's TransformerConfig does), and only with --bf16;
 - --export-force-local-attention is accepted and announced as no effect.
@@ -14,11 +15,14 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from megafab.arguments import config_from_args
+from megafab.checkpoint.megatron_args import model_arg_mismatches
 from megafab.model.activations import MLPActivation, quick_gelu
 from megafab.model.moe.settings import MoESettings
 from megafab.model.rotary import RotaryEmbedding
@@ -106,6 +110,11 @@ def test_enable_gpt_oss_sets_megatrons_modelopt_yarn():
     yarn, rope = (RotaryEmbedding.from_model_config(c, torch.device("cpu")) for c in (m, plain))
     assert yarn.factor > 1.3 and rope.factor == 1.0  # YaRN's attention factor 0.1 ln 32 + 1
     assert not torch.allclose(yarn.inv_freq.double(), rope.inv_freq.double())
+    # a Megatron checkpoint of such a run records the flags as given: its args mean YaRN too
+    saved = argparse.Namespace(position_embedding_type="rope", enable_gpt_oss=True)
+    assert model_arg_mismatches(saved, m) == []
+    saved.enable_gpt_oss = False
+    assert model_arg_mismatches(saved, m) == ["--position-embedding-type: checkpoint 'rope', this run 'yarn'"]
 
 
 def _build_sets_flag(rank, world, bf16):
