@@ -103,8 +103,8 @@ def eval_batch_problems(cfg) -> list[str]:
     micro, gbs, dp = t.eval_micro_batch_size, t.eval_global_batch_size, p.data_parallel_size or 0
     bad = [f"--eval-{n}-batch-size {v} must be positive" for n, v in (("micro", micro), ("global", gbs))
            if v is not None and v <= 0]
-    if bad or not (micro and gbs and dp):
-        return bad
+    if bad or not (micro and gbs and dp) or (micro, gbs) == (t.micro_batch_size, t.global_batch_size):
+        return bad  # (training's own batch: training_problems' rule says it)
     if gbs % (micro * dp):
         return [f"--eval-global-batch-size {gbs} is not divisible by --eval-micro-batch-size {micro} x "
                 f"data-parallel size {dp} = {micro * dp}; use a multiple of {micro * dp}"]

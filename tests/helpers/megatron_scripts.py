@@ -11,6 +11,25 @@ def fill(flags, paths):
     return [a.format(**paths) if "{" in a else a for a in flags]
 
 
+# examples/gpt3/train_gpt3_175b_distributed.sh at core_v0.16.1 and on main (Megatron-LM HEAD)
+GPT3_175B_MODEL = words("""
+    --num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048
+    --max-position-embeddings 2048 --attention-backend auto""")
+GPT3_175B_REST = words("""
+    --train-iters 500000 --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --init-method-std 0.006
+    --clip-grad 1.0 --fp16 --lr 6.0e-5 --lr-decay-style cosine --min-lr 6.0e-6 --lr-warmup-fraction .001
+    --lr-decay-iters 430000
+    --tensor-model-parallel-size 8 --pipeline-model-parallel-size 16
+    --data-path {data} --vocab-file {vocab} --merge-file {merges} --split 949,50,1
+    --log-interval 100 --save-interval 10000 --eval-interval 1000 --save {ckpt} --load {ckpt} --eval-iters 10
+    --tensorboard-dir {tb}""")
+GPT3_175B_CORE_0_16_1 = GPT3_175B_MODEL + words(
+    "--micro-batch-size 1 --global-batch-size 1536 --rampup-batch-size 16 16 5859375") + GPT3_175B_REST
+GPT3_175B_MAIN = GPT3_175B_MODEL + words("""
+    --micro-batch-size 1 --global-batch-size 1536
+    --step-batch-size-schedule "0:16 2.4B:320 4.8B:624 7.2B:928 9.6B:1232 12B:1536"
+""".replace('"', "")) + GPT3_175B_REST  # the quoted schedule is split into words by the expansion
+
 MIXTRAL_8X7B = words("""
     --use-mcore-models --disable-bias-linear --seq-length 4096 --max-position-embeddings 32768
     --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 --init-method-std 0.01
