@@ -297,6 +297,9 @@ def no_effect_flags(cfg: Config, given: set[str], argv: list[str]) -> list[str]:
                "only --tokenizer-type TikTokenizer reads it")
     if d.mock_data and "mmap_bin_files" in given:
         out.append("--no-mmap-bin-files (--mock-data reads no .bin files)")
+    if d.dataloader_inter_document_masking:
+        unused(["reset_position_ids", "reset_attention_mask"], "--dataloader-inter-document-masking "
+               "restarts positions and masks attention at each document itself")
     if not d.reset_attention_mask and "create_attention_mask_in_dataloader" in given:
         out.append("--no-create-attention-mask-in-dataloader (megafab's data loader builds a mask only "
                    "for --reset-attention-mask; causal attention needs none)")

@@ -30,6 +30,7 @@ def choice_problems(cfg) -> list[str]:
 def component_problems(cfg) -> list[str]:
     """The rules the components own, asked with this configuration's values."""
     # deferred: the components import torch; flag errors and --help stay free of it
+    from megafab.data.packed_documents import document_masking_problems
     from megafab.distributed.data_parallel import bucket_size_problems
     from megafab.model.activations import activation_problems
     from megafab.model.core_attention import window_attention_problems
@@ -50,6 +51,7 @@ def component_problems(cfg) -> list[str]:
     out += rope_scaling_problems(m)
     out += activation_problems(m)
     out += window_attention_problems(m, p)
+    out += document_masking_problems(cfg)
     if o.optimizer_offload_fraction is not None:
         out += offload_problems(o.optimizer_offload_fraction)
     if p.ddp_bucket_size is not None and not p.fully_sharded:
@@ -269,7 +271,7 @@ def context_parallel_problems(cfg) -> list[str]:
     if m.transformer_impl == "transformer_engine":
         out.append("--context-parallel-size > 1 runs megafab's own CP attention, not Transformer "
                    "Engine's; use --transformer-impl local")
-    if cfg.data.reset_attention_mask:
+    if cfg.data.reset_attention_mask and not cfg.data.dataloader_inter_document_masking:
         out.append("--reset-attention-mask with --context-parallel-size > 1: CP attention is causal "
                    "over the whole sequence and takes no per-sample mask; drop --reset-attention-mask "
                    "or use --context-parallel-size 1")

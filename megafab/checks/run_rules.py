@@ -187,7 +187,8 @@ def data_problems(cfg) -> list[str]:
     if d.tokenizer_special_tokens and kind != "TikTokenizer":
         out.append(f"--tokenizer-special-tokens is implemented for --tokenizer-type TikTokenizer only, not "
                    f"{kind}; drop it")
-    if d.reset_attention_mask and not d.create_attention_mask_in_dataloader:
+    mask_made = d.create_attention_mask_in_dataloader or d.dataloader_inter_document_masking
+    if d.reset_attention_mask and not mask_made:
         out.append("--reset-attention-mask needs the attention mask the data loader builds; drop "
                    "--no-create-attention-mask-in-dataloader (or --reset-attention-mask)")
     out += data_path_problems(cfg)

@@ -158,6 +158,9 @@ class DataConfig(Section):
     eod_mask_loss: bool = option(False, help="Do not train on end-of-document tokens.")
     reset_position_ids: bool = option(False, help="Restart position ids after each end-of-document token.")
     reset_attention_mask: bool = option(False, help="Block attention across documents inside one sample.")
+    dataloader_inter_document_masking: bool = option(
+        False, help="Confine attention to each document of a sample (the .idx's documents) and restart "
+                    "position ids in each; overrides --reset-position-ids / --reset-attention-mask.")
     num_workers: int = option(2, help="Data loader worker processes.")
     create_attention_mask_in_dataloader: bool = option(
         True, flags=("--no-create-attention-mask-in-dataloader",), action="store_false",

@@ -64,9 +64,11 @@ def build_gpt_datasets(data_path: str | Sequence[str] | None = None, split: str 
                        reset_position_ids: bool = False, reset_attention_mask: bool = False,
                        mock: bool = False, train_data_path=None, valid_data_path=None, test_data_path=None,
                        barrier: Callable[[], None] | None = None, is_builder: bool = True,
-                       mid_level_surplus: float = MID_LEVEL_SURPLUS, mmap_bin_files: bool = True) -> list:
+                       mid_level_surplus: float = MID_LEVEL_SURPLUS, mmap_bin_files: bool = True,
+                       inter_document_masking: bool = False) -> list:
     """(train, valid, test) datasets (None for an absent split) with megatron-core's sample order.
-    mmap_bin_files False: read the .bin files with file reads (--no-mmap-bin-files).
+    mmap_bin_files False: read the .bin files with file reads (--no-mmap-bin-files);
+    inter_document_masking: items carry cu_seqlens (GPTDataset, megafab.data.packed_documents).
 
     data_path / *_data_path take Megatron's forms: "P", "P1 P2" (weights = sizes) or "w1 P1 w2 P2"
     (a string or a list of strings). Item i is a dict of torch tensors: tokens [s] int64, labels
@@ -89,7 +91,7 @@ def build_gpt_datasets(data_path: str | Sequence[str] | None = None, split: str 
                   vocab_size=vocab_size,
                   eod_mask_loss=eod_mask_loss, reset_position_ids=reset_position_ids,
                   reset_attention_mask=reset_attention_mask, cache_path=cache_path, barrier=barrier,
-                  is_builder=is_builder)
+                  is_builder=is_builder, inter_document_masking=inter_document_masking)
     blended = dict(cache_path=cache_path, barrier=barrier, is_builder=is_builder)
     sizes = list(num_samples)
 

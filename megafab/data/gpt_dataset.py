@@ -10,6 +10,7 @@ import torch
 
 from megafab.data.errors import DataError
 from megafab.data.index_cache import cached_arrays
+from megafab.data.packed_documents import document_fields
 from megafab.data.sample_index import build_gpt_indices
 from megafab.data.token_range import check_sample
 
@@ -21,7 +22,9 @@ class GPTDataset(torch.utils.data.Dataset):
 
     Item i is a dict of tensors: tokens [s] int64, labels [s] int64 (tokens shifted by one),
     loss_mask [s] float32, position_ids [s] int64 and, only with reset_attention_mask,
-    attention_mask [1, s, s] bool where True means "masked out" (Megatron's convention).
+    attention_mask [1, s, s] bool where True means "masked out" (Megatron's convention). With
+    inter_document_masking (which overrides reset_*): cu_seqlens [s+1] int32 and max_seqlen instead,
+    position_ids restarting at each document (megafab.data.packed_documents).
     """
 
     def __init__(self, indexed, dataset_path: str | None, documents: np.ndarray, num_samples: int | None,
@@ -29,7 +32,7 @@ class GPTDataset(torch.utils.data.Dataset):
                  eod_mask_loss: bool = False, reset_position_ids: bool = False,
                  reset_attention_mask: bool = False, cache_path: str | None = None,
                  barrier: Callable[[], None] | None = None, is_builder: bool = True,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, inter_document_masking: bool = False):
         tokens = int(np.sum(np.asarray(indexed.sequence_lengths)[documents], dtype=np.int64))
         if tokens == 0:
             raise DataError(f"{dataset_path or 'the mock dataset'}: the {split_name} split's "
@@ -46,6 +49,7 @@ class GPTDataset(torch.utils.data.Dataset):
         self.eod_mask_loss = eod_mask_loss
         self.reset_position_ids = reset_position_ids
         self.reset_attention_mask = reset_attention_mask
+        self.inter_document_masking = inter_document_masking
         self.description = json.dumps({
             "class": "GPTDataset", "dataset_path": dataset_path, "num_samples": num_samples,
             "split": split_name, "documents": [int(documents[0]), int(documents[-1]) + 1]
@@ -62,6 +66,10 @@ class GPTDataset(torch.utils.data.Dataset):
 
     def sample_tokens(self, idx: int) -> np.ndarray:
         """The seq_length + 1 tokens of sample idx (in served order), padded with pad if short."""
+        return self.sample_parts(idx)[0]
+
+    def sample_parts(self, idx: int) -> tuple[np.ndarray, list[int]]:
+        """sample_tokens(idx) and the lengths of its documents' parts (before padding)."""
         s = int(self.shuffle_index[idx])
         doc_beg, off_beg = (int(x) for x in self.sample_index[s])
         doc_end, off_end = (int(x) for x in self.sample_index[s + 1])
@@ -72,17 +80,23 @@ class GPTDataset(torch.utils.data.Dataset):
             parts += [self.indexed.get(int(self.document_index[d])) for d in range(doc_beg + 1, doc_end)]
             parts.append(self.indexed.get(int(self.document_index[doc_end]), 0, off_end + 1))
         tokens = np.concatenate(parts).astype(np.int64)
+        lengths = [len(part) for part in parts]
         check_sample(tokens, self.vocab_size,
                      lambda: f"{self.dataset_path or 'the mock dataset'}: {self.split_name} sample {idx}")
         if len(tokens) < self.seq_length + 1:
             tokens = np.concatenate([tokens, np.full(self.seq_length + 1 - len(tokens), self.pad, np.int64)])
-        return tokens
+        return tokens, lengths
 
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
-        text = torch.from_numpy(self.sample_tokens(int(idx)))
+        text, lengths = self.sample_parts(int(idx))
+        text = torch.from_numpy(text)
         tokens, labels = text[:-1].clone(), text[1:].clone()
-        sample = ltor_masks_and_position_ids(tokens, self.eod, self.eod_mask_loss, self.reset_position_ids,
-                                             self.reset_attention_mask)
+        documents = self.inter_document_masking
+        sample = ltor_masks_and_position_ids(tokens, self.eod, self.eod_mask_loss,
+                                             self.reset_position_ids and not documents,
+                                             self.reset_attention_mask and not documents)
+        if documents:
+            sample.update(document_fields(lengths, self.seq_length))
         sample["loss_mask"][labels == self.pad] = 0.0
         tokens[tokens == self.pad] = 0
         labels[labels == self.pad] = 0

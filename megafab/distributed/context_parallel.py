@@ -355,9 +355,11 @@ def _sbhd_layout(x: torch.Tensor) -> torch.Tensor:
 
 
 def _ulysses_attention(q, k, v, group, dropout_p: float, scale: float | None = None,
-                       window: int | None = None, sink: torch.Tensor | None = None) -> torch.Tensor:
+                       window: int | None = None, sink: torch.Tensor | None = None,
+                       mask: torch.Tensor | None = None) -> torch.Tensor:
     """a2a: heads scattered, sequences gathered (in sequence order), causal SDPA (or the window's
-    mask, this rank's heads' sinks: masked_attention.attention), and back."""
+    mask and the whole sequence's `mask`, this rank's heads' sinks: masked_attention.attention), and
+    back."""
     cp = dist.get_world_size(group)
 
     def to_heads(x):  # [b, n, s/cp, d] -> [b, n/cp, s, d]
@@ -366,28 +368,35 @@ def _ulysses_attention(q, k, v, group, dropout_p: float, scale: float | None = N
     q, k, v = to_heads(q), to_heads(k), to_heads(v)
     positions = torch.arange(q.shape[2], device=q.device)
     masked = None if window is None else window_mask(positions, positions, window)
+    if mask is not None:
+        masked = mask if masked is None else masked | mask
     sink = None if sink is None else sink.chunk(cp)[dist.get_rank(group)]
     out = attention(q, k, v, masked, sink, dropout_p, scale)  # K/V heads not repeated (GQA)
     return _sbhd_layout(_AllToAll.apply(_to_rank_order(out, 2, cp), group, 2, 1))
 
 
-def _gathered_window_attention(q, k, v, group, dropout_p: float, scale: float | None, window: int,
-                               sink: torch.Tensor | None) -> torch.Tensor:
-    """allgather with a window: the whole sequence's K/V gathered (reduce-scattered back in
-    backward), this rank's queries masked by their global positions (masked_attention.attention)."""
+def _gathered_window_attention(q, k, v, group, dropout_p: float, scale: float | None, window: int | None,
+                               sink: torch.Tensor | None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """allgather with a window (or a mask): the whole sequence's K/V gathered (reduce-scattered back
+    in backward), this rank's queries masked by their global positions (masked_attention.attention)
+    and by their rows of the whole sequence's `mask`."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     kv = torch.stack([k, v]).permute(3, 0, 1, 2, 4)  # [s/cp, 2, b, g, d]
     kv = _to_natural_order(gather_from_sequence_parallel_region(kv, group), 0, cp).permute(1, 2, 3, 0, 4)
     s = kv.shape[3]
     keys = torch.arange(s, device=q.device)
-    masked = window_mask(local_token_positions(s, rank, cp, q.device), keys, window)
+    rows = local_token_positions(s, rank, cp, q.device)
+    masked = window_mask(rows, keys, window)
+    if mask is not None:
+        masked = masked | mask[..., rows, :]
     return attention(q, kv[0], kv[1], masked, sink, dropout_p, scale)
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group,
                                comm_type: str = "p2p", dropout_p: float = 0.0, seed: int | None = None,
                                implementation: str = "auto", scale: float | None = None,
-                               window: int | None = None, sink: torch.Tensor | None = None) -> torch.Tensor:
+                               window: int | None = None, sink: torch.Tensor | None = None,
+                               mask: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's tokens against the whole sequence spread over `group`.
 
       p2p        ring: K/V blocks travel round the CP group (cp - 1 steps, the next block's transfer
@@ -416,13 +425,16 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     sequences, allgather masks its queries against the gathered K/V by their global positions
     (_gathered_window_attention); the p2p ring's blocks cannot be banded, so it refuses a window.
     sink [heads] (attention sinks): every comm type, exact (p2p/allgather rescale the merged output).
+    mask [b|1, 1, s, s] (True: not allowed; e.g. --dataloader-inter-document-masking's documents): the
+    whole sequence's, in sequence order; a2a and allgather mask as for a window, p2p refuses it.
     """
     if comm_type == "a2a":
-        return _ulysses_attention(q, k, v, group, dropout_p, scale, window, sink)
-    if window is not None and comm_type == "allgather":
-        return _gathered_window_attention(q, k, v, group, dropout_p, scale, window, sink)
-    if window is not None:
-        raise ValueError(f"a sliding window under CP comm type {comm_type!r}: use allgather or a2a")
+        return _ulysses_attention(q, k, v, group, dropout_p, scale, window, sink, mask)
+    if (window is not None or mask is not None) and comm_type == "allgather":
+        return _gathered_window_attention(q, k, v, group, dropout_p, scale, window, sink, mask)
+    if window is not None or mask is not None:
+        raise ValueError(f"a sliding window or attention mask under CP comm type {comm_type!r}: use "
+                         f"allgather or a2a")
     if dropout_p > 0 and seed is None:
         seed = host_seed(None)
     args = (q, k, v, group, dropout_p, seed or 0, implementation, scale, sink)

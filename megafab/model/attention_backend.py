@@ -55,7 +55,9 @@ def attention_backend_problems(cfg, device_type: str) -> list[str]:
     if backend == "flash" and device_type == "cuda":
         if not (cfg.precision.bf16 or cfg.precision.fp16):
             out.append("--attention-backend flash runs in fp16/bf16 on CUDA; add --bf16 or use auto")
-        if cfg.data.reset_attention_mask:
-            out.append("--attention-backend flash takes no per-document mask on CUDA "
-                       "(--reset-attention-mask); use auto or fused")
+        masks = [flag for flag in ("--reset-attention-mask", "--dataloader-inter-document-masking")
+                 if getattr(cfg.data, flag[2:].replace("-", "_"))]
+        if masks:
+            out.append(f"--attention-backend flash takes no per-document mask on CUDA ({masks[-1]}); use "
+                       f"auto or fused")
     return out

@@ -85,7 +85,8 @@ def window_attention_problems(m, p) -> list[str]:
 class CoreAttention(nn.Module):
     """q [b, heads/tp, s, d], k/v [b, groups/tp, s, d] -> [b, heads/tp, s, d]; called as
     core_attention(q, k, v, attention_mask, dropout), what selective recompute (core_attn) recomputes.
-    attention_mask: True where NOT allowed, [b|1, 1, sq, sk]; the queries are the last sq keys."""
+    attention_mask: True where NOT allowed, [b|1, 1, sq, sk]; the queries are the last sq keys (under
+    context parallelism the whole sequence's [b|1, 1, s, s], in sequence order)."""
 
     def __init__(self, cfg, ctx, prefix: str, layer_number: int):
         super().__init__()
@@ -113,11 +114,10 @@ class CoreAttention(nn.Module):
     def forward(self, q, k, v, attention_mask, dropout):
         sink = self.sink(q)
         with self.ctx.tp_region_rng() if dropout > 0 else contextlib.nullcontext(), self.sdpa_backend():
-            if self.ctx.cp_group is not None:
-                assert attention_mask is None, "context parallel attention takes no attention mask"
+            if self.ctx.cp_group is not None:  # a mask here is the whole sequence's
                 seed = host_seed(self.ctx.rng_tracker) if dropout > 0 else None
                 return context_parallel_attention(q, k, v, self.ctx.cp_group, self.ctx.cp_comm_type, dropout,
-                                                  seed, window=self.window, sink=sink)
+                                                  seed, window=self.window, sink=sink, mask=attention_mask)
             if sink is not None and attention_mask is None and q.shape[2] == k.shape[2]:
                 # a whole causal sequence: flash's saved set, not the [s, s] probabilities
                 seed = host_seed(self.ctx.rng_tracker) if dropout > 0 else 0

@@ -159,12 +159,11 @@ class MLASelfAttention(nn.Module):
         and v as one tensor) and the padding cut from the output: the same values."""
         with self.ctx.tp_region_rng() if dropout > 0 else contextlib.nullcontext(), self.sdpa_backend():
             if self.ctx.cp_group is not None:
-                assert attention_mask is None, "context parallel attention takes no attention mask"
                 seed = host_seed(self.ctx.rng_tracker) if dropout > 0 else None
                 width = max(q.shape[-1], v.shape[-1])
                 q, k, padded = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
                 out = context_parallel_attention(q, k, padded, self.ctx.cp_group, self.ctx.cp_comm_type,
-                                                 dropout, seed, scale=self.scale)
+                                                 dropout, seed, scale=self.scale, mask=attention_mask)
                 return out[..., :v.shape[-1]]
             if attention_mask is None:
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,

@@ -39,7 +39,7 @@ def build_datasets(cfg, topo, tokenizer=None) -> list:
         reset_position_ids=d.reset_position_ids, reset_attention_mask=d.reset_attention_mask,
         mock=d.mock_data, train_data_path=d.train_data_path, valid_data_path=d.valid_data_path,
         test_data_path=d.test_data_path, barrier=dist.barrier, is_builder=topo.rank == 0,
-        mmap_bin_files=d.mmap_bin_files)
+        mmap_bin_files=d.mmap_bin_files, inter_document_masking=d.dataloader_inter_document_masking)
     if topo.rank == 0:
         print("\n".join(dataset_lines(targets, datasets)), flush=True)
     return datasets

@@ -8,6 +8,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from megafab.data.packed_documents import attach_document_mask
 from megafab.distributed.context_parallel import context_parallel_masked_mean, split_for_context_parallel
 from megafab.distributed.finalize_grads import finalize_model_grads
 from megafab.distributed.fsdp import compute_dtype
@@ -56,10 +57,10 @@ def per_token_loss_func(scale: float, loss_mask: torch.Tensor, per_token_loss: t
 
 def get_batch_on_this_cp_rank(batch: dict, cp_group) -> dict:
     """Megatron's name: this CP rank's two chunks of every [b, s] field (positions made explicit,
-    so learned and rotary embeddings see the tokens' global positions)."""
+    so learned and rotary embeddings see the tokens' global positions); an attention_mask stays the
+    whole sequence's (CP attention takes the rows of its queries)."""
     if cp_group is None:
         return batch
-    assert batch.get("attention_mask") is None, "config refuses --reset-attention-mask under CP"
     cp, cp_rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
     batch = dict(batch)
     if batch.get("position_ids") is None:
@@ -75,7 +76,7 @@ def gpt_forward_step(data_iterator, model, token_scale: float | None = None, cp_
     with context parallelism every CP rank reads the same samples and keeps its chunks."""
     with timed(timers, "batch-generator", 2):
         batch = _to_device(next(data_iterator), next(model.parameters()).device)
-        batch = get_batch_on_this_cp_rank(batch, cp_group)
+        batch = get_batch_on_this_cp_rank(attach_document_mask(batch), cp_group)
     output = model(batch["tokens"], batch.get("position_ids"), labels=batch["labels"],
                    attention_mask=batch.get("attention_mask"), loss_mask=batch["loss_mask"])
     if token_scale is not None:

@@ -3,6 +3,7 @@ its steps with (parity tests of tests/training and tests/distributed)."""
 
 import torch
 
+from megafab.data.packed_documents import attach_document_mask
 from megafab.distributed.fsdp import is_dtensor
 from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
 from megafab.distributed.topology import build_topology
@@ -31,8 +32,11 @@ def micro_batches(samples, start, dp_rank, dp, count):
     for k in range(count):
         lo = start + k * MICRO * dp + dp_rank * MICRO
         chunk = samples[lo:lo + MICRO]
-        yield {"tokens": torch.stack([c[0] for c in chunk]), "labels": torch.stack([c[1] for c in chunk]),
+        out = {"tokens": torch.stack([c[0] for c in chunk]), "labels": torch.stack([c[1] for c in chunk]),
                "loss_mask": torch.stack([c[2] for c in chunk])}
+        for key in chunk[0][3] if len(chunk[0]) > 3 else ():  # a sample's other fields (a dict)
+            out[key] = torch.stack([c[3][key] for c in chunk])
+        yield out
 
 
 def reference_run(cfg, samples, gbs):
@@ -44,7 +48,9 @@ def reference_run(cfg, samples, gbs):
         opt.zero_grad()
         micro = list(micro_batches(samples, step * gbs, 0, 1, gbs // MICRO))
         for mb in micro:
-            loss = masked_mean_loss(model(mb["tokens"], labels=mb["labels"]), mb["loss_mask"])
+            mb = attach_document_mask(mb)  # --dataloader-inter-document-masking's, as the driver's step
+            loss = masked_mean_loss(model(mb["tokens"], mb.get("position_ids"), labels=mb["labels"],
+                                          attention_mask=mb.get("attention_mask")), mb["loss_mask"])
             (loss / len(micro)).backward()
         _, norm, _ = opt.step()
         history.append((norm, {n: p.detach().clone() for n, p in model.named_parameters()}))
