@@ -178,7 +178,7 @@ def scheduler_samples(o, t) -> dict:
     gbs = t.global_batch_size or 0
     decay = o.lr_decay_samples or (o.lr_decay_iters or t.train_iters or 1) * gbs
     if o.lr_warmup_fraction is not None:
-        warmup = int(o.lr_warmup_fraction * decay)
+        warmup = o.lr_warmup_fraction * decay  # Megatron's, a float
     else:
         warmup = o.lr_warmup_samples or o.lr_warmup_iters * gbs
     wsd = o.lr_wsd_decay_samples or (o.lr_wsd_decay_iters * gbs if o.lr_wsd_decay_iters else None)

@@ -36,7 +36,7 @@ def _samples_dp8_flags() -> list[str]:
             "--train-iters", "--lr-warmup-fraction", "--micro-batch-size", "--eval-interval", "--eval-iters"}
     kept = [t for i, t in enumerate(flags) if t not in drop and (i == 0 or flags[i - 1] not in drop)]
     return kept + words("""--micro-batch-size 2 --train-samples 6000000 --lr 3e-4 --min-lr 3e-5
-        --lr-decay-style linear --lr-warmup-fraction 0.01 --eval-interval 500 --eval-iters 4
+        --lr-decay-style linear --lr-warmup-fraction 0.0123457 --eval-interval 500 --eval-iters 4
         --eval-global-batch-size 64 --eval-micro-batch-size 4""")
 
 
