@@ -104,21 +104,23 @@ def repad_vocab(sd: dict[str, torch.Tensor], padded: int) -> dict[str, torch.Ten
 
 def target_config(cfg: Config, tp: int | None = None, pp: int | None = None, ep: int | None = None) -> Config:
     """The Config a checkpoint converted from `cfg`'s model records: TP `tp` x PP `pp` x EP `ep`
-    (default: the source's; ETP = TP; one model chunk per stage), the vocabulary padded for `tp`.
+    (default: the source's; ETP = TP, 1 for experts with biases as Megatron requires; one model chunk
+    per stage), the vocabulary padded for `tp`.
     Every rule of megafab.checks that this layout breaks with this model -> one ConversionError."""
     p, m = cfg.parallel, cfg.model
     sizes = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
              "expert_model_parallel_size": ep}
     sizes = {k: (getattr(p, k) or 1) if v is None else v for k, v in sizes.items()}
     tp = sizes["tensor_model_parallel_size"]
+    etp = 1 if m.add_bias_linear and cfg.moe.num_experts is not None else tp
     target = dataclasses.replace(cfg, parallel=dataclasses.replace(
-        p, **sizes, expert_tensor_parallel_size=tp, virtual_pipeline_model_parallel_size=None,
+        p, **sizes, expert_tensor_parallel_size=etp, virtual_pipeline_model_parallel_size=None,
         num_layers_per_virtual_pipeline_stage=None, num_virtual_stages_per_pipeline_rank=None))
     # Checked for any world the run launches, with the sequence parallelism MoE under TP needs: the
     # run that loads the checkpoint chooses both.
     checked = dataclasses.replace(target, parallel=dataclasses.replace(
         target.parallel, world_size=None, sequence_parallel=p.sequence_parallel or tp > 1,
-        expert_tensor_parallel_size=tp if tp >= 1 else None))  # a bad TP is reported once
+        expert_tensor_parallel_size=etp if tp >= 1 else None))  # a bad TP is reported once
     problems = checks.model_layout_problems(checked)
     if problems:
         lines = "\n".join(f"  - {line}" for line in problems)
@@ -142,6 +144,11 @@ def write_checkpoint(save_dir: str, sd: dict[str, torch.Tensor], cfg: Config, it
         raise ConversionError(f"checkpoint format {ckpt_format!r} is not one of {formats.CKPT_FORMATS}")
     cfg = target_config(cfg, tp, pp, ep)  # the caller's config stays as it is
     tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
+    etp = cfg.parallel.expert_tensor_parallel_size
+    if ckpt_format == formats.TORCH and cfg.moe.num_experts is not None and etp != tp:
+        raise ConversionError(f"legacy torch files split the experts at ETP = TP {tp}, and experts with "
+                              f"biases train at --expert-tensor-parallel-size 1; write torch_dist (any "
+                              f"layout loads it) or --target-tensor-parallel-size 1")
     sd = repad_vocab(sd, cfg.model.padded_vocab_size)
     final = iteration_dir(save_dir, iteration)
     tmp = final + ".tmp"

@@ -16,6 +16,7 @@ from megafab.config import Config, ModelConfig
 from megafab.convert import (
     hf_deepseek_v3,
     hf_gpt2,
+    hf_gpt_oss,
     hf_llama,
     hf_mistral,
     hf_mixtral,
@@ -28,8 +29,8 @@ from megafab.convert.tokenizer_files import save_tokenizer_files, tokenizer_spec
 
 ARCHITECTURES = {"gpt2": hf_gpt2, "llama": hf_llama, "mistral": hf_mistral, "mixtral": hf_mixtral,
                  "qwen2": hf_qwen2, "qwen3": hf_qwen3, "qwen3_moe": hf_qwen3_moe,
-                 "deepseek_v3": hf_deepseek_v3}
-MOE_ARCHITECTURES = ("mixtral", "qwen3_moe", "deepseek_v3")  # their converters take cfg.moe as `moe`
+                 "deepseek_v3": hf_deepseek_v3, "gpt_oss": hf_gpt_oss}
+MOE_ARCHITECTURES = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")  # their converters take cfg.moe
 CONFIG_READERS = ("deepseek_v3",)  # their from_hf_state_dict reads config.json too (hf_config)
 WEIGHTS = "model.safetensors"
 
@@ -39,10 +40,12 @@ def architecture_of(m: ModelConfig, moe=None) -> str:
     the latter as qwen3 with --qk-layernorm, qwen2 with --add-qkv-bias and mistral with --window-size
     (every layer windowed); a mixture of experts
     (moe: cfg.moe) of the Llama architecture: qwen3_moe with --qk-layernorm, else mixtral; multi-latent
-    attention: deepseek_v3."""
+    attention: deepseek_v3; a mixture of experts with learnable sinks and --quick-geglu: gpt_oss."""
     if m.multi_latent_attention:
         return "deepseek_v3"
     if moe is not None and moe.num_experts is not None:
+        if m.softmax_type == "learnable" and m.quick_geglu:
+            return "gpt_oss"
         return "qwen3_moe" if m.qk_layernorm else "mixtral"
     gpt2 = dict(position_embedding_type="learned_absolute", normalization="LayerNorm", swiglu=False,
                 add_bias_linear=True)
@@ -138,7 +141,7 @@ def read_hf_config(hf_dir: str) -> dict:
         kind = c.get("model_type") if isinstance(c, dict) else None
         raise ConversionError(f"{path}: model_type {kind!r} is not one of "
                               f"{sorted(ARCHITECTURES)}; megafab converts GPT-2, Llama, Qwen2, Qwen3, "
-                              f"Mixtral, Qwen3-MoE and DeepSeek-V3 models")
+                              f"Mistral, Mixtral, Qwen3-MoE, DeepSeek-V3 and gpt-oss models")
     return c
 
 
