@@ -133,7 +133,10 @@ class _ExpertMLP(nn.Module):
         _mark_split(split, self.linear_fc2.weight, ROW_DIM)
 
     def forward(self, x, probs):
-        out = self.linear_fc2(self.shape.activate(self.linear_fc1(x), probs), add_bias=False)
+        h = self.linear_fc1(x, add_bias=False)
+        if self.linear_fc1.bias is not None:  # after the GEMM, as megatron-core's (bf16 rounds alike)
+            h = h + self.linear_fc1.bias
+        out = self.linear_fc2(self.shape.activate(h, probs), add_bias=False)
         if self.linear_fc2.bias is not None:  # the output bias is weighted like the output
             out = out + self.split.output_bias(self.linear_fc2.bias) * probs.unsqueeze(-1)
         return out

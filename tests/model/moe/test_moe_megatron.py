@@ -160,13 +160,14 @@ def test_gelu_experts_with_bias(megatron_cpu, dtype):
     _run_case(MoESettings(**BASE), swiglu=False, dtype=dtype, bias=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
-def test_gpt_oss_experts_equal_megatron(megatron_cpu, dispatcher, grouped):
+def test_gpt_oss_experts_equal_megatron(megatron_cpu, dispatcher, grouped, dtype):
     """gpt-oss's experts: clamped quick-GEGLU with the +1 offset, biases on the router and on every
     expert's fc1 and fc2 (megatron-core's unfused path: fc1's bias added before the clamp)."""
     settings = MoESettings(**{**BASE, "moe_grouped_gemm": grouped, "moe_token_dispatcher_type": dispatcher})
-    _run_case(settings, swiglu=False, dtype=torch.float64, grouped=grouped, bias=True, glu=GPT_OSS_GLU)
+    _run_case(settings, swiglu=False, dtype=dtype, grouped=grouped, bias=True, glu=GPT_OSS_GLU)
 
 
 def test_per_token_loss_scaling(megatron_cpu):
