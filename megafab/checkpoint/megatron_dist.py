@@ -27,6 +27,8 @@ from megafab.checkpoint.errors import CheckpointError
 from megafab.checkpoint.formats import METADATA_JSON
 from megafab.checkpoint.layout import MODEL_PREFIX, STEP, Shard, split_key
 from megafab.checkpoint.megatron_args import flat_from_args, megatron_namespace, unknown_model
+from megafab.checkpoint.megatron_dp_reshardable import SHARDING as DP_RESHARDABLE
+from megafab.checkpoint.megatron_dp_reshardable import DpReshardable, args_problem
 from megafab.checkpoint.source import (
     CheckpointSource,
     CommonRecord,
@@ -35,6 +37,7 @@ from megafab.checkpoint.source import (
     read_json_object,
 )
 from megafab.config import Config
+from megafab.model.activations import gated_linear_unit
 from megafab.param_names import (
     MTP_TRANSFORMER_LAYER,
     expert_extra_state_key,
@@ -116,7 +119,7 @@ def adam_step(common: dict) -> float | None:
     return float(steps[0]) if steps else None
 
 
-def _optimizer_problem(common: dict, view: dict, in_buckets: bool) -> str | None:
+def _optimizer_problem(common: dict, view: dict, in_buckets: bool, args: dict) -> str | None:
     """Why the optimizer state cannot be restored (None: it can); in_buckets: stored as the
     distributed optimizer's flat bucket buffers (mk.OPTIM_BUCKETS keys, which `view` leaves out).
 
@@ -124,9 +127,14 @@ def _optimizer_problem(common: dict, view: dict, in_buckets: bool) -> str | None
     shaped like the parameter: read. Its distributed optimizer's, by param_state_sharding_type:
     fully_reshardable (`optimizer.state.{param, exp_avg, exp_avg_sq}`, parameter-shaped): read;
     fully_sharded_model_space: parameter-shaped in megatron-core >= 0.14, read; flat ranges before,
-    refused; dp_reshardable / dp_zero_gather_scatter / fully_sharded_bucket_space (flat buffers of
-    the saving job's bucket layout): refused by name, and --no-load-optim loads the rest."""
+    refused; dp_reshardable (flat buffers of the saving job's DDP buckets, Megatron-LM's default):
+    read by megatron_dp_reshardable where it lays the saving run out; dp_zero_gather_scatter /
+    fully_sharded_bucket_space: refused by name, and --no-load-optim loads the rest."""
     sharding = _get(common, "optimizer", "param_state_sharding_type")
+    if sharding == DP_RESHARDABLE:
+        return args_problem(args) if in_buckets else (
+            f"its optimizer records sharding type {sharding!r} but holds no bucket buffers "
+            f"({mk.OPTIM_BUCKETS}*); the copy is partial: copy the whole directory")
     if in_buckets or (sharding is not None and sharding not in READABLE_OPTIMIZER_FORMATS):
         return (f"its distributed-optimizer state has sharding type {sharding!r}: flat buffers laid out by "
                 f"the saving job's DP buckets, which megafab cannot reshard (Megatron reads them only at the "
@@ -189,11 +197,21 @@ class TorchDistSource(CheckpointSource):
         else:
             counters, vocab, rng_layout = _megatron_counters(common, args), args.get("vocab_size"), None
         # Megatron-LM's default distributed-optimizer save (dp_reshardable) keeps its state in bucket
-        # buffers only: present, though not readable (refused by name below, not taken for --no-save-optim)
+        # buffers only (megatron_dp_reshardable lays them out; other bucket formats are refused by name)
         in_buckets = any(k.startswith(mk.OPTIM_BUCKETS) for k in metadata.state_dict_metadata)
         has_optimizer = in_buckets or any(split_key(k)[1] is not None for k in view)
         self.step = adam_step(common)
-        problem = _optimizer_problem(common, view, in_buckets) if has_optimizer else None
+        problem = _optimizer_problem(common, view, in_buckets, args) if has_optimizer else None
+        self.buckets = None
+        if in_buckets and problem is None:
+            try:
+                self.buckets = DpReshardable(path, metadata.state_dict_metadata, view, args, model_cfg,
+                                             gated_linear_unit(model_cfg))
+            except CheckpointError as e:  # --no-load-optim still loads the rest
+                problem = str(e)
+            else:
+                view.update(self.buckets.optimizer_view(view))
+                self.step = self.buckets.step
         if problem is None and self.step is None and any(k.endswith(".exp_avg") for k in view):
             problem = "it records no Adam step for its Adam moments (common.pt holds no param_groups step)"
         stored_keys = metadata.state_dict_metadata
@@ -207,8 +225,15 @@ class TorchDistSource(CheckpointSource):
             if split_key(key)[1] == STEP:
                 for view in shard.views:
                     view.fill_(self.step or 0.0)  # SGD keeps no step
+        buckets, copies = {}, []
+        if self.buckets is not None:  # the optimizer state from dp_reshardable bucket buffers
+            optim = {k: s for k, s in shards.items() if split_key(k)[1] not in (None, STEP)}
+            shards = {k: s for k, s in shards.items() if k not in optim}
+            buckets, copies = self.buckets.plan(optim)
         megatron = mk.to_megatron(shards, self.model_cfg, self.main_kind, self.stacked, self.parameter_keys)
-        dcp_io().load_shards(megatron, self.path)
+        dcp_io().load_shards({**megatron, **buckets}, self.path)
+        for target, read in copies:
+            target.copy_(read)
 
     def read_all(self, prefix: str = "") -> dict[str, torch.Tensor]:
         """Every stored tensor whose megafab key starts with `prefix`, whole (for one process:

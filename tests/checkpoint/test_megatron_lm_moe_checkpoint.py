@@ -9,8 +9,9 @@ README.md says how it was made).
 - pretrain_gpt.py --load <a copy> --finetune with the fixture's own Megatron flags trains from it at
   EP 1, EP 2, TP 2 and TP 2 x EP 2 (forked ranks, a second or two each): every rank exits 0, the first
   lm loss is the loaded model's loss on that first batch (1e-5), iterations and samples restart at 0;
-- resuming it (no --finetune) refuses Megatron-LM's bucket-space distributed-optimizer state by name,
-  and --no-load-optim resumes at its iteration 2 logging Megatron-LM's own iteration-3 loss (1e-5);
+- resuming it (no --finetune) reads Megatron-LM's default (dp_reshardable, bucket buffers)
+  distributed-optimizer state: iterations 3 and 4 log Megatron-LM's own losses (1e-5); with
+  --no-load-optim iteration 3 does, iteration 4 does not;
 - --mock-data gives the batches Megatron-LM's loader gave that run;
 - the same run saved with --dist-ckpt-optim-fully-reshardable (fixtures/megatron_lm_moe_fully_reshardable)
   resumes with its optimizer at DP 1, DP 2 and EP 2: iterations 3 and 4 log Megatron-LM's own losses.
@@ -31,7 +32,7 @@ from megafab.checkpoint.megatron_dist import read_common
 from megafab.inference.load import load_model
 from megafab.run.fork_ranks import run_ranks
 from tests.helpers.launch import losses
-from tests.helpers.main_ranks import main_stdout, run_ranks_main
+from tests.helpers.main_ranks import main_stdout
 
 FIXTURE = Path(__file__).parent / "fixtures" / "megatron_lm_moe"
 SAVED = FIXTURE / "iter_0000002"
@@ -159,28 +160,27 @@ def test_pretrain_finetunes_from_the_megatron_lm_checkpoint(tmp_path, finetune_f
     assert os.path.isdir(save / "iter_0000003")
 
 
-def test_resuming_refuses_megatron_lms_bucket_optimizer_state_by_name_and_no_load_optim_resumes(
-        tmp_path, mock_data_cache):
+def test_resuming_megatron_lms_default_save_reads_its_bucket_optimizer_state(tmp_path, mock_data_cache):
     """Megatron-LM's default distributed-optimizer save (dp_reshardable) keeps Adam's state only in
-    flat bucket buffers (optimizer.distributed.*): a resume is refused with the remedy, not started
-    with a fresh optimizer as if the checkpoint held none; --no-load-optim resumes at iteration 2."""
+    flat bucket buffers (optimizer.distributed.*), which megafab lays out and reads: iterations 3 and
+    4 log Megatron-LM's own losses; --no-load-optim (a fresh Adam) logs iteration 3 alike (the same
+    weights), iteration 4 not."""
     load = tmp_path / "load"
     shutil.copytree(FIXTURE, load)
     flags = _with(FLAGS + mock_data_cache, load=load, log_interval=1)  # the fixture's own 4-iteration run
-    refused = run_ranks_main(1, flags, tmp_path / "refused")
-    assert refused.codes == [2], refused.describe()
-    assert "'dp_reshardable'" in refused.all_err() + refused.out[0]
-    assert "--no-load-optim" in refused.all_err() + refused.out[0]
-    out = main_stdout(1, flags + ["--no-load-optim"], tmp_path / "resumed")
-    assert "holds no optimizer state" not in out
-    logged = losses(out)
-    assert sorted(logged) == [3, 4]  # the iteration and consumed samples are the checkpoint's
-    assert " consumed samples:            6 |" in out
-    expected = _recorded_batch_loss(2)  # the batch after 2 x 2 samples
-    assert abs(logged[3] - expected) < 1e-5, (logged[3], expected)
-    # which is Megatron-LM's own iteration-3 loss: its run went on from the saved weights
-    assert abs(logged[3] - REFERENCE["lm_losses"][2]) < 1e-5, (logged[3], REFERENCE["lm_losses"])
-    print(f"MEASURED resumed iteration 3: megafab {logged[3]!r} Megatron-LM {REFERENCE['lm_losses'][2]!r}")
+    logged = {}
+    for run, extra in (("resumed", []), ("fresh", ["--no-load-optim"])):
+        out = main_stdout(1, flags + extra, tmp_path / run)
+        assert "holds no optimizer state" not in out
+        assert " consumed samples:            6 |" in out  # the iteration and samples are the checkpoint's
+        logged[run] = losses(out)
+        assert sorted(logged[run]) == [3, 4]
+        assert abs(logged[run][3] - _recorded_batch_loss(2)) < 1e-5  # the batch after 2 x 2 samples
+    for it in (3, 4):
+        assert abs(logged["resumed"][it] - REFERENCE["lm_losses"][it - 1]) < 1e-5, (it, logged, REFERENCE)
+    assert abs(logged["fresh"][4] - REFERENCE["lm_losses"][3]) > 1e-3, logged
+    print(f"MEASURED resumed {logged['resumed']} fresh Adam {logged['fresh']} Megatron-LM "
+          f"{REFERENCE['lm_losses'][2:]}")
 
 
 def test_mock_data_batches_are_megatron_lms(mock_data_cache):

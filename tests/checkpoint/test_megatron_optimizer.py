@@ -1,7 +1,8 @@
 """Optimizer state in Megatron torch_dist checkpoints, both ways (megatron-core 0.16.1's
 ShardedTensor machinery as the oracle: make_sharded_optimizer_tensor, the call its optimizers use):
 its plain-optimizer and fully_reshardable distributed-optimizer tensors resume in megafab at other
-layouts; a dp_reshardable state is refused by name and --no-load-optim loads the rest; megafab's
+layouts; a bucket-space state megafab does not read (dp_zero_gather_scatter; a dp_reshardable one
+without its bucket buffers) is refused by name and --no-load-optim loads the rest; megafab's
 distributed-optimizer state reads back in megatron-core tensor for tensor."""
 
 import pytest
@@ -87,10 +88,13 @@ def test_megatron_optimizer_state_resumes_in_megafab_at_other_layouts(tmp_path, 
             assert worst < 1e-6 and (iteration, consumed, samples) == (10, 40, 40), (sharding, tp, dist_opt)
 
 
-def test_a_dp_reshardable_state_is_refused_by_name_and_no_load_optim_loads_the_rest(tmp_path):
+@pytest.mark.parametrize("sharding", ["dp_zero_gather_scatter", "dp_reshardable"])
+def test_an_unread_bucket_state_is_refused_by_name_and_no_load_optim_loads_the_rest(tmp_path, sharding):
+    """(Megatron's dp_reshardable buckets are read: test_megatron_dp_reshardable.py; this one
+    records the type but holds parameter-shaped tensors, no `optimizer.distributed.*` buckets.)"""
     root = str(tmp_path / "mcore")
-    run_ranks(_mcore_save_with_optimizer, 1, root, "dp_reshardable", timeout=240)
-    with pytest.raises(Exception, match="'dp_reshardable'.*--no-load-optim"):
+    run_ranks(_mcore_save_with_optimizer, 1, root, sharding, timeout=240)
+    with pytest.raises(Exception, match=f"'{sharding}'.*--no-load-optim"):
         run_ranks(_resume, 1, root, 1, False, timeout=240)
     [(_, iteration, consumed, _)] = run_ranks(_resume, 1, root, 1, False, True, timeout=240)
     assert (iteration, consumed) == (10, 40)
