@@ -57,9 +57,10 @@ def batch_problem_at(cfg, consumed_samples: int) -> ConfigError | None:
 
 
 def train_iterations(cfg) -> int:
-    """Steps to train: --train-iters, or the steps --train-samples lasts. With a ramp, Megatron's
-    count: the ramp's steps (while consumed <= SAMPLES), then whole final-size batches (a partial
-    last batch is dropped); with a step schedule, the steps while consumed < --train-samples."""
+    """Steps to train: --train-iters, or the steps --train-samples lasts (Megatron's
+    update_train_iters): whole batches at a constant size; with a ramp, the ramp's steps (while
+    consumed <= SAMPLES), then whole final-size batches (a partial last batch is dropped); with a
+    step schedule, the steps while consumed < --train-samples."""
     t = cfg.training
     if t.train_iters is not None:
         return t.train_iters
@@ -68,7 +69,7 @@ def train_iterations(cfg) -> int:
     if schedule is not None:
         return iterations_for(schedule, samples)
     if t.rampup_batch_size is None:
-        return -(-samples // t.global_batch_size)
+        return samples // t.global_batch_size  # Megatron's: a partial last batch is not trained
     iterations = consumed = 0
     while consumed <= t.rampup_batch_size[2] and consumed <= samples:
         consumed += global_batch_size_at(cfg, consumed)

@@ -83,6 +83,12 @@ def test_each_step_equals_megatron_heads_own_functions(name, flags, world):
     assert consumed == head["final_consumed"] and seen == len(rows) > 90
 
 
+@pytest.mark.parametrize("samples,batch,iterations", HEAD["constant_train_iters"])
+def test_train_samples_at_a_constant_batch_last_megatrons_whole_batches(samples, batch, iterations):
+    flags = BASE_SAMPLES[:-1] + [str(samples), "--global-batch-size", str(batch)]
+    assert train_iterations(config_from_args(flags, world_size=1)) == iterations
+
+
 def test_the_scripts_split_schedule_is_the_quoted_one():
     flags = fill(GPT3_175B_MAIN, PATHS) + ["--dry-run"]
     at = flags.index("--step-batch-size-schedule")
