@@ -64,10 +64,12 @@ def script_flags(path: str, env: dict[str, str]) -> list[str]:
     return out.stdout.split()
 
 
-def launch_script_flags(path: str, script_args: list[str], workdir: str) -> tuple[list[str], list[str]]:
-    """A script that launches `python -m torch.distributed.run ... pretrain_gpt.py ARGS` itself
-    (examples/gptoss/02_train.sh), run by bash in `workdir` (given the pretrain_gpt.py it looks for)
-    with its own `script_args` and a `python` on PATH that prints its arguments instead of running:
+def launch_script_flags(path: str, script_args: list[str], workdir: str,
+                        env: dict[str, str] | None = None) -> tuple[list[str], list[str]]:
+    """A script that launches `python -m torch.distributed.run ... pretrain_gpt.py ARGS` (or `torchrun
+    ... pretrain_gpt.py ARGS`) itself (examples/gptoss/02_train.sh), run by bash in `workdir` (given
+    the pretrain_gpt.py it looks for) with its own `script_args`, `env` added to the environment, and
+    a `python` and a `torchrun` on PATH that print their arguments instead of running:
     (torch.distributed.run's arguments, pretrain_gpt.py's), as bash expands them."""
     import os
     import stat
@@ -77,10 +79,14 @@ def launch_script_flags(path: str, script_args: list[str], workdir: str) -> tupl
     os.makedirs(shim, exist_ok=True)
     with open(os.path.join(shim, "python"), "w") as f:
         f.write('#!/bin/bash\nprintf "%s\\n" "$@"\n')
-    os.chmod(os.path.join(shim, "python"), stat.S_IRWXU)
+    with open(os.path.join(shim, "torchrun"), "w") as f:
+        f.write('#!/bin/bash\nprintf "%s\\n" torch.distributed.run "$@"\n')
+    for name in ("python", "torchrun"):
+        os.chmod(os.path.join(shim, name), stat.S_IRWXU)
     open(os.path.join(workdir, "pretrain_gpt.py"), "w").close()
+    env = {**os.environ, **(env or {}), "PATH": f"{shim}:{os.environ['PATH']}"}
     out = subprocess.run(["bash", path, *script_args], capture_output=True, text=True, check=True, timeout=30,
-                         cwd=workdir, env={**os.environ, "PATH": f"{shim}:{os.environ['PATH']}"})
+                         cwd=workdir, env=env)
     words = out.stdout.split("\n")
     start = words.index("torch.distributed.run")
     split = words.index("pretrain_gpt.py")
