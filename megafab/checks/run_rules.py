@@ -266,6 +266,30 @@ def _megatron_fsdp_dtype_problems(p, pr) -> list[str]:
             f"dtype; use {model} or fp32" for flag, value in given if value not in ("fp32", model)]
 
 
+def _megatron_fsdp_main_params_problems(p, pr, o) -> list[str]:
+    """--megatron-fsdp-main-params-dtype: Megatron-FSDP's, on FSDP2's shards (optim_grads(_params)), fp32
+    masters or the 16-bit model's own weights."""
+    value = p.megatron_fsdp_main_params_dtype
+    flag = f"--megatron-fsdp-main-params-dtype {value}"
+    if value == "fp32":
+        return []
+    if not p.use_megatron_fsdp:
+        return [f"{flag} needs --use-megatron-fsdp (it sets Megatron-FSDP's main params); drop it"]
+    model = "bf16" if pr.bf16 else "fp16" if pr.fp16 else "fp32"
+    out = []
+    if value not in ("auto", model):
+        out.append(f"{flag} with a {model} model: megafab's main params are fp32 masters or the model's "
+                   f"own weights; use fp32 or auto")
+    if not p.fully_sharded:
+        out.append(f"{flag} with --data-parallel-sharding-strategy {p.data_parallel_sharding_strategy}: "
+                   f"megafab runs it with DDP / the distributed optimizer, whose main params are fp32; use "
+                   f"optim_grads or optim_grads_params, or fp32")
+    if o.optimizer_cpu_offload:
+        out.append(f"{flag} with --optimizer-cpu-offload: the host keeps fp32 masters of an offloaded "
+                   f"optimizer; drop one")
+    return out
+
+
 def sharding_problems(cfg) -> list[str]:
     p, o, pr, m = cfg.parallel, cfg.optimizer, cfg.precision, cfg.model
     out = []
@@ -276,6 +300,7 @@ def sharding_problems(cfg) -> list[str]:
         out.append("--use-torch-fsdp2 and --use-distributed-optimizer cannot be combined: FSDP2 shards "
                    "the optimizer state itself (ZeRO-3 includes ZeRO-1); drop --use-distributed-optimizer")
     out += _megatron_fsdp_dtype_problems(p, pr)
+    out += _megatron_fsdp_main_params_problems(p, pr, o)
     strategy = p.data_parallel_sharding_strategy
     if strategy not in (None, "no_shard") and not p.use_megatron_fsdp:
         out.append(f"--data-parallel-sharding-strategy {strategy} needs --use-megatron-fsdp (with "

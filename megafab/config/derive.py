@@ -97,6 +97,12 @@ def megatron_fsdp_grad_dtype(p) -> str:
     return comm if comm != "auto" else p.megatron_fsdp_main_grads_dtype
 
 
+def fsdp_main_params_in_model_dtype(p) -> bool:
+    """--megatron-fsdp-main-params-dtype other than fp32 (auto, or the 16-bit model's own dtype, the
+    only other one megafab takes): the optimizer steps FSDP2's 16-bit shards, no fp32 master copy."""
+    return p.use_megatron_fsdp and p.megatron_fsdp_main_params_dtype != "fp32"
+
+
 def resolve_sharding(cfg) -> None:
     """Derive `fully_sharded` and the offload fraction; map Megatron-FSDP's strategies onto
     megafab's engines (with a note saying what runs)."""

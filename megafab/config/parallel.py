@@ -109,6 +109,13 @@ class ParallelConfig(Section):
         group="ZeRO-2/3 (FSDP) and optimizer CPU offload",
         help="With --use-megatron-fsdp: the dtype gradients are reduced in (auto: "
              "--megatron-fsdp-main-grads-dtype's); the model's 16-bit dtype is --grad-reduce-in-bf16.")
+    megatron_fsdp_main_params_dtype: str = option(
+        "fp32",
+        choices=("fp32", "bf16", "fp16", "auto"),
+        group="ZeRO-2/3 (FSDP) and optimizer CPU offload",
+        help="With --use-megatron-fsdp: the dtype of the main params the optimizer steps (FSDP2's "
+             "shards); fp32: masters of a 16-bit model; auto (or the model's 16-bit dtype): the model's "
+             "own weights, no master copy.")
     data_parallel_sharding_strategy: str | None = option(
         None,
         choices=MEGATRON_FSDP_STRATEGIES,

@@ -5,8 +5,10 @@ flat range [lo, hi) of its TP block like a distributed-optimizer shard; the opti
 local tensor of that shard with its local gradient shard (already reduce-scattered and averaged
 over DP). For a bf16/fp16 model the shards are fp32, the master weights, stepped in place with no
 copy; with CPU offload they stay in the model dtype and the host keeps the fp32 masters
-(megafab.optim.cpu_offload). Norm, clipping, inf checks and the fp16 loss scaler are
-MixedPrecisionOptimizer's; shards are disjoint across DP (expert params' across expert-DP).
+(megafab.optim.cpu_offload); with --megatron-fsdp-main-params-dtype auto the 16-bit shards themselves
+are the main params (no fp32 copy, 16-bit optimizer state). Norm, clipping, inf checks and the fp16
+loss scaler are MixedPrecisionOptimizer's; shards are disjoint across DP (expert params' across
+expert-DP).
 
 Memory per parameter per rank (bf16 model, Adam): fp32 shard 4 + fp32 grad shard 4 + exp_avg 4 +
 exp_avg_sq 4 = 16/d bytes at rest; the gathered 16-bit weights and the unsharded fp32 gradients of
@@ -52,7 +54,10 @@ class FullyShardedOptimizer(MixedPrecisionOptimizer):
 
     shards_across_dp = True
 
-    def __init__(self, model_chunks, **kwargs):
+    def __init__(self, model_chunks, low_precision_main: bool = False, **kwargs):
+        """low_precision_main: a 16-bit model's shards are the main params themselves (Megatron-FSDP's
+        --megatron-fsdp-main-params-dtype auto): no fp32 copy, the optimizer state in their dtype."""
+        self.low_precision_main = low_precision_main
         bad = [i for i, c in enumerate(model_chunks) if not is_fully_sharded(c)]
         if bad:
             raise OptimizerConfigError(f"the FSDP2 optimizer needs every model chunk wrapped in "
@@ -69,7 +74,8 @@ class FullyShardedOptimizer(MixedPrecisionOptimizer):
             if p not in owned:
                 continue
             shard = local_tensor(p).view(-1)
-            main = shard.float().clone() if shard.dtype in LOW_PRECISION else shard
+            main = shard.float().clone() if shard.dtype in LOW_PRECISION and not self.low_precision_main \
+                else shard
             entries.append(ShardMainParam(name, p, main, not no_weight_decay(name, p), owned[p],
                                           compute_dtype=compute[p]))
         if not entries:

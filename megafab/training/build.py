@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megafab.config.derive import scheduler_samples
+from megafab.config.derive import fsdp_main_params_in_model_dtype, scheduler_samples
 from megafab.config.moe import moe_settings
 from megafab.distributed.data_parallel import DistributedDataParallel
 from megafab.distributed.fsdp import (
@@ -134,10 +134,12 @@ def fully_shard_chunk(cfg, topo: Topology, chunk) -> FullyShardedDataParallel:
     attention block, MLP and norms (layer_units), the chunk the root unit (embedding, final norm,
     output layer); each rank's shards are filled one
     part at a time. The shards are the fp32 masters of a bf16/fp16 model, unless the optimizer is
-    offloaded (then the host keeps the masters)."""
+    offloaded (then the host keeps the masters) or --megatron-fsdp-main-params-dtype says the
+    model's own weights."""
     dtype = next(chunk.parameters()).dtype
     low_precision = dtype in (torch.bfloat16, torch.float16)
-    main = torch.float32 if low_precision and not cfg.optimizer.optimizer_cpu_offload else dtype
+    own = cfg.optimizer.optimizer_cpu_offload or fsdp_main_params_in_model_dtype(cfg.parallel)
+    main = torch.float32 if low_precision and not own else dtype
     reduce = None if cfg.parallel.accumulate_allreduce_grads_in_fp32 else dtype  # --grad-reduce-in-bf16
     expert_mesh = expert_data_parallel_mesh(topo) if moe_settings(cfg) is not None else None
     return FullyShardedDataParallel(chunk, mesh=data_parallel_mesh(topo), expert_mesh=expert_mesh,
@@ -162,7 +164,8 @@ def build_optimizer(cfg, topo: Topology, model: list):
     if o.optimizer_cpu_offload:
         kwargs["cpu_offload"] = OffloadConfig(o.optimizer_offload_fraction, o.pin_cpu_grads, o.pin_cpu_params)
     if cfg.parallel.fully_sharded:
-        return FullyShardedOptimizer(model, **kwargs)
+        return FullyShardedOptimizer(model, low_precision_main=fsdp_main_params_in_model_dtype(cfg.parallel),
+                                     **kwargs)
     if cfg.parallel.use_distributed_optimizer:
         return DistributedOptimizer(model, overlap_param_gather=cfg.parallel.overlap_param_gather, **kwargs)
     return MixedPrecisionOptimizer(model, **kwargs)

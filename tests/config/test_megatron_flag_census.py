@@ -35,7 +35,7 @@ HEAD = CENSUSES["head"][1]
 RELEASES = list(CENSUSES)
 # HEAD's flags that are features being built (issue 39), unknown meanwhile; delete a flag here when
 # megafab honours it
-LEFT_FOR_FEATURES = {"--megatron-fsdp-main-params-dtype"}
+LEFT_FOR_FEATURES: set[str] = set()
 # Megatron's nargs for a flag that one release made a switch and another a one-value flag (megafab
 # takes either: "?"), or a list of any length and another one or more (megafab takes any: "*")
 LOOSER = {"?": (0, None), "*": ("+",)}
