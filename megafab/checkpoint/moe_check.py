@@ -38,10 +38,12 @@ def describe(layers: dict[int, int]) -> str:
 
 def check_moe_matches(stored: dict, wanted: dict, path: str) -> None:
     """stored: model.* key -> metadata with .size (the checkpoint); wanted: key -> global shape (this
-    run's Shards). One CheckpointError when the MoE layers or their expert counts differ."""
+    run's Shards: a pipeline stage's own layers). One CheckpointError when the MoE layers or their
+    expert counts differ in the layers this rank builds."""
     have = moe_layers({k: tuple(md.size) for k, md in stored.items() if hasattr(md, "size")})
     want = moe_layers(wanted)
-    if have != want:
+    built = {layer_of(split_key(k)[0]) for k in wanted if k.startswith(MODEL_PREFIX)}
+    if {n: e for n, e in have.items() if n in built} != want:
         raise CheckpointError(
             f"{path} holds {describe(have)}, but this run builds {describe(want)}; pass the checkpoint's "
             f"--num-experts / --moe-layer-freq (or load a checkpoint of this model)")

@@ -15,9 +15,10 @@ SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 
 
 def parse_window_size(text) -> tuple[int, ...]:
-    """--window-size as Megatron's tuple_type reads it: "128,0" or "(128,0)" -> (128, 0)."""
+    """--window-size as Megatron's tuple_type reads it: "128,0" or "(128,0)" -> (128, 0); a config
+    file's list [128, 0] too."""
     try:
-        return tuple(int(i) for i in str(text).strip().strip("()").split(","))
+        return tuple(int(i) for i in str(text).strip().strip("()[]").split(","))
     except ValueError:
         raise ValueError(f"--window-size {text!r} is not a pair of ints like '(128,0)'") from None
 

@@ -229,3 +229,18 @@ def test_import_runs_at_tp2_ep2_with_transformers_logits(tmp_path):
     errors = [(out[..., :VOCAB] - want).abs().max().item() for out in logits]
     assert max(errors) < 1e-5, errors
     print(f"TP 2 x EP 2 logits vs transformers: {max(errors):.1e}")
+
+
+def test_model_flags_file_reads_back_the_windows(tmp_path):
+    """model_flags.toml writes --window-size and the per-layer pattern as lists; --config reads them
+    back as the flags would (pretrain_gpt.py --config model_flags.toml of continued pretraining)."""
+    from megafab.arguments import config_from_args
+    from megafab.convert.model_flags import write_model_flags
+
+    _, cfg = _import(hf_gpt_oss(), tmp_path / "hf")
+    path = write_model_flags(cfg, str(tmp_path), "test")
+    run = config_from_args(["--config", path, "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
+                            "--mock-data", "--seq-length", "24"], world_size=1)
+    m = run.model
+    assert (m.window_size, m.window_attn_skip_freq, m.softmax_type, m.position_embedding_type) == \
+        ((WINDOW - 1, 0), (1, 0, 1, 0), "learnable", "yarn")
