@@ -71,6 +71,10 @@ def step_schedule_problems(cfg) -> list[str]:
     if t.rampup_batch_size is not None:
         out.append(f"{flag} and --rampup-batch-size are two batch-size ramps; give one (Megatron-LM HEAD "
                    f"ignores --rampup-batch-size)")
+    smaller = [(a, b) for (_, a), (_, b) in zip(schedule, schedule[1:]) if b < a]
+    if smaller:
+        out.append(f"{flag}: batch {smaller[0][1]} after {smaller[0][0]}; the batch may only grow (Megatron "
+                   f"asserts the number of micro-batches never decreases)")
     step = (t.micro_batch_size or 0) * (p.data_parallel_size or 0)
     gbs = t.global_batch_size
     if gbs not in (None, final, step):

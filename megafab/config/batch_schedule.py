@@ -88,3 +88,19 @@ def final_scheduled_batch(text: str | None, seq_length: int | None) -> int | Non
         return parse_step_schedule(text, seq_length)[-1][1]
     except ValueError:
         return None
+
+
+def schedule_note(text: str | None, seq_length: int | None, per_step: int) -> str | None:
+    """The start-up line of the schedule as Megatron logs it: each entry's first sample (and token),
+    global batch and micro-batches (per_step: micro batch x dp)."""
+    try:
+        schedule = parse_step_schedule(text, seq_length) if text is not None else None
+    except ValueError:
+        return None
+    if schedule is None:
+        return None
+    tokens = seq_length or 1
+    return "step batch size schedule: " + "; ".join(
+        f">= {t * tokens:,} tokens ({t:,} samples) -> batch {b}" + (f", {b // per_step} micro-batches"
+                                                                     if per_step else "")
+        for t, b in schedule)

@@ -8,7 +8,7 @@ grid's sizes (DP, ETP's default) are megafab.layout's, read from there.
 
 from __future__ import annotations
 
-from megafab.config.batch_schedule import final_scheduled_batch
+from megafab.config.batch_schedule import final_scheduled_batch, schedule_note
 from megafab.layout import data_parallel_size, expert_tensor_parallel_size
 
 # --cp-comm-type spellings -> the name megafab uses (Megatron says allgather).
@@ -148,6 +148,8 @@ def derive(cfg, world_size: int) -> None:
     steady = final_scheduled_batch(t.step_batch_size_schedule, m.seq_length) or t.global_batch_size
     if steady and per_step and steady % per_step == 0:  # (a schedule's: its last batch, Megatron's too)
         t.num_micro_batches = steady // per_step
+    if note := schedule_note(t.step_batch_size_schedule, m.seq_length, per_step):
+        cfg.notes.append(note)
     if t.eval_global_batch_size is None:  # Megatron HEAD's validate_args
         t.eval_global_batch_size = t.global_batch_size
     if t.eval_micro_batch_size is None:

@@ -99,6 +99,12 @@ def test_the_scripts_split_schedule_is_the_quoted_one():
     equals = config_from_args(flags[:at] + [f"--step-batch-size-schedule={schedule}"] + flags[at + 7:],
                               world_size=128)
     assert equals.training.step_batch_size_schedule == HEAD["schedule"]
+    assert split.start_up_notes()[0] == (  # Megatron's start-up log of the schedule, at DP 1
+        "step batch size schedule: >= 0 tokens (0 samples) -> batch 16, 16 micro-batches; >= 2,400,000,000 "
+        "tokens (1,171,875 samples) -> batch 320, 320 micro-batches; >= 4,800,000,000 tokens (2,343,750 "
+        "samples) -> batch 624, 624 micro-batches; >= 7,200,000,000 tokens (3,515,625 samples) -> batch "
+        "928, 928 micro-batches; >= 9,600,000,000 tokens (4,687,500 samples) -> batch 1232, 1232 "
+        "micro-batches; >= 12,000,000,000 tokens (5,859,375 samples) -> batch 1536, 1536 micro-batches")
 
 
 def _problems(extra: list[str], world: int = 2, base=None) -> list[str]:
@@ -124,6 +130,9 @@ def test_rules_each_one_line():
         f"--global-batch-size samples, here micro batch x dp = 4, not the schedule's batches; give "
         f"--train-samples (and --lr-*-samples), or --global-batch-size 8"]
     config_from_args(BASE + SCHEDULE + ["--global-batch-size", "8"], world_size=2)  # the script's way
+    assert _problems(["--step-batch-size-schedule", "0:8 320:4"]) == [
+        "--step-batch-size-schedule '0:8 320:4': batch 4 after 8; the batch may only grow (Megatron asserts "
+        "the number of micro-batches never decreases)"]
     later = ["--step-batch-size-schedule", "0:8 320:10"]
     assert _problems(later) == ["--step-batch-size-schedule '0:8 320:10': batch 10 is not divisible by "
                                 "--micro-batch-size x data-parallel size = 4; every step is whole "
