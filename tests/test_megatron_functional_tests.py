@@ -80,7 +80,7 @@ def test_the_committed_table_is_what_megafab_does_now(corpus):
     for text, rid in ids.items():  # R: megafab's reasons, the same ids on every machine
         if rid.startswith("R"):
             cell = text.replace("|", "\\|")
-            assert f"| {rid} | {cell} | {len(found[text].cases)} |" in committed
+            assert f"| {rid} | {cell} | {len(found[text].cases)} | {found[text].alone} |" in committed
     rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in committed.splitlines()
             if line.startswith("| ") and line.count(" | ") == 4}
     for r in results:

@@ -185,6 +185,7 @@ class Reason:
     cases: set = dataclasses.field(default_factory=set)
     flags: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     machine: bool = False
+    alone: int = 0  # the cases megafab's rules refuse for this reason only
 
 
 def reasons(results: list[Result]) -> dict[str, Reason]:
@@ -197,6 +198,8 @@ def reasons(results: list[Result]) -> dict[str, Reason]:
             entry.machine = entry.machine or p in r.machine_problems
             if _flag(p):
                 entry.flags[_flag(p)] += 1
+        if len({reason(p) for p in r.rules.problems}) == 1:
+            out[reason(r.rules.problems[0])].alone += 1
     return dict(sorted(out.items(), key=lambda kv: (kv[1].machine, -len(kv[1].cases), kv[0])))
 
 
@@ -264,12 +267,13 @@ def only_being_built(result: Result) -> bool:
 
 def _reason_table(found: dict[str, Reason], ids: dict[str, str]) -> list[str]:
     lines = ["## Reasons", "",
-             "Each reason with the cases it refuses (the numbers in a rule's text written N); a refusal's",
-             "flags with their cases. R: megafab's reasons; M: this machine's checks.", "",
-             "| id | reason | cases | flags (cases) |", "|---|---|---:|---|"]
+             "Each reason with the cases it refuses (the numbers in a rule's text written N), the cases",
+             "megafab's rules refuse for it alone, and a refusal's flags with their cases. R: megafab's",
+             "reasons; M: this machine's checks.", "",
+             "| id | reason | cases | alone | flags (cases) |", "|---|---|---:|---:|---|"]
     for text, r in found.items():
         flags = ", ".join(f"`{f}` ({n})" for f, n in sorted(r.flags.items(), key=lambda x: (-x[1], x[0])))
-        lines.append(f"| {ids[text]} | {_cell(text)} | {len(r.cases)} | {flags} |")
+        lines.append(f"| {ids[text]} | {_cell(text)} | {len(r.cases)} | {r.alone} | {flags} |")
     return lines + [""]
 
 
