@@ -56,6 +56,17 @@ def test_the_tensors_name_the_checkpoints_experts():
         check_moe_matches(dense, {k: (8, 2, 8, 32) for k in moe}, "ckpt")
 
 
+def test_a_pipeline_stage_is_compared_on_its_own_layers():
+    """A stage builds layers 2 and 3 of a 4-layer MoE checkpoint: it matches; other expert counts in
+    its own layers do not."""
+    key = "model.decoder.layers.{}.mlp.experts.linear_fc1.weight"
+    stored = {key.format(i): _md(4, 2, 8, 32) for i in range(4)}
+    check_moe_matches(stored, {key.format(i): (4, 2, 8, 32) for i in (2, 3)}, "ckpt")
+    with pytest.raises(CheckpointError, match="holds a mixture-of-experts model with 4 experts in layers "
+                                              "0, 1, 2, 3, but this run builds .* 8 experts in layers 2, 3"):
+        check_moe_matches(stored, {key.format(i): (8, 2, 8, 32) for i in (2, 3)}, "ckpt")
+
+
 def _save_moe(rank, world, path):
     state = moe_state(dp=1, dist_opt=False, save=path)
     train(state, 1)
