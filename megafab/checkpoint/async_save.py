@@ -67,7 +67,7 @@ class AsyncSaver:
 
     def __init__(self):
         self.pending: Pending | None = None
-        self.staging = None  # dcp_async.Staging, made at the first save
+        self.staging = dcp_async().Staging()  # its writer process starts now, up by the first save
 
     @property
     def buffers(self) -> dict:
@@ -91,7 +91,7 @@ class AsyncSaver:
         start = time.time()
         tmp = checkpointing.start_save(state, root)
         shards, objects, common = checkpointing.torch_dist_parts(state, not ck.no_save_optim)
-        if self.staging is None:
+        if self.staging is None:  # closed by an earlier end of training
             self.staging = dcp_async().Staging()
         staged, recipe = self.staging.stage(shards)
         if not ck.no_save_rng:

@@ -34,11 +34,13 @@ from megafab.checkpoint.writer_process import WriteJob, WriterProcess
 
 
 class Staging:
-    """The rank's staging arena (reused while the tensors' shapes hold) and its writer process."""
+    """The rank's staging arena (reused while the tensors' shapes hold) and its writer process,
+    started at once so that it is up by the first save."""
 
     def __init__(self):
         self.arena: StagingArena | None = None
-        self.worker: WriterProcess | None = None
+        self.worker: WriterProcess | None = WriterProcess()
+        self.attached = False  # the worker maps the current arena
         self.buffers: dict = {}  # first key of each staged shard -> its host buffers
 
     def stage(self, shards: dict[str, Shard]) -> tuple[dict[str, Shard], dict]:
@@ -51,8 +53,10 @@ class Staging:
         layout = tuple((tuple(v.shape), v.dtype) for _, s in unique.values() for v in s.views)
         cuda = any(v.device.type == "cuda" for _, s in unique.values() for v in s.views)
         if self.arena is None or self.arena.layout != layout:
-            self.close()
+            if self.arena is not None:
+                self.arena.close()
             self.arena = StagingArena(layout, "cuda" if cuda else "cpu")
+            self.attached = False
         copies, self.buffers, i = {}, {}, 0
         for sid, (key, shard) in unique.items():
             n = len(shard.views)
@@ -71,12 +75,15 @@ class Staging:
         return staged, recipe
 
     def writer(self) -> WriterProcess:
-        """The writer process of the current arena; a new one if it has died since the last save."""
+        """The writer process, mapping the current arena; a new one if it has died since the last save."""
         if self.worker is not None and not self.worker.alive():
             self.worker.close()
             self.worker = None
         if self.worker is None:
-            self.worker = WriterProcess(self.arena)
+            self.worker, self.attached = WriterProcess(), False
+        if not self.attached:
+            self.worker.attach(self.arena)
+            self.attached = True
         return self.worker
 
     def staged_bytes(self) -> int:

@@ -1,12 +1,14 @@
 """The persistent checkpoint writer of --async-save (Megatron's --use-persistent-ckpt-worker): one
-process per rank, spawned at the rank's first save, that maps the rank's staging arena
-(staging_arena.py) and writes each save's files with DCP's FileSystemWriter while the rank trains.
-Spawned, not forked: a forked child would keep the copy-on-write image of the rank's whole memory
-(on CPU the model and optimizer state) for as long as it lives. It ignores SIGTERM and SIGINT (the
-rank decides when to stop) and dies with its rank (PR_SET_PDEATHSIG on Linux; EOF on its pipe); a
-writer that dies mid-write fails that save, which is then never finalized.
+process per rank, spawned when training starts, that maps the rank's staging arena
+(staging_arena.py; its file descriptor passed over the pipe) and writes each save's files with
+DCP's FileSystemWriter while the rank trains. Spawned, not forked: a forked child would keep the
+copy-on-write image of the rank's whole memory (on CPU the model and optimizer state) for as long
+as it lives. It runs at a lower CPU priority, ignores SIGTERM and SIGINT (the rank decides when to
+stop) and dies with its rank (PR_SET_PDEATHSIG on Linux; EOF on its pipe); a writer that dies
+mid-write fails that save, which is then never finalized.
 
-    worker = WriterProcess(arena)       spawn; returns at once (a job waits until it is up)
+    worker = WriterProcess()            spawn; returns at once (jobs wait until it is up)
+    worker.attach(arena)                the arena the next jobs' offsets point into
     worker.submit(job)                  WriteJob: where, the rank's DCP plan, offsets, objects
     worker.poll()                       None while writing, else Outcome(results | error, finished)
     worker.close()
@@ -22,7 +24,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from multiprocessing.reduction import DupFd
+from multiprocessing.reduction import recv_handle, send_handle
 
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
@@ -32,6 +34,7 @@ from megafab.checkpoint.layout import Shard
 from megafab.checkpoint.staging_arena import StagingArena, view_at
 
 PR_SET_PDEATHSIG = 1
+NICENESS = 10  # the writer yields the CPU to training (on a CPU run both compete for the same cores)
 
 
 @dataclass
@@ -74,22 +77,28 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def serve(conn, fd: DupFd, size: int, parent: int) -> None:
-    """The writer's main loop: one job at a time, until the rank says stop or is gone."""
+def serve(conn, parent: int) -> None:
+    """The writer's main loop: one message at a time, until the rank says stop or is gone."""
     _die_with_parent(parent)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.nice(NICENESS)
     torch.set_num_threads(1)
-    block = torch.frombuffer(mmap.mmap(fd.detach(), size), dtype=torch.uint8)
+    block = None
     while True:
         try:
-            job = conn.recv()
+            message = conn.recv()
         except (EOFError, OSError):
             return
-        if job is None:
+        if message is None:
             return
+        if isinstance(message, int):  # a new arena of this many bytes; its descriptor follows
+            fd = recv_handle(conn)
+            block = torch.frombuffer(mmap.mmap(fd, message), dtype=torch.uint8)
+            os.close(fd)  # the mapping keeps the memory
+            continue
         try:
-            outcome = Outcome(run_job(block, job), None, 0.0)
+            outcome = Outcome(run_job(block, message), None, 0.0)
         except BaseException as e:  # noqa: BLE001 - reported to every rank by the save's finish
             outcome = Outcome(None, f"{type(e).__name__}: {e}", 0.0)
         outcome.finished = time.time()
@@ -103,13 +112,17 @@ def _ended(code: int | None) -> str:
 
 
 class WriterProcess:
-    def __init__(self, arena: StagingArena):
+    def __init__(self):
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=serve, args=(child, DupFd(arena.fd), arena.size, os.getpid()),
-                                   name="megafab-checkpoint-writer", daemon=True)
+        self.process = ctx.Process(target=serve, args=(child, os.getpid()), name="megafab-checkpoint-writer",
+                                   daemon=True)
         self.process.start()
         child.close()
+
+    def attach(self, arena: StagingArena) -> None:
+        self.conn.send(arena.size)
+        send_handle(self.conn, arena.fd, self.process.pid)
 
     def alive(self) -> bool:
         return self.process.is_alive()
