@@ -147,6 +147,13 @@ def test_rules_each_one_line():
         "--eval-global-batch-size 6 is not divisible by --eval-micro-batch-size 2 x data-parallel size 2 "
         "= 4; use a multiple of 4"]
     assert _problems(["--eval-micro-batch-size", "0"]) == ["--eval-micro-batch-size 0 must be positive"]
+    interleaved = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
+    assert _problems(SCHEDULE + interleaved, world=4) == [  # micro-batches 1, 2 at micro batch 2 x dp 2
+        f"{flag}: with the interleaved schedule every batch's micro-batch count must be a multiple of "
+        f"--pipeline-model-parallel-size 2"]
+    assert _problems(interleaved + words("--global-batch-size 8 --eval-global-batch-size 4"), world=4) == [
+        "the interleaved schedule needs the evaluation's micro-batches (1 = eval global batch / (eval micro "
+        "batch x dp)) to be a multiple of --pipeline-model-parallel-size 2"]
     assert _problems(["--eval-micro-batch-size", "3"]) == [
         "--eval-global-batch-size 4 is not divisible by --eval-micro-batch-size 3 x data-parallel size 2 "
         "= 6; use a multiple of 6"]
