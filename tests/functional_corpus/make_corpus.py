@@ -77,8 +77,8 @@ def placeholders_replaced(words: list[str], case: str) -> list[str]:
 
 
 def recipes(mirror: str) -> dict[tuple[str, str], tuple[int, str, str]]:
-    """(model, case) -> (world, recipe, entry script) of the first recipe naming it, H100's first:
-    its nodes x the GPUS_PER_NODE its script exports (the recipe's `gpus` sizes the allocation only)."""
+    """(model, case) -> (nodes, GPUs per node, recipe, entry script) of the first recipe naming it,
+    H100's first: the GPUS_PER_NODE its script exports (the recipe's `gpus` sizes the allocation only)."""
     files = [f for f in git(mirror, "ls-tree", "-r", "--name-only", COMMIT, RECIPES).split()
              if f.endswith(".yaml")]
     files.sort(key=lambda f: (not f.startswith(f"{RECIPES}/h100/"), f))
@@ -90,10 +90,11 @@ def recipes(mirror: str) -> dict[tuple[str, str], tuple[int, str, str]]:
             continue  # a build or clean-up recipe: no test case
         per_node = re.search(r"(?:GPUS_PER_NODE=|--nproc_per_node )(\{gpus\}|\d+)", spec.get("script", ""))
         per_node = per_node and (spec["gpus"] if per_node.group(1) == "{gpus}" else int(per_node.group(1)))
-        world, script = spec["nodes"] * (per_node or RUNNER_GPUS), entry_script(spec.get("script", ""))
+        nodes, per_node, script = spec["nodes"], per_node or RUNNER_GPUS, entry_script(spec.get("script", ""))
         for product in recipe.get("products") or []:
             for case in product.get("test_case", []):
-                found.setdefault((spec.get("model"), case), (world, path[len(RECIPES) + 1:], script))
+                found.setdefault((spec.get("model"), case), (nodes, per_node, path[len(RECIPES) + 1:],
+                                                              script))
     return found
 
 
@@ -147,12 +148,11 @@ def corpus(mirror: str) -> list[dict]:
             continue
         config = yaml_as_text(git(mirror, "show", f"{COMMIT}:{path}"))
         words = placeholders_replaced(model_args_words(config.get("MODEL_ARGS")), case)
-        world, recipe, script = runs.get((model, case), (None, None, None))
-        per_node = ((config.get("MODEL_ENV_VARS") or {}).get("MODEL_ARGS") or {}).get("GPUS_PER_NODE")
-        if per_node and recipe:  # run_ci_test.sh: the case's own GPUS_PER_NODE for its MODEL_ARGS run
-            world = world // RUNNER_GPUS * int(per_node)
-        if world is None:
-            world, script = fitting_world(words), "pretrain_gpt.py"
+        nodes, per_node, recipe, script = runs.get((model, case), (None, None, None, "pretrain_gpt.py"))
+        # run_ci_test.sh exports the case's own GPUS_PER_NODE for its MODEL_ARGS run
+        own = (config.get("MODEL_ENV_VARS") or {}).get("MODEL_ARGS") or {}
+        per_node = own.get("GPUS_PER_NODE", per_node)
+        world = nodes * int(per_node) if recipe else fitting_world(words)
         argv, elsewhere = words, []
         if script != "pretrain_gpt.py":  # its own parser's flags, not pretrain_gpt.py's
             argv, i = [], 0
