@@ -3,7 +3,8 @@
 pretrain makes it; 3 AdamW steps, two micro-batches of 2 packed samples each) at TP 2 + SP, PP 2
 and CP 2 (allgather, a2a: each rank's queries masked by their rows of the whole sequence's document
 mask), the grad norm of every step and every parameter after it within 1e-10; and the loss and every
-gradient of one forward-backward at TP 2 (with and without SP) and CP 2 within 1e-10."""
+gradient of one forward-backward at TP 2 (with and without SP) and CP 2 within 1e-10, also with sliding
+windows and learnable sinks and (CP) with multi-latent attention."""
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from megafab.model.transformer import LayerContext
 from megafab.run.fork_ranks import run_ranks
 from megafab.training.step import get_batch_on_this_cp_rank
 from tests.helpers.driver import MICRO, STEPS, driver_state, make_samples, reference_run, train_and_compare
+from tests.helpers.mcore_mla import MLA_STYLE
 from tests.helpers.packed_documents import packed_fields
 from tests.helpers.tiny import (
     LLAMA_STYLE,
@@ -29,6 +31,11 @@ from tests.helpers.tiny import (
 
 STYLE = dict(LLAMA_STYLE, rotary_percent=1.0, num_query_groups=2, seq_length=32, vocab_size=112,
              dataloader_inter_document_masking=True)
+# one forward-backward: the plain model, sliding windows with learnable sinks (the document mask
+# combined with each windowed layer's window), multi-latent attention (CP only)
+DIRECT = {"plain": STYLE, "window_sinks": dict(STYLE, window_size=(4, 0), window_attn_skip_freq=2,
+                                               softmax_type="learnable"),
+          "mla": dict(MLA_STYLE, seq_length=32, vocab_size=112, dataloader_inter_document_masking=True)}
 LAYOUTS = {"tp2-sp": dict(tp=2, sequence_parallel=True), "pp2": dict(pp=2),
            "cp2-allgather": dict(context_parallel_size=2, cp_comm_type="allgather"),
            "cp2-a2a": dict(context_parallel_size=2, cp_comm_type="a2a")}
@@ -80,14 +87,14 @@ def _reference(m, mb):
     return loss.item(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def _direct(rank, world):
-    m = tiny_config(style=STYLE).model
+def _direct(rank, world, style):
+    m = tiny_config(style=DIRECT[style]).model
     mb = attach_document_mask(packed_micro_batch(m))
     ref = _reference(m, mb)
     checked = []
     topo = build_topology(tp=world)
     tp = topo.group("tp")
-    for sp in (False, True):
+    for sp in (False, True) if style != "mla" else ():
         model = GPTModel(m, context(tp, sp))
         loss = masked_mean_loss(model(mb["tokens"], mb["position_ids"], labels=mb["labels"],
                                       attention_mask=mb["attention_mask"]), mb["loss_mask"])
@@ -116,6 +123,7 @@ def _direct(rank, world):
     return checked
 
 
-def test_loss_and_every_gradient_equal_single_process():
-    checked = run_ranks(_direct, 2, timeout=120)
-    assert all(len(c) == 4 and min(c) > 0 for c in checked)
+@pytest.mark.parametrize("style", DIRECT)
+def test_loss_and_every_gradient_equal_single_process(style):
+    checked = run_ranks(_direct, 2, style, timeout=120)
+    assert all(len(c) == (2 if style == "mla" else 4) and min(c) > 0 for c in checked)
