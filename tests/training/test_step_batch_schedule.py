@@ -10,6 +10,7 @@ import os
 import re
 
 import pytest
+import torch
 
 from megafab.arguments import config_from_args
 from megafab.config import ConfigError
@@ -210,12 +211,15 @@ def test_evaluation_batches_of_their_own(tmp_path, mock_data_cache):
     rank and evaluation step, 16 samples per 2-step evaluation; the validation losses equal 4 steps of
     the training batch (4 samples in micro-batches of 1) over the same 16 samples, at the first
     evaluation, the second (which starts where the first stopped) and the end's validation and test
-    (16 test samples); the valid set's size is the same, (iters // interval + 1) x 16 samples."""
+    (16 test samples); the valid set's size is the same, (iters // interval + 1) x 16 samples; the
+    checkpoint after both evaluations counts 2 x 16 consumed validation samples."""
     from tests.helpers.launch import pretrain_in_ranks
 
     flags = RUN + mock_data_cache + words("--global-batch-size 4 --train-iters 2 --eval-interval 1")
+    ckpt = str(tmp_path / "ckpt")
     own = "".join(pretrain_in_ranks(
-        flags + words("--eval-iters 2 --eval-global-batch-size 8 --eval-micro-batch-size 2"), world_size=2))
+        flags + words("--eval-iters 2 --eval-global-batch-size 8 --eval-micro-batch-size 2 --save-interval 2")
+        + ["--save", ckpt], world_size=2))
     training = "".join(pretrain_in_ranks(flags + words("--eval-iters 4"), world_size=2))
     fewer = "".join(pretrain_in_ranks(flags + words("--eval-iters 2"), world_size=2))
 
@@ -225,3 +229,6 @@ def test_evaluation_batches_of_their_own(tmp_path, mock_data_cache):
     assert validation(own) == pytest.approx(validation(training), rel=1e-6)
     assert validation(own) != pytest.approx(validation(fewer), rel=1e-6)  # 8 samples per evaluation differ
     assert re.search(r"validation:\s+48\b", own) and re.search(r"validation:\s+48\b", training)
+    # Megatron's accounting, which a resumed run reads the validation set from: 2 evaluations x 16
+    args = torch.load(os.path.join(ckpt, "iter_0000002", "common.pt"), weights_only=False)["args"]
+    assert args.consumed_valid_samples == 32 and args.eval_global_batch_size == 8
