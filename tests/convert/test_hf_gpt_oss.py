@@ -244,3 +244,33 @@ def test_model_flags_file_reads_back_the_windows(tmp_path):
     m = run.model
     assert (m.window_size, m.window_attn_skip_freq, m.softmax_type, m.position_embedding_type) == \
         ((WINDOW - 1, 0), (1, 0, 1, 0), "learnable", "yarn")
+
+
+def test_convert_cli_legacy_ep2_generates_as_transformers(tmp_path, capsys):
+    """megafab-convert: HF -> legacy torch files at EP 2 (TP 1: biased experts stay whole) ->
+    megafab-generate's greedy ids equal transformers.generate's; legacy files at TP 2 (experts split
+    at ETP = TP) are refused naming the fix."""
+    import os
+
+    from megafab.cli.convert import main as convert
+    from megafab.cli.generate import main as megafab_generate
+    from megafab.convert import write_checkpoint
+
+    hf = hf_gpt_oss()
+    hf.save_pretrained(tmp_path / "hf")
+    legacy = str(tmp_path / "torch_ep2")
+    assert convert(["convert", "--hf-dir", str(tmp_path / "hf"), "--save-dir", legacy, "--saver", "torch",
+                    "--target-expert-parallel-size", "2", "--make-vocab-size-divisible-by", "8"]) == 0
+    assert len(os.listdir(os.path.join(legacy, "iter_0000000"))) == 2  # one file per EP rank
+    prompt = TOKENS[1, :12].tolist()
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)[0, 12:].tolist()
+    capsys.readouterr()
+    assert megafab_generate(["--load", legacy, "--prompt", " ".join(map(str, prompt)), "--greedy",
+                             "--max-new-tokens", "8", "--eod", "-1", "--print-ids"]) == 0
+    ids = [line for line in capsys.readouterr().out.splitlines() if line.startswith("ids: ")][0]
+    assert [int(t) for t in ids[5:].split()] == theirs
+    sd, cfg = import_hf(str(tmp_path / "hf"), tp=2)
+    with pytest.raises(ConversionError, match="--expert-tensor-parallel-size 1; write torch_dist"):
+        write_checkpoint(str(tmp_path / "torch_tp2"), sd, cfg, ckpt_format="torch")
