@@ -137,8 +137,9 @@ class _ExpertMLP(nn.Module):
         if self.linear_fc1.bias is not None:  # after the GEMM, as megatron-core's (bf16 rounds alike)
             h = h + self.linear_fc1.bias
         out = self.linear_fc2(self.shape.activate(h, probs), add_bias=False)
-        if self.linear_fc2.bias is not None:  # the output bias is weighted like the output
-            out = out + self.split.output_bias(self.linear_fc2.bias) * probs.unsqueeze(-1)
+        if self.linear_fc2.bias is not None:  # the output bias is weighted like the output, added in
+            # the probabilities' dtype (an fp32 router's) and rounded to the output's, as megatron-core
+            out = (out + self.split.output_bias(self.linear_fc2.bias) * probs.unsqueeze(-1)).to(out.dtype)
         return out
 
 
@@ -177,9 +178,10 @@ class GroupedExperts(nn.Module):
         h = activation(self.linear_fc1(rows, tokens_per_expert), probs)
         out = self.linear_fc2(h, tokens_per_expert, add_bias=False)
         activation.discard(out)
-        if self.linear_fc2.bias is not None:
-            bias = self.split.output_bias(self.linear_fc2.bias)
-            out = out + self.linear_fc2.bias_rows(tokens_per_expert, bias) * probs.unsqueeze(-1)
+        if self.linear_fc2.bias is not None:  # per expert, as megatron-core's TEGroupedMLP._apply_bias:
+            bias = self.split.output_bias(self.linear_fc2.bias)  # its gradient summed in probs' dtype
+            out = torch.cat([rows_e + b * p.unsqueeze(-1) for rows_e, b, p in zip(
+                out.split(tokens_per_expert), bias, probs.split(tokens_per_expert))]).to(out.dtype)
         return out
 
 

@@ -165,9 +165,13 @@ def test_gelu_experts_with_bias(megatron_cpu, dtype):
 @pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
 def test_gpt_oss_experts_equal_megatron(megatron_cpu, dispatcher, grouped, dtype):
     """gpt-oss's experts: clamped quick-GEGLU with the +1 offset, biases on the router and on every
-    expert's fc1 and fc2 (megatron-core's unfused path: fc1's bias added before the clamp)."""
-    settings = MoESettings(**{**BASE, "moe_grouped_gemm": grouped, "moe_token_dispatcher_type": dispatcher})
+    expert's fc1 and fc2 (megatron-core's unfused path: fc1's bias added before the clamp), the fp32
+    router of its scripts (fc2's bias weighted in fp32, the output back in the model's dtype)."""
+    settings = MoESettings(**{**BASE, "moe_grouped_gemm": grouped, "moe_token_dispatcher_type": dispatcher,
+                              "moe_router_dtype": "fp32"})
     _run_case(settings, swiglu=False, dtype=dtype, grouped=grouped, bias=True, glu=GPT_OSS_GLU)
+    layer = megafab_layer(settings, False, dtype, bias=True, glu=GPT_OSS_GLU)
+    assert layer(_inputs(dtype)[0])[0].dtype == dtype  # not promoted by the fp32 probabilities
 
 
 def test_per_token_loss_scaling(megatron_cpu):
