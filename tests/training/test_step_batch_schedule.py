@@ -221,13 +221,11 @@ def test_evaluation_batches_of_their_own(tmp_path, mock_data_cache):
         flags + words("--eval-iters 2 --eval-global-batch-size 8 --eval-micro-batch-size 2 --save-interval 2")
         + ["--save", ckpt], world_size=2))
     training = "".join(pretrain_in_ranks(flags + words("--eval-iters 4"), world_size=2))
-    fewer = "".join(pretrain_in_ranks(flags + words("--eval-iters 2"), world_size=2))
 
     def validation(out):  # after iterations 1 and 2, at the end (validation, test)
         return [float(v) for v in re.findall(r" loss at [^|]+\| lm loss value: (\S+)", out)]
     assert len(validation(own)) == 4
     assert validation(own) == pytest.approx(validation(training), rel=1e-6)
-    assert validation(own) != pytest.approx(validation(fewer), rel=1e-6)  # 8 samples per evaluation differ
     assert re.search(r"validation:\s+48\b", own) and re.search(r"validation:\s+48\b", training)
     # Megatron's accounting, which a resumed run reads the validation set from: 2 evaluations x 16
     args = torch.load(os.path.join(ckpt, "iter_0000002", "common.pt"), weights_only=False)["args"]
