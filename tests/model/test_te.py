@@ -189,7 +189,12 @@ def fake_te(monkeypatch):
     return fake
 
 
-@pytest.mark.parametrize("style", [GPT2_STYLE, LLAMA_STYLE])
+# gpt-oss's dense MLP: clamped quick-GEGLU (the clamp bites at this init), the +1 offset, biases
+GPT_OSS_STYLE = dict(LLAMA_STYLE, swiglu=False, quick_geglu=True, activation_func_clamp_value=0.05,
+                     glu_linear_offset=1.0, add_bias_linear=True)
+
+
+@pytest.mark.parametrize("style", [GPT2_STYLE, LLAMA_STYLE, GPT_OSS_STYLE])
 def test_te_layer_shares_init_and_attention_settings_with_the_local_layer(fake_te, style):
     """Same seed: the TE model's weights are the local model's (under TE names) and, with the
     stand-ins' plain math, so is its output (causal, 1/sqrt(d), GQA, RoPE, residuals)."""
