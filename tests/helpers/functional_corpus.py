@@ -88,11 +88,14 @@ def dry_run(argv: list[str], world: int, with_machine: bool = True) -> Outcome:
     from megafab.config import ConfigError
     from megafab.errors import MegafabError
     from megafab.plan.planner import format_plan, plan
+    from megafab.plan.report import dry_run_prediction
 
     try:
         cfg = config_from_args([*argv, "--dry-run"], world_size=world,
                                checks=machine_checks() if with_machine else (), start_up=True)
-        format_plan(cfg, plan(cfg))
+        cfg.start_up_notes()
+        stages = plan(cfg)
+        format_plan(cfg, stages, step_time=dry_run_prediction(cfg, stages))
         return Outcome("runs", [])
     except ConfigError as error:
         return Outcome("refused", error.problems)
