@@ -24,6 +24,10 @@ _CKPT_SPREAD = "how Megatron spreads a fully parallel torch_dist save or load ov
 _TRACES = "a profiling or trace output of Megatron's that megafab does not write; training computes " \
     "the same values"
 _NO_TOKENIZER_FILES = "megafab writes no tokenizer files into checkpoints; nothing to turn off"
+# pretrain_gpt.py's own flags beyond Megatron's parser (megatron/post_training/arguments.py, added when
+# nvidia-modelopt is installed; --enable-gpt-oss and --export-force-local-attention are honoured)
+_MODELOPT = "Megatron-LM's ModelOpt integration (knowledge distillation, quantization, export, Hugging " \
+    "Face dataset finetuning, ModelOpt checkpoints) is not in megafab"
 _FLIGHT_RECORDER = "megafab sets no NCCL flight-recorder variables: set TORCH_FR_DUMP_TEMP_FILE and the " \
     "TORCH_NCCL_* ones in the environment, torch reads them"
 
@@ -115,6 +119,12 @@ def refused(r) -> tuple[tuple[str, str], ...]:
     --logits-save-dir V --logits-save-dtype V --logits-load-dir V --logits-load-decode-threads V
     --logits-load-prefetch-factor V --logits-load-msc-prefetch-depth V --logits-load-kd-loss-alpha V
     --logits-load-ignore-errors"""),
+        (_MODELOPT, """--export-model-type V --export-legacy-megatron --export-te-mcore-model
+    --export-default-te-spec --export-kv-cache-quant V --export-real-quant-cfg V --export-quant-cfg V
+    --export-kd-teacher-load V --export-kd-teacher-model-config V --export-kd-teacher-ckpt-format V
+    --export-kd-cfg V --finetune-hf-dataset V --finetune-data-split V --finetune-data-files V+
+    --qad-train-target V --freeze-base-for-mtp --export-qk-l2-norm --export-moe-apply-probs-on-input
+    --export-offline-model --modelopt-enabled"""),
     )
 
 
@@ -122,7 +132,9 @@ def refused(r) -> tuple[tuple[str, str], ...]:
 OFF: dict[str, tuple[str, ...]] = {
     "--megatron-fsdp-version": ("1",), "--num-speculative-tokens": ("0",),
     "--null-tokenizer-pad-id": ("-1",), "--dsa-kernel-backend": ("none",),
-    "--moe-dispatch-fwd-dtype": ("bf16",), "--moe-combine-bwd-dtype": ("bf16",)}
+    "--moe-dispatch-fwd-dtype": ("bf16",), "--moe-combine-bwd-dtype": ("bf16",),
+    "--export-model-type": ("GPTModel",), "--export-kv-cache-quant": ("none",),
+    "--export-real-quant-cfg": ("None",), "--finetune-data-split": ("train",)}
 
 
 def refused_values(r) -> dict[str, dict[str, str]]:

@@ -34,7 +34,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # appended HEAD's no-effect flags and --cross-entropy-fusion-impl (no longer refused), added HEAD's
 # refused flags to the epilog, and reworded --moe-permute-fusion / --moe-router-fusion, no longer refused;
 # then appended --eval-micro/global-batch-size and --step-batch-size-schedule, off the refused list,
-# then --dataloader-inter-document-masking and --megatron-fsdp-main-params-dtype).
+# then --dataloader-inter-document-masking and --megatron-fsdp-main-params-dtype; then pretrain_gpt.py's
+# ModelOpt flags, Megatron's functional tests', joined the epilog's refused list).
 BEFORE = os.path.join(HERE, "help_before.json")
 BEFORE_TEXT = os.path.join(HERE, "help_before.txt")
 # The two parser defaults that now equal the schema's (both flags carry their own help text, so
