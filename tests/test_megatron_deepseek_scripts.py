@@ -36,8 +36,8 @@ VOCAB = {"sbatch_mfsdp_deepseek_v3.sh": 129280, "DeepSeek-V2-Lite.sh": 102400, "
 WORLD = {"sbatch_mfsdp_deepseek_v3.sh": 256, "DeepSeek-V2-Lite.sh": 8, "DeepSeek-R1.sh": 256,
          "Kimi-K2-Instruct.sh": 256}
 TE = "--transformer-impl transformer_engine"
-TE_HERE = ([] if torch.cuda.is_available() else [f"{TE} needs a CUDA GPU"]) + \
-    ([] if te_available() else [f"{TE} needs transformer_engine"])
+TE_HERE = [f"{TE} needs transformer_engine"] if not te_available() else \
+    [] if torch.cuda.is_available() else [f"{TE} needs a CUDA GPU"]  # one message: TE's absence first
 WANDB_HERE = [] if importlib.util.find_spec("wandb") else ["--wandb-project needs the wandb package"]
 GPU_KERNELS = {"sbatch_mfsdp_deepseek_v3.sh": [
     "--moe-token-dispatcher-type flex (DeepEP / HybridEP, GPU-only kernels)",

@@ -32,9 +32,9 @@ FIXTURES = os.path.join(ROOT, "tests", "data", "fixtures", "megatron_scripts")
 WORLD = 4
 MEGATRON_CORE_PARAMS = 289_576_192  # megatron-core 0.16.1's GPTModel for these flags (test below)
 # On this CPU: FP8 needs TE on a GPU (it is checked before --transformer-impl transformer_engine's own rule)
-FP8_HERE = ["--fp8-param-gather: refused"] + \
-    ([] if torch.cuda.is_available() else ["--fp8-format needs a CUDA GPU"]) + \
-    ([] if te_available() else ["--fp8-format needs transformer_engine"])
+FP8_HERE = ["--fp8-param-gather: refused"] + (["--fp8-format needs transformer_engine"] if not te_available()
+                                               else [] if torch.cuda.is_available()
+                                               else ["--fp8-format needs a CUDA GPU"])
 CPU_SWAPS = {"transformer_engine": "local"}
 CPU_DROPS = {"--fp8-format": 1, "--fp8-param-gather": 0, "--moe-permute-fusion": 0}
 

@@ -76,12 +76,12 @@ LLAMA3_8B_FSDP = LLAMA3_8B_MODEL + LLAMA3_8B_TRAINING + words("""
 # FP8 needs Transformer Engine on a CUDA GPU; "fused" attention needs CUDA. Where they are missing
 # the run is refused with that reason (and accepted where they exist).
 ON_GPU = torch.cuda.is_available()
-FP8_HERE = ([] if ON_GPU else ["--fp8-format needs a CUDA GPU"]) + \
-    ([] if te_available() else ["--fp8-format needs transformer_engine, which is not installed"])
+FP8_HERE = ["--fp8-format needs transformer_engine"] if not te_available() else \
+    [] if ON_GPU else ["--fp8-format needs a CUDA GPU"]  # one message: TE's absence, else the device
 FUSED_HERE = [] if ON_GPU else ["--attention-backend fused needs a CUDA GPU"]
 # --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params runs as torch FSDP2
-# (ZeRO-3); what megafab's FSDP2 does not combine with yet is refused naming both flags.
-FSDP_LIMITS = ["--use-megatron-fsdp and --fp8-format cannot be combined"]
+# (ZeRO-3) around Transformer Engine's FP8 layers too: no FSDP2 limit in these scripts.
+FSDP_LIMITS: list[str] = []
 
 # (flags, world size the script implies, the problems the one message must list; none: the plan prints)
 CASES = {

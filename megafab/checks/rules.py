@@ -268,9 +268,11 @@ def context_parallel_problems(cfg) -> list[str]:
                 out.append(f"--cp-comm-type a2a scatters heads over CP ranks, but {flag} {value} / "
                            f"TP {tp} = {value // tp} is not divisible by --context-parallel-size {cp}; "
                            f"use --cp-comm-type p2p or allgather, or a CP size that divides {value // tp}")
-    if m.transformer_impl == "transformer_engine":
-        out.append("--context-parallel-size > 1 runs megafab's own CP attention, not Transformer "
-                   "Engine's; use --transformer-impl local")
+    if m.transformer_impl == "transformer_engine" and (cfg.data.reset_attention_mask
+                                                       or cfg.data.dataloader_inter_document_masking):
+        out.append("--transformer-impl transformer_engine with --context-parallel-size > 1 runs Transformer "
+                   "Engine's CP attention, which takes no per-document mask; use --transformer-impl local "
+                   "with document masks under CP")
     if cfg.data.reset_attention_mask and not cfg.data.dataloader_inter_document_masking:
         out.append("--reset-attention-mask with --context-parallel-size > 1: CP attention is causal "
                    "over the whole sequence and takes no per-sample mask; drop --reset-attention-mask "

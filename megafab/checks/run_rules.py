@@ -321,9 +321,6 @@ def sharding_problems(cfg) -> list[str]:
         if p.ddp_bucket_size is not None:
             out.append(f"{flag} and --ddp-bucket-size cannot be combined: FSDP2 reduces one layer unit "
                        f"at a time, there are no DDP buckets; drop --ddp-bucket-size")
-        if pr.fp8_format is not None:
-            out.append(f"{flag} and --fp8-format cannot be combined in megafab yet (FSDP2 would gather "
-                       f"16-bit weights for Transformer Engine's FP8 layers); drop one of them")
         if m.compile_layers:
             out.append(f"{flag} and --compile cannot be combined in megafab yet; drop --compile")
         if cfg.checkpoint.ckpt_format == "torch" and cfg.checkpoint.save:

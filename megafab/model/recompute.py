@@ -167,6 +167,30 @@ def _replay_rng(snapshot: dict, tracker, device):
         restore_rng_state(current, tracker, device)
 
 
+class _Through(threading.local):
+    """Another library's checkpoint in place of torch's, while a region asks for it (te.py: Transformer
+    Engine's under FP8, so a recompute runs in the forward's FP8 state): checkpoint(fn, *args,
+    contexts=...) and the (forward, recompute) contexts DiscardedOutput's two runs enter."""
+
+    checkpoint = None
+    region_contexts = None
+
+
+_THROUGH = _Through()
+
+
+@contextlib.contextmanager
+def checkpoint_through(checkpoint_fn, region_contexts):
+    """Inside: checkpointed() calls checkpoint_fn(fn, *args, contexts=pair) with megafab's own pair of
+    (forward, recompute) contexts, and DiscardedOutput runs inside region_contexts()'s pair."""
+    saved = _THROUGH.checkpoint, _THROUGH.region_contexts
+    _THROUGH.checkpoint, _THROUGH.region_contexts = checkpoint_fn, region_contexts
+    try:
+        yield
+    finally:
+        _THROUGH.checkpoint, _THROUGH.region_contexts = saved
+
+
 def checkpointed(fn, *args, tracker=None, device="cpu"):
     """fn(*args), keeping only the inputs for backward; the rest is recomputed with the same RNG:
     the CPU generator, the device generator and every tracker stream are snapshot before the
@@ -175,8 +199,12 @@ def checkpointed(fn, *args, tracker=None, device="cpu"):
     if not torch.is_grad_enabled():
         return fn(*args)
     snapshot = checkpoint_rng_state(tracker, device)
-    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False,
-                      context_fn=lambda: (_phase("forward"), _replay_rng(snapshot, tracker, device)))
+
+    def contexts():
+        return _phase("forward"), _replay_rng(snapshot, tracker, device)
+    if _THROUGH.checkpoint is not None:
+        return _THROUGH.checkpoint(fn, *args, contexts=contexts)
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False, context_fn=contexts)
 
 
 class _DiscardableRun(torch.autograd.Function):
@@ -186,7 +214,8 @@ class _DiscardableRun(torch.autograd.Function):
     @staticmethod
     def forward(ctx, region, num_inputs, *inputs_and_params):
         inputs = inputs_and_params[:num_inputs]
-        outputs = region.fn(*inputs)
+        with region.contexts[0]:
+            outputs = region.fn(*inputs)
         ctx.region = region
         ctx.others = [None if torch.is_tensor(t) else t for t in inputs]
         ctx.tensor_grad = [(torch.is_tensor(t), torch.is_tensor(t) and t.requires_grad) for t in inputs]
@@ -243,7 +272,7 @@ class DiscardedOutput:
     def __init__(self, fn, params=(), active: bool = True):
         """params: the parameters fn uses (a module: its parameters(), read when called)."""
         self.fn, self.params, self.active = fn, params, active
-        self.ctx = self.outputs = self.recomputed = None
+        self.ctx = self.outputs = self.recomputed = self.contexts = None
 
     @eager  # (--compile: a graph break; the region and its storage tricks run eagerly)
     def __call__(self, *inputs):
@@ -254,6 +283,8 @@ class DiscardedOutput:
             return self.fn(*inputs)
         params = self.params
         self.params = tuple(params.parameters() if isinstance(params, torch.nn.Module) else params)
+        through = _THROUGH.region_contexts
+        self.contexts = through() if through else (contextlib.nullcontext(), contextlib.nullcontext())
         out = _DiscardableRun.apply(self, len(inputs), *inputs, *self.params)
         kept = {t.untyped_storage().data_ptr() for t in (*inputs, *self.params) if torch.is_tensor(t)}
         # an output viewing an input's (or a parameter's) storage is never freed
@@ -278,7 +309,7 @@ class DiscardedOutput:
         saved = iter(ctx.saved_tensors)
         inputs = [next(saved).detach().requires_grad_(needs) if is_tensor else other
                   for other, (is_tensor, needs) in zip(ctx.others, ctx.tensor_grad)]
-        with torch.enable_grad(), _phase("recompute"):
+        with torch.enable_grad(), _phase("recompute"), self.contexts[1]:
             outputs = self.fn(*inputs)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         with torch.no_grad():

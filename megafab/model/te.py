@@ -10,11 +10,15 @@ TE is installed. MLA, MoE, qk norms, MTP and selective recompute: model/te_wrap.
 Layout is megatron-core's TE spec: the input norm fused into linear_qkv and the pre-MLP norm into
 linear_fc1, so TE names differ from the local ones only there (param_names.TE_NAMES). FP8: one
 fp8_autocast per model chunk's layers, amax reduced over TP x DP x CP (fp8_chunk_context).
+Peers of the local layers: CP attention is TE's own over the CP group (_te_context_parallel), FSDP2
+shards TE's parameters in the same units (distributed/fsdp.py), and inside an FP8 region every
+recompute runs through TE's checkpoint (te_checkpoint, te_region_contexts).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import math
 import threading
@@ -29,6 +33,7 @@ from megafab.errors import MegafabError
 from megafab.model.activations import MLPActivation, gated_linear_unit
 from megafab.model.attention_backend import set_te_attention_switches
 from megafab.model.init import normal_init, output_layer_std
+from megafab.model.recompute import checkpoint_through
 from megafab.model.transformer import apply_rotary
 from megafab.param_names import (
     layer_prefix,
@@ -45,9 +50,11 @@ TE_CP_COMM_TYPES = {"p2p": "p2p", "allgather": "all_gather", "a2a": "a2a"}  # me
 
 
 class _Fp8Region(threading.local):
-    """How many model chunks' fp8_autocast regions this thread is inside."""
+    """How many model chunks' fp8_autocast regions (and TE checkpoint recomputes) this thread is
+    inside."""
 
     depth = 0
+    te_recompute = 0
 
 
 _FP8_REGION = _Fp8Region()
@@ -85,12 +92,14 @@ def transformer_engine_problems(model_cfg, precision_cfg, device) -> list[str]:
     problems = []
     if wants_te or fp8:
         what = "--fp8-format" if fp8 else "--transformer-impl transformer_engine"
-        if device.type != "cuda":
+        if not te_available():  # one message: TE is a CUDA build, its absence says it all on CPU
+            where = "" if device.type == "cuda" else f" (a CUDA build; this run is on {device})"
+            problems.append(f"{what} needs transformer_engine{where}, which is not installed here; install "
+                            f"it on a GPU machine (pip install transformer_engine[pytorch]) or use "
+                            f"--transformer-impl local (the default) without --fp8-format")
+        elif device.type != "cuda":
             problems.append(f"{what} needs a CUDA GPU but this run is on {device}; use "
                             f"--transformer-impl local (the default) without --fp8-format on CPU")
-        if not te_available():
-            problems.append(f"{what} needs transformer_engine, which is not installed here; install "
-                            f"it (pip install transformer_engine[pytorch]) or use --transformer-impl local")
     if fp8 and device.type == "cuda" and torch.cuda.is_available():
         capability = torch.cuda.get_device_capability(device)
         if capability < FP8_MIN_CAPABILITY:
@@ -158,7 +167,7 @@ def fp8_chunk_context(ctx):
     if not fp8_enabled(ctx.precision):
         yield
         return
-    with fp8_context(ctx.precision, ctx.fp8_group):
+    with _fp8_region(ctx):
         _FP8_REGION.depth += 1
         try:
             yield
@@ -167,8 +176,62 @@ def fp8_chunk_context(ctx):
 
 
 def _layer_fp8_context(ctx):
-    """A layer's own fp8_autocast, only where no chunk's region is open (recompute in backward)."""
-    return contextlib.nullcontext() if _FP8_REGION.depth else fp8_context(ctx.precision, ctx.fp8_group)
+    """A layer's own fp8_autocast, only where no chunk's region is open and TE's checkpoint is not
+    recomputing it (its modules keep the forward's FP8 state then)."""
+    if _FP8_REGION.depth or _FP8_REGION.te_recompute or not fp8_enabled(ctx.precision):
+        return contextlib.nullcontext()
+    return _fp8_region(ctx)
+
+
+@contextlib.contextmanager
+def _fp8_region(ctx):
+    """fp8_autocast with the amax group, and every recompute inside it through TE's checkpoint."""
+    through = functools.partial(te_checkpoint, tracker=ctx.rng_tracker, tp_group=ctx.tp_group)
+    regions = functools.partial(te_region_contexts, ctx.precision)
+    with fp8_context(ctx.precision, ctx.fp8_group), checkpoint_through(through, regions):
+        yield
+
+
+@contextlib.contextmanager
+def _te_recompute(inner):
+    _FP8_REGION.te_recompute += 1
+    try:
+        with inner:
+            yield
+    finally:
+        _FP8_REGION.te_recompute -= 1
+
+
+def te_checkpoint(fn, *args, contexts, tracker=None, tp_group=None):
+    """Transformer Engine's checkpoint (te.checkpoint; megatron-core's te_checkpoint), what every
+    recompute inside a chunk's FP8 region runs through (recompute.checkpoint_through): TE's
+    modules copy their FP8 scaling state in the forward and reuse it in the recompute, which runs in
+    backward outside any fp8_autocast (torch's checkpoint would recompute them without FP8).
+    Non-reentrant as megafab's own; TE restores the CPU/CUDA generators and the tracker's streams,
+    megafab's `contexts` (its recompute phase and RNG snapshot) run as TE's context_fn; saved
+    inputs are not split over TP (--distribute-saved-activations is refused)."""
+    import transformer_engine.pytorch as te
+
+    def both():
+        forward, recompute = contexts()
+        return forward, _te_recompute(recompute)
+    return te.checkpoint(fn, *args, distribute_saved_activations=False,
+                         get_rng_state_tracker=(lambda: tracker) if tracker is not None else None,
+                         tp_group=tp_group, use_reentrant=False, context_fn=both)
+
+
+def te_region_contexts(precision_cfg):
+    """DiscardedOutput's (forward, recompute) contexts under FP8, megatron-core's
+    CheckpointWithoutOutput(fp8): TE's activation-recompute phases, and the recompute (in backward)
+    in an fp8_autocast with the forward's recipe."""
+    from transformer_engine.pytorch.distributed import activation_recompute_forward
+
+    @contextlib.contextmanager
+    def recompute():
+        with fp8_context(precision_cfg), _te_recompute(contextlib.nullcontext()), \
+                activation_recompute_forward(activation_recompute=True, recompute_phase=True):
+            yield
+    return activation_recompute_forward(activation_recompute=True, recompute_phase=False), recompute()
 
 
 def _te_context_parallel(ctx) -> dict:

@@ -242,8 +242,8 @@ def predict(cfg, machine, stages, tp_comm_overlap: bool = False, memo: dict | No
     """Step time of the finalized cfg whose memory plan is `stages` (megafab.plan.planner.plan);
     memo: see stage_passes."""
     p, t = cfg.parallel, cfg.training
-    # megafab refuses Transformer Engine with FSDP2 (config rules), so an FSDP2 layout never has
-    # TE's userbuffers TP overlap (what tp_comm_overlap assumes)
+    # TE's userbuffers TP overlap (what tp_comm_overlap assumes; --tp-comm-overlap is refused) is not
+    # modelled beside FSDP2's gathers: an FSDP2 layout is estimated without it
     parts = _parts(cfg, machine, tp_comm_overlap and not p.fully_sharded, memo)
     host = host_model(cfg, machine, parts.layers)
     alone = _stage_passes(parts)

@@ -20,23 +20,36 @@ from megafab.model.te import (
     te_to_local_name,
     to_local_state_dict,
     to_te_state_dict,
+    transformer_engine_problems,
 )
 from megafab.run.fork_ranks import run_ranks
 from tests.helpers.tiny import GPT2_STYLE, LLAMA_STYLE, batch, context, reference_model, tiny_config
 
 
-def test_transformer_engine_on_cpu_is_refused_before_training():
-    cfg = tiny_config(transformer_impl="transformer_engine", bf16=True)
-    with pytest.raises(TransformerEngineError, match="needs a CUDA GPU but this run is on cpu"):
+@pytest.mark.parametrize("layout", [{}, {"use_torch_fsdp2": True, "dp": 2},
+                                    {"use_megatron_fsdp": True, "dp": 2},
+                                    {"context_parallel_size": 2, "dp": 2},
+                                    {"recompute_granularity": "selective", "recompute_modules": ["mlp"]}],
+                         ids=["plain", "fsdp2", "megatron-fsdp", "cp2", "selective"])
+def test_transformer_engine_on_cpu_is_refused_before_training(layout):
+    """With any layout, on CPU only TE's absence is refused: one message naming the flag and the fix."""
+    cfg = tiny_config(transformer_impl="transformer_engine", bf16=True, **layout)
+    problems = transformer_engine_problems(cfg.model, cfg.precision, "cpu")
+    assert len(problems) == 1
+    want = "transformer_engine (a CUDA build; this run is on cpu), which is not installed" \
+        if not te_available() else "needs a CUDA GPU but this run is on cpu"
+    assert problems[0].startswith("--transformer-impl transformer_engine needs ") and want in problems[0]
+    assert "use --transformer-impl local" in problems[0]
+    with pytest.raises(TransformerEngineError, match="--transformer-impl transformer_engine needs"):
         check_transformer_engine(cfg.model, cfg.precision, "cpu")
 
 
 def test_fp8_on_cpu_is_refused_with_the_fix():
-    cfg = tiny_config(transformer_impl="transformer_engine", bf16=True, fp8_format="hybrid")
-    with pytest.raises(TransformerEngineError, match="--fp8-format needs a CUDA GPU") as err:
-        check_transformer_engine(cfg.model, cfg.precision, "cpu")
-    if not te_available():
-        assert "transformer_engine, which is not installed" in str(err.value)
+    cfg = tiny_config(transformer_impl="transformer_engine", bf16=True, fp8_format="hybrid",
+                      use_torch_fsdp2=True, dp=2)
+    problems = transformer_engine_problems(cfg.model, cfg.precision, "cpu")
+    assert len(problems) == 1 and problems[0].startswith("--fp8-format needs ")
+    assert "--transformer-impl local" in problems[0] and "without --fp8-format" in problems[0]
 
 
 def test_fp8_without_transformer_engine_impl_is_a_config_error():
@@ -101,7 +114,8 @@ class _FakeTE:
     init, the arguments it passes, where fp8_autocast is entered) without TE."""
 
     def __init__(self):
-        self.autocasts, self.active, self.modules_in_fp8 = [], [], []
+        self.autocasts, self.active, self.modules_in_fp8, self.checkpoints = [], [], [], []
+        self.recomputing = 0
         fake = self
 
         class Autocast:
@@ -115,8 +129,8 @@ class _FakeTE:
                 fake.active.pop()
 
         class Module(torch.nn.Module):
-            def record(self):
-                fake.modules_in_fp8.append(bool(fake.active))
+            def record(self):  # TE: FP8 inside fp8_autocast, or in its checkpoint's recompute phase
+                fake.modules_in_fp8.append(bool(fake.active) or fake.recomputing > 0)
 
         class LayerNormLinear(Module):
             def __init__(self, n_in, n_out, bias, parallel_mode, eps, normalization, zero_centered_gamma,
@@ -166,8 +180,24 @@ class _FakeTE:
                                                      enable_gqa=q.shape[1] != k.shape[1])
                 return out.permute(2, 0, 1, 3).flatten(2)
 
+        def checkpoint(function, *args, distribute_saved_activations, get_rng_state_tracker, tp_group,
+                       use_reentrant, context_fn):
+            fake.checkpoints.append(use_reentrant)
+            forward, recompute = context_fn()
+
+            class Recompute:
+                def __enter__(self):
+                    fake.recomputing += 1
+                    recompute.__enter__()
+
+                def __exit__(self, *exc):
+                    fake.recomputing -= 1
+                    return recompute.__exit__(*exc)
+            return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=use_reentrant,
+                                                     context_fn=lambda: (forward, Recompute()))
+
         pytorch = types.ModuleType("transformer_engine.pytorch")
-        pytorch.fp8_autocast = Autocast
+        pytorch.fp8_autocast, pytorch.checkpoint = Autocast, checkpoint
         pytorch.LayerNormLinear, pytorch.Linear = LayerNormLinear, Linear
         pytorch.DotProductAttention = DotProductAttention
         recipe = types.ModuleType("transformer_engine.common.recipe")
@@ -231,9 +261,11 @@ def test_fp8_autocast_wraps_each_model_chunk_once_with_the_amax_group(fake_te, r
     assert fake_te.autocasts[0]["fp8_recipe"][1]["fp8_format"] == "HYBRID"
     assert len(fake_te.modules_in_fp8) == 4 * 5 and all(fake_te.modules_in_fp8)  # 4 layers x 5 modules
     loss.sum().backward()
-    # full recompute re-runs each layer during backward, outside the chunk: one region per layer
-    assert len(fake_te.autocasts) == (2 + 4 if recompute else 2)
-    assert all(fake_te.modules_in_fp8)
+    # full recompute runs through TE's checkpoint (one per layer), whose recompute phase keeps the
+    # forward's FP8 state: no new fp8_autocast region in backward, every module re-run in FP8
+    assert fake_te.checkpoints == ([False] * 4 if recompute else [])
+    assert len(fake_te.autocasts) == 2
+    assert len(fake_te.modules_in_fp8) == 4 * 5 * (2 if recompute else 1) and all(fake_te.modules_in_fp8)
 
 
 def _amax_group_ranks(rank, world):

@@ -16,23 +16,12 @@ from megafab.model.te import te_available
 from megafab.model.te_wrap import TEWrappedTransformerLayer
 from megafab.model.transformer import LayerContext
 from tests.helpers import fake_te
+from tests.helpers.fake_te import te_name
 from tests.helpers.mcore_mla import MLA_STYLE
 from tests.helpers.mcore_mtp import MOE
 from tests.helpers.tiny import LLAMA_STYLE, batch, tiny_config
 
 TE = dict(transformer_impl="transformer_engine", bf16=True)
-
-
-def te_name(name: str, moe_layers: set[str]) -> str:
-    """megatron-core's TE-spec name of a local parameter (the expectation, written out)."""
-    fused = {"self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
-             "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_"}
-    for local, te in fused.items():
-        if local in name:
-            return name.replace(local, te)
-    if "pre_mlp_layernorm." in name and not any(name.startswith(p) for p in moe_layers):
-        return name.replace("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_")
-    return name
 
 
 def deepseek_models(**overrides):
