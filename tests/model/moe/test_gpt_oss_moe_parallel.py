@@ -2,8 +2,8 @@
 1e-10, on gloo ranks through megafab's build and schedule: tests/helpers/moe_parity.py): clamped
 quick-GEGLU with the +1 offset in a dense and an MoE layer (the clamp bites: a third of the gates,
 two thirds of the linear halves at this init), biases on every linear, the router and every
-expert's fc1 and fc2 (--add-bias-linear), aux and z losses, at EP 2 (alltoall) and at TP 2 + SP with
-expert TP 1 (as megatron-core, MoE biases need ETP 1: the rule is checked too)."""
+expert's fc1 and fc2 (--add-bias-linear), aux and z losses, at EP 2 (alltoall), at TP 2 + SP with
+expert TP 1 (as megatron-core, MoE biases need ETP 1: the rule is checked too) and at both."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ GPT_OSS = dict(style=dict(LLAMA_STYLE, swiglu=False, add_bias_linear=True, group
 MOE = dict(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3)
 DENSE_THEN_MOE = dict(moe_layer_freq=(0, 1))  # layer 0's dense MLP: the same activation, split over TP
 LAYOUTS = {"ep2": (2, dict(ep=2)),
-           "tp2-sp-etp1": (2, dict(tp=2, sp=True, ep=1, expert_tensor_parallel_size=1))}
+           "tp2-sp-etp1": (2, dict(tp=2, sp=True, ep=1, expert_tensor_parallel_size=1)),
+           "ep2-tp2-sp-etp1": (4, dict(tp=2, sp=True, ep=2, expert_tensor_parallel_size=1))}
 
 
 @pytest.mark.parametrize("case", list(LAYOUTS))
