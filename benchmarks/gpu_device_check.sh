@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 26 as one script for a lent GPU machine (about 6-8 minutes on one H200;
+# The GPU checks of issue 26 as one script for a lent GPU machine (about 7-9 minutes on one H200;
 # each step has its own time limit, and a failing step is reported without stopping the others):
 #   1. FSDP2 build peak memory: benchmarks/memory.py --sharding (the FSDP2 helper's benchmark; the
 #      step says "skipped" if this checkout's memory.py has no --sharding)
@@ -14,6 +14,10 @@
 #      model on the GPU (tests/model/test_te.py, test_te_wrap.py; "skipped" without TE)
 #   6. --async-save (issue 40) on the device: the host staging arena pinned with cudaHostRegister, the
 #      writer process, a resume from the async checkpoint (pretrain_gpt.py with mock data, 1 rank)
+#   7. Transformer Engine as a peer path (issue 39): TE's layers under selective recompute of each module
+#      (fp32; FP8 through te.checkpoint on compute capability >= 8.9), FSDP2 (+ FP8) vs DDP over every
+#      GPU, CP over every GPU with p2p / allgather / a2a (2+ GPUs; "skipped" on one)
+#      (tests/model/gpu_check_te_combinations.py; "skipped" without TE; on cpu: the TE stand-in, gloo)
 #   all: then issue 13's checks (TP layers on NCCL, the 1.3B MFU check), about 5 minutes more.
 # Results land in ${OUT:-benchmarks/results} (one .log per step, .json where the step writes one);
 # the last lines list each step's exit status.
@@ -95,6 +99,18 @@ rm -rf "$out/async_ckpt"
 step async_save 240 bash -c "python pretrain_gpt.py $async_flags --train-iters 4 && \
     python pretrain_gpt.py $async_flags --train-iters 6 --load $out/async_ckpt | tee /dev/stderr | \
     grep -q 'loaded checkpoint from .* at iteration 4'"
+
+# 7. Transformer Engine with recompute, FSDP2 and CP (one rank per GPU)
+te_check="-m torch.distributed.run --nproc-per-node"
+if [ "$device" = cuda ] && python -c "import transformer_engine.pytorch" 2>/dev/null; then
+    step te_combinations 150 python $te_check "$gpus" -m tests.model.gpu_check_te_combinations
+elif [ "$device" = cuda ]; then
+    echo "== te_combinations: skipped: needs transformer_engine"
+    summary+=("te_combinations: skipped")
+else
+    OMP_NUM_THREADS=1 step te_combinations 150 python $te_check 2 -m tests.model.gpu_check_te_combinations \
+        --device cpu --fake-te
+fi
 
 # issue 13's checks, on request
 if [ "${1:-}" = all ] && [ "$device" = cuda ]; then
