@@ -46,6 +46,12 @@ def test_sequence_parallel_at_tp1_is_turned_off_with_a_note():
     assert any("sequence-parallel has no effect" in line for line in cfg.start_up_notes())
 
 
+def test_save_interval_without_save_runs_with_a_note():
+    """Megatron's functional tests pass it (their --save commented out); Megatron saves nothing."""
+    cfg = config_from_args(BASE + ["--save-interval", "5"], world_size=1)
+    assert any("--save-interval 5 without --save: nothing is saved" in line for line in cfg.start_up_notes())
+
+
 def test_three_mistakes_one_error_listing_all_before_any_process_group():
     argv = BASE + ["--tensor-model-parallel-size", "3", "--fp16", "--bf16",
                    "--global-batch-size", "5"]

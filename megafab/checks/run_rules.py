@@ -218,8 +218,6 @@ def data_path_problems(cfg) -> list[str]:
 def checkpoint_problems(cfg) -> list[str]:
     c = cfg.checkpoint
     out = []
-    if c.save_interval and not c.save:
-        out.append("--save-interval needs --save DIR")
     if c.ckpt_format not in CKPT_FORMATS:
         out.append(f"--ckpt-format {c.ckpt_format!r} is not supported by megafab (it reads and writes "
                    f"{' and '.join(CKPT_FORMATS)})")

@@ -172,6 +172,9 @@ def derive(cfg, world_size: int) -> None:
         cfg.notes.append(f"--moe-layer-recompute is deprecated (Megatron): it is --recompute-granularity "
                          f"selective --recompute-modules {' '.join(m.recompute_modules)}")
     ck = cfg.checkpoint
+    if ck.save_interval and not ck.save:
+        cfg.notes.append(f"--save-interval {ck.save_interval} without --save: nothing is saved (as in "
+                         f"Megatron); add --save DIR to keep checkpoints")
     if ck.async_save and ck.ckpt_format != "torch" and not ck.use_persistent_ckpt_worker:
         ck.async_save = False  # Megatron's validate_args, word for word in effect
         cfg.notes.append("--async-save is not supported without --use-persistent-ckpt-worker (Megatron's "

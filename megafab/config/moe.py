@@ -179,7 +179,8 @@ class MoEConfig(Section):
                        f"{expert_parallel_size}; every EP rank holds the same number of experts")
         out += self._choice_problems()
         out += self._group_routing_problems()
-        if topk == 1 and self.moe_router_score_function == "softmax" and not self.moe_router_pre_softmax:
+        if topk == 1 and self.moe_router_score_function == "softmax" and not self.moe_router_pre_softmax \
+                and self.moe_router_load_balancing_type != "sinkhorn":  # megatron-core's rule, word for word
             out.append("--moe-router-topk 1 with softmax scores needs --moe-router-pre-softmax (a softmax "
                        "over one chosen logit is 1 and has no gradient)")
         if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
