@@ -215,7 +215,10 @@ def te_checkpoint(fn, *args, contexts, tracker=None, tp_group=None):
     def both():
         forward, recompute = contexts()
         return forward, _te_recompute(recompute)
-    return te.checkpoint(fn, *args, distribute_saved_activations=False,
+
+    def run(*inputs):  # a plain function: TE sets attributes on what it checkpoints (not on a method)
+        return fn(*inputs)
+    return te.checkpoint(run, *args, distribute_saved_activations=False,
                          get_rng_state_tracker=(lambda: tracker) if tracker is not None else None,
                          tp_group=tp_group, use_reentrant=False, context_fn=both)
 

@@ -162,6 +162,7 @@ def build(record: list) -> dict:
         record.append(("checkpoint", (), dict(use_reentrant=use_reentrant, tp_group=tp_group,
                                               distributed=distribute_saved_activations)))
         assert get_rng_state_tracker is None or callable(get_rng_state_tracker().get_states)
+        function.fsdp_wrapped, function.fsdp_group = False, None  # as TE does (fails on a bound method)
         user_forward, user_recompute = context_fn()
 
         @contextlib.contextmanager
