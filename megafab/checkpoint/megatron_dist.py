@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import torch
 
@@ -54,6 +55,7 @@ CHECKPOINT_VERSION = 3.0
 METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
             "common_backend_version": 1}
 READABLE_OPTIMIZER_FORMATS = ("fully_reshardable", "fully_sharded_model_space")
+BUCKETS = re.compile(rf"^(chained_\d+\.)?{re.escape(mk.OPTIM_BUCKETS)}")  # a ChainedOptimizer's member's too
 # Megatron's scheduler state (counted in samples, as megafab's) -> megafab's field names.
 MEGATRON_RNG = ("a Megatron-LM checkpoint's RNG states are CUDA generator states megafab does not restore; "
                 "dropout masks will differ from the original run")
@@ -119,6 +121,16 @@ def adam_step(common: dict) -> float | None:
     return float(steps[0]) if steps else None
 
 
+def sharding_type(common: dict) -> str | None:
+    """The distributed optimizer's param_state_sharding_type; a ChainedOptimizer's (dense and expert
+    optimizers: common.pt's `optimizer` is {0: {...}, 1: {...}}) when its members agree."""
+    opt = common.get("optimizer")
+    if isinstance(opt, dict) and opt and all(isinstance(k, int) for k in opt):
+        types = {_get(v, "param_state_sharding_type") for v in opt.values()}
+        return types.pop() if len(types) == 1 else None
+    return _get(opt, "param_state_sharding_type")
+
+
 def _optimizer_problem(common: dict, view: dict, in_buckets: bool, args: dict) -> str | None:
     """Why the optimizer state cannot be restored (None: it can); in_buckets: stored as the
     distributed optimizer's flat bucket buffers (mk.OPTIM_BUCKETS keys, which `view` leaves out).
@@ -130,7 +142,7 @@ def _optimizer_problem(common: dict, view: dict, in_buckets: bool, args: dict) -
     refused; dp_reshardable (flat buffers of the saving job's DDP buckets, Megatron-LM's default):
     read by megatron_dp_reshardable where it lays the saving run out; dp_zero_gather_scatter /
     fully_sharded_bucket_space: refused by name, and --no-load-optim loads the rest."""
-    sharding = _get(common, "optimizer", "param_state_sharding_type")
+    sharding = sharding_type(common)
     if sharding == DP_RESHARDABLE:
         return args_problem(args) if in_buckets else (
             f"its optimizer records sharding type {sharding!r} but holds no bucket buffers "
@@ -198,7 +210,7 @@ class TorchDistSource(CheckpointSource):
             counters, vocab, rng_layout = _megatron_counters(common, args), args.get("vocab_size"), None
         # Megatron-LM's default distributed-optimizer save (dp_reshardable) keeps its state in bucket
         # buffers only (megatron_dp_reshardable lays them out; other bucket formats are refused by name)
-        in_buckets = any(k.startswith(mk.OPTIM_BUCKETS) for k in metadata.state_dict_metadata)
+        in_buckets = any(BUCKETS.match(k) for k in metadata.state_dict_metadata)
         has_optimizer = in_buckets or any(split_key(k)[1] is not None for k in view)
         self.step = adam_step(common)
         problem = _optimizer_problem(common, view, in_buckets, args) if has_optimizer else None

@@ -51,9 +51,11 @@ from megafab.param_names import (
 from megafab.pipeline_split import PipelineSplit
 
 SHARDING = "dp_reshardable"
-BUCKET_KEY = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_\(.*\)"
-                        r"\.bucket_idx_(\d+)\.(\w+)$")
-OPTIMIZER_OBJECT = "optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"
+# ChainedOptimizer prefixes its members' keys `chained_<i>.` (the dense optimizer, then with expert
+# parallelism the experts'); one optimizer has none.
+BUCKET_KEY = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)"
+                        r"\.dtype_\(.*\)\.bucket_idx_(\d+)\.(\w+)$")
+OPTIMIZER_OBJECT = "optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"  # Adam's step, param_groups
 BUCKET_KIND = {MAIN_PARAM: "param"}  # megafab kind -> the bucket tensor's (the moments keep theirs)
 PARAM_ALIGN = 64  # _pad_start_of_param_if_needed
 BUCKET_ALIGN, HIGH_BUSBW_ALIGN = 128, 2 ** 16  # _pad_end_of_bucket_if_needed: lcm(DP, 128[, 2^16])
@@ -74,7 +76,7 @@ MCORE_LAYER_ORDER = {"local": _INPUT_NORM + _ATTENTION + _REST,
                      "transformer_engine": _ATTENTION[:2] + _INPUT_NORM + _ATTENTION[2:] + _REST}
 EXPERT_ORDER = tuple(f"{m}.{p}" for m in _MLP for p in _LINEAR)
 # Saved runs whose buffers this reader does not lay out (each a flag and its default)
-UNREAD = (("num_distributed_optimizer_instances", 1), ("expert_model_parallel_size", 1),
+UNREAD = (("num_distributed_optimizer_instances", 1), ("overlap_param_gather_with_optimizer_step", False),
           ("mtp_num_layers", None), ("multi_latent_attention", False), ("moe_grouped_gemm", False),
           ("use_megatron_fsdp", False), ("use_precision_aware_optimizer", False))
 
@@ -91,9 +93,11 @@ class Placed:
 
 def args_problem(args: dict) -> str | None:
     """Why the saved run's buckets cannot be laid out here (None: they can)."""
-    if args.get("expert_tensor_parallel_size") not in (None, args.get("tensor_model_parallel_size")):
+    if (args.get("expert_model_parallel_size") or 1) == 1 and \
+            args.get("expert_tensor_parallel_size") not in (None, args.get("tensor_model_parallel_size")):
         return (f"its {SHARDING} optimizer state comes from a run with --expert-tensor-parallel-size "
-                f"{args['expert_tensor_parallel_size']} other than its TP; megafab does not read it yet")
+                f"{args['expert_tensor_parallel_size']} other than its TP at EP 1; megafab does not read it "
+                f"yet")
     for name, default in UNREAD:
         if args.get(name) not in (default, None) and not (default is None and args.get(name) == 0):
             return (f"its {SHARDING} optimizer state comes from a run with --{name.replace('_', '-')} "
@@ -127,8 +131,9 @@ def _layout(name: str, stored: tuple, tp: int, tp_rank: int, swiglu: bool, exper
     return param_layout(name, p, tp, tp_rank, experts)
 
 
-def _layer_names(names, layer: int, order: tuple, experts: int) -> list[str]:
-    """Layer `layer`'s parameters of `names` (view names) in megatron-core's order."""
+def _layer_names(names, layer: int, order: tuple, experts: int, part: str) -> list[str]:
+    """Layer `layer`'s parameters of `names` (view names) in megatron-core's order; part "dense"
+    leaves out the routed experts, "experts" keeps only them (local experts 0 .. experts - 1)."""
     rank = {suffix: i for i, suffix in enumerate(order)}
     keyed = []
     for name in names:
@@ -139,28 +144,28 @@ def _layer_names(names, layer: int, order: tuple, experts: int) -> list[str]:
         if suffix.startswith(EXPERTS):
             rest = suffix[len(EXPERTS):]
             keyed += [((rank[EXPERTS], e, EXPERT_ORDER.index(rest)), sequential_expert_name(name, e))
-                      for e in range(experts)]
-        elif suffix in rank:
-            keyed.append(((rank[suffix], 0, 0), name))
-        else:
+                      for e in range(experts) if part != "dense"]
+        elif suffix not in rank:
             raise CheckpointError(f"its parameter {name!r} has no known place in megatron-core's "
                                   f"{SHARDING} buckets")
+        elif part != "experts":
+            keyed.append(((rank[suffix], 0, 0), name))
     return [name for _, name in sorted(keyed)]
 
 
 def chunk_names(names, split: PipelineSplit, pp_rank: int, chunk: int, impl: str, experts: int,
-                tied: bool) -> list[tuple[str, bool, bool]]:
+                tied: bool, part: str = "all") -> list[tuple[str, bool, bool]]:
     """(name, shared_embedding, copy) of a model chunk's trainable parameters in named_parameters
-    order; a tied output layer's copy (pipeline-parallel: its state is the embedding's) under the
-    embedding's name, copy True."""
+    order (part: all, "dense" or "experts", the expert-parallel buffer's); a tied output layer's
+    copy (pipeline-parallel: its state is the embedding's) under the embedding's name, copy True."""
     first, last = split.layer_range(pp_rank, chunk)
     pre, post = pp_rank == 0 and chunk == 0, pp_rank == split.pp - 1 and chunk == split.vpp - 1
-    shared = tied and split.pp > 1
-    out = [(n, shared and n == PRE[0], False) for n in PRE if pre and n in names]
+    shared, outer = tied and split.pp > 1, part != "experts"
+    out = [(n, shared and n == PRE[0], False) for n in PRE if outer and pre and n in names]
     for layer in range(first, last):
-        out += [(n, False, False) for n in _layer_names(names, layer, MCORE_LAYER_ORDER[impl], experts)]
-    out += [(n, False, False) for n in POST if post and n in names]
-    if post and shared:
+        out += [(n, False, False) for n in _layer_names(names, layer, MCORE_LAYER_ORDER[impl], experts, part)]
+    out += [(n, False, False) for n in POST if outer and post and n in names]
+    if outer and post and shared:
         out.append((PRE[0], True, True))
     return out
 
@@ -213,21 +218,22 @@ class DpReshardable:
 
     def __init__(self, path: str, stored: dict, view: dict, args: dict, model_cfg, swiglu: bool):
         self.path = path
-        self.buckets = {}  # (G, I, B) -> key without the kind
+        self.buckets, self.prefix = {}, ""  # (optimizer, G, I, B) -> the key without the kind
         self.sizes, self.kinds, self.chunks, self.dtypes = {}, set(), {}, {}
         for key, md in stored.items():
             match = BUCKET_KEY.match(key)
             if match:
-                bucket = key[:-len(match[4]) - 1]
-                self.buckets[tuple(int(g) for g in match.groups()[:3])] = bucket
+                bucket = key[:-len(match[5]) - 1]
+                self.buckets[tuple(int(g or 0) for g in match.groups()[:4])] = bucket
                 self.sizes[bucket], self.dtypes[bucket] = tuple(md.size), md.properties.dtype
-                self.kinds.add(match[4])
+                self.kinds.add(match[5])
+                self.prefix = "chained_0." if match[1] is not None else ""
                 self.chunks[bucket] = {(c.offsets[0], c.offsets[0] + c.sizes[0]) for c in md.chunks}
         names = {k[len(MODEL_PREFIX):]: tuple(md.size) for k, md in view.items()
                  if k.startswith(MODEL_PREFIX)}
         self.placed: dict[str, list[Placed]] = {}
         self._lay_out(names, args, model_cfg, swiglu)
-        obj = safe_pickle.loads(_read_object(path), f"{path} ({OPTIMIZER_OBJECT})")
+        obj = safe_pickle.loads(_read_object(path, self.prefix + OPTIMIZER_OBJECT), f"{path} (optimizer)")
         self.optimizer_object = obj[0] if isinstance(obj, list) and obj else obj  # a ShardedObject's list
 
     @property
@@ -238,40 +244,51 @@ class DpReshardable:
         return float(steps[0]) if steps else None
 
     def _lay_out(self, names: dict, args: dict, model_cfg, swiglu: bool) -> None:
+        """Every saved rank's buffers: the dense ones (optimizer 0) per (tp, pp) rank, and with
+        expert parallelism the expert-parallel ones (optimizer 1) per (expert-TP, EP, pp) rank."""
         tp, pp = args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"]
+        ep = args.get("expert_model_parallel_size") or 1
+        etp = args.get("expert_tensor_parallel_size") or tp
         split = PipelineSplit(model_cfg.num_layers, pp, args.get("virtual_pipeline_model_parallel_size") or 1,
                               args.get("decoder_first_pipeline_num_layers"),
                               args.get("decoder_last_pipeline_num_layers"),
                               bool(args.get("account_for_embedding_in_pipeline_split")),
                               bool(args.get("account_for_loss_in_pipeline_split")))
-        experts = getattr(getattr(model_cfg, "moe", None), "num_experts", None) or args.get("num_experts")
-        align = math.lcm(_dp(args), BUCKET_ALIGN, *((HIGH_BUSBW_ALIGN,) if args.get(
-            "ddp_pad_buckets_for_high_nccl_busbw") else ()))
+        total = getattr(getattr(model_cfg, "moe", None), "num_experts", None) or args.get("num_experts") or 0
+        impl = args.get("transformer_impl") or "local"
         tied = not args.get("untie_embeddings_and_output_weights")
+        grids = [(0, "all" if ep == 1 else "dense", tp, 1, _dp(args))]  # (optimizer, part, TP, EP, DP)
+        if ep > 1:
+            grids.append((1, "experts", etp, ep, _dp(args) * tp // (etp * ep)))
         for pp_rank in range(pp):
-            chunks = [chunk_names(names, split, pp_rank, c, args.get("transformer_impl") or "local",
-                                  experts or 0, tied) for c in range(split.vpp)]
-            for tp_rank in range(tp):
-                placement = ExpertPlacement(experts, 0, tp, tp_rank, swiglu) if experts else None
-                layouts = [[_layout(n, names[experts_name(n)], tp, tp_rank, swiglu, placement) for n, *_ in c]
-                           for c in chunks]
-                rank_numel = sum(lay.block_numel for c in layouts for lay in c)
-                for chunk, (named, lays) in enumerate(zip(chunks, layouts)):
-                    self._place(tp_rank + tp * pp_rank, chunk, named, lays,
-                                _bucket_size(args, pp_rank, chunk, rank_numel), align)
+            for optimizer, part, grid_tp, grid_ep, dp in grids:
+                chunks = [chunk_names(names, split, pp_rank, c, impl, total // grid_ep, tied, part)
+                          for c in range(split.vpp)]
+                for rank in range(grid_tp * grid_ep):  # rank in megatron-core's tp(-ep)-pp group order
+                    experts = ExpertPlacement(total, rank // grid_tp * (total // grid_ep), grid_tp,
+                                              rank % grid_tp, swiglu) if total else None
+                    layouts = [[_layout(n, names[experts_name(n)], grid_tp, rank % grid_tp, swiglu, experts)
+                                for n, *_ in c] for c in chunks]
+                    numel = sum(lay.block_numel for c in layouts for lay in c)
+                    gbuf = 0
+                    for chunk, (named, lays) in enumerate(zip(chunks, layouts)):
+                        if named:  # a chunk without expert parameters has no expert buffer
+                            self._place((optimizer, rank + grid_tp * grid_ep * pp_rank, gbuf), named, lays,
+                                        _bucket_size(args, pp_rank, chunk, numel), _align(dp, args))
+                            gbuf += 1
 
-    def _place(self, group: int, chunk: int, named: list, layouts: list, bucket_size, align: int) -> None:
+    def _place(self, buffer: tuple, named: list, layouts: list, bucket_size, align: int) -> None:
+        """Lay out one buffer (optimizer, dp_group_idx, gbuf_idx) and check it against the stored."""
         places, unpadded = bucket_starts([lay.block_numel for lay in layouts], [s for _, s, _ in named],
                                          bucket_size, align)
-        stored = [self.sizes[key][0] for (g, c, _), key in sorted(self.buckets.items())
-                  if (g, c) == (group, chunk)]
+        stored = [self.sizes[key][0] for (*b, _), key in sorted(self.buckets.items()) if tuple(b) == buffer]
         if stored != unpadded:
             raise CheckpointError(
-                f"megafab lays out the {SHARDING} buckets of model-parallel rank {group}, chunk {chunk} "
+                f"megafab lays out the {SHARDING} buckets of (optimizer, dp_group_idx, gbuf_idx) {buffer} "
                 f"as {unpadded} elements, but the checkpoint stores {stored}: the saving run's layout is "
                 f"not the one its args describe")
         for (name, _, copy), lay, (b, start) in zip(named, layouts, places):
-            bucket = self.buckets[(group, chunk, b)]
+            bucket = self.buckets[(*buffer, b)]
             chunks = self.chunks[bucket]
             if not ({start, start + lay.block_numel} <= {x for c in chunks for x in c}):
                 raise CheckpointError(f"its parameter {name!r} does not fall on the stored pieces of "
@@ -321,12 +338,18 @@ class DpReshardable:
         return [(target, read.view(last - first, *lay.block_shape[1:])[(slice(None), *inner)])]
 
 
-def _read_object(path: str) -> bytes:
+def _read_object(path: str, key: str) -> bytes:
     # deferred: torch.distributed.checkpoint costs seconds to import; only saves and loads pay it
     from megafab.checkpoint import dcp_io
 
-    raw = dcp_io.read_objects(path, [OPTIMIZER_OBJECT])
-    if OPTIMIZER_OBJECT not in raw:
-        raise CheckpointError(f"its {SHARDING} optimizer state has no {OPTIMIZER_OBJECT!r} object "
-                              f"(Adam's step): the copy is partial, copy the whole directory")
-    return raw[OPTIMIZER_OBJECT]
+    raw = dcp_io.read_objects(path, [key])
+    if key not in raw:
+        raise CheckpointError(f"its {SHARDING} optimizer state has no {key!r} object (Adam's step): "
+                              f"the copy is partial, copy the whole directory")
+    return raw[key]
+
+
+def _align(dp: int, args: dict) -> int:
+    """_pad_end_of_bucket_if_needed's divisor for a buffer sharded over `dp` ranks."""
+    return math.lcm(dp, BUCKET_ALIGN, *((HIGH_BUSBW_ALIGN,) if args.get("ddp_pad_buckets_for_high_nccl_busbw")
+                                        else ()))
