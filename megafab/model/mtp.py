@@ -30,6 +30,7 @@ from megafab.distributed.mappings import (
 from megafab.model.init import normal_init
 from megafab.model.moe.balancing import LossScale, attach_loss
 from megafab.model.recompute import recompute
+from megafab.model.te import fp8_recompute_context
 from megafab.model.te_wrap import TEWrappedTransformerLayer
 from megafab.model.transformer import LayerContext, TransformerLayer, build_norm
 from megafab.param_names import MTP_LAYERS, MTP_TRANSFORMER_LAYER, layer_prefix
@@ -82,8 +83,9 @@ class MTPLayer(nn.Module):
     def forward(self, hidden, embedded, rotary_angles=None, attention_mask=None):
         """hidden, embedded: [s(/tp), b, h] -> this depth's output [s(/tp), b, h]."""
         if self.recompute and self.training:
-            return recompute(self._forward, hidden, embedded, rotary_angles, attention_mask,
-                             tracker=self.ctx.rng_tracker, device=self.ctx.device)
+            with fp8_recompute_context(self.ctx):  # FP8: TE's checkpoint, as megatron-core's MTP layer
+                return recompute(self._forward, hidden, embedded, rotary_angles, attention_mask,
+                                 tracker=self.ctx.rng_tracker, device=self.ctx.device)
         return self._forward(hidden, embedded, rotary_angles, attention_mask)
 
     def _forward(self, hidden, embedded, rotary_angles, attention_mask):

@@ -186,10 +186,18 @@ def _layer_fp8_context(ctx):
 @contextlib.contextmanager
 def _fp8_region(ctx):
     """fp8_autocast with the amax group, and every recompute inside it through TE's checkpoint."""
-    through = functools.partial(te_checkpoint, tracker=ctx.rng_tracker, tp_group=ctx.tp_group)
-    regions = functools.partial(te_region_contexts, ctx.precision)
-    with fp8_context(ctx.precision, ctx.fp8_group), checkpoint_through(through, regions):
+    with fp8_context(ctx.precision, ctx.fp8_group), fp8_recompute_context(ctx):
         yield
+
+
+def fp8_recompute_context(ctx):
+    """Under FP8: every recompute started inside runs through TE's checkpoint (te_checkpoint) and
+    DiscardedOutput in TE's recompute phases (te_region_contexts); without FP8 a no-op. For a
+    recompute started outside an FP8 region (an MTP depth's, as megatron-core's MTP layer)."""
+    if not fp8_enabled(ctx.precision):
+        return contextlib.nullcontext()
+    through = functools.partial(te_checkpoint, tracker=ctx.rng_tracker, tp_group=ctx.tp_group)
+    return checkpoint_through(through, functools.partial(te_region_contexts, ctx.precision))
 
 
 @contextlib.contextmanager

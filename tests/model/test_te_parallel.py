@@ -205,3 +205,30 @@ def test_te_selective_recompute_of_each_module_equals_local(monkeypatch, module,
         assert calls and all(calls), module
     else:
         assert not checkpoints and not any(calls)
+
+
+def test_te_full_recompute_with_mtp_under_fp8_runs_through_te_checkpoint(monkeypatch):
+    """Full uniform recompute (every decoder layer, and the MTP depth outside the chunk's FP8 region,
+    as megatron-core's MTP layer) under FP8: each through te.checkpoint, every TE module call in FP8
+    (no new fp8_autocast for a recompute), the local model's loss and gradients."""
+    record = fake_te.install(monkeypatch)
+    full = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    sizes = dict(num_layers=2, mtp_num_layers=1)
+    local_cfg = tiny_config(style=MLA_STYLE, **sizes).model
+    te_cfg = tiny_config(style=MLA_STYLE, **sizes, **TE, **full, fp8_format="hybrid")
+    moe = MoESettings(**MOE)
+    models = [GPTModel(m, LayerContext(None, False, torch.float64, torch.device("cpu"), 1234, precision=pr,
+                                       moe=moe, moe_loss_scale=LossScale()))
+              for m, pr in ((local_cfg, None), (te_cfg.model, te_cfg.precision))]
+    tokens, labels, mask = batch(local_cfg)
+    losses = [_run(model, tokens, labels, mask) for model in models]
+    assert (losses[0] - losses[1]).abs().max() < 1e-10
+    moe_layers = {"decoder.layers.1.", "mtp.layers.0.transformer_layer."}
+    expected = {te_name(n, moe_layers): p for n, p in models[0].named_parameters()}
+    for name, p in models[1].named_parameters():
+        assert (p.grad - expected[name].grad).abs().max() < 1e-10, name
+    assert len([kind for kind, _, _ in record if kind == "checkpoint"]) == 3  # 2 layers + the MTP depth
+    autocasts = [kw for kind, _, kw in record if kind == "fp8_autocast"]
+    assert len(autocasts) == 2  # the chunk's region and the MTP layer's own: none in backward
+    calls = [on for kind, _, on in record if kind == "fp8"]
+    assert len(calls) > 0 and all(calls)
