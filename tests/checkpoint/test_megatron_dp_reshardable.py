@@ -4,10 +4,12 @@ buckets' flat buffers) resumed whole (megafab/checkpoint/megatron_dp_reshardable
 - the committed MoE run saved both ways by Megatron-LM (fixtures/megatron_lm_moe, dp_reshardable, and
   megatron_lm_moe_fully_reshardable, parameter-shaped): every optimizer tensor read from the buckets
   equals the parameter-shaped one, and Adam's step too;
+- every saved main param read from the buckets is its weight (fp32 runs), for the three fixtures;
 - fixtures/megatron_lm_dp2: a dense run Megatron-LM saved at DP 2 with five buckets (--overlap-grad-reduce,
-  --ddp-bucket-size 12000; biases, GQA, tied embeddings) resumes at DP 2, DP 1 and TP 2: iterations 3, 4, 5
-  log Megatron-LM's own continuation within 1e-6 (fp32, exact values from --metrics-jsonl); with
-  --no-load-optim (a fresh Adam) they differ;
+  --ddp-bucket-size 12000; biases, GQA, tied embeddings) resumes at DP 2, DP 1 and TP 2, and
+  fixtures/megatron_lm_moe_ep2 (the MoE model at EP 2: experts in a second, chained optimizer) at EP 2,
+  EP 1 and EP 1 x DP 2: iterations 3, 4, 5 log Megatron-LM's own continuation within 1e-6 (fp32, exact
+  values from --metrics-jsonl); with --no-load-optim (a fresh Adam) they differ;
 - a layout megafab derives that is not the saved one (another bucket size, another module order) is
   refused, not read as shifted values.
 """
@@ -29,7 +31,7 @@ from tests.helpers.launch import losses
 from tests.helpers.main_ranks import main_stdout, run_ranks_main
 
 FIXTURES = Path(__file__).parent / "fixtures"
-DP2 = FIXTURES / "megatron_lm_dp2"
+DP2, MOE_EP2 = FIXTURES / "megatron_lm_dp2", FIXTURES / "megatron_lm_moe_ep2"
 REFERENCE = torch.load(DP2 / "reference.pt", weights_only=True)
 FLAGS = REFERENCE["model_flags"] + REFERENCE["train_flags"]
 BUCKET = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.float32, torch.float32).bucket_idx_"
@@ -58,6 +60,21 @@ def test_the_dp2_fixture_is_megatron_lms_bucketed_dp2_save():
     sizes = [source.buckets.sizes[BUCKET + str(b)] for b in range(5)]
     assert sizes == [(24960,), (12672,), (24960,), (12672,), (8256,)]  # 8256: padded to 8320 for DP 2
     assert len(REFERENCE["lm_losses"]) == 5 and REFERENCE["save_at"] == 2
+
+
+@pytest.mark.parametrize("fixture", ["megatron_lm_moe", "megatron_lm_dp2", "megatron_lm_moe_ep2"])
+def test_every_main_param_read_from_the_buckets_is_its_weight(fixture):
+    """An fp32 run's main params are its weights: each parameter's `param` range of the buckets holds
+    exactly its saved weights where megafab lays it out (every kind shares those offsets); the EP 2 save
+    keeps its routed experts in a second, chained optimizer's buffers (dp_group_idx per EP rank)."""
+    source = TorchDistSource(str(FIXTURES / fixture / "iter_0000002"))
+    weights, optim = source.read_all("model."), source.read_all("optim.")
+    mains = [k[len("optim."):-len(".main_param")] for k in optim if k.endswith(".main_param")]
+    assert len(mains) == len([k for k in weights if "optimizer" not in k and "expert_bias" not in k])
+    for name in mains:
+        assert torch.equal(optim[f"optim.{name}.main_param"], weights[f"model.{name}"]), name
+    chained = {b[0] for b in source.buckets.buckets}
+    assert chained == ({0, 1} if fixture.endswith("ep2") else {0}), chained
 
 
 def _lay_out_again(args: dict):
@@ -112,31 +129,38 @@ def _metric_losses(file: Path) -> dict[int, float]:
     return {r["iteration"]: r["lm loss"] for r in lines if r.get("kind") == "iteration"}
 
 
-def _resume(tmp_path, mock_data_cache, world: int, extra: list[str]) -> dict[int, float]:
+def _resume(tmp_path, mock_data_cache, world: int, extra: list[str], fixture: Path = DP2) -> dict[int, float]:
     load = tmp_path / "load"
-    shutil.copytree(DP2, load)
+    shutil.copytree(fixture, load)
     metrics = tmp_path / "metrics.jsonl"
-    flags = FLAGS + mock_data_cache + ["--load", str(load), "--log-interval", "1",
-                                       "--metrics-jsonl", str(metrics)] + extra
+    reference = torch.load(fixture / "reference.pt", weights_only=True)
+    flags = reference["model_flags"] + reference["train_flags"] + mock_data_cache + [
+        "--load", str(load), "--log-interval", "1", "--metrics-jsonl", str(metrics)] + extra
     out = main_stdout(world, flags, tmp_path / "run")
     assert "loaded checkpoint from" in out and "optimizer starts fresh" not in out
     assert " consumed samples:           12 |" in out  # iteration 3 of the saved run's counters
     return _metric_losses(metrics)
 
 
-@pytest.mark.parametrize("world, extra", [
-    (2, []),  # the saved DP 2
-    (1, []),  # DP 1: two micro-batches of 2
-    (2, ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64"]),  # keeps 128 rows
-], ids=["dp2", "dp1", "tp2"])
-def test_resuming_megatron_lms_dp_reshardable_save_continues_as_megatron_lm(tmp_path, mock_data_cache, world,
-                                                                              extra):
-    logged = _resume(tmp_path, mock_data_cache, world, extra)
-    megatron_lm = REFERENCE["lm_losses"]
+EP1 = ["--expert-model-parallel-size", "1"]
+
+
+@pytest.mark.parametrize("fixture, world, extra", [
+    (DP2, 2, []),  # the saved DP 2
+    (DP2, 1, []),  # DP 1: two micro-batches of 2
+    (DP2, 2, ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64"]),  # keeps 128 rows
+    (MOE_EP2, 2, []),  # the saved EP 2 (dense DP 2, expert DP 1)
+    (MOE_EP2, 1, EP1),  # every expert on one rank
+    (MOE_EP2, 2, EP1),  # experts data-parallel over 2
+], ids=["dp2", "dp1", "tp2", "moe_ep2", "moe_ep1_dp1", "moe_ep1_dp2"])
+def test_resuming_megatron_lms_dp_reshardable_save_continues_as_megatron_lm(tmp_path, mock_data_cache,
+                                                                              fixture, world, extra):
+    logged = _resume(tmp_path, mock_data_cache, world, extra, fixture)
+    megatron_lm = torch.load(fixture / "reference.pt", weights_only=True)["lm_losses"]
     assert sorted(logged) == [3, 4, 5]
     for it in (3, 4, 5):
         assert abs(logged[it] - megatron_lm[it - 1]) < 1e-6, (extra, it, logged[it], megatron_lm[it - 1])
-    print(f"MEASURED world {world} {extra}: megafab {[logged[i] for i in (3, 4, 5)]} "
+    print(f"MEASURED {fixture.name} world {world} {extra}: megafab {[logged[i] for i in (3, 4, 5)]} "
           f"Megatron-LM {megatron_lm[2:]}")
 
 
