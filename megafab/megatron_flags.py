@@ -157,7 +157,7 @@ _TOKENIZER = f"this tokenizer option is {NOT_YET}"
 _PROCESS_GROUPS = f"this process-group option is {NOT_YET}"
 _VALIDATION = f"this validation mode is {NOT_YET}; megafab evaluates --eval-iters batches of the " \
     f"validation split"
-_DETERMINISM = f"deterministic / batch-invariant kernels are {NOT_YET}"
+_DETERMINISM = f"batch-invariant kernels are {NOT_YET}"
 REFUSED.update({
     "--batch-size": Refused("removed in Megatron-LM, which stops on it; use --micro-batch-size"),
     "--warmup": Refused("removed in Megatron-LM, which stops on it; use --lr-warmup-fraction, "
@@ -314,7 +314,7 @@ _refuse(_TOKENIZER, """--tokenizer-metadata V --legacy-tokenizer --tokenizer-sen
     --tokenizer-hf-use-fast --tokenizer-hf-include-special-tokens""")
 _refuse(_PROCESS_GROUPS, """--distributed-timeout-seconds-after-init V --lazy-mpu-init V?
     --fake-process-group --use-sharp --sharp-enabled-group V --nccl-communicator-config-path V""")
-_refuse(_DETERMINISM, "--deterministic-mode --batch-invariant-mode")
+_refuse(_DETERMINISM, "--batch-invariant-mode")
 _refuse(f"this training-loop option of Megatron's is {NOT_YET}", """--iterations-to-skip V+
     --phase-transition-iterations V --decrease-batch-size-if-needed
     --check-weight-hash-across-dp-replicas-interval V --test-mode""")

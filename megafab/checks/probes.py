@@ -1,5 +1,6 @@
 """Start-up checks of what a configuration names on this machine: the data prefixes' .idx files,
-the tokenizer files (opened: the tokenizer is built from them here), a writable --save; and the
+the tokenizer files (opened: the tokenizer is built from them here), a writable --save, the
+environment --deterministic-mode reads; and the
 tokenizer's vocabulary size, which the config needs before it is finalized (the padded vocabulary
 is derived from it).
 
@@ -15,11 +16,14 @@ from megafab.checks.run_rules import DATA_PATH_FLAGS
 from megafab.data.blend_spec import parse_blend
 from megafab.data.errors import DataError
 from megafab.data.tokenizers import TOKENIZER_FILES, build_tokenizer, file_problems
+from megafab.run import determinism
 
 
 def start_up_problems(cfg) -> list[str]:
-    """Every file the configuration names that is missing or unusable here."""
-    return data_file_problems(cfg) + tokenizer_file_problems(cfg) + save_directory_problems(cfg)
+    """Every file the configuration names that is missing or unusable here, and (--deterministic-mode)
+    every environment variable set to a value that is not deterministic."""
+    env = determinism.env_problems(os.environ) if cfg.training.deterministic_mode else []
+    return data_file_problems(cfg) + tokenizer_file_problems(cfg) + save_directory_problems(cfg) + env
 
 
 def data_file_problems(cfg) -> list[str]:

@@ -16,6 +16,9 @@ DATA_PATH_FLAGS = ("data_path", "train_data_path", "valid_data_path", "test_data
 def training_problems(cfg) -> list[str]:
     t, p, o = cfg.training, cfg.parallel, cfg.optimizer
     out = required(t, ["micro_batch_size"])
+    if t.deterministic_mode and cfg.model.cross_entropy_loss_fusion:  # Megatron's determinism.py
+        out.append("--deterministic-mode requires the unfused cross entropy: drop "
+                   "--cross-entropy-loss-fusion")
     dp = p.data_parallel_size
     if t.micro_batch_size and dp and t.global_batch_size and \
             t.global_batch_size % (t.micro_batch_size * dp):

@@ -181,6 +181,10 @@ class TrainingConfig(Section):
     train_iters: int | None = option(None, help="Optimizer steps to train.")
     train_samples: int | None = option(None, help="Samples to train (alternative to train_iters).")
     eval_iters: int = option(100, help="Batches per evaluation.")
+    deterministic_mode: bool = option(
+        False, help="Bit-reproducible execution as Megatron's: NCCL_ALGO Ring, CUBLAS_WORKSPACE_CONFIG "
+                    ":4096:8 and NVTE_ALLOW_NONDETERMINISTIC_ALGO 0 unless set (a value that is not "
+                    "deterministic is refused), and torch.use_deterministic_algorithms(True).")
     eval_micro_batch_size: int | None = option(
         None, help="Micro batch size to use during evaluation (samples per micro-batch per data-parallel "
                    "rank); default --micro-batch-size.")

@@ -221,6 +221,12 @@ class RowParallelLinear(nn.Module):
                 f"input_is_parallel={self.input_is_parallel}, sequence_parallel={self.sequence_parallel}")
 
 
+def _lookup(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The rows of `ids`; under --deterministic-mode by indexing, as megatron-core does (CUDA's
+    F.embedding backward adds its gradient rows in no fixed order)."""
+    return weight[ids] if torch.are_deterministic_algorithms_enabled() else F.embedding(ids, weight)
+
+
 class VocabParallelEmbedding(nn.Module):
     """Embedding table split along the vocabulary: rank r holds rows vocab_range(V, r, tp).
 
@@ -246,10 +252,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if group_size(self.tp_group) == 1:
-            return F.embedding(ids, self.weight)
+            return _lookup(ids, self.weight)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
-        partial = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        partial = _lookup(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.reduce_scatter_embeddings:
             partial = partial.transpose(0, 1).contiguous()  # [s, b, h]
             return reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)  # [s/tp, b, h]

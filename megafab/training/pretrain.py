@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import torch
 import torch.distributed as dist
 
 from megafab.checkpoint import checkpointing, non_persistent
+from megafab.run import determinism
 from megafab.run.faults import FaultWatch
 from megafab.run.launch import restart_count
 from megafab.run.signals import SigtermFlag
@@ -159,6 +161,8 @@ def record_start(state) -> None:
 
 def pretrain(cfg) -> int:
     setup_logging(cfg.logging.logging_level)
+    if cfg.training.deterministic_mode:  # before the process group and the first kernel
+        determinism.apply(os.environ)
     cfg, restart_note = resume_after_restart(cfg)
     tokenizer = attach_tokenizer(cfg)
     topo, tracker = init_distributed(cfg)
