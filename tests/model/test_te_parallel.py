@@ -70,10 +70,35 @@ def test_rules_accept_te_with_cp_fsdp_fp8_and_selective_recompute():
                     reset_attention_mask=True, dataloader_inter_document_masking=True, **TE)
 
 
+@pytest.mark.parametrize("extra", [["--use-torch-fsdp2"], ["--use-megatron-fsdp", "--fp8-format", "hybrid"],
+                                   ["--context-parallel-size", "2", "--cp-comm-type", "a2a"],
+                                   ["--recompute-granularity", "selective",
+                                    "--recompute-modules", "mlp", "core_attn"]],
+                         ids=["fsdp2", "megatron-fsdp+fp8", "cp2", "selective"])
+def test_cli_on_cpu_refuses_only_te_absence(extra, monkeypatch, capsys):
+    """pretrain on CPU without TE: exit 2, one line naming the flag and the fix, whatever the layout."""
+    from megafab.cli.pretrain import main  # deferred: the console script, as users run it
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+             "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "2",
+             "--vocab-size", "128", "--train-iters", "1", "--mock-data", "--dry-run", "--bf16",
+             "--transformer-impl", "transformer_engine"] + extra
+    with pytest.raises(SystemExit) as exit_info:
+        main(flags)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("  - ")]
+    assert exit_info.value.code == 2
+    te_lines = [line for line in lines if "transformer_engine (a CUDA build; this run is on cpu)" in line]
+    assert len(te_lines) == 1 and "use --transformer-impl local" in te_lines[0], lines
+    flag = "--fp8-format" if "--fp8-format" in extra else "--transformer-impl transformer_engine"
+    assert te_lines[0].startswith(f"  - {flag} needs transformer_engine")
+    assert len(lines) == 1, lines
+
+
 # ---- context parallelism ----------------------------------------------------------------------------
-def _cp_parity(rank, world, comm, record, recompute):
+def _cp_parity(rank, world, comm, record, variant):
     topo = build_topology(cp=world)
-    extra = dict(recompute_granularity="selective", recompute_modules=["core_attn"]) if recompute else {}
+    extra = VARIANTS[variant]
     local_cfg = tiny_config(style=STYLE, **extra).model
     te_cfg = tiny_config(style=STYLE, **TE, **extra).model
     tokens, labels, mask = batch(local_cfg)
@@ -82,7 +107,7 @@ def _cp_parity(rank, world, comm, record, recompute):
     ctx = LayerContext(None, False, torch.float64, torch.device("cpu"), 1234, cp_group=group,
                        cp_comm_type=comm)
     model = GPTModel(te_cfg, ctx)
-    kind = TEWrappedTransformerLayer if recompute else TETransformerLayer
+    kind = TETransformerLayer if variant == "te-layer" else TEWrappedTransformerLayer
     assert all(type(layer) is kind for layer in model.decoder.layers.values())
 
     def local(t):
@@ -95,15 +120,27 @@ def _cp_parity(rank, world, comm, record, recompute):
         torch.distributed.all_reduce(p.grad, group=group)
         grads[te_to_local_name(name)] = p.grad / world
     cp_built = [kw["cp_comm_type"] for kind, _, kw in record if kind == "cp"]
-    assert cp_built == [TE_CP_COMM_TYPES[comm]] * te_cfg.num_layers, cp_built
+    windowed = variant == "wrapped+window"  # megafab's CP core attention: no TE attention built
+    assert cp_built == ([] if windowed else [TE_CP_COMM_TYPES[comm]] * te_cfg.num_layers), cp_built
     return _compare(loss.item(), grads, *ref)
 
 
-@pytest.mark.parametrize("recompute", [False, True], ids=["te-layer", "wrapped+core_attn-recompute"])
+VARIANTS = {"te-layer": {},  # TE's dense layer, TE's DotProductAttention doing CP
+            "wrapped+core_attn-recompute": dict(recompute_granularity="selective",
+                                                recompute_modules=["core_attn"]),
+            "wrapped+window": dict(window_size=(5, 0), window_attn_skip_freq=2)}  # megafab's CP attention
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("comm", ["p2p", "allgather", "a2a"])
-def test_te_context_parallel_equals_single_process(monkeypatch, comm, recompute):
+def test_te_context_parallel_equals_single_process(monkeypatch, comm, variant):
     record = fake_te.install(monkeypatch)
-    assert min(run_ranks(_cp_parity, 2, comm, record, recompute, timeout=120)) > 0
+    if variant == "wrapped+window" and comm == "p2p":  # megafab's K/V ring has no banded blocks
+        with pytest.raises(ConfigError, match="--window-size with --context-parallel-size 2 and --cp-comm"):
+            tiny_config(style=STYLE, dp=2, context_parallel_size=2, cp_comm_type=comm, **TE,
+                        **VARIANTS[variant])
+        return
+    assert min(run_ranks(_cp_parity, 2, comm, record, variant, timeout=120)) > 0
 
 
 # ---- FSDP2 ------------------------------------------------------------------------------------------
