@@ -162,8 +162,9 @@ def fp8_chunk_context(ctx):
     """One fp8_autocast around a model chunk's layers (LayerContext: precision, fp8_group), as
     megatron-core's TransformerBlock: entered once per chunk forward by GPTModel, its amax
     reductions over fp8_amax_group (Megatron's get_amax_reduction_group(with_context_parallel=
-    True)). A TE layer run outside a chunk's region (full recompute re-running layers during
-    backward) enters its own (_layer_fp8_context)."""
+    True)). Recomputes started inside run through TE's checkpoint (fp8_recompute_context), so a
+    layer re-run in backward keeps its forward's FP8 state; a TE layer run outside any region (an
+    MTP depth's) enters its own (_layer_fp8_context)."""
     if not fp8_enabled(ctx.precision):
         yield
         return
