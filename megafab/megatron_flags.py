@@ -79,9 +79,6 @@ REFUSED: dict[str, Refused] = {
         f"overlapping expert-parallel communication with another micro-batch's compute (CUDA streams) "
         f"is {NOT_YET}"),
     "--tp-comm-overlap": Refused(f"TP communication overlap (Transformer Engine userbuffers) is {NOT_YET}"),
-    "--fsdp-double-buffer": Refused(f"Megatron-FSDP buffer tuning; {FSDP}"),
-    "--fsdp-manual-registration": Refused(f"Megatron-FSDP buffer registration; {FSDP}"),
-    "--use-nccl-ub": Refused(f"NCCL user-buffer registration is {NOT_YET}"),
     "--num-distributed-optimizer-instances": Refused(
         f"the hierarchical distributed optimizer is {NOT_YET}", off=("1",)),
     "--fp8-param-gather": Refused(

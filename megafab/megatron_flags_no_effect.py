@@ -90,7 +90,14 @@ LISTED.update({
     "--memory-snapshot-path": _ONLY_WITH.format("--record-memory-history"),
     "--disable-straggler-on-startup": _ONLY_WITH.format("--log-straggler"),
     "--ep-overlap-early-attn-memory-release": _ONLY_WITH.format("--overlap-moe-expert-parallel-comm"),
-    "--disable-symmetric-registration": _ONLY_WITH.format("--use-nccl-ub"),
+    "--use-nccl-ub": "NCCL user-buffer registration of the DP/FSDP communication buffers: fewer GPU SMs "
+                     "spent on communication, the same values reduced; megafab's FSDP2 and DDP buffers "
+                     "are PyTorch's",
+    "--disable-symmetric-registration": "a detail of --use-nccl-ub's buffer registration, the same values",
+    "--fsdp-double-buffer": "Megatron-FSDP's reuse of its communication buffers (memory management), the "
+                            "same values; megafab's --use-megatron-fsdp runs on FSDP2, which manages its own",
+    "--fsdp-manual-registration": "Megatron-FSDP's registration of its buffers with NCCL user buffers, the "
+                                  "same values; megafab's --use-megatron-fsdp runs on FSDP2",
     "--export-force-local-attention": "Megatron-LM HEAD's ModelOpt builder: megatron-core's local "
                                       "DotProductAttention instead of TEDotProductAttention in its export "
                                       "spec (pretrain_gpt.py uses it only for a ModelOpt model), the same "
