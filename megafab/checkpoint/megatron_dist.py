@@ -166,12 +166,15 @@ def _megatron_counters(common: dict, args: dict) -> Counters | None:
     if sched is None or "iteration" not in common:
         return None
     scheduler = {SCHEDULER_FIELDS[k]: v for k, v in sched.items() if k in SCHEDULER_FIELDS}
-    scaler = _get(common, "optimizer", "grad_scaler")
-    if scaler is not None:
-        scaler = {k: float(v) if torch.is_tensor(v) else v for k, v in scaler.items()}
     return Counters(int(common["iteration"]), int(args.get("consumed_train_samples", 0)),
                     int(args.get("consumed_valid_samples", 0)), scheduler=scheduler,
-                    optimizer_iteration=int(common["iteration"]), grad_scaler=scaler)
+                    optimizer_iteration=int(common["iteration"]),
+                    grad_scaler=_scaler_state(_get(common, "optimizer", "grad_scaler")))
+
+
+def _scaler_state(scaler: dict | None) -> dict | None:
+    """Megatron's loss-scaler state with plain numbers."""
+    return None if scaler is None else {k: float(v) if torch.is_tensor(v) else v for k, v in scaler.items()}
 
 
 def saved_config(common: dict, path: str):
@@ -224,6 +227,8 @@ class TorchDistSource(CheckpointSource):
             else:
                 view.update(self.buckets.optimizer_view(view))
                 self.step = self.buckets.step
+                if counters is not None and counters.grad_scaler is None:  # fp16: beside the buckets
+                    counters.grad_scaler = _scaler_state(self.buckets.grad_scaler)
         if problem is None and self.step is None and any(k.endswith(".exp_avg") for k in view):
             problem = "it records no Adam step for its Adam moments (common.pt holds no param_groups step)"
         stored_keys = metadata.state_dict_metadata

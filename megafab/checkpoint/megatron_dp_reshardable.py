@@ -56,6 +56,7 @@ SHARDING = "dp_reshardable"
 BUCKET_KEY = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)"
                         r"\.dtype_\(.*\)\.bucket_idx_(\d+)\.(\w+)$")
 OPTIMIZER_OBJECT = "optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"  # Adam's step, param_groups
+SCALER_OBJECT = "optimizer.distributed.dp_group_idx_0.grad_scaler/shard_0_1"  # fp16's loss scaler
 BUCKET_KIND = {MAIN_PARAM: "param"}  # megafab kind -> the bucket tensor's (the moments keep theirs)
 PARAM_ALIGN = 64  # _pad_start_of_param_if_needed
 BUCKET_ALIGN, HIGH_BUSBW_ALIGN = 128, 2 ** 16  # _pad_end_of_bucket_if_needed: lcm(DP, 128[, 2^16])
@@ -233,8 +234,9 @@ class DpReshardable:
                  if k.startswith(MODEL_PREFIX)}
         self.placed: dict[str, list[Placed]] = {}
         self._lay_out(names, args, model_cfg, swiglu)
-        obj = safe_pickle.loads(_read_object(path, self.prefix + OPTIMIZER_OBJECT), f"{path} (optimizer)")
-        self.optimizer_object = obj[0] if isinstance(obj, list) and obj else obj  # a ShardedObject's list
+        self.optimizer_object = _load_object(path, self.prefix + OPTIMIZER_OBJECT)
+        scaler = self.prefix + SCALER_OBJECT
+        self.grad_scaler = _load_object(path, scaler) if scaler in stored else None
 
     @property
     def step(self) -> float | None:
@@ -338,15 +340,17 @@ class DpReshardable:
         return [(target, read.view(last - first, *lay.block_shape[1:])[(slice(None), *inner)])]
 
 
-def _read_object(path: str, key: str) -> bytes:
+def _load_object(path: str, key: str):
+    """A ShardedObject of the saved optimizer (stored as a one-element list)."""
     # deferred: torch.distributed.checkpoint costs seconds to import; only saves and loads pay it
     from megafab.checkpoint import dcp_io
 
     raw = dcp_io.read_objects(path, [key])
     if key not in raw:
-        raise CheckpointError(f"its {SHARDING} optimizer state has no {key!r} object (Adam's step): "
-                              f"the copy is partial, copy the whole directory")
-    return raw[key]
+        raise CheckpointError(f"its {SHARDING} optimizer state has no {key!r} object: the copy is "
+                              f"partial, copy the whole directory")
+    obj = safe_pickle.loads(raw[key], f"{path} ({key})")
+    return obj[0] if isinstance(obj, list) and obj else obj
 
 
 def _align(dp: int, args: dict) -> int:
