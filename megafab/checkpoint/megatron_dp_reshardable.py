@@ -1,17 +1,18 @@
 """Megatron-LM's default distributed-optimizer state (`dp_reshardable`) read into any megafab layout.
 
 megatron-core 0.16.1 (DistributedOptimizer.sharded_param_state_dp_reshardable) saves Adam's state
-as its DDP buffers hold it: one flat tensor per (model-parallel rank G = tp + TP * pp, buffer I,
-bucket B, kind), `optimizer.distributed.dp_group_idx_G.gbuf_idx_I.dtype_(P, G).bucket_idx_B.{param,
-exp_avg, exp_avg_sq}`, each of the bucket's unpadded size (`param`: the fp32 main copy); Adam's step
-is in the pickled `...dp_group_idx_0.optimizer` object. A bucket is what _ParamAndGradBuffer laid
-out: a model chunk's trainable parameters in reverse named_parameters order (MCORE_LAYER_ORDER),
-each starting at a multiple of 64, a bucket closed once it holds bucket_size elements (the
-pipeline-shared embedding alone), padded at its end to lcm(DP x CP, 128), which the saved tensors
-leave out. The layout is re-derived from the saved run's args (_bucket_size: Megatron-LM's
-get_model and DDP rules), checked against the checkpoint (each bucket's size, each parameter a run
-of its stored chunks), and each flat range is a parameter's TP block (layout.ParamLayout): any
-TP/PP/DP layout reads the boxes it owns, only the rows it needs.
+as its DDP buffers hold it: one flat tensor per (model-parallel rank G, buffer I, bucket B, kind),
+`optimizer.distributed.dp_group_idx_G.gbuf_idx_I.dtype_(param, grad).bucket_idx_B.{param, exp_avg,
+exp_avg_sq}` of the bucket's unpadded size (`param`: the fp32 main copy), G = tp + TP * pp; with
+expert parallelism the routed experts' buffers are a second optimizer's (keys `chained_1.`, G =
+etp + ETP * (ep + EP * pp); the dense ones `chained_0.`). Adam's step is in the pickled
+`...optimizer` object. A bucket is _ParamAndGradBuffer's: a model chunk's parameters in reverse
+named_parameters order (MCORE_LAYER_ORDER), each starting at a multiple of 64, closed once it holds
+bucket_size elements (the pipeline-shared embedding alone), padded to lcm(DP, 128) at its end, which
+the saved tensors leave out. The layout is re-derived from the saved args (_bucket_size: Megatron-LM's
+get_model and DDP rules) and checked against the checkpoint (each bucket's size, each parameter on
+its stored pieces); each flat range is a parameter's TP block (layout.ParamLayout), so any layout
+reads the boxes it owns, only the rows it needs.
 """
 
 from __future__ import annotations
@@ -200,8 +201,7 @@ def bucket_starts(numels: list[int], shared: list[bool], bucket_size: int | None
 def _bucket_size(args: dict, pp_rank: int, chunk: int, rank_numel: int) -> int | None:
     """Megatron-LM's get_model / DistributedDataParallel: one bucket without --overlap-grad-reduce,
     on pipeline stages after the first and on model chunks after the first."""
-    if not args.get("overlap_grad_reduce") or pp_rank > 0 or chunk > 0 or \
-            args.get("overlap_param_gather_with_optimizer_step"):
+    if not args.get("overlap_grad_reduce") or pp_rank > 0 or chunk > 0:
         return None
     if args.get("ddp_num_buckets"):
         return rank_numel // args["ddp_num_buckets"]
