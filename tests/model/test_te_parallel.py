@@ -186,14 +186,14 @@ DENSE_MODULES = ("core_attn", "layernorm", "mlp")
 DEEPSEEK_MODULES = ("mla_up_proj", "moe", "shared_experts", "moe_act")
 
 
-def _models(module, **extra):
+def _models(module, recompute=True, **extra):
     """(local model without recompute, TE model recomputing `module`), same seed, float64."""
     if module in DENSE_MODULES:
         style, sizes, moe = STYLE, {}, None
     else:
         style, sizes = MLA_STYLE, dict(num_layers=2, mtp_num_layers=1)
         moe = MoESettings(**MOE, moe_grouped_gemm=module == "moe_act")
-    recompute = dict(recompute_granularity="selective", recompute_modules=[module])
+    recompute = dict(recompute_granularity="selective", recompute_modules=[module]) if recompute else {}
     if module == "moe_act":  # the config rule reads the MoE flags
         sizes.update(MOE, moe_grouped_gemm=True)
     local_cfg = tiny_config(style=style, **sizes).model
@@ -235,6 +235,12 @@ def test_te_selective_recompute_of_each_module_equals_local(monkeypatch, module,
     run = record[start:]
     checkpoints = [kw for kind, _, kw in run if kind == "checkpoint"]
     calls = [on for kind, _, on in run if kind == "fp8"]
+    _, plain = _models(module, recompute=False, **({"fp8_format": "hybrid"} if fp8 else {}))
+    start = len(record)
+    _run(plain, tokens, labels, mask)
+    plain_calls = sum(kind == "fp8" for kind, _, _ in record[start:])
+    holds_te = module not in ("layernorm", "moe_act")  # a fused norm / the experts' activation: no TE
+    assert (len(calls) > plain_calls) == holds_te, (module, len(calls), plain_calls)  # TE modules re-run
     if fp8:  # TE's checkpoint keeps each module's forward FP8 state for its recompute in backward
         if module not in ("layernorm", "mla_up_proj", "moe_act"):  # (those discard outputs instead)
             assert checkpoints
