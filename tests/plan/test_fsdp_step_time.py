@@ -147,8 +147,8 @@ def test_backward_gathers_and_reduce_scatters_share_the_links():
 
 
 def test_fsdp2_layouts_do_not_get_transformer_engines_tp_overlap():
-    """megafab refuses Transformer Engine with FSDP2, so --tp-comm-overlap (TE's userbuffers) cannot
-    apply; the distributed optimizer's layout at the same TP gets it."""
+    """The estimator does not model TE's userbuffers TP overlap (--tp-comm-overlap, refused) beside
+    FSDP2's gathers; the distributed optimizer's layout at the same TP gets it."""
     flags = ("--tensor-model-parallel-size", "2", "--sequence-parallel")
     fsdp2 = config(16, "--use-torch-fsdp2", *flags)
     assert predict(fsdp2, H100, plan(fsdp2), tp_comm_overlap=True).step_time_s == \
