@@ -8,8 +8,9 @@ buckets' flat buffers) resumed whole (megafab/checkpoint/megatron_dp_reshardable
 - fixtures/megatron_lm_dp2: a dense run Megatron-LM saved at DP 2 with five buckets (--overlap-grad-reduce,
   --ddp-bucket-size 12000; biases, GQA, tied embeddings) resumes at DP 2, DP 1 and TP 2, and
   fixtures/megatron_lm_moe_ep2 (the MoE model at EP 2: experts in a second, chained optimizer) at EP 2,
-  EP 1 and EP 1 x DP 2: iterations 3, 4, 5 log Megatron-LM's own continuation within 1e-6 (fp32, exact
-  values from --metrics-jsonl); with --no-load-optim (a fresh Adam) they differ;
+  EP 1 and EP 1 x DP 2, fixtures/megatron_lm_tp2_pp2 (TP 2 x PP 2 x 2 virtual stages, tied embeddings)
+  as saved and on one process: iterations 3, 4, 5 log Megatron-LM's own continuation within 1e-6
+  (fp32, exact values from --metrics-jsonl); with --no-load-optim (a fresh Adam) they differ;
 - a layout megafab derives that is not the saved one (another bucket size, another module order) is
   refused, not read as shifted values.
 """
@@ -31,7 +32,7 @@ from tests.helpers.launch import losses
 from tests.helpers.main_ranks import main_stdout, run_ranks_main
 
 FIXTURES = Path(__file__).parent / "fixtures"
-DP2, MOE_EP2 = FIXTURES / "megatron_lm_dp2", FIXTURES / "megatron_lm_moe_ep2"
+DP2, MOE_EP2, TP2_PP2 = (FIXTURES / f"megatron_lm_{name}" for name in ("dp2", "moe_ep2", "tp2_pp2"))
 REFERENCE = torch.load(DP2 / "reference.pt", weights_only=True)
 FLAGS = REFERENCE["model_flags"] + REFERENCE["train_flags"]
 BUCKET = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.float32, torch.float32).bucket_idx_"
@@ -62,7 +63,8 @@ def test_the_dp2_fixture_is_megatron_lms_bucketed_dp2_save():
     assert len(REFERENCE["lm_losses"]) == 5 and REFERENCE["save_at"] == 2
 
 
-@pytest.mark.parametrize("fixture", ["megatron_lm_moe", "megatron_lm_dp2", "megatron_lm_moe_ep2"])
+@pytest.mark.parametrize("fixture", ["megatron_lm_moe", "megatron_lm_dp2", "megatron_lm_moe_ep2",
+                                     "megatron_lm_tp2_pp2"])
 def test_every_main_param_read_from_the_buckets_is_its_weight(fixture):
     """An fp32 run's main params are its weights: each parameter's `param` range of the buckets holds
     exactly its saved weights where megafab lays it out (every kind shares those offsets); the EP 2 save
@@ -75,6 +77,8 @@ def test_every_main_param_read_from_the_buckets_is_its_weight(fixture):
         assert torch.equal(optim[f"optim.{name}.main_param"], weights[f"model.{name}"]), name
     chained = {b[0] for b in source.buckets.buckets}
     assert chained == ({0, 1} if fixture.endswith("ep2") else {0}), chained
+    if fixture.endswith("pp2"):  # TP 2 x PP 2: four model-parallel ranks, two virtual stages each
+        assert {b[1:3] for b in source.buckets.buckets} == {(g, c) for g in range(4) for c in range(2)}
 
 
 def _lay_out_again(args: dict):
@@ -129,13 +133,21 @@ def _metric_losses(file: Path) -> dict[int, float]:
     return {r["iteration"]: r["lm loss"] for r in lines if r.get("kind") == "iteration"}
 
 
-def _resume(tmp_path, mock_data_cache, world: int, extra: list[str], fixture: Path = DP2) -> dict[int, float]:
+def _resume(tmp_path, mock_data_cache, world: int, extra: list, fixture: Path = DP2,
+            switches: tuple = ()) -> dict[int, float]:
+    """The fixture's run resumed with its flags, but the layout flags `extra` names (one value each)
+    replaced by extra's (None: dropped), and `switches` added."""
     load = tmp_path / "load"
     shutil.copytree(fixture, load)
     metrics = tmp_path / "metrics.jsonl"
     reference = torch.load(fixture / "reference.pt", weights_only=True)
-    flags = reference["model_flags"] + reference["train_flags"] + mock_data_cache + [
-        "--load", str(load), "--log-interval", "1", "--metrics-jsonl", str(metrics)] + extra
+    flags = reference["model_flags"] + reference["train_flags"]
+    for name in extra[::2]:
+        while name in flags:
+            del flags[flags.index(name):flags.index(name) + 2]
+    extra = [x for flag, value in zip(extra[::2], extra[1::2]) if value is not None for x in (flag, value)]
+    flags = flags + mock_data_cache + [
+        "--load", str(load), "--log-interval", "1", "--metrics-jsonl", str(metrics)] + extra + list(switches)
     out = main_stdout(world, flags, tmp_path / "run")
     assert "loaded checkpoint from" in out and "optimizer starts fresh" not in out
     assert " consumed samples:           12 |" in out  # iteration 3 of the saved run's counters
@@ -143,6 +155,10 @@ def _resume(tmp_path, mock_data_cache, world: int, extra: list[str], fixture: Pa
 
 
 EP1 = ["--expert-model-parallel-size", "1"]
+# One rank of the TP 2 x PP 2 save: Megatron pads its vocabulary to 128 x TP = 256 rows, which the
+# loss's softmax sees; keep them
+ONE = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+       "--num-virtual-stages-per-pipeline-rank", None, "--make-vocab-size-divisible-by", "256"]
 
 
 @pytest.mark.parametrize("fixture, world, extra", [
@@ -152,7 +168,9 @@ EP1 = ["--expert-model-parallel-size", "1"]
     (MOE_EP2, 2, []),  # the saved EP 2 (dense DP 2, expert DP 1)
     (MOE_EP2, 1, EP1),  # every expert on one rank
     (MOE_EP2, 2, EP1),  # experts data-parallel over 2
-], ids=["dp2", "dp1", "tp2", "moe_ep2", "moe_ep1_dp1", "moe_ep1_dp2"])
+    (TP2_PP2, 4, []),  # the saved TP 2 x PP 2 x 2 virtual stages
+    (TP2_PP2, 1, ONE),  # one process
+], ids=["dp2", "dp1", "tp2", "moe_ep2", "moe_ep1_dp1", "moe_ep1_dp2", "tp2_pp2_vpp2", "tp2_pp2_to_one"])
 def test_resuming_megatron_lms_dp_reshardable_save_continues_as_megatron_lm(tmp_path, mock_data_cache,
                                                                               fixture, world, extra):
     logged = _resume(tmp_path, mock_data_cache, world, extra, fixture)
@@ -165,7 +183,7 @@ def test_resuming_megatron_lms_dp_reshardable_save_continues_as_megatron_lm(tmp_
 
 
 def test_a_fresh_adam_does_not_continue_megatron_lms_run(tmp_path, mock_data_cache):
-    logged = _resume(tmp_path, mock_data_cache, 2, ["--no-load-optim"])
+    logged = _resume(tmp_path, mock_data_cache, 2, [], switches=("--no-load-optim",))
     megatron_lm = REFERENCE["lm_losses"]
     assert abs(logged[3] - megatron_lm[2]) < 1e-6  # the same weights: the same first loss
     off = [abs(logged[it] - megatron_lm[it - 1]) for it in (4, 5)]
