@@ -220,7 +220,7 @@ class DpReshardable:
     def __init__(self, path: str, stored: dict, view: dict, args: dict, model_cfg, swiglu: bool):
         self.path = path
         self.buckets, self.prefix = {}, ""  # (optimizer, G, I, B) -> the key without the kind
-        self.sizes, self.kinds, self.chunks, self.dtypes = {}, set(), {}, {}
+        self.sizes, self.kinds, self.edges, self.dtypes = {}, set(), {}, {}
         for key, md in stored.items():
             match = BUCKET_KEY.match(key)
             if match:
@@ -229,7 +229,8 @@ class DpReshardable:
                 self.sizes[bucket], self.dtypes[bucket] = tuple(md.size), md.properties.dtype
                 self.kinds.add(match[5])
                 self.prefix = "chained_0." if match[1] is not None else ""
-                self.chunks[bucket] = {(c.offsets[0], c.offsets[0] + c.sizes[0]) for c in md.chunks}
+                # where the saved pieces (a parameter's, or its part on one DP rank; padding) start and end
+                self.edges[bucket] = {x for c in md.chunks for x in (c.offsets[0], c.offsets[0] + c.sizes[0])}
         names = {k[len(MODEL_PREFIX):]: tuple(md.size) for k, md in view.items()
                  if k.startswith(MODEL_PREFIX)}
         self.placed: dict[str, list[Placed]] = {}
@@ -291,8 +292,7 @@ class DpReshardable:
                 f"not the one its args describe")
         for (name, _, copy), lay, (b, start) in zip(named, layouts, places):
             bucket = self.buckets[(*buffer, b)]
-            chunks = self.chunks[bucket]
-            if not ({start, start + lay.block_numel} <= {x for c in chunks for x in c}):
+            if not {start, start + lay.block_numel} <= self.edges[bucket]:
                 raise CheckpointError(f"its parameter {name!r} does not fall on the stored pieces of "
                                       f"{bucket!r} where megafab lays it out")
             if not lay.replica and not copy:
