@@ -26,7 +26,7 @@ import torch
 from megafab.config import ModelConfig
 from megafab.convert import hf_llama, hf_moe, hf_rope_yarn
 from megafab.convert.state_dict import ConversionError, check_keys, expected_keys
-from megafab.param_names import EXPERTS, MTP_LAYERS, MTP_TRANSFORMER_LAYER, ROUTER, layer_prefix
+from megafab.param_names import EXPERTS, MTP_LAYERS, MTP_TRANSFORMER_LAYER, ROUTER, layer_prefix, parse_index
 from megafab.progress import progress
 
 NAME = "DeepSeek-V3"
@@ -283,6 +283,6 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], m: ModelConfig, moe,
 
 
 def _is_mtp_key(key: str, num_layers: int) -> bool:
-    if not key.startswith(HF_LAYERS):
-        return False
-    return int(key[len(HF_LAYERS):].split(".", 1)[0]) >= num_layers
+    """A HF layer past the decoder's: DeepSeek's MTP layers (num_hidden_layers + k)."""
+    parsed = parse_index(key, HF_LAYERS)
+    return parsed is not None and parsed[0] >= num_layers

@@ -140,8 +140,12 @@ class _Builder:
         self.section = {f.name: name for name, section in SECTIONS.items()
                         for f in dataclasses.fields(section)}
         reset = list(self.DERIVED)
-        if not any(f.split("=")[0] == "--ddp-bucket-size" for f in user_flags):
-            reset.append("ddp_bucket_size")
+        given = {f.split("=")[0] for f in user_flags}
+        # defaults finalize derives from the layout's batch sizes unless the user set them
+        reset += [name for flag, name in (("--ddp-bucket-size", "ddp_bucket_size"),
+                                          ("--eval-micro-batch-size", "eval_micro_batch_size"),
+                                          ("--eval-global-batch-size", "eval_global_batch_size"))
+                  if flag not in given]
         if any(f.split("=")[0] == "--padded-vocab-size" for f in user_flags):
             reset.remove("padded_vocab_size")  # Megatron uses a given padded size as it is
         self.reset: dict[str, dict] = {name: {} for name in SECTIONS}  # {section: {field: None}}
