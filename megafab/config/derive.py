@@ -133,7 +133,13 @@ def derive(cfg, world_size: int) -> None:
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
     p.data_parallel_size = data_parallel_size(world_size, tp, cp, pp)
     p.cp_comm_type = CP_COMM_TYPES.get(p.cp_comm_type, p.cp_comm_type)
+    given_positions = m.position_embedding_type
     derive_model(m, tp)
+    if m.enable_gpt_oss:
+        cfg.notes.append(f"--enable-gpt-oss: gpt-oss's YaRN (factor 32, original context 131072) replaces "
+                         f"--position-embedding-type {given_positions}, as Megatron's ModelOpt model builder "
+                         f"does (Megatron's pretrain_gpt.py applies it only to a ModelOpt model: a ModelOpt "
+                         f"checkpoint in --load, or distillation)")
     derive_moe(cfg.moe, m)
     p.expert_tensor_parallel_size = expert_tensor_parallel_size(tp, p.expert_tensor_parallel_size)
     p.virtual_pipeline_model_parallel_size = virtual_pipeline_size(m, p)

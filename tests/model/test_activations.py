@@ -106,6 +106,8 @@ def test_enable_gpt_oss_sets_megatrons_modelopt_yarn():
     assert (m.position_embedding_type, m.rotary_scaling_factor, m.yarn_original_max_position_embeddings,
             m.yarn_beta_fast, m.yarn_beta_slow, m.mscale, m.mscale_all_dim,
             m.yarn_correction_range_round_to_int) == ("yarn", 32.0, 131072, 32.0, 1.0, 1.0, 0.0, False)
+    notes = config_from_args(flags, world_size=1).start_up_notes()
+    assert any("replaces --position-embedding-type rope" in n and "ModelOpt" in n for n in notes)  # said
     plain = config_from_args(flags[:-1], world_size=1).model
     yarn, rope = (RotaryEmbedding.from_model_config(c, torch.device("cpu")) for c in (m, plain))
     assert yarn.factor > 1.3 and rope.factor == 1.0  # YaRN's attention factor 0.1 ln 32 + 1
