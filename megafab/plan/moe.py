@@ -121,12 +121,14 @@ def moe_mlp_activation_bytes(cfg, moe, rows: int, e: int) -> int:
     dense layer already counts (the router's and shared experts' input):
         router          N (12 k + E (1 + e))      the chosen experts (int64) and their fp32 softmax,
                                                  the routing map (bool) and probabilities [E, N]
-        routed rows     rows (2 e h + e (f_1 + 2 f_e + f_e with SwiGLU) / t_e + 8 + e (+ e h))
+        routed rows     rows (2 e h + e (f_1 + 2 f_e + f_e with SwiGLU) / t_e + 8 + e)
                                                  expert input, the experts' output kept by the
                                                  combine, fc1 output, activation output (for the
                                                  probabilities' gradient), fc2 input; the row's
-                                                 permutation index and probability (and fc2's
-                                                 bias row with --add-bias-linear)
+                                                 permutation index and probability (fc2's bias,
+                                                 --add-bias-linear, is added per expert as
+                                                 megatron-core's _apply_bias: bias * probs keeps
+                                                 the parameter and the probabilities, no rows)
         shared experts  e s b / c (f_s1 + f_s + f_s with SwiGLU) / t    as the dense MLP
     Selective recompute: moe keeps nothing beyond that input (0); shared_experts drops the shared
     term; moe_act keeps of each row's activation only fc1's output (e (2 f_e + f_e with SwiGLU) / t_e
@@ -144,8 +146,7 @@ def moe_mlp_activation_bytes(cfg, moe, rows: int, e: int) -> int:
     router = router_tokens(cfg) * (12 * moe.moe_router_topk + moe.num_experts * (1 + e))
     # moe_act: the activation's intermediates and output recomputed from fc1's output
     act = 0 if recompute.selects("moe_act") and moe.moe_grouped_gemm else 2 * f_e + (f_e if gated else 0)
-    # with expert biases (--add-bias-linear) fc2's bias rows, weighted by the probabilities, are kept too
-    per_row = 2 * e * h + e * (fc1 + act) // etp + 8 + e + (e * h if m.add_bias_linear else 0)
+    per_row = 2 * e * h + e * (fc1 + act) // etp + 8 + e
     shared = 0
     f_s = moe.moe_shared_expert_intermediate_size
     if f_s and not recompute.selects("shared_experts"):
