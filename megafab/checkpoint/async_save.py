@@ -80,6 +80,14 @@ class AsyncSaver:
     def staged_bytes(self) -> int:
         return 0 if self.staging is None else self.staging.staged_bytes()
 
+    def prepare(self, state) -> None:
+        """Collective where the save's parts are: size the host staging memory for `state` now (after
+        the first step, when the optimizer state exists), so that the first save does not wait for it."""
+        if self.staging is None:
+            self.staging = dcp_async().Staging()
+        shards, _, _ = checkpointing.torch_dist_parts(state, not state.cfg.checkpoint.no_save_optim)
+        self.staging.prepare(shards)
+
     def schedule(self, state, root: str | None = None) -> None:
         """Collective: stage `state` to host memory and start writing it as ROOT/iter_N (ROOT: --save)."""
         topo, ck = state.topology, state.cfg.checkpoint

@@ -43,10 +43,10 @@ class Staging:
         self.attached = False  # the worker maps the current arena
         self.buffers: dict = {}  # first key of each staged shard -> its host buffers
 
-    def stage(self, shards: dict[str, Shard]) -> tuple[dict[str, Shard], dict]:
-        """Shards whose views are host copies of `shards`' (in the arena), and the writer's recipe
-        of them (key -> global shape, boxes, (offset, shape, dtype) per view, write). Shards
-        shared by several keys are copied once."""
+    def prepare(self, shards: dict[str, Shard]) -> tuple[dict, bool]:
+        """An arena for `shards`' tensors (the one there if their shapes hold), mapped by the writer,
+        which faults its pages in while the rank trains on: the first save then copies into memory
+        that exists. Returns ({id: (first key, shard)}, on CUDA)."""
         unique = {}
         for key, shard in shards.items():
             unique.setdefault(id(shard), (key, shard))
@@ -57,6 +57,14 @@ class Staging:
                 self.arena.close()
             self.arena = StagingArena(layout, "cuda" if cuda else "cpu")
             self.attached = False
+            self.writer()
+        return unique, cuda
+
+    def stage(self, shards: dict[str, Shard]) -> tuple[dict[str, Shard], dict]:
+        """Shards whose views are host copies of `shards`' (in the arena), and the writer's recipe
+        of them (key -> global shape, boxes, (offset, shape, dtype) per view, write). Shards
+        shared by several keys are copied once."""
+        unique, cuda = self.prepare(shards)
         copies, self.buffers, i = {}, {}, 0
         for sid, (key, shard) in unique.items():
             n = len(shard.views)

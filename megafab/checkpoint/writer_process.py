@@ -94,7 +94,8 @@ def serve(conn, parent: int) -> None:
             return
         if isinstance(message, int):  # a new arena of this many bytes; its descriptor follows
             fd = recv_handle(conn)
-            block = torch.frombuffer(mmap.mmap(fd, message), dtype=torch.uint8)
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # Linux: fault every page in now
+            block = torch.frombuffer(mmap.mmap(fd, message, flags=flags), dtype=torch.uint8)
             os.close(fd)  # the mapping keeps the memory
             continue
         try:

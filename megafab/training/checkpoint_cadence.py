@@ -17,13 +17,18 @@ class CheckpointCadence:
         ck = state.cfg.checkpoint
         self.state, self.watch, self.record = state, watch, record
         self.saver = AsyncSaver() if ck.save and ck.async_save else None
+        self.first_iteration, self.prepared = state.iteration, False
 
     def _where(self, text: str) -> None:
         if self.watch is not None:
             self.watch.where = text
 
     def at_iteration_start(self) -> None:
-        """Megatron's maybe_finalize_async_save(blocking=False): a collective only while a save is pending."""
+        """Megatron's maybe_finalize_async_save(blocking=False): a collective only while a save is pending.
+        After the first step (the optimizer state exists) the async saver sizes its staging memory."""
+        if self.saver is not None and not self.prepared and self.state.iteration > self.first_iteration:
+            self.prepared = True
+            self.saver.prepare(self.state)
         if self.saver is not None and self.saver.pending is not None:
             self._where(f"finalizing the asynchronous save of iteration {self.saver.pending_iteration}")
             self.saver.maybe_finalize(self.state.topology)
