@@ -60,6 +60,7 @@ def test_the_layout_search_keeps_a_given_padded_vocab_size():
 @pytest.mark.parametrize("trust", [False, True])
 def test_trust_remote_code_reaches_autotokenizer(trust, monkeypatch):
     transformers = pytest.importorskip("transformers")
+    from megafab.checks import probes
     from megafab.checks.probes import tokenizer_of
 
     real, calls = transformers.AutoTokenizer.from_pretrained, []
@@ -69,6 +70,8 @@ def test_trust_remote_code_reaches_autotokenizer(trust, monkeypatch):
         return real(path, *args, **kwargs)
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", recording)
+    monkeypatch.setattr(probes, "_BUILT", {})  # built afresh here, not by an earlier test of this process
+    monkeypatch.setattr(probes, "_SIZED", {})
     flags = [f for f in BASE if f not in ("--vocab-size", "1000")] + [
         "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", HF_DIR]
     cfg = config_from_args(flags + (["--trust-remote-code"] if trust else []), world_size=1, start_up=True)

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from megafab.checkpoint.dcp_io import _dcp_state_dict, _ShardSavePlanner
 from megafab.checkpoint.layout import Shard
 from megafab.checkpoint.staging_arena import StagingArena, view_at
+from megafab.run.signals import ignore_sigterm
 
 PR_SET_PDEATHSIG = 1
 NICENESS = 10  # the writer yields the CPU to training (on a CPU run both compete for the same cores)
@@ -80,8 +81,7 @@ def _die_with_parent(parent: int) -> None:
 def serve(conn, parent: int) -> None:
     """The writer's main loop: one message at a time, until the rank says stop or is gone."""
     _die_with_parent(parent)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ignore_sigterm(interrupt=True)
     os.nice(NICENESS)
     torch.set_num_threads(1)
     block = None

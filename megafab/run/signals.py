@@ -2,7 +2,8 @@
 
 Two uses: --exit-signal-handler records the signal so that the training loop saves and stops at
 the next iteration every rank agrees on (SigtermFlag); a process that is already leaving ignores it
-(torchrun sends SIGTERM to every worker once one has exited, which must not cut a report short).
+(torchrun sends SIGTERM to every worker once one has exited, which must not cut a report short), as
+does an --async-save writer process, which its rank stops.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()  # signal.signal works there only
 
 
-def ignore_sigterm() -> None:
-    """This process is leaving: a SIGTERM from now on must not interrupt its last words."""
+def ignore_sigterm(interrupt: bool = False) -> None:
+    """This process is leaving: a SIGTERM from now on must not interrupt its last words. interrupt:
+    SIGINT too (a checkpoint writer process, which its rank stops when it decides)."""
     if _in_main_thread():
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for sig in (signal.SIGTERM, signal.SIGINT) if interrupt else (signal.SIGTERM,):
+            signal.signal(sig, signal.SIG_IGN)
 
 
 class SigtermFlag:
