@@ -18,6 +18,7 @@ import typing
 from collections.abc import Callable
 
 from megafab.arguments_help import document
+from megafab.checkpoint.checkpoint_args import use_checkpoint_args
 from megafab.checks import problems as config_problems
 from megafab.checks.probes import start_up_problems, tokenizer_vocab_size
 from megafab.checks.rules import padded_vocab_problems
@@ -374,10 +375,13 @@ def config_from_args(argv: list[str] | None = None, world_size: int | None = Non
     if args is None:
         raise ConfigError(problems)
     given = _given_dests(parser, kept) | {d for d, v in file_values.items() if v != flag_defaults[d]}
+    ckpt_notes, ckpt_problems = use_checkpoint_args(args)  # Megatron: before validation
+    problems += ckpt_problems
     problems += _resolve_spellings(args, given | set(file_values))
     if world_size is None:
         world_size = planned_world_size(dry_run=args.dry_run)
     cfg = Config.from_flat(vars(args)).resolve(world_size)
+    cfg.notes += ckpt_notes
     cfg.no_effect += refused_notes + no_effect_flags(cfg, given, kept) + file_no_effect
     problems += _without_consequences(config_problems(cfg), broken | suggested)
     for check in checks + ((start_up_problems,) if start_up else ()):
@@ -385,7 +389,7 @@ def config_from_args(argv: list[str] | None = None, world_size: int | None = Non
     if problems:
         raise ConfigError(problems)
     if start_up:
-        _size_vocabulary(cfg, keep_padded="padded_vocab_size" in given)
+        _size_vocabulary(cfg, keep_padded=args.padded_vocab_size is not None)  # given, or the checkpoint's
         if problems := padded_vocab_problems(cfg):  # the tokenizer's size, known only now
             raise ConfigError(problems)
     return cfg.freeze()

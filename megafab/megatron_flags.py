@@ -147,8 +147,6 @@ _FT = "NVIDIA's fault-tolerance and in-process-restart packages are not in megaf
 _NV_LOGGING = "NVIDIA-internal telemetry (one-logger, app tags, energy, workload inspector) is not in megafab"
 _LOGGING = f"this logging is {NOT_YET}"
 _CKPT = f"this checkpointing option is {NOT_YET}"
-_CKPT_ARGS = "megafab does not read model arguments from a checkpoint; pass the flags the checkpoint " \
-    "was trained with"
 _DATA = f"this dataset option is {NOT_YET}"
 _TOKENIZER = f"this tokenizer option is {NOT_YET}"
 _PROCESS_GROUPS = f"this process-group option is {NOT_YET}"
@@ -297,7 +295,6 @@ _refuse(_NV_LOGGING, """--one-logger-project V --one-logger-run-name V --one-log
 _refuse(_LOGGING, """--log-progress --log-memory-interval V --log-device-memory-used
     --log-max-attention-logit --log-straggler --straggler-ctrlr-port V --straggler-minmax-count V
     --config-logger-dir V --dump-param-to-param-group-map V --no-barrier-with-level-1-timing""")
-_refuse(_CKPT_ARGS, "--use-checkpoint-args --use-mp-args-from-checkpoint-args")
 _refuse(_CKPT, """--ckpt-convert-save V --ckpt-convert-update-legacy-dist-opt-format
     --dist-ckpt-save-pre-mcore-014 --distrib-optim-fully-reshardable-mem-efficient --replication
     --replication-jump V --replication-factor V --save-retain-interval V --save-wgrads-interval V

@@ -85,8 +85,6 @@ LISTED.update({
     "--no-strict-fsdp-dtensor-load": "only with --ckpt-format fsdp_dtensor, a format megafab does not have",
     "--disable-strict-fsdp-dtensor-load": "only with --ckpt-format fsdp_dtensor, a format megafab does not "
                                           "have",
-    "--no-use-tokenizer-model-from-checkpoint-args": _ONLY_WITH.format("--use-checkpoint-args"),
-    "--disable-use-tokenizer-model-from-checkpoint-args": _ONLY_WITH.format("--use-checkpoint-args"),
     "--memory-snapshot-path": _ONLY_WITH.format("--record-memory-history"),
     "--disable-straggler-on-startup": _ONLY_WITH.format("--log-straggler"),
     "--ep-overlap-early-attn-memory-release": _ONLY_WITH.format("--overlap-moe-expert-parallel-comm"),

@@ -269,6 +269,19 @@ class CheckpointConfig(Section):
         None, help="When --load holds no checkpoint, fine-tune from the one in this directory.")
     exit_on_missing_checkpoint: bool = option(
         False, help="Stop with an error when --load holds no checkpoint, instead of training from scratch.")
+    use_checkpoint_args: bool = option(
+        False, help="Take the model arguments the checkpoint in --load (or --pretrained-checkpoint) records "
+                    "over the command line's, as Megatron's list of them: the sizes the command line "
+                    "leaves unset, the rest always.")
+    use_mp_args_from_checkpoint_args: bool = option(
+        False, help="With --use-checkpoint-args, also the checkpoint's tensor, pipeline and expert parallel "
+                    "sizes (its virtual-pipeline size, as in Megatron, is derived again from "
+                    "--num-virtual-stages-per-pipeline-rank).")
+    use_tokenizer_model_from_checkpoint_args: bool = option(
+        True, flags=("--no-use-tokenizer-model-from-checkpoint-args",
+                     "--disable-use-tokenizer-model-from-checkpoint-args"), action="store_false",
+        help="the checkpoint's --tokenizer-type and --tokenizer-model, which --use-checkpoint-args "
+             "otherwise takes too.")
     dist_ckpt_strictness: str = option(
         "assume_ok_unexpected", choices=DIST_CKPT_STRICTNESS,
         help="Determine handling of key mismatch during checkpoint load (torch_dist and megafab's DCP "

@@ -250,11 +250,11 @@ def test_the_entry_point_stops_on_a_refused_flag_with_exit_2_before_any_process_
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(SystemExit) as info:
-        pretrain_gpt.main(BASE + ["--use-checkpoint-args", "--no-rope-freq", "4", "--dry-run"])
+        pretrain_gpt.main(BASE + ["--use-mup", "--no-rope-freq", "4", "--dry-run"])
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("megafab: error:")
-    assert "--use-checkpoint-args: refused, megafab does not read model arguments" in err
+    assert "--use-mup: refused, the maximal update parameterization" in err
     assert "--no-rope-freq: refused, this RoPE variant" in err
     assert "unrecognized" not in err
     assert not dist.is_initialized()

@@ -35,7 +35,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # refused flags to the epilog, and reworded --moe-permute-fusion / --moe-router-fusion, no longer refused;
 # then appended --eval-micro/global-batch-size and --step-batch-size-schedule, off the refused list,
 # then --dataloader-inter-document-masking and --megatron-fsdp-main-params-dtype; then pretrain_gpt.py's
-# ModelOpt flags, Megatron's functional tests', joined the epilog's refused list).
+# ModelOpt flags, Megatron's functional tests', joined the epilog's refused list; then
+# --use-checkpoint-args, --use-mp-args-from-checkpoint-args and --no-use-tokenizer-model-from-checkpoint-args
+# (+ --disable-) were appended to the checkpointing group, off the refused and no-effect lists).
 BEFORE = os.path.join(HERE, "help_before.json")
 BEFORE_TEXT = os.path.join(HERE, "help_before.txt")
 # The two parser defaults that now equal the schema's (both flags carry their own help text, so
