@@ -375,19 +375,20 @@ def config_from_args(argv: list[str] | None = None, world_size: int | None = Non
     if args is None:
         raise ConfigError(problems)
     given = _given_dests(parser, kept) | {d for d, v in file_values.items() if v != flag_defaults[d]}
-    ckpt_notes, ckpt_problems = use_checkpoint_args(args)  # Megatron: before validation
+    ckpt_notes, ckpt_fallbacks, ckpt_problems = use_checkpoint_args(args)  # Megatron: before validation
     problems += ckpt_problems
     problems += _resolve_spellings(args, given | set(file_values))
     if world_size is None:
         world_size = planned_world_size(dry_run=args.dry_run)
     cfg = Config.from_flat(vars(args)).resolve(world_size)
-    cfg.notes += ckpt_notes
+    cfg.notes += ckpt_notes + ckpt_fallbacks
     cfg.no_effect += refused_notes + no_effect_flags(cfg, given, kept) + file_no_effect
     problems += _without_consequences(config_problems(cfg), broken | suggested)
     for check in checks + ((start_up_problems,) if start_up else ()):
         problems += check(cfg)
-    if problems:
-        raise ConfigError(problems)
+    if problems:  # a flag the checkpoint did not provide is missing: say why it did not
+        missing = any(p.endswith(" is required") for p in problems)
+        raise ConfigError(problems + (ckpt_fallbacks if missing else []))
     if start_up:
         _size_vocabulary(cfg, keep_padded=args.padded_vocab_size is not None)  # given, or the checkpoint's
         if problems := padded_vocab_problems(cfg):  # the tokenizer's size, known only now

@@ -6,7 +6,8 @@ are megafab's field names) take the checkpoint's value -- `forced` ones always, 
 the command line left them None; the tokenizer's unless --no-use-tokenizer-model-from-checkpoint-args;
 the parallel sizes only with --use-mp-args-from-checkpoint-args. --pretrained-checkpoint's args apply
 first, --load's over them. The args are read as the loader reads them (formats.py, megatron_dist,
-megatron_legacy, source.py); a checkpoint that cannot provide them is one problem line.
+megatron_legacy, source.py); a checkpoint that cannot be read is one problem line, one that is not
+there or records no args leaves the command line's arguments (Megatron's fallback), said in a note.
 """
 
 from __future__ import annotations
@@ -115,41 +116,39 @@ def apply(args, saved: dict, version: float) -> tuple[list[str], list[str]]:
     return applied, not_built
 
 
-def use_checkpoint_args(args) -> tuple[list[str], list[str]]:
-    """(notes, problems) of --use-checkpoint-args on the parsed flags `args`, which it updates; ([], [])
-    without the flag."""
+def use_checkpoint_args(args) -> tuple[list[str], list[str], list[str]]:
+    """(notes, fallbacks, problems) of --use-checkpoint-args on the parsed flags `args`, which it
+    updates; nothing without the flag. A --load without a checkpoint, or one that records no args, is
+    a fallback (Megatron keeps the command line's arguments then): a note, and a line of the error
+    should the command line's arguments not make a model."""
     if not args.use_checkpoint_args:
-        return [], []
+        return [], [], []
     given = (("--pretrained-checkpoint", args.pretrained_checkpoint), ("--load", args.load))
     dirs = [(which, d) for which, d in given if d]
     if not dirs:
-        return [], ["--use-checkpoint-args: it reads the model arguments from the checkpoint in --load (or "
-                    "--pretrained-checkpoint), and neither is given; pass --load DIR"]
+        return [], [], ["--use-checkpoint-args: it reads the model arguments from the checkpoint in --load "
+                        "(or --pretrained-checkpoint), and neither is given; pass --load DIR"]
     if args.non_persistent_ckpt_type == "local":
-        return [], ["--use-checkpoint-args: not with --non-persistent-ckpt-type local (Megatron's rule: the "
-                    "node-local checkpoints are found only after the arguments are set); load a persistent "
-                    "or global checkpoint, or pass the model's flags"]
-    notes, problems, read_any = [], [], False
+        return [], [], ["--use-checkpoint-args: not with --non-persistent-ckpt-type local (Megatron's rule: "
+                        "the node-local checkpoints are found only after the arguments are set); load a "
+                        "persistent or global checkpoint, or pass the model's flags"]
+    notes, fallbacks, problems = [], [], []
     for which, load_dir in dirs:
         try:
             found = find(load_dir, args.ckpt_step if which == "--load" else None)
-            if found is None:
-                raise CheckpointError(f"{load_dir} holds no checkpoint (latest_checkpointed_iteration.txt "
-                                      f"not found)")
-            saved, version = read_args(found)
+            saved, version = read_args(found) if found is not None else ({}, 0.0)
         except (CheckpointError, OSError) as err:
             problems.append(f"--use-checkpoint-args with {which} {load_dir}: {err}")
             continue
-        if not saved.get("num_layers") and not saved.get("hidden_size"):
-            problems.append(f"--use-checkpoint-args with {which} {load_dir}: {found.path} records no model "
-                            f"arguments (a bare dist_checkpointing.save); pass the model's flags instead")
+        if found is None or not (saved.get("num_layers") or saved.get("hidden_size")):
+            why = "holds no checkpoint (latest_checkpointed_iteration.txt not found)" if found is None else \
+                f"records no model arguments ({found.path}: a bare dist_checkpointing.save)"
+            fallbacks.append(f"--use-checkpoint-args: {which} {load_dir} {why}, so the command line's model "
+                             f"arguments stand, as in Megatron")
             continue
-        read_any = True
         applied, not_built = apply(args, saved, version)
         notes.append(f"--use-checkpoint-args: from {found.path}: " + (", ".join(applied) or "nothing to set"))
         if not_built:
             problems.append(f"--use-checkpoint-args with {which} {load_dir}: the checkpoint's model has "
                             f"{', '.join(not_built)}, which megafab does not build")
-    if read_any and len(dirs) == 2:  # Megatron: either may be missing, the other provides them
-        problems = [p for p in problems if "holds no checkpoint" not in p]
-    return notes, problems
+    return notes, fallbacks, problems

@@ -7,7 +7,9 @@ in --load records override the command line's before the config is derived and c
 - a megafab-saved checkpoint likewise (the same config as its flags, and a resumed run);
 - the parallel sizes only with --use-mp-args-from-checkpoint-args (the TP 2 x PP 2 x VPP 2 fixture);
   the tokenizer unless --no-use-tokenizer-model-from-checkpoint-args (or its --disable- spelling);
-- no --load, a --load without a checkpoint, a checkpoint without args: one problem line each, exit 2.
+- no --load, or an unreadable checkpoint: one problem line each, exit 2; a --load without a checkpoint
+  or one without args leaves the command line's arguments (Megatron's fallback), in a note -- and in
+  the error when they make no model.
 """
 
 from __future__ import annotations
@@ -138,28 +140,40 @@ def _problems(argv: list[str]) -> list[str]:
     return [p for p in info.value.problems if p.startswith("--use-checkpoint-args")]
 
 
-def test_a_checkpoint_that_cannot_provide_the_args_is_one_problem_line(tmp_path):
+def test_without_a_checkpoint_to_read_the_command_lines_arguments_stand_or_one_line_says_why(tmp_path):
     assert _problems(USE) == ["--use-checkpoint-args: it reads the model arguments from the checkpoint in "
                               "--load (or --pretrained-checkpoint), and neither is given; pass --load DIR"]
     [line] = _problems(USE + ["--load", str(MOE), "--non-persistent-ckpt-type", "local"])
     assert line.startswith("--use-checkpoint-args: not with --non-persistent-ckpt-type local")
+    # Megatron's fallback: no checkpoint in --load (a first run that will save there), or one without
+    # args: the command line's model arguments; a note, and a line of the error when they make no model
     (tmp_path / "empty").mkdir()
-    [line] = _problems(USE + ["--load", str(tmp_path / "empty")])
-    assert "holds no checkpoint (latest_checkpointed_iteration.txt not found)" in line
     bare = tmp_path / "bare"
     shutil.copytree(MOE, bare)
-    common = bare / "iter_0000002" / "common.pt"
-    torch.save({"iteration": 2, "checkpoint_version": 3.0}, common)  # a save that records no args
-    [line] = _problems(USE + ["--load", str(bare)])
-    assert "records no model arguments" in line and "pass the model's flags instead" in line
+    torch.save({"iteration": 2, "checkpoint_version": 3.0}, bare / "iter_0000002" / "common.pt")  # no args
+    no_tracker = "holds no checkpoint (latest_checkpointed_iteration.txt not found)"
+    for load, why in ((tmp_path / "empty", no_tracker), (bare, "records no model arguments")):
+        expected = f"--use-checkpoint-args: --load {load} {why}"
+        [line] = _problems(USE + ["--load", str(load)])
+        assert line.startswith(expected) and line.endswith("so the command line's model arguments stand, "
+                                                           "as in Megatron"), line
+        flags = REFERENCE["model_flags"] + REFERENCE["train_flags"] + USE + ["--load", str(load)]
+        cfg = config_from_args(flags, world_size=1)
+        assert cfg.moe.num_experts == 4 and any(n.startswith(expected) for n in cfg.start_up_notes())
+    damaged = tmp_path / "damaged"
+    shutil.copytree(MOE, damaged)
+    (damaged / "iter_0000002" / "metadata.json").write_text("{")
+    [line] = _problems(USE + ["--load", str(damaged)])
+    assert line.startswith(f"--use-checkpoint-args with --load {damaged}: ") and "metadata.json" in line
 
 
-def test_the_entry_point_exits_2_with_the_line(tmp_path, capsys, monkeypatch):
+def test_the_entry_point_exits_2_with_the_lines(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(SystemExit) as info:
         pretrain_gpt.main(MEGAFAB_TRAIN + USE + ["--load", str(tmp_path), "--train-iters", "1", "--dry-run"])
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("megafab: error:") and f"--use-checkpoint-args with --load {tmp_path}: " in err
+    assert err.startswith("megafab: error:") and "--num-layers is required" in err
+    assert f"--use-checkpoint-args: --load {tmp_path} holds no checkpoint" in err
     assert "Traceback" not in err
