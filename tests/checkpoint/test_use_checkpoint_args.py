@@ -93,17 +93,23 @@ MEGAFAB_TRAIN = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--
                  "--lr-decay-iters", "4"]
 
 
-def test_a_megafab_saved_checkpoint_gives_its_model_and_resumes(tmp_path, mock_data_cache):
+@pytest.mark.parametrize("saved_as", [[], ["--ckpt-format", "torch", "--no-save-optim"]],
+                         ids=["torch_dist", "legacy_torch"])
+def test_a_megafab_saved_checkpoint_gives_its_model_and_resumes(tmp_path, mock_data_cache, saved_as):
     save = tmp_path / "save"
-    saving = ["--train-iters", "2", "--save", str(save), "--save-interval", "2"]
+    saving = ["--train-iters", "2", "--save", str(save), "--save-interval", "2"] + saved_as
     first = main_stdout(1, MEGAFAB_MODEL + MEGAFAB_TRAIN + mock_data_cache + saving, tmp_path / "first")
     assert sorted(losses(first)) == [1, 2]
-    load = ["--load", str(save), "--train-iters", "3"]
+    load = ["--load", str(save), "--train-iters", "3"] + (["--no-load-optim"] if saved_as else [])
     expected = config_from_args(MEGAFAB_MODEL + MEGAFAB_TRAIN + load, world_size=1)
     cfg = config_from_args(MEGAFAB_TRAIN + USE + load, world_size=1)
     assert _model(cfg) == _model(expected)
-    out = main_stdout(1, MEGAFAB_TRAIN + mock_data_cache + USE + load, tmp_path / "resumed")
-    assert sorted(losses(out)) == [3]  # resumed at the checkpoint's iteration, its model loaded
+    logged = {}
+    for run, flags in (("flags", MEGAFAB_MODEL), ("checkpoint_args", USE)):
+        out = main_stdout(1, MEGAFAB_TRAIN + mock_data_cache + flags + load, tmp_path / run)
+        logged[run] = losses(out)
+    assert sorted(logged["checkpoint_args"]) == [3]  # resumed at the checkpoint's iteration
+    assert logged["checkpoint_args"] == logged["flags"]  # the same model, weights and batch
 
 
 def test_the_parallel_sizes_only_with_use_mp_args_from_checkpoint_args():
