@@ -257,6 +257,11 @@ def _non_persistent_problems(c) -> list[str]:
     return out
 
 
+def _model_dtype(pr) -> str:
+    """The model's dtype as Megatron-FSDP's dtype flags spell it."""
+    return "bf16" if pr.bf16 else "fp16" if pr.fp16 else "fp32"
+
+
 def _megatron_fsdp_dtype_problems(p, pr) -> list[str]:
     """--megatron-fsdp-main-grads-dtype / --megatron-fsdp-grad-comm-dtype: Megatron-FSDP's only, and a
     16-bit one the model's own dtype (megafab reduces gradients in fp32 or in the model's dtype)."""
@@ -266,7 +271,7 @@ def _megatron_fsdp_dtype_problems(p, pr) -> list[str]:
     if given and not p.use_megatron_fsdp:
         return [f"{flag} {value} needs --use-megatron-fsdp (it sets Megatron-FSDP's gradient dtype); "
                 f"use --grad-reduce-in-bf16 otherwise" for flag, value in given]
-    model = "bf16" if pr.bf16 else "fp16" if pr.fp16 else "fp32"
+    model = _model_dtype(pr)
     return [f"{flag} {value} with a {model} model: megafab reduces gradients in fp32 or in the model's "
             f"dtype; use {model} or fp32" for flag, value in given if value not in ("fp32", model)]
 
@@ -280,7 +285,7 @@ def _megatron_fsdp_main_params_problems(p, pr, o) -> list[str]:
         return []
     if not p.use_megatron_fsdp:
         return [f"{flag} needs --use-megatron-fsdp (it sets Megatron-FSDP's main params); drop it"]
-    model = "bf16" if pr.bf16 else "fp16" if pr.fp16 else "fp32"
+    model = _model_dtype(pr)
     out = []
     if value not in ("auto", model):
         out.append(f"{flag} with a {model} model: megafab's main params are fp32 masters or the model's "
