@@ -93,11 +93,11 @@ def final_scheduled_batch(text: str | None, seq_length: int | None) -> int | Non
 def schedule_note(text: str | None, seq_length: int | None, per_step: int) -> str | None:
     """The start-up line of the schedule as Megatron logs it: each entry's first sample (and token),
     global batch and micro-batches (per_step: micro batch x dp)."""
-    try:
-        schedule = parse_step_schedule(text, seq_length) if text is not None else None
-    except ValueError:
+    if text is None:
         return None
-    if schedule is None:
+    try:
+        schedule = parse_step_schedule(text, seq_length)
+    except ValueError:
         return None
     tokens = seq_length or 1
     return "step batch size schedule: " + "; ".join(
