@@ -49,6 +49,16 @@ def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x.unflatten(1, (groups, -1))
 
 
+def window_mask(q_positions: torch.Tensor, k_positions: torch.Tensor, left: int | None) -> torch.Tensor:
+    """[sq, sk] bool, True where attention is NOT allowed (Megatron's mask): a key after the query,
+    or (left not None and >= 0) more than `left` positions before it."""
+    distance = q_positions[:, None] - k_positions[None, :]  # query position - key position
+    masked = distance < 0
+    if left is not None and left >= 0:
+        masked |= distance > left
+    return masked
+
+
 def _tiles(q_shape, sk: int, causal: bool, window: int | None = None):
     """(tile index, query rows, visible keys, first masked key offset or None) over tiles of query
     rows; under a causal block keys after a tile's last query (and, with a window, keys more than
@@ -71,9 +81,8 @@ def _probabilities(q_tile, k, scale, mask_from: int | None, lse_tile=None, keys_
     s = torch.matmul(q_tile, k.unsqueeze(2).transpose(-1, -2)).mul_(scale)
     if mask_from is not None:
         t, sk = s.shape[-2:]
-        distance = (torch.arange(mask_from, mask_from + t, device=s.device)[:, None]
-                    - torch.arange(keys_from, keys_from + sk, device=s.device)[None, :])
-        masked = distance < 0 if window is None else (distance < 0) | (distance > window)
+        masked = window_mask(torch.arange(mask_from, mask_from + t, device=s.device),
+                             torch.arange(keys_from, keys_from + sk, device=s.device), window)
         s.masked_fill_(masked, float("-inf"))
     if lse_tile is None:
         lse_tile = torch.logsumexp(s, dim=-1)

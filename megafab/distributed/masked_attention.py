@@ -21,18 +21,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megafab.distributed.blockwise_attention import BlockDropout, ReferenceKernel, compute_dtype
+from megafab.distributed.blockwise_attention import (  # window_mask: there, as its tiles use it
+    BlockDropout,
+    ReferenceKernel,
+    compute_dtype,
+    window_mask,
+)
 from megafab.distributed.fused_attention import block_kernel
-
-
-def window_mask(q_positions: torch.Tensor, k_positions: torch.Tensor, left: int | None) -> torch.Tensor:
-    """[sq, sk] bool, True where attention is NOT allowed (Megatron's mask): a key after the query,
-    or (left not None and >= 0) more than `left` positions before it."""
-    distance = q_positions[:, None] - k_positions[None, :]  # query position - key position
-    masked = distance < 0
-    if left is not None and left >= 0:
-        masked |= distance > left
-    return masked
 
 
 def bottom_right_positions(sq: int, sk: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
