@@ -235,9 +235,10 @@ class DpReshardable:
                  if k.startswith(MODEL_PREFIX)}
         self.placed: dict[str, list[Placed]] = {}
         self._lay_out(names, args, model_cfg, swiglu)
-        self.optimizer_object = _load_object(path, self.prefix + OPTIMIZER_OBJECT)
         scaler = self.prefix + SCALER_OBJECT
-        self.grad_scaler = _load_object(path, scaler) if scaler in stored else None
+        keys = [self.prefix + OPTIMIZER_OBJECT] + ([scaler] if scaler in stored else [])
+        self.optimizer_object, *rest = _load_objects(path, keys)
+        self.grad_scaler = rest[0] if rest else None
 
     @property
     def step(self) -> float | None:
@@ -303,10 +304,9 @@ class DpReshardable:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         kinds = [MAIN_PARAM if k == "param" else k for k in sorted(self.kinds)]
-        out = {}
+        out, dtype = {}, next(iter(self.dtypes.values()))
         for name in self.placed:
             md = view[MODEL_PREFIX + name]
-            dtype = next(iter(self.dtypes.values()))
             props = type(md.properties)(dtype=dtype)
             out.update({optim_key(name, kind): TensorStorageMetadata(props, md.size, []) for kind in kinds})
         return out
@@ -340,17 +340,20 @@ class DpReshardable:
         return [(target, read.view(last - first, *lay.block_shape[1:])[(slice(None), *inner)])]
 
 
-def _load_object(path: str, key: str):
-    """A ShardedObject of the saved optimizer (stored as a one-element list)."""
+def _load_objects(path: str, keys: list[str]) -> list:
+    """The saved optimizer's ShardedObjects `keys` (each stored as a one-element list), in one read."""
     # deferred: torch.distributed.checkpoint costs seconds to import; only saves and loads pay it
     from megafab.checkpoint import dcp_io
 
-    raw = dcp_io.read_objects(path, [key])
-    if key not in raw:
-        raise CheckpointError(f"its {SHARDING} optimizer state has no {key!r} object: the copy is "
-                              f"partial, copy the whole directory")
-    obj = safe_pickle.loads(raw[key], f"{path} ({key})")
-    return obj[0] if isinstance(obj, list) and obj else obj
+    raw = dcp_io.read_objects(path, keys)
+    out = []
+    for key in keys:
+        if key not in raw:
+            raise CheckpointError(f"its {SHARDING} optimizer state has no {key!r} object: the copy is "
+                                  f"partial, copy the whole directory")
+        obj = safe_pickle.loads(raw[key], f"{path} ({key})")
+        out.append(obj[0] if isinstance(obj, list) and obj else obj)
+    return out
 
 
 def _align(dp: int, args: dict) -> int:
