@@ -76,13 +76,13 @@ class _Builder:
         self.tracker = (lambda: ctx.rng_tracker) if ctx.rng_tracker else None
 
     def common(self, mode):
-        if mode is None:  # megatron-core's "duplicated" TELinear: whole weight, no communication
-            return dict(parallel_mode=None, tp_group=None, tp_size=1, sequence_parallel=False,
-                        params_dtype=self.ctx.params_dtype, device=self.ctx.device,
-                        get_rng_state_tracker=self.tracker)
-        return dict(parallel_mode=mode, tp_group=self.ctx.tp_group, tp_size=self.tp,
-                    sequence_parallel=self.ctx.sequence_parallel, params_dtype=self.ctx.params_dtype,
-                    device=self.ctx.device, get_rng_state_tracker=self.tracker)
+        """TE's constructor arguments; mode None: megatron-core's "duplicated" TELinear (whole weight,
+        no communication)."""
+        split = mode is not None
+        return dict(parallel_mode=mode, tp_group=self.ctx.tp_group if split else None,
+                    tp_size=self.tp if split else 1, sequence_parallel=split and self.ctx.sequence_parallel,
+                    params_dtype=self.ctx.params_dtype, device=self.ctx.device,
+                    get_rng_state_tracker=self.tracker)
 
     def linear(self, local, mode, norm=None, full_name=None):
         """The TE module for `local` (a column/row-parallel linear), its weight copied (or, for a
