@@ -30,7 +30,7 @@ from torch import nn
 from megafab.distributed.layers import partition_of
 from megafab.distributed.mappings import group_rank, group_size
 from megafab.errors import MegafabError
-from megafab.model.activations import MLPActivation, gated_linear_unit
+from megafab.model.activations import MLPActivation
 from megafab.model.attention_backend import set_te_attention_switches
 from megafab.model.init import normal_init, output_layer_std
 from megafab.model.recompute import checkpoint_through
@@ -329,7 +329,7 @@ class TETransformerLayer(nn.Module):
                 (self.self_attention.linear_proj, "self_attention.linear_proj.weight", out_std),
                 (self.mlp.linear_fc1, "mlp.linear_fc1.weight", std),
                 (self.mlp.linear_fc2, "mlp.linear_fc2.weight", out_std)):
-            dim, stride = tp_partition(prefix + name, gated_linear_unit(cfg))
+            dim, stride = tp_partition(prefix + name, self.activation.gated)
             _init_shard(module.weight, ctx.seed, prefix + name, init_std, dim, stride, ctx.tp_group)
             module.weight.partition_stride = stride
             if getattr(module, "bias", None) is not None and module.bias.numel():
