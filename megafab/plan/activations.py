@@ -154,7 +154,8 @@ def mlp_activation_bytes(cfg) -> int:
         return 0
     s, b = m.seq_length // p.context_parallel_size, cfg.training.micro_batch_size
     f, e = m.ffn_hidden_size, BYTES[cfg.precision.params_dtype_name]
-    widths = f * (2 if gated_linear_unit(m) else 1) + f + (f if gated_linear_unit(m) else 0)
+    gated = gated_linear_unit(m)
+    widths = f * (2 if gated else 1) + f + (f if gated else 0)
     return int(e * s * b * widths / p.tensor_model_parallel_size)
 
 
