@@ -67,6 +67,7 @@ MLA_TE_NAMES = {
     "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight",
     "self_attention.kv_layernorm.bias": "self_attention.linear_kv_up_proj.layer_norm_bias",
 }
+_MLA_LOCAL_NAMES = {te: local for local, te in MLA_TE_NAMES.items()}  # megafab_name's inverse
 MLA_KV_MODULES = ("self_attention.linear_kv_down_proj", "self_attention.linear_kv_up_proj",
                   "self_attention.linear_proj")
 
@@ -108,8 +109,7 @@ def megafab_name(key: str, layer: int | None, te_names: bool = False) -> str:
     """Inverse of megatron_name: the local-spec name (a full megafab state dict's), or the
     Transformer Engine one (te_names: a --transformer-impl transformer_engine model's); MLA's
     Transformer Engine latent norms read as the local q_layernorm / kv_layernorm."""
-    name = _replace_suffix(undist_expert_name(unstacked_name(key, layer)),
-                           {te: local for local, te in MLA_TE_NAMES.items()})
+    name = _replace_suffix(undist_expert_name(unstacked_name(key, layer)), _MLA_LOCAL_NAMES)
     return name if te_names else te_to_local_name(name) or name
 
 
