@@ -64,12 +64,9 @@ class GPTDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.sample_index.shape[0] - 1
 
-    def sample_tokens(self, idx: int) -> np.ndarray:
-        """The seq_length + 1 tokens of sample idx (in served order), padded with pad if short."""
-        return self.sample_parts(idx)[0]
-
     def sample_parts(self, idx: int) -> tuple[np.ndarray, list[int]]:
-        """sample_tokens(idx) and the lengths of its documents' parts (before padding)."""
+        """The seq_length + 1 tokens of sample idx (in served order), padded with pad if short, and
+        the lengths of its documents' parts (before padding)."""
         s = int(self.shuffle_index[idx])
         doc_beg, off_beg = (int(x) for x in self.sample_index[s])
         doc_end, off_end = (int(x) for x in self.sample_index[s + 1])
