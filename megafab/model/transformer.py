@@ -17,16 +17,16 @@ from torch import nn
 
 from megafab.distributed.layers import ColumnParallelLinear, RowParallelLinear
 from megafab.distributed.mappings import group_size
-from megafab.model.activations import MLPActivation, gated_linear_unit
+from megafab.model.activations import MLPActivation
 from megafab.model.core_attention import CoreAttention
 from megafab.model.init import normal_init, output_layer_std
 from megafab.model.mla import MLASelfAttention
 from megafab.model.moe.balancing import LossScale
 from megafab.model.moe.layer import MoELayer
 from megafab.model.moe.settings import MoESettings
-from megafab.model.norms import ZeroCenteredLayerNorm, ZeroCenteredRMSNorm, build_norm  # noqa: F401 (re-export)
+from megafab.model.norms import build_norm
 from megafab.model.recompute import DiscardedOutput, RecomputeSettings, recompute
-from megafab.model.rotary import RotaryEmbedding, apply_rotary  # noqa: F401 (re-exported: te.py, tests)
+from megafab.model.rotary import apply_rotary
 from megafab.param_names import layer_prefix, partition_stride
 
 # SDPA takes grouped keys/values itself from torch 2.5 (enable_gqa); older torch repeats them here.
@@ -147,7 +147,7 @@ class MLP(nn.Module):
         self.linear_fc1 = ColumnParallelLinear(
             cfg.hidden_size, fc1_out, tp_group=ctx.tp_group, bias=cfg.add_bias_linear,
             sequence_parallel=ctx.sequence_parallel,
-            stride=partition_stride(prefix + "linear_fc1.weight", gated_linear_unit(cfg)),
+            stride=partition_stride(prefix + "linear_fc1.weight", self.activation.gated),
             params_dtype=ctx.params_dtype, device=ctx.device,
             gradient_accumulation_fusion=ctx.gradient_accumulation_fusion,
             init_method=normal_init(ctx.seed, prefix + "linear_fc1.weight", cfg.init_method_std))
