@@ -143,7 +143,8 @@ def from_hf_config(c: dict) -> dict:
                               "biases (--disable-bias-linear)")
     h, heads = c["hidden_size"], c["num_attention_heads"]
     groups = c.get("num_key_value_heads") or heads
-    return dict(**rope_from_hf(c),num_layers=c["num_hidden_layers"], hidden_size=h, num_attention_heads=heads,
+    return dict(**rope_from_hf(c), num_layers=c["num_hidden_layers"], hidden_size=h,
+                num_attention_heads=heads,
                 ffn_hidden_size=c["intermediate_size"], kv_channels=c.get("head_dim") or h // heads,
                 group_query_attention=groups != heads, num_query_groups=groups,
                 max_position_embeddings=c["max_position_embeddings"],
