@@ -25,7 +25,7 @@ from megafab.param_names import layer_prefix
 
 PARAM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel",
                     "grad_sum_over_tp", "is_expert")
-_ADAPTED: dict[type, type] = {}
+_ADAPTED: dict = {}  # TE class (or ("attention", class)) -> its adapted subclass
 
 
 def needs_wrapped_layer(cfg) -> bool:
@@ -129,7 +129,9 @@ class _Builder:
             return out.view(s, b, h, -1).permute(1, 2, 0, 3)
 
         key = ("attention", te_class)
-        cls = _ADAPTED.setdefault(key, type(te_class.__name__, (te_class,), {"forward": forward}))
+        if key not in _ADAPTED:  # one adapted class, not one built (and dropped) per layer
+            _ADAPTED[key] = type(te_class.__name__, (te_class,), {"forward": forward})
+        cls = _ADAPTED[key]
         return cls(heads, kv_channels, num_gqa_groups=groups, attention_dropout=self.cfg.attention_dropout,
                    attn_mask_type="causal", qkv_format="sbhd", softmax_scale=scale, tp_size=self.tp,
                    tp_group=self.ctx.tp_group, sequence_parallel=self.ctx.sequence_parallel,
