@@ -30,6 +30,7 @@ from megafab.distributed.mappings import (
     group_size,
     scatter_to_sequence_parallel_region,
 )
+from megafab.distributed.masked_attention import attention
 from megafab.distributed.random import host_seed
 from megafab.model.attention_backend import sdpa_context
 from megafab.model.init import normal_init, output_layer_std
@@ -165,9 +166,4 @@ class MLASelfAttention(nn.Module):
                 out = context_parallel_attention(q, k, padded, self.ctx.cp_group, self.ctx.cp_comm_type,
                                                  dropout, seed, scale=self.scale, mask=attention_mask)
                 return out[..., :v.shape[-1]]
-            if attention_mask is None:
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
-                                                      scale=self.scale)
-            # Megatron's mask: True where attention is NOT allowed
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, dropout_p=dropout,
-                                                  scale=self.scale)
+            return attention(q, k, v, attention_mask, dropout_p=dropout, scale=self.scale)  # SDPA
