@@ -16,12 +16,12 @@ kept for the log (`mtp_<k> loss`, MTPLossLoggingHelper's names).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megafab.distributed.context_parallel import context_parallel_masked_mean
 from megafab.distributed.layers import ColumnParallelLinear
 from megafab.distributed.mappings import (
+    gather_first_dim,
     gather_from_tensor_model_parallel_region,
     group_rank,
     group_size,
@@ -49,8 +49,7 @@ def roll_left(tensor: torch.Tensor, cp_group=None) -> torch.Tensor:
     r = group_rank(cp_group)
     first, second = tensor.chunk(2, dim=-1)
     heads = torch.stack([first[..., 0], second[..., 0]])  # [2, b]: the first tokens of both chunks
-    everyone = [torch.empty_like(heads) for _ in range(cp)]
-    dist.all_gather(everyone, heads.contiguous(), group=cp_group)
+    everyone = gather_first_dim(heads[None], cp_group)  # [cp, 2, b]
     after_first = everyone[r + 1][0] if r + 1 < cp else everyone[cp - 1][1]  # global chunk r + 1
     after_second = everyone[r - 1][1] if r > 0 else torch.zeros_like(heads[1])  # chunk 2cp - r
     return torch.cat([first[..., 1:], after_first[..., None], second[..., 1:], after_second[..., None]],
