@@ -124,10 +124,11 @@ class MTPBlock(nn.Module):
             x = layer(x, model.embedding(input_ids, position_ids), angles, attention_mask)
             per_token = model.per_token_loss(model.logits(x), labels)  # [b, s]
             mask = loss_mask.to(per_token.dtype)
-            summed = (per_token * mask).sum()  # this rank's tokens (per-token loss: as the main one)
             loss = context_parallel_masked_mean(per_token, mask, cp_group)  # the whole sequence's mean
             logged.append(loss.detach())
-            scaled = (summed if self.per_token else loss) * (self.scaling_factor / self.num_layers)
+            if self.per_token:  # this rank's tokens' sum, as the main loss
+                loss = (per_token * mask).sum()
+            scaled = loss * (self.scaling_factor / self.num_layers)
             total = scaled if total is None else total + scaled
         if self.training:
             values = torch.stack(logged).double()
