@@ -117,7 +117,6 @@ class BackgroundWrite:
         self.dist = _DistWrapper(None, True, 0)
         self.metadata = None
         self.plan = self.dist.reduce_scatter("plan", self._local_plan, self._global_plan)
-        self.started = time.time()
         worker.submit(WriteJob(path, self.dist.rank, self.plan, recipe, objects))
 
     def _local_plan(self):

@@ -12,6 +12,7 @@ asynchronous DMA.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import tempfile
@@ -22,10 +23,7 @@ ALIGN = 64  # bytes; every dtype's view of the block starts on a multiple of its
 
 
 def _nbytes(shape, dtype: torch.dtype) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 def _shared_fd(size: int) -> int:
@@ -52,8 +50,7 @@ class StagingArena:
         self.map = mmap.mmap(self.fd, self.size)
         whole = torch.frombuffer(self.map, dtype=torch.uint8)
         self.base = whole.data_ptr()
-        self.views = [whole[o:o + _nbytes(shape, dtype)].view(dtype).view(shape)
-                      for o, (shape, dtype) in zip(self.offsets, layout)]
+        self.views = [view_at(whole, o, shape, dtype) for o, (shape, dtype) in zip(self.offsets, layout)]
         self.pinned = device_type == "cuda" and _pin(whole)
 
     def close(self) -> None:
