@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megafab.config.derive import fsdp_main_params_in_model_dtype
+
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 
@@ -76,6 +78,8 @@ def state_bytes(cfg, params: int, largest_unit: int, root: int = 0, embedding: i
       DDP                 e P          g P          (1-f) (12 | 8) P                f (16 | 18) P
       dist. optimizer     e P          g P          (1-f) (12 | 8) P / d            f (16 | 18) P / d
       FSDP2 (ZeRO-3)      m P / d      m P / d      8 P / d                         -
+      FSDP2, 16-bit main  e P / d      e P / d      2 e P / d                       -
+      (--megatron-fsdp-main-params-dtype auto: the 16-bit shards are the mains, Adam in their dtype)
       FSDP2 + offload     e P / d      e P / d      (1-f) (12 | 8) P / d            f (16 | 20) P / d
 
     Optimizer on the device: fp32 master 4 (mixed only: fp32 models step their own weights) + Adam
@@ -105,6 +109,8 @@ def state_bytes(cfg, params: int, largest_unit: int, root: int = 0, embedding: i
     adam = 2 * main
     shards = dp if p.fully_sharded or p.use_distributed_optimizer else 1
     if p.fully_sharded and not o.optimizer_cpu_offload:  # the shards are the masters
+        if mixed and fsdp_main_params_in_model_dtype(p):
+            main, adam, mixed = e, 2 * e, False  # no master copy: the 16-bit shards are stepped
         weights = grads = main * params / dp
         optimizer, host = adam * params / dp, 0
     else:

@@ -11,6 +11,7 @@ from tests.helpers.tiny import tiny_config
 VARIANTS = {
     "fsdp2": dict(use_torch_fsdp2=True),
     "fsdp2-offload": dict(use_torch_fsdp2=True, optimizer_cpu_offload=True),
+    "megatron-fsdp-16-bit-mains": dict(use_megatron_fsdp=True, megatron_fsdp_main_params_dtype="auto"),
     "fsdp2-offload-fp32": dict(use_torch_fsdp2=True, optimizer_cpu_offload=True, bf16=False),
     "distopt-offload": dict(use_distributed_optimizer=True, optimizer_cpu_offload=True),
     "ddp-offload": dict(optimizer_cpu_offload=True),
