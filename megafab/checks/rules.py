@@ -229,6 +229,10 @@ def moe_problems(cfg) -> list[str]:
     if m.add_bias_linear and etp is not None and etp > 1:
         out.append(f"biases in MoE experts need --expert-tensor-parallel-size 1 (it is {etp}); add "
                    f"--disable-bias-linear or set --expert-tensor-parallel-size 1")
+    if m.add_bias_linear and moe.moe_shared_expert_intermediate_size:
+        out.append("--moe-shared-expert-intermediate-size with biased linear layers (--add-bias-linear, "
+                   "Megatron's default): megatron-core's shared experts have no bias and refuse it; add "
+                   "--disable-bias-linear")
     # each rank holds an equal slice of every expert's (ETP) and the shared experts' (TP) width
     width, shared = moe.moe_ffn_hidden_size or m.ffn_hidden_size, moe.moe_shared_expert_intermediate_size
     for flag, value, flag_of_size, size in (

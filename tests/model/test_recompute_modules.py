@@ -44,7 +44,9 @@ DROPOUT = dict(hidden_dropout=0.1, attention_dropout=0.1)
 def _config(style, moe: bool, modules=None, **overrides):
     selective = {} if modules is None else \
         dict(recompute_granularity="selective", recompute_modules=list(modules))
-    return tiny_config(style=style, **{**(MOE if moe else {}), **selective, **overrides})
+    # megatron-core's shared experts refuse biases: the MoE variants of a biased style drop them
+    unbiased = dict(add_bias_linear=False) if moe else {}
+    return tiny_config(style=style, **{**(MOE if moe else {}), **unbiased, **selective, **overrides})
 
 
 def _run(cfg, dtype=torch.float64, tp_group=None, tp_rank=0, topo=None):
