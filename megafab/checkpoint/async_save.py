@@ -4,7 +4,7 @@ SAVE/iter_N.tmp, and the
 checkpoint is finalized (DCP's .metadata, common.pt, metadata.json, the rename and the tracker:
 directory.py's commit) only once every rank's files are written and fsynced, all ranks agreeing
 in a collective. A crash at any moment before the tracker is replaced leaves the previous checkpoint
-the latest. The checkpoint is the one the synchronous save writes (checkpointing.torch_dist_parts).
+the latest. The checkpoint is the one the synchronous save writes (checkpointing.dcp_parts).
 
     saver = AsyncSaver()
     saver.schedule(state)                   collective: stage, plan, start the writer
@@ -85,7 +85,7 @@ class AsyncSaver:
         the first step, when the optimizer state exists), so that the first save does not wait for it."""
         if self.staging is None:
             self.staging = dcp_async().Staging()
-        shards, _, _ = checkpointing.torch_dist_parts(state, not state.cfg.checkpoint.no_save_optim)
+        shards, _, _ = checkpointing.dcp_parts(state, not state.cfg.checkpoint.no_save_optim)
         self.staging.prepare(shards)
 
     def schedule(self, state, root: str | None = None) -> None:
@@ -98,7 +98,7 @@ class AsyncSaver:
             self.maybe_finalize(topo, blocking=True)
         start = time.time()
         tmp = checkpointing.start_save(state, root)
-        shards, objects, common = checkpointing.torch_dist_parts(state, not ck.no_save_optim)
+        shards, objects, common = checkpointing.dcp_parts(state, not ck.no_save_optim)
         if self.staging is None:  # closed by an earlier end of training
             self.staging = dcp_async().Staging()
         staged, recipe = self.staging.stage(shards)

@@ -1,8 +1,9 @@
 """Save and load a training state as a checkpoint that loads into any TP/PP/VPP/DP layout.
 
-Saved as Megatron-LM's torch_dist (megatron_dist.py; megatron-core loads it) or, with --ckpt-format
-torch, Megatron's legacy per-rank files (megatron_legacy.py). Loaded from either, or from megafab's
-earlier format (formats.py tells them apart by their files). The directory and its atomic commit:
+Saved as Megatron-LM's torch_dist (megatron_dist.py; megatron-core loads it), with --ckpt-format
+torch as Megatron's legacy per-rank files (megatron_legacy.py), with fsdp_dtensor as Megatron-FSDP's
+DCP state dict (fsdp_dtensor.py). Loaded from any, or from megafab's earlier format (formats.py tells
+them apart by their files). The directory and its atomic commit:
 directory.py. What each rank writes and reads: state.py (its own boxes only; no rank ever holds the
 DP-unsharded optimizer state). Loading never unpickles code: DCP tensors and safe metadata (dcp_io),
 JSON, safe_pickle for Megatron's pickled files, torch.load(weights_only=True) for the RNG files.
@@ -17,7 +18,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from megafab.checkpoint import formats, megatron_dist, megatron_keys, megatron_legacy, non_persistent
+from megafab.checkpoint import (
+    formats,
+    fsdp_dtensor,
+    megatron_dist,
+    megatron_keys,
+    megatron_legacy,
+    non_persistent,
+)
 from megafab.checkpoint import state as cs
 from megafab.checkpoint import strictness as strict_load
 from megafab.checkpoint.directory import (  # noqa: F401
@@ -117,10 +125,33 @@ def save_checkpoint(state, root: str | None = None) -> str:
 
 
 def _save_torch_dist(state, tmp: str, with_optim: bool) -> None:
-    shards, objects, common = torch_dist_parts(state, with_optim)
+    shards, objects, common = dcp_parts(state, with_optim)
     dcp_io().save_shards(shards, tmp, objects)
     if common is not None:
         megatron_dist.write_common(tmp, common)
+
+
+def dcp_parts(state, with_optim: bool):
+    """(Shards, byte objects, common.pt's dict or None) of a DCP save in --ckpt-format: torch_dist,
+    or fsdp_dtensor (everything in the DCP files, no common.pt)."""
+    if state.cfg.checkpoint.ckpt_format == formats.FSDP_DTENSOR:
+        return fsdp_dtensor_parts(state, with_optim)
+    return torch_dist_parts(state, with_optim)
+
+
+def fsdp_dtensor_parts(state, with_optim: bool):
+    """(fsdp_dtensor-keyed Shards, byte objects, None) of an fsdp_dtensor save of `state` as it is now."""
+    cfg, topo = state.cfg, state.topology
+    shards, objects = cs.model_shards_for_save(state), {}
+    if with_optim:
+        shards.update(cs.optimizer_shards_for_save(state))
+        objects.update(fsdp_dtensor.group_meta_objects(state, float(cs.common_step(state.optimizer))))
+    if topo.tp_rank == 0 and topo.dp_rank == 0:
+        objects.update(fsdp_dtensor.extra_state_objects(cfg, _held_layers(state)))
+    if topo.rank == 0:
+        objects.update(fsdp_dtensor.common_objects(cfg, common_record(state, with_optim),
+                                                   state.scheduler.state_dict()))
+    return fsdp_dtensor.to_fsdp(shards, cfg), objects, None
 
 
 def torch_dist_parts(state, with_optim: bool):
@@ -160,6 +191,8 @@ def open_source(found: formats.Found, model_cfg):
         return MegafabSource(found.path)
     if found.format == formats.TORCH_DIST:
         return megatron_dist.TorchDistSource(found.path, model_cfg, found.release)
+    if found.format == formats.FSDP_DTENSOR:
+        return fsdp_dtensor.FsdpDtensorSource(found.path, model_cfg, found.release)
     return megatron_legacy.LegacySource(found.path, model_cfg, found.release)
 
 
@@ -239,7 +272,7 @@ def load_checkpoint(state) -> int | None:
         shards.update(optim_shards)
     notes, padding = [], []
     # --dist-ckpt-strictness (checkpoint/strictness.py): DCP checkpoints only, as Megatron's
-    strictness = ck.dist_ckpt_strictness if source.format in ("torch_dist", "megafab") else \
+    strictness = ck.dist_ckpt_strictness if source.format in ("torch_dist", "megafab", "fsdp_dtensor") else \
         "assume_ok_unexpected"
     mismatched = strict_load.mismatches(strictness, shards, stored)
 

@@ -6,6 +6,9 @@
                  (--ckpt-format torch)
     megafab      megafab's own earlier format: common.json + DCP files under model.* / optim.* keys;
                  still read, no longer written (torch_dist holds everything it did)
+    fsdp_dtensor Megatron-LM's Megatron-FSDP format: DCP files only (.metadata, `model.` keys, args and
+                 counters as DCP objects; fsdp_dtensor.py); Megatron's torch_dcp has the same files and
+                 is refused by fsdp_dtensor.py when it holds no `model.` weights
 
 As in Megatron, --ckpt-format torch_dist (or --auto-detect-ckpt-format) loads whatever the directory
 holds; --ckpt-format torch alone expects the legacy format. A directory that is none of these --
@@ -21,12 +24,12 @@ from megafab.checkpoint.directory import COMMON, RELEASE, TRACKER, existing_iter
 from megafab.checkpoint.errors import CheckpointError
 from megafab.config import CKPT_FORMATS  # noqa: F401 - the values of --ckpt-format
 
-TORCH_DIST, TORCH, MEGAFAB = "torch_dist", "torch", "megafab"
+TORCH_DIST, TORCH, MEGAFAB, FSDP_DTENSOR = "torch_dist", "torch", "megafab", "fsdp_dtensor"
 METADATA_JSON = "metadata.json"
 LEGACY_PREFIX = "mp_rank_"
 DCP_METADATA = ".metadata"
 EXPECTED = (f"{METADATA_JSON} + DCP files (Megatron torch_dist), {LEGACY_PREFIX}XX[_YYY]/model_optim_rng.pt "
-            f"(Megatron torch), or {COMMON} + DCP files (megafab)")
+            f"(Megatron torch), DCP files alone (Megatron fsdp_dtensor), or {COMMON} + DCP files (megafab)")
 
 
 @dataclass(frozen=True)
@@ -58,12 +61,10 @@ def detect_format(path: str) -> str:
         return MEGAFAB
     if any(n.startswith(LEGACY_PREFIX) for n in names):
         return TORCH
+    if DCP_METADATA in names:  # a torch_dist save that did not finish has no .metadata yet either
+        return FSDP_DTENSOR
     if not names:
         found = "nothing (an empty directory: a save that did not finish, or a failed copy)"
-    elif DCP_METADATA in names:
-        found = (f"a torch.distributed.checkpoint without {METADATA_JSON} or {COMMON} (Megatron's torch_dcp "
-                 f"or fsdp_dtensor format, which megafab does not read, or a torch_dist save that did not "
-                 f"finish)")
     else:
         found = ", ".join(names[:8]) + (" ..." if len(names) > 8 else "")
     raise CheckpointError(f"{path} holds {found}; a checkpoint directory holds {EXPECTED}. Point --load at "

@@ -223,15 +223,34 @@ def checkpoint_problems(cfg) -> list[str]:
     out = []
     if c.ckpt_format not in CKPT_FORMATS:
         out.append(f"--ckpt-format {c.ckpt_format!r} is not supported by megafab (it reads and writes "
-                   f"{' and '.join(CKPT_FORMATS)})")
+                   f"{', '.join(CKPT_FORMATS)})")
     elif c.ckpt_format == "torch" and c.save and not c.no_save_optim:
         out.append("--ckpt-format torch (Megatron's legacy files) is written without optimizer state: its "
                    "layout follows Megatron's parameter order and buffers, which no other layout reads; add "
                    "--no-save-optim, or save --ckpt-format torch_dist (the default, fully reshardable)")
+    if c.ckpt_format == "fsdp_dtensor":
+        out += _fsdp_dtensor_problems(cfg)
     if c.async_save and c.ckpt_format == "torch" and c.save:  # Megatron: NotImplementedError at the save
         out.append("--async-save with --ckpt-format torch: Megatron saves asynchronously only in torch_dist "
                    "(its legacy files are written synchronously); drop --async-save or save torch_dist")
     out += _non_persistent_problems(c)
+    return out
+
+
+def _fsdp_dtensor_problems(cfg) -> list[str]:
+    """Megatron's rule (its arguments.py asserts it): fsdp_dtensor is Megatron-FSDP's format; and what
+    megafab does not write in it yet."""
+    out = []
+    if not cfg.parallel.use_megatron_fsdp:
+        out.append("--ckpt-format fsdp_dtensor needs --use-megatron-fsdp (Megatron's rule: it is "
+                   "Megatron-FSDP's checkpoint format); add --use-megatron-fsdp, or save --ckpt-format "
+                   "torch_dist (every layout loads it)")
+    missing = [what for what, on in (("routed experts (--num-experts)", cfg.moe.num_experts),
+                                     ("multi-token prediction (--mtp-num-layers)", cfg.model.mtp_num_layers))
+               if on]
+    if missing and cfg.checkpoint.save:
+        out.append(f"--ckpt-format fsdp_dtensor: megafab does not write {' or '.join(missing)} in "
+                   f"Megatron-FSDP's names yet; save --ckpt-format torch_dist")
     return out
 
 

@@ -25,7 +25,8 @@ from megafab.config.model import ATTENTION_BACKENDS, ModelConfig
 from megafab.config.moe import MoEConfig
 from megafab.config.parallel import MEGATRON_FSDP_STRATEGIES, ParallelConfig
 
-CKPT_FORMATS = ("torch_dist", "torch")  # Megatron's distributed and legacy checkpoint formats
+# Megatron's distributed, legacy and Megatron-FSDP checkpoint formats
+CKPT_FORMATS = ("torch_dist", "torch", "fsdp_dtensor")
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
@@ -260,7 +261,8 @@ class CheckpointConfig(Section):
     ckpt_format: str = option(
         "torch_dist",
         help="torch_dist: Megatron-LM's distributed checkpoint (any layout loads it, megatron-core too); "
-             "torch: Megatron's legacy per-rank model_optim_rng.pt files.")
+             "torch: Megatron's legacy per-rank model_optim_rng.pt files; fsdp_dtensor: Megatron-FSDP's "
+             "DCP state dict (with --use-megatron-fsdp).")
     auto_detect_ckpt_format: bool = option(
         False, help="Load whatever format the checkpoint has (torch_dist loads every format anyway).")
     ckpt_step: int | None = option(

@@ -3,12 +3,13 @@
     target_config(cfg, tp, pp, ep)
                             the Config a converted checkpoint records; every rule its layout breaks
                             (megafab.checks) is one ConversionError, before anything is read or written
-    read_checkpoint(DIR)    any checkpoint --load reads (Megatron torch_dist, Megatron legacy torch,
+    read_checkpoint(DIR)    any checkpoint --load reads (Megatron torch_dist, fsdp_dtensor, legacy torch,
                             megafab's earlier format; saved with any TP/PP/DP) -> (full state dict,
                             the Config it records)
     write_checkpoint(DIR, sd, cfg, ckpt_format, tp, pp)
                             a weights-only checkpoint: torch_dist (any layout loads it; megatron-core
-                            too), or legacy torch files split for TP x PP; load it with --finetune
+                            too), fsdp_dtensor (Megatron-FSDP's), or legacy torch files split for
+                            TP x PP; load it with --finetune
 
 Full state dicts are TP=1 tensors under megafab's local-spec names (convert/state_dict.py). Runs in
 one process, without a process group; each phase shows a bar on a terminal and is one log line
@@ -25,7 +26,7 @@ import torch
 
 from megafab import checks
 from megafab import param_names as keys
-from megafab.checkpoint import formats, layout, megatron_dist, megatron_keys, megatron_legacy
+from megafab.checkpoint import formats, fsdp_dtensor, layout, megatron_dist, megatron_keys, megatron_legacy
 from megafab.checkpoint.checkpointing import open_source
 from megafab.checkpoint.directory import TRACKER, commit_checkpoint, iteration_dir
 from megafab.checkpoint.errors import CheckpointError
@@ -140,7 +141,7 @@ def write_checkpoint(save_dir: str, sd: dict[str, torch.Tensor], cfg: Config, it
     """Write `sd` (full megafab state dict) as a weights-only checkpoint of iteration `iteration`,
     recorded as saved at TP `tp` x PP `pp` x EP `ep` (target_config; EP names the legacy format's
     expert files, torch_dist is the same at any EP); see the module docstring."""
-    if ckpt_format not in (formats.TORCH_DIST, formats.TORCH):
+    if ckpt_format not in formats.CKPT_FORMATS:
         raise ConversionError(f"checkpoint format {ckpt_format!r} is not one of {formats.CKPT_FORMATS}")
     cfg = target_config(cfg, tp, pp, ep)  # the caller's config stays as it is
     tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
@@ -157,6 +158,8 @@ def write_checkpoint(save_dir: str, sd: dict[str, torch.Tensor], cfg: Config, it
     record = CommonRecord(iteration, run_layout(tp, pp, 1), cfg.to_flat())  # weights only
     if ckpt_format == formats.TORCH_DIST:
         _write_torch_dist(tmp, sd, cfg, record)
+    elif ckpt_format == formats.FSDP_DTENSOR:
+        _write_fsdp_dtensor(tmp, sd, cfg, record)
     else:
         _write_legacy(tmp, sd, cfg, record, tp, pp)
     commit_checkpoint(save_dir, iteration)  # the training saver's rename + tracker, same guarantees
@@ -180,6 +183,18 @@ def _write_torch_dist(tmp, sd, cfg, record) -> None:
     for _ in _phase([0], "writing torch_dist"):
         dcp_io.save_shards(megatron_dist.megatron_shards(shards, cfg.model, False, stacked), tmp, objects)
     megatron_dist.write_common(tmp, megatron_dist.common_state(cfg, record, None, None, False))
+
+
+def _write_fsdp_dtensor(tmp, sd, cfg, record) -> None:
+    # deferred: torch.distributed.checkpoint costs seconds to import; only DCP writes pay it
+    from megafab.checkpoint import dcp_io
+
+    shards = {layout.model_key(n): layout.Shard.whole(layout.to_stored(n, t.contiguous(), cfg.model))
+              for n, t in sd.items()}
+    objects = fsdp_dtensor.extra_state_objects(cfg, range(cfg.model.num_layers))
+    objects.update(fsdp_dtensor.common_objects(cfg, record, None))
+    for _ in _phase([0], "writing fsdp_dtensor"):
+        dcp_io.save_shards(fsdp_dtensor.to_fsdp(shards, cfg), tmp, objects)
 
 
 def _write_legacy(tmp, sd, cfg, record, tp, pp) -> None:

@@ -72,7 +72,6 @@ def test_a_torch_dist_without_model_tensors_is_refused(tmp_path):
 
 @pytest.mark.parametrize("files, found", [
     ([], "holds nothing"),
-    ([".metadata", "__0_0.distcp"], "torch.distributed.checkpoint without metadata.json or common.json"),
     (["model.safetensors", "config.json"], "holds config.json, model.safetensors"),
 ])
 def test_foreign_or_empty_directories_name_what_was_found(tmp_path, files, found):

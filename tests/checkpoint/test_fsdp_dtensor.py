@@ -1,0 +1,106 @@
+"""--ckpt-format fsdp_dtensor (Megatron-FSDP's checkpoint): megafab saves it under Megatron's keys and
+resumes it whole at another DP size and in another engine.
+
+FSDP2 (--use-megatron-fsdp) at DP 2 saves; DP 1 FSDP2 and DP 2 plain DDP resume; and back from DP 1
+to DP 2: each continues with the losses of the run that never stopped (float64: 1e-10). The DCP
+keys, global shapes and dtypes are the schema of fsdp_dtensor.py's docstring.
+"""
+
+import pytest
+import torch
+
+from megafab.checkpoint import checkpointing, dcp_io, directory, formats
+from megafab.checkpoint.errors import CheckpointError
+from megafab.config import ConfigError
+from megafab.run.fork_ranks import run_ranks
+from tests.helpers.checkpoint import make_state, train
+from tests.helpers.tiny import LLAMA_STYLE, tiny_config
+
+MFSDP = dict(dist_opt=False, use_megatron_fsdp=True, ddp_bucket_size=None)
+FMT = dict(ckpt_format="fsdp_dtensor")
+
+
+def _straight(rank, world, path, dp):
+    state = make_state(tp=1, dp=dp, save=path, style=LLAMA_STYLE, **MFSDP, **FMT)
+    first = train(state, 2)
+    checkpointing.save_checkpoint(state)
+    return first + train(state, 2)
+
+
+def _resume(rank, world, path, dp, layout):
+    state = make_state(tp=1, dp=dp, load=path, style=LLAMA_STYLE, **layout)
+    assert checkpointing.load_checkpoint(state) == 2
+    assert state.scheduler.num_samples == 2 * 4 and state.consumed_train_samples == 8
+    return train(state, 2)
+
+
+def _assert_close(got, expected):
+    assert len(got) == len(expected)
+    for x, y in zip(got, expected):
+        assert abs(x - y) <= 1e-10 * abs(y), (got, expected)
+
+
+def test_fsdp_dtensor_dp2_resumes_at_dp1_and_in_ddp(tmp_path):
+    path = str(tmp_path / "dp2")
+    expected = run_ranks(_straight, 2, path, 2, timeout=120)[0]
+    assert formats.find_checkpoint(path).format == formats.FSDP_DTENSOR
+    _assert_close(run_ranks(_resume, 1, path, 1, MFSDP, timeout=120)[0], expected[2:])
+    _assert_close(run_ranks(_resume, 2, path, 2, dict(dist_opt=False), timeout=120)[0], expected[2:])
+
+
+def test_fsdp_dtensor_dp1_resumes_at_dp2(tmp_path):
+    path = str(tmp_path / "dp1")
+    expected = run_ranks(_straight, 1, path, 1, timeout=120)[0]
+    _assert_close(run_ranks(_resume, 2, path, 2, MFSDP, timeout=120)[0], expected[2:])
+
+
+def test_the_saved_keys_shapes_and_dtypes_are_megatron_fsdps(tmp_path):
+    path = str(tmp_path / "keys")
+    run_ranks(_straight, 2, path, 2, timeout=120)
+    md = dcp_io.read_metadata(directory.iteration_dir(path, 2)).state_dict_metadata
+    layer = "model.module.decoder.layers.1."
+    h, f = 32, 64  # the tiny Llama's hidden and (SwiGLU) FFN sizes
+    assert tuple(md[layer + "input_layernorm.weight"].size) == (h,)  # the local spec's names
+    for half in ("_w", "_v"):  # SwiGLU's fc1 [2f, h] as its gate and up halves
+        assert tuple(md[layer + "mlp.linear_fc1.weight" + half].size) == (f, h)
+        opt = "optimizer.state.module.module.decoder.layers.1.mlp.linear_fc1.weight" + half
+        for kind in ("exp_avg", "exp_avg_sq"):
+            assert tuple(md[f"{opt}.{kind}"].size) == (f, h)
+            assert md[f"{opt}.{kind}"].properties.dtype == torch.float64
+    assert "model.module.decoder.layers.1.mlp.linear_fc1.weight" not in md
+    assert "model.module.embedding.word_embeddings.weight" in md
+    for obj in ("args", "iteration", "checkpoint_version", "opt_param_scheduler.num_steps",
+                "model.module.decoder.layers.1.self_attention.linear_qkv._extra_state",
+                "optimizer.param_to_group_meta.module.module.decoder.layers.0.mlp.linear_fc2.weight.step"):
+        assert obj in md and not hasattr(md[obj], "size"), obj
+    assert not any(k.startswith(("metadata", "common")) for k in md)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(ckpt_format="fsdp_dtensor"), "--ckpt-format fsdp_dtensor needs --use-megatron-fsdp"),
+    (dict(ckpt_format="fsdp_dtensor", use_torch_fsdp2=True), "needs --use-megatron-fsdp"),
+    (dict(ckpt_format="fsdp_dtensor", use_megatron_fsdp=True, mtp_num_layers=1, save="/tmp/x"),
+     "does not write multi-token prediction"),
+])
+def test_bad_fsdp_dtensor_combinations_are_refused(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        tiny_config(**overrides)
+
+
+def _dcp_only(tmp_path, shards):
+    from megafab.checkpoint.layout import Shard
+
+    path = tmp_path / "iter_0000001"
+    dcp_io.save_shards({k: Shard.whole(v) for k, v in shards.items()}, str(path))
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("1")
+    return formats.find_checkpoint(str(tmp_path))
+
+
+def test_dcp_files_alone_are_fsdp_dtensor_and_without_model_weights_are_refused(tmp_path):
+    found = _dcp_only(tmp_path / "fsdp", {"model.module.decoder.final_layernorm.weight": torch.ones(32)})
+    assert found.format == formats.FSDP_DTENSOR and found.iteration == 1
+    # a torch_dist save cut before metadata.json (or Megatron's torch_dcp optimizer alone)
+    found = _dcp_only(tmp_path / "cut", {"decoder.final_layernorm.weight": torch.ones(32)})
+    assert found.format == formats.FSDP_DTENSOR
+    with pytest.raises(CheckpointError, match="DCP files without metadata.json and without `model.` weights"):
+        checkpointing.open_source(found, tiny_config().model)
