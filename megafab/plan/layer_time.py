@@ -146,8 +146,18 @@ def _elementwise_bytes(x: Shapes, moe_layer: bool = False) -> float:
             + 4 * 4 * x.N * x.moe.num_experts + 2 * 2 * x.e * copies * x.h
     else:
         activation = act * x.M * x.f / x.tp
-    rope = 2 * x.e * x.M * (x.a + x.g) * x.d / x.tp if m.position_embedding_type in ("rope", "yarn") else 0
-    return norms + residual_adds + activation + rope
+    return norms + residual_adds + activation + _rope_bytes(x)
+
+
+def _rope_bytes(x: Shapes) -> float:
+    """RoPE read and written on one rank: q and k's heads, d channels each; under multi-latent attention
+    only the positional channels, of the rank's query heads and the one key head all heads share."""
+    m = x.cfg.model
+    if m.position_embedding_type not in ("rope", "yarn"):
+        return 0
+    if m.multi_latent_attention:
+        return 2 * x.e * x.M * (x.a / x.tp + 1) * m.qk_pos_emb_head_dim
+    return 2 * x.e * x.M * (x.a + x.g) * x.d / x.tp
 
 
 def _overlapped(comm: float, gemm: float, chunks: int) -> float:

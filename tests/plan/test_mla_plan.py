@@ -72,3 +72,23 @@ def test_mla_step_time_gemms_are_the_layers_weights(q_lora_rank, tp):
     attention = GPTModel(cfg.model, context(dtype=torch.float32)).decoder.layers["0"].self_attention
     weights = sum(p.numel() for name, p in attention.named_parameters() if "layernorm" not in name)
     assert sum(2 * m * n * k for m, n, k in attention_shapes(x)) == 2 * x.M * weights // tp
+
+
+def test_mla_step_time_rope_term_reads_the_positional_channels():
+    """The memory-bound RoPE term of an MLA layer's step time rotates only the positional channels
+    (the rank's query heads and the one shared key head), not kv_channels-wide q and k heads."""
+    from megafab.plan.layer_time import layer_passes
+    from megafab.plan.machines import BUILTIN
+
+    machine = BUILTIN["h100-sxm-80gb"]
+    cfg = tiny_config(style=MLA_STYLE)
+    m = cfg.model
+
+    def memory(**style):
+        return layer_passes(tiny_config(style={**MLA_STYLE, **style}), machine)[0].memory
+
+    assert memory(kv_channels=2 * m.kv_channels) == memory()
+    rows = cfg.training.micro_batch_size * m.seq_length
+    bytes_more = 2 * BYTES[cfg.precision.params_dtype_name] * rows * (m.num_attention_heads + 1) * 16
+    wider = memory(qk_pos_emb_head_dim=m.qk_pos_emb_head_dim + 16) - memory()
+    assert wider == pytest.approx(bytes_more / (machine.hbm_bandwidth * machine.hbm_efficiency))

@@ -15,7 +15,7 @@ MODEL = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", 
          "--micro-batch-size", "1", "--global-batch-size", "8", "--dry-run"]
 MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "512", "--moe-grouped-gemm",
        "--moe-shared-expert-intermediate-size", "1024", "--expert-model-parallel-size", "2",
-       "--moe-token-dispatcher-type", "alltoall"]
+       "--moe-token-dispatcher-type", "alltoall", "--disable-bias-linear"]
 
 
 def _passes(moe: bool, modules=()):

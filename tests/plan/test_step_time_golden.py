@@ -77,7 +77,7 @@ CASES = [
     ("cp2-a2a", ["--context-parallel-size", "2", "--cp-comm-type", "a2a"], 4, False),
     ("moe-ep2", _MOE, 2, False),
     ("moe-ep2-distopt", _MOE + ["--use-distributed-optimizer", "--moe-shared-expert-intermediate-size",
-                                "64"], 4, False),
+                                "64", "--disable-bias-linear"], 4, False),
     ("fp16-pp2", _PP2 + ["--fp16"], 2, False),
     ("offload", ["--use-distributed-optimizer", "--optimizer-cpu-offload"], 2, False),
     ("dp8-distopt", ["--use-distributed-optimizer", "--overlap-grad-reduce"], 8, False),  # 2 nodes of a100-4
