@@ -41,13 +41,13 @@ TE_HERE = [f"{TE} needs transformer_engine"] if not te_available() else \
 WANDB_HERE = [] if importlib.util.find_spec("wandb") else ["--wandb-project needs the wandb package"]
 GPU_KERNELS = {"sbatch_mfsdp_deepseek_v3.sh": [
     "--moe-token-dispatcher-type flex (DeepEP / HybridEP, GPU-only kernels)",
-    "--moe-flex-dispatcher-backend: refused", "--ckpt-format 'fsdp_dtensor' is not supported"]}
+    "--moe-flex-dispatcher-backend: refused"]}
 # Still refused, not GPU kernels: what is left of issue 37's acceptance (delete a line when it is done)
 KNOWN_GAPS = {"sbatch_mfsdp_deepseek_v3.sh": [
     "--tokenizer-model deepseek-ai/DeepSeek-V3: no such file"]}  # a hub name: megafab reads local files
 # what replaces the refused flags for the plan on this CPU: swapped values, dropped flags (with a value);
 # --moe-permute-fusion goes with transformer_engine (TE's fused permutation; local layers refuse it)
-CPU_SWAPS = {"transformer_engine": "local", "flex": "alltoall", "fsdp_dtensor": "torch_dist"}
+CPU_SWAPS = {"transformer_engine": "local", "flex": "alltoall"}
 CPU_DROPS = {"--moe-permute-fusion": 0,
              "--moe-flex-dispatcher-backend": 1, "--tokenizer-type": 1, "--tokenizer-model": 1,
              "--wandb-project": 1, "--wandb-exp-name": 1}

@@ -34,7 +34,7 @@ NODES_FOR_LAYOUT = {"gpt3": 16}  # the script's NUM_NODES=1 "Change for multinod
 MEGAFAB_REFUSES = {
     "gpt3": [], "mixtral": [],
     "llama3_fp8": ["--fp8-param-gather: refused"],
-    "llama3_fsdp_fp8": ["--fp8-param-gather: refused", "--ckpt-format 'fsdp_dtensor' is not supported"]}
+    "llama3_fsdp_fp8": ["--fp8-param-gather: refused"]}
 # what only this machine lacks: Transformer Engine / FP8 on a CUDA GPU, cuDNN's fused attention
 MACHINE = ("--fp8-format needs", "--transformer-impl transformer_engine needs",
            "--attention-backend fused needs")

@@ -146,8 +146,6 @@ def fsdp_dtensor_parts(state, with_optim: bool):
     if with_optim:
         shards.update(cs.optimizer_shards_for_save(state))
         objects.update(fsdp_dtensor.group_meta_objects(state, float(cs.common_step(state.optimizer))))
-    if topo.tp_rank == 0 and topo.dp_rank == 0:
-        objects.update(fsdp_dtensor.extra_state_objects(cfg, _held_layers(state)))
     if topo.rank == 0:
         objects.update(fsdp_dtensor.common_objects(cfg, common_record(state, with_optim),
                                                    state.scheduler.state_dict()))

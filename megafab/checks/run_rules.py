@@ -238,20 +238,12 @@ def checkpoint_problems(cfg) -> list[str]:
 
 
 def _fsdp_dtensor_problems(cfg) -> list[str]:
-    """Megatron's rule (its arguments.py asserts it): fsdp_dtensor is Megatron-FSDP's format; and what
-    megafab does not write in it yet."""
-    out = []
-    if not cfg.parallel.use_megatron_fsdp:
-        out.append("--ckpt-format fsdp_dtensor needs --use-megatron-fsdp (Megatron's rule: it is "
-                   "Megatron-FSDP's checkpoint format); add --use-megatron-fsdp, or save --ckpt-format "
-                   "torch_dist (every layout loads it)")
-    missing = [what for what, on in (("routed experts (--num-experts)", cfg.moe.num_experts),
-                                     ("multi-token prediction (--mtp-num-layers)", cfg.model.mtp_num_layers))
-               if on]
-    if missing and cfg.checkpoint.save:
-        out.append(f"--ckpt-format fsdp_dtensor: megafab does not write {' or '.join(missing)} in "
-                   f"Megatron-FSDP's names yet; save --ckpt-format torch_dist")
-    return out
+    """Megatron's rule (its arguments.py asserts it): fsdp_dtensor is Megatron-FSDP's format."""
+    if cfg.parallel.use_megatron_fsdp:
+        return []
+    return ["--ckpt-format fsdp_dtensor needs --use-megatron-fsdp (Megatron's rule: it is Megatron-FSDP's "
+            "checkpoint format); add --use-megatron-fsdp, or save --ckpt-format torch_dist (every layout "
+            "loads it)"]
 
 
 def _non_persistent_problems(c) -> list[str]:

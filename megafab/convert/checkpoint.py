@@ -191,8 +191,7 @@ def _write_fsdp_dtensor(tmp, sd, cfg, record) -> None:
 
     shards = {layout.model_key(n): layout.Shard.whole(layout.to_stored(n, t.contiguous(), cfg.model))
               for n, t in sd.items()}
-    objects = fsdp_dtensor.extra_state_objects(cfg, range(cfg.model.num_layers))
-    objects.update(fsdp_dtensor.common_objects(cfg, record, None))
+    objects = fsdp_dtensor.common_objects(cfg, record, None)
     for _ in _phase([0], "writing fsdp_dtensor"):
         dcp_io.save_shards(fsdp_dtensor.to_fsdp(shards, cfg), tmp, objects)
 
