@@ -81,8 +81,6 @@ REFUSED: dict[str, Refused] = {
     "--tp-comm-overlap": Refused(f"TP communication overlap (Transformer Engine userbuffers) is {NOT_YET}"),
     "--num-distributed-optimizer-instances": Refused(
         f"the hierarchical distributed optimizer is {NOT_YET}", off=("1",)),
-    "--fp8-param-gather": Refused(
-        f"FP8 parameter storage and all-gather are {NOT_YET}; --fp8-format keeps bf16 parameters"),
     "--spec": Refused("custom layer specs cannot be loaded; megafab builds megatron-core's GPT layer "
                       "(--transformer-impl local or transformer_engine)"),
     "--use-legacy-models": Refused("Megatron's legacy models are not implemented; megafab's model is "

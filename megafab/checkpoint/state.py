@@ -33,6 +33,7 @@ from megafab.checkpoint.layout import (
 from megafab.distributed.fsdp import is_fully_sharded, local_tensor
 from megafab.distributed.random import checkpoint_rng_state, restore_rng_state
 from megafab.model.activations import gated_linear_unit
+from megafab.model.fp8_params import dequantized, is_fp8_param
 from megafab.param_names import EXPERT_BIAS, mtp_split_key, parse_index
 
 
@@ -98,6 +99,8 @@ def owned_values(param: torch.nn.Parameter, lo: int, hi: int) -> torch.Tensor:
     exactly its owned range)."""
     if local_tensor(param) is not param:
         return local_tensor(param).view(-1)
+    if is_fp8_param(param):  # TE's FP8 weight: a dequantized copy, in the model dtype
+        return dequantized(param).view(-1)[lo:hi]
     return param.detach().view(-1)[lo:hi]
 
 
@@ -235,12 +238,21 @@ def model_shards_for_load(state, masters_from_main: bool) -> tuple[dict[str, Sha
         sharded = gathered or is_fully_sharded(chunk)
         ranges = dp_owned_ranges([chunk]) if sharded else {}
         module = getattr(chunk, "module", chunk)
+        # FP8 weights: read into copies, cast into the param buffer before the gather; from the
+        # checkpoint's main params when it has them (the step's own cast: the weights resume exactly)
+        with_mains = masters_from_main and state.optimizer is not None
+        fp8, mains = {}, {e.model_param: e.main for e in state.optimizer.entries} if with_mains else {}
         for name, p in module.named_parameters():
             if p in compute:
                 continue
             layout = _layout(state, name, p)
             lo, hi = ranges.get(p, (0, 0)) if sharded else (0, p.numel())
-            _add(shards, model_key(layout.name), layout, owned_values(p, lo, hi), lo, hi)
+            values = owned_values(p, lo, hi)
+            if is_fp8_param(p) and lo < hi:
+                fp8[p] = mains.get(p, values)
+            _add(shards, model_key(layout.name), layout, values, lo, hi)
+        if fp8:
+            chunk.load_fp8_shards(fp8)
         if gathered:
             gather.append(chunk)
     shards.update({model_key(name): Shard.whole(buf) for name, buf in checkpointed_buffers(state)})

@@ -296,6 +296,32 @@ def precision_problems(cfg) -> list[str]:
         if not (pr.bf16 or pr.fp16):
             out.append("--fp8-format needs --bf16 (or --fp16) for the non-FP8 parts")
     if cfg.parallel.grad_reduce_in_bf16 and not pr.bf16:
+    if pr.fp8_param_gather:
+        out += fp8_param_gather_problems(cfg)
         out.append("--grad-reduce-in-bf16 needs --bf16 (gradients of fp32/fp16 models are reduced in "
                    "fp32); add --bf16 or drop --grad-reduce-in-bf16")
+    return out
+
+
+def fp8_param_gather_problems(cfg) -> list[str]:
+    """--fp8-param-gather: TE's FP8 weights under the distributed optimizer (model/fp8_params.py)."""
+    pr, p = cfg.precision, cfg.parallel
+    if pr.fp8_format is None:
+        return ["--fp8-param-gather needs --fp8-format (the FP8 weights are Transformer Engine's, "
+                "--transformer-impl transformer_engine); add --fp8-format hybrid, or drop --fp8-param-gather"]
+    out = []
+    if p.fully_sharded:
+        out.append("--fp8-param-gather with FSDP2 (--use-torch-fsdp2 / --use-megatron-fsdp) is not "
+                   "implemented yet (FP8 shards need TE's FSDP2 hooks); use --use-distributed-optimizer, "
+                   "or drop --fp8-param-gather (FSDP2 then gathers bf16 weights)")
+    elif not p.use_distributed_optimizer:
+        out.append("--fp8-param-gather needs --use-distributed-optimizer (as Megatron: its fp32 main shards "
+                   "are cast into the FP8 weights); add --use-distributed-optimizer")
+    if pr.fp8_recipe in ("mxfp8", "blockwise"):
+        out.append(f"--fp8-param-gather with --fp8-recipe {pr.fp8_recipe} is not implemented (TE's "
+                   f"replace_raw_data and cast_master_weights_to_fp8 cover per-tensor scaling); use "
+                   f"--fp8-recipe delayed or tensorwise")
+    if cfg.optimizer.optimizer_cpu_offload:
+        out.append("--fp8-param-gather with --optimizer-cpu-offload is not implemented (the host optimizer "
+                   "writes weights by copy, not TE's FP8 cast); drop one of them")
     return out

@@ -55,6 +55,9 @@ class PrecisionConfig(Section):
     fp8_amax_history_len: int = option(1, help="Length of the amax history window.")
     fp8_amax_compute_algo: str = option(
         "most_recent", choices=("most_recent", "max"), help="most_recent or max over the history.")
+    fp8_param_gather: bool = option(
+        False, help="Keep Transformer Engine's linear weights in FP8 (1 byte each) and all-gather them in "
+                    "FP8 (with --use-distributed-optimizer; fp32 main params).")
 
     @property
     def params_dtype_name(self) -> str:

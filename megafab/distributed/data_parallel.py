@@ -12,6 +12,8 @@ optimizer (DP rank r owns the r-th 1/DP of every bucket, and its parameters live
 of the same layout for param_gather.py). With `overlap_grad_reduce` a bucket's collective starts
 during the last micro-batch's backward as soon as it is full; `finish_grad_sync()` waits for them.
 Routed experts get buckets over expert-DP (_plan); the scaling to a DP average: _start_bucket_sync.
+TE's FP8 weights (--fp8-param-gather) get buckets of their own whose param buffer is uint8
+(model/fp8_params.py): one param buffer per run of buckets of one kind.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from megafab.config import default_bucket_size
 from megafab.distributed.mappings import reduce_scatter_single
 from megafab.distributed.param_gather import GLOO_SLICE, Done, ParamGather
 from megafab.errors import MegafabError
+from megafab.model.fp8_params import cast_masters, is_fp8_param, replace_raw_data
 from megafab.run import faults
 
 
@@ -76,7 +79,7 @@ class Bucket:
     `dp_rank` of them)."""
 
     def __init__(self, index: int, params: list[nn.Parameter], start: int, end: int, dp: int,
-                 group=None, dp_rank: int = 0, expert: bool = False):
+                 group=None, dp_rank: int = 0, expert: bool = False, fp8: bool = False):
         self.index = index
         self.params = params
         self.start = start
@@ -86,6 +89,7 @@ class Bucket:
         self.group = group
         self.dp_rank = dp_rank
         self.expert = expert
+        self.fp8 = fp8  # TE FP8 weights: the param buffer holds their raw uint8 data
         self.pending: set[int] = set()
         self.handle = None
         self.grad_data: torch.Tensor | None = None
@@ -207,19 +211,21 @@ class DistributedDataParallel(nn.Module):
         self.numel = self.buckets[-1].end
         device = device or params[0].device
         self.grad_buffer = torch.zeros(self.numel, dtype=self.grad_dtype, device=device)
-        self.param_buffer = None
+        self.param_buffer = None  # the model-dtype param buffer (distributed optimizer)
+        self.param_buffers: list[tuple[int, int, torch.Tensor]] = []  # (start, end, buffer) per run
+        self._fp8_pending: dict[nn.Parameter, torch.Tensor] = {}
         if use_distributed_optimizer:
-            dtypes = {p.dtype for p in params}
-            if len(dtypes) != 1:
+            dtypes = {p.dtype for p in params if not is_fp8_param(p)}
+            if len(dtypes) > 1:
                 raise DataParallelConfigError(
                     f"the distributed optimizer needs one parameter dtype per model chunk, got "
                     f"{sorted(str(d) for d in dtypes)}; cast the model to one dtype first")
-            self.param_buffer = torch.zeros(self.numel, dtype=params[0].dtype, device=device)
+            self._make_param_buffers(dtypes.pop() if dtypes else params[0].dtype, device)
         self.param_to_bucket: dict[nn.Parameter, Bucket] = {}
         for bucket in self.buckets:
             bucket.grad_data = self.grad_buffer[bucket.start:bucket.end]
-            if self.param_buffer is not None:
-                bucket.param_data = self.param_buffer[bucket.start:bucket.end]
+            if self.param_buffers:
+                bucket.param_data = self._param_view(bucket.start, bucket.end)
         self._place_params()
         self.param_gather = None
         if use_distributed_optimizer:
@@ -240,19 +246,44 @@ class DistributedDataParallel(nn.Module):
         the parameter gather read the group off the bucket."""
         buckets, offsets = [], {}
         for expert, group in ((False, self.dp_group), (True, self.expert_dp_group)):
-            mine = [p for p in params if is_expert_param(p) == expert]
-            if not mine:
-                continue
-            size, rank = dist.get_world_size(group), dist.get_rank(group)
-            planned, placed = plan_buckets(list(reversed(mine)), size, self.bucket_size,
-                                           self.use_distributed_optimizer,
-                                           start=buckets[-1].end if buckets else 0,
-                                           first_index=len(buckets))
-            for bucket in planned:
-                bucket.group, bucket.dp_rank, bucket.expert = group, rank, expert
-            buckets += planned
-            offsets.update(placed)
+            for fp8 in (False, True):  # FP8 weights apart: their param buffer is uint8
+                mine = [p for p in params if is_expert_param(p) == expert and is_fp8_param(p) == fp8]
+                if not mine:
+                    continue
+                size, rank = dist.get_world_size(group), dist.get_rank(group)
+                planned, placed = plan_buckets(list(reversed(mine)), size, self.bucket_size,
+                                               self.use_distributed_optimizer,
+                                               start=buckets[-1].end if buckets else 0,
+                                               first_index=len(buckets))
+                for bucket in planned:
+                    bucket.group, bucket.dp_rank, bucket.expert, bucket.fp8 = group, rank, expert, fp8
+                buckets += planned
+                offsets.update(placed)
         return buckets, offsets
+
+    def _make_param_buffers(self, dtype: torch.dtype, device) -> None:
+        """One param buffer per run of buckets of one kind: `dtype`, or uint8 for FP8 weights (their
+        raw data, 1 byte per parameter; megatron-core's buffers per param dtype)."""
+        runs: list[list[Bucket]] = []
+        for bucket in self.buckets:
+            if runs and runs[-1][0].fp8 == bucket.fp8:
+                runs[-1].append(bucket)
+            else:
+                runs.append([bucket])
+        for run in runs:
+            start, end = run[0].start, run[-1].end
+            buffer = torch.zeros(end - start, dtype=torch.uint8 if run[0].fp8 else dtype, device=device)
+            self.param_buffers.append((start, end, buffer))
+            if self.param_buffer is None and not run[0].fp8:
+                self.param_buffer = buffer
+        if self.param_buffer is None:
+            self.param_buffer = self.param_buffers[0][2]
+
+    def _param_view(self, lo: int, hi: int) -> torch.Tensor:
+        for start, end, buffer in self.param_buffers:
+            if start <= lo and hi <= end:
+                return buffer[lo - start:hi - start]
+        raise AssertionError(f"[{lo}, {hi}) spans two param buffers")
 
     def _place_params(self):
         for bucket in self.buckets:
@@ -261,7 +292,12 @@ class DistributedDataParallel(nn.Module):
                 hi = lo + p.numel()
                 self.param_to_bucket[p] = bucket
                 p.main_grad = self.grad_buffer[lo:hi].view(p.shape)
-                if self.param_buffer is not None and p.is_meta:
+                if self.param_buffers and is_fp8_param(p):
+                    if p.is_meta:
+                        raise DataParallelConfigError("FP8 weights (--fp8-param-gather) are built on the "
+                                                      "device, not the meta device")
+                    replace_raw_data(p, self._param_view(lo, hi))  # its raw data: a view of the buffer
+                elif self.param_buffers and p.is_meta:
                     # a meta-built chunk: p becomes a view of the buffer, its values filled later
                     # (.data, not a view parameter: a view would share the buffer's version counter,
                     # and a later bucket's all-gather landing in the forward would then invalidate
@@ -270,10 +306,10 @@ class DistributedDataParallel(nn.Module):
                     torch.utils.swap_tensors(p, nn.Parameter(self.param_buffer.new_empty(0),
                                                              requires_grad=p.requires_grad))
                     p.__dict__.update(attributes)
-                    p.data = self.param_buffer[lo:hi].view(shape)
-                elif self.param_buffer is not None:
-                    self.param_buffer[lo:hi].copy_(p.data.view(-1))
-                    p.data = self.param_buffer[lo:hi].view(p.shape)
+                    p.data = self._param_view(lo, hi).view(shape)
+                elif self.param_buffers:
+                    self._param_view(lo, hi).copy_(p.data.view(-1))
+                    p.data = self._param_view(lo, hi).view(p.shape)
 
     def owned_param_ranges(self, dp_rank: int | None = None) -> dict[nn.Parameter, tuple[int, int]]:
         """owned_ranges of this chunk's buckets for `dp_rank` (the rank in each bucket's group:
@@ -349,9 +385,31 @@ class DistributedDataParallel(nn.Module):
             faults.wait(bucket.handle, "gradient reduction (data parallel)", bucket.group)
         self.reset_bucket_state()
 
+    def cast_fp8_shards(self, owned_values: dict[nn.Parameter, torch.Tensor]) -> None:
+        """Cast each FP8 weight's owned range (`owned_values[p]`, flat, high precision) into its
+        shard of the uint8 param buffer with TE's cast_master_weights_to_fp8, one call per bucket
+        group (its amax reduction is collective: every rank lists every FP8 weight of the group,
+        None where it owns nothing). The buckets are all-gathered afterwards."""
+        if not any(b.fp8 for b in self.buckets):
+            return
+        owned = self.owned_param_ranges()
+        for expert in (False, True):
+            fp8 = [b for b in self.buckets if b.fp8 and b.expert == expert]
+            params = [p for b in fp8 for p in b.params]
+            if params:
+                cast_masters(params, [owned_values.get(p) for p in params],
+                             [owned[p][0] if p in owned_values else None for p in params], fp8[0].group)
+
+    def load_fp8_shards(self, owned_values: dict[nn.Parameter, torch.Tensor]) -> None:
+        """Values read into the FP8 weights' owned ranges: cast by the next start_param_sync."""
+        self._fp8_pending.update(owned_values)
+
     def start_param_sync(self, async_op: bool = False):
         """All-gather every bucket's updated parameter shards (distributed optimizer only)."""
         assert self.param_gather is not None, "param sync needs use_distributed_optimizer=True"
+        if self._fp8_pending:
+            self.cast_fp8_shards(self._fp8_pending)
+            self._fp8_pending = {}
         self.param_gather.start(async_op)
 
     def finish_param_sync(self):

@@ -8,7 +8,8 @@ the next zero_grad() dispatches the first bucket the forward needs, and a forwar
 module that owns bucketed parameters dispatches the *next* bucket and waits for its own, so bucket
 k+1 travels while the modules of bucket k compute (ParamGather). Each VPP chunk has its own
 buckets and hooks. A chunk's forward ends with nothing in flight; anything that reads the weights
-outside a forward (checkpoint save) calls `finish_param_syncs` first.
+outside a forward (checkpoint save) calls `finish_param_syncs` first. An FP8 bucket's uint8 data
+is followed by TE's post-all-gather processing of its weights (model/fp8_params.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megafab.distributed.mappings import all_gather_single
+from megafab.model.fp8_params import post_all_gather
 from megafab.run import faults
 
 GLOO_SLICE = 1 << 20  # elements of each rank's shard per gloo bucket collective (4 MiB in fp32)
@@ -116,6 +118,8 @@ class ParamGather:
             self.dispatch(bucket)
         handle, _ = self.in_flight.pop(bucket.index)
         faults.wait(handle, "parameter all-gather (data parallel)", bucket.group)
+        if bucket.fp8:  # TE's processing of the gathered FP8 weights (their transposes)
+            post_all_gather(bucket.params)
 
     def _consume(self, bucket, position: int) -> None:
         """A module of `bucket` is about to run: send the next bucket on, then wait for this one."""

@@ -100,6 +100,10 @@ def transformer_engine_problems(model_cfg, precision_cfg, device) -> list[str]:
         elif device.type != "cuda":
             problems.append(f"{what} needs a CUDA GPU but this run is on {device}; use "
                             f"--transformer-impl local (the default) without --fp8-format on CPU")
+    if getattr(precision_cfg, "fp8_param_gather", False) and (not te_available() or device.type != "cuda"):
+        problems.append(f"--fp8-param-gather needs Transformer Engine on an FP8 GPU (and --fp8-format); this "
+                        f"run is on {device}{'' if te_available() else ' without transformer_engine'}: drop "
+                        f"--fp8-param-gather here")
     if fp8 and device.type == "cuda" and torch.cuda.is_available():
         capability = torch.cuda.get_device_capability(device)
         if capability < FP8_MIN_CAPABILITY:

@@ -20,6 +20,7 @@ from torch import nn
 
 from megafab.distributed.data_parallel import is_expert_param
 from megafab.errors import MegafabError
+from megafab.model.fp8_params import dequantized, is_fp8_param
 from megafab.optim import clip_grads
 from megafab.optim.cpu_offload import HostOptimizer, OffloadConfig, split_for_offload
 from megafab.optim.grad_scaler import ConstantGradScaler
@@ -61,9 +62,15 @@ class MainParam:
         return self.model_param.dtype
 
     @property
+    def fp8(self) -> bool:
+        """The model param is a TE FP8 weight (--fp8-param-gather): written by TE's cast, not copy_."""
+        return is_fp8_param(self.model_param)
+
+    @property
     def has_master(self) -> bool:
-        """Whether the main is a higher-precision master of the weights (bf16/fp16 models)."""
-        return self.main.dtype != self.model_dtype
+        """Whether the main is a higher-precision master of the weights (bf16/fp16 models, FP8
+        weights)."""
+        return self.main.dtype != self.model_dtype or self.fp8
 
     @property
     def grad_dtype(self) -> torch.dtype:
@@ -80,7 +87,7 @@ class MainParam:
         return grad.view(-1)[lo:hi]
 
     def model_values(self) -> torch.Tensor:
-        data = self.model_param.detach()
+        data = dequantized(self.model_param) if self.fp8 else self.model_param.detach()
         if self.param_range is None:
             return data
         lo, hi = self.param_range
@@ -268,7 +275,7 @@ class MixedPrecisionOptimizer:
     def _copy_main_to_model(self):
         with torch.no_grad():
             for e in self.device_entries:
-                if e.is_copy:
+                if not e.fp8 and e.is_copy:  # FP8 weights: the distributed optimizer's TE cast
                     e.model_values().copy_(e.main)
 
     def _counted(self, entries: list[MainParam], grads: list[torch.Tensor]

@@ -21,8 +21,9 @@ from megafab.distributed.fsdp import (
 from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
 from megafab.distributed.topology import Topology, initialize
 from megafab.errors import JobFault
+from megafab.model.fp8_params import quantized_init_context
 from megafab.model.gpt import build_model_chunks
-from megafab.model.te import check_transformer_engine, fp8_amax_group
+from megafab.model.te import check_transformer_engine, fp8_amax_group, fp8_recipe
 from megafab.model.transformer import LayerContext
 from megafab.optim.cpu_offload import OffloadConfig
 from megafab.optim.distributed_optimizer import DistributedOptimizer
@@ -102,11 +103,13 @@ def build_model(cfg, topo: Topology, tracker, dtype: torch.dtype | None = None) 
                           **moe_context_fields(cfg, topo)})
     p = cfg.parallel
     # FSDP2 shards a meta-built chunk; the distributed optimizer places it in its param buffer.
-    # Either then fills the values one part (layer) at a time: no second copy of the model.
-    on_meta = p.fully_sharded or p.use_distributed_optimizer
-    chunks = build_model_chunks(cfg.model, ctx, topo.pp, topo.pp_rank,
-                                p.virtual_pipeline_model_parallel_size or 1,
-                                PipelineSplit.from_config(cfg), on_meta=on_meta)
+    # Either then fills the values one part (layer) at a time: no second copy of the model. TE's
+    # FP8 weights (--fp8-param-gather, built under TE's quantized init) are built in place instead.
+    on_meta = (p.fully_sharded or p.use_distributed_optimizer) and not cfg.precision.fp8_param_gather
+    with quantized_init_context(cfg.precision, fp8_recipe):
+        chunks = build_model_chunks(cfg.model, ctx, topo.pp, topo.pp_rank,
+                                    p.virtual_pipeline_model_parallel_size or 1,
+                                    PipelineSplit.from_config(cfg), on_meta=on_meta)
     if p.fully_sharded:
         return [fully_shard_chunk(cfg, topo, c) for c in chunks]
     bucket = p.ddp_bucket_size if p.overlap_grad_reduce or p.use_distributed_optimizer else None

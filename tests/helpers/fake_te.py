@@ -4,7 +4,8 @@ keyword names of TE's documented API (an unknown keyword is a TypeError, as with
 DotProductAttention with a cp_group is TE's context parallelism as documented: this rank's queries
 are chunks r and 2cp-1-r of 2*cp, attending causally over the whole sequence (keys gathered here).
 FP8 state as TE keeps it: a module runs in FP8 inside fp8_autocast, or in a checkpoint's recompute
-phase when its forward did (recorded per call in `record` as ("fp8", module, on)).
+phase when its forward did (recorded per call in `record` as ("fp8", module, on)). FP8 weights
+(quantized_model_init, tensor.utils): fake_te_fp8.py.
 `install(monkeypatch)` puts it in sys.modules and returns the record (class name, args, kwargs)."""
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import types
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from tests.helpers import fake_te_fp8
 
 
 def _shape(n_in, n_out, parallel_mode, tp_size):
@@ -67,12 +70,13 @@ def build(record: list) -> dict:
             record.append(("Linear", (in_features, out_features),
                            dict(parallel_mode=parallel_mode, tp_size=tp_size)))
             out_rows, in_cols = _shape(in_features, out_features, parallel_mode, tp_size)
-            self.weight = torch.nn.Parameter(torch.zeros(out_rows, in_cols, dtype=params_dtype))
+            self.weight = fake_te_fp8.weight((out_rows, in_cols), params_dtype)  # FP8 in quantized init
             self.bias = torch.nn.Parameter(torch.zeros(out_rows if parallel_mode != "row" else out_features,
                                                        dtype=params_dtype)) if bias else None
 
         def forward(self, x):
             note_fp8(self)
+            fake_te_fp8.usable(self.weight)
             return F.linear(x, self.weight, self.bias)
 
     class LayerNormLinear(Linear):
@@ -92,6 +96,7 @@ def build(record: list) -> dict:
 
         def forward(self, x):
             note_fp8(self)
+            fake_te_fp8.usable(self.weight)
             w = self.layer_norm_weight + 1 if self.zero_centered else self.layer_norm_weight
             if self.rms:
                 h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * w
@@ -196,6 +201,13 @@ def build(record: list) -> dict:
     pytorch.Linear, pytorch.LayerNormLinear = Linear, LayerNormLinear
     pytorch.DotProductAttention = DotProductAttention
     pytorch.fp8_autocast, pytorch.checkpoint = fp8_autocast, checkpoint
+    pytorch.quantized_model_init = fake_te_fp8.quantized_model_init  # fp8_model_init before TE 2.8
+    tensor = types.ModuleType("transformer_engine.pytorch.tensor")
+    tensor.QuantizedTensor = tensor.Float8Tensor = fake_te_fp8.Float8Tensor
+    utils = types.ModuleType("transformer_engine.pytorch.tensor.utils")
+    for name in ("replace_raw_data", "cast_master_weights_to_fp8", "post_all_gather_processing"):
+        setattr(utils, name, getattr(fake_te_fp8, name))
+    tensor.utils, pytorch.tensor = utils, tensor
     distributed = types.ModuleType("transformer_engine.pytorch.distributed")
     distributed.activation_recompute_forward = activation_recompute_forward
     distributed.checkpoint = checkpoint
@@ -209,6 +221,7 @@ def build(record: list) -> dict:
     package.pytorch, package.common = pytorch, common
     return {"transformer_engine": package, "transformer_engine.pytorch": pytorch,
             "transformer_engine.pytorch.distributed": distributed,
+            "transformer_engine.pytorch.tensor": tensor, "transformer_engine.pytorch.tensor.utils": utils,
             "transformer_engine.common": common, "transformer_engine.common.recipe": recipe}
 
 

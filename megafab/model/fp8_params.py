@@ -1,0 +1,98 @@
+"""FP8 parameters (--fp8-param-gather): TE's linear weights stored as FP8 tensors, gathered in FP8.
+
+UNVERIFIED: transformer_engine was not installable where this was written; this follows TE's
+documented API (transformer_engine.pytorch.quantized_model_init, fp8_model_init before TE 2.8;
+QuantizedTensor.dequantize; transformer_engine.pytorch.tensor.utils.replace_raw_data,
+cast_master_weights_to_fp8 (TE >= 2.2; its FSDP-shard argument from 2.3) and
+post_all_gather_processing (newer TE; absent: a no-op, the transpose is made in the next forward)),
+as megatron-core's fp8_utils uses it. On CPU it runs through tests/helpers/fake_te.py.
+
+Data flow with the distributed optimizer (data_parallel.py, distributed_optimizer.py): an FP8
+weight's raw uint8 data is a view of its bucket's uint8 parameter buffer (1 byte per parameter), its
+fp32 main shard starts from the dequantized values, and after a step every rank casts its main
+shards into its shards of that buffer (the amax reduced over the bucket's group, so every rank
+computes the same scale), the buckets are all-gathered as uint8 and TE's post-all-gather processing
+runs. Checkpoints hold the weights dequantized, in the model dtype (as megatron-core's torch_dist).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+
+import torch
+
+
+def _te_tensor_utils():
+    from transformer_engine.pytorch.tensor import utils  # deferred: TE is a CUDA-only install
+
+    return utils
+
+
+def is_fp8_param(param) -> bool:
+    """A TE quantized (FP8) tensor: QuantizedTensor (TE >= 2.0), or Float8Tensor before it."""
+    if "transformer_engine" not in sys.modules:  # no TE imported: no TE tensor exists
+        return False
+    try:
+        from transformer_engine.pytorch.tensor import QuantizedTensor as fp8_class
+    except ImportError:
+        try:
+            from transformer_engine.pytorch.float8_tensor import Float8Tensor as fp8_class
+        except ImportError:
+            return False
+    return isinstance(param, fp8_class)
+
+
+def quantized_init_context(precision_cfg, recipe_fn):
+    """TE's quantized_model_init (fp8_model_init before TE renamed it) with --fp8-param-gather: the
+    TE modules built inside keep their weights as FP8 tensors; a no-op otherwise."""
+    if precision_cfg is None or not getattr(precision_cfg, "fp8_param_gather", False):
+        return contextlib.nullcontext()
+    import transformer_engine.pytorch as te  # deferred: TE is a CUDA-only install
+
+    init = getattr(te, "quantized_model_init", None) or te.fp8_model_init
+    return init(enabled=True, recipe=recipe_fn(precision_cfg))
+
+
+def dequantized(param, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The values of an FP8 parameter as a plain tensor (its nominal dtype unless `dtype`)."""
+    return param.dequantize(dtype=dtype or param.dtype)
+
+
+def raw_data_bytes(param) -> int:
+    """Bytes of an FP8 parameter's raw data in a param buffer: one per element."""
+    return param.numel()
+
+
+def replace_raw_data(param, buffer_view: torch.Tensor) -> None:
+    """Make `param`'s raw FP8 data `buffer_view` (uint8, param-shaped), its values kept."""
+    _te_tensor_utils().replace_raw_data(param, buffer_view.view(param.shape))
+
+
+def cast_masters(params: list, mains: list, offsets: list, group) -> None:
+    """TE's cast_master_weights_to_fp8 over every FP8 parameter of a group's buckets, on every rank
+    of `group` (the amax reduction is collective): mains[i] (or None where this rank owns none of
+    params[i]) is written into params[i]'s flat range starting at offsets[i]."""
+    if not params:
+        return
+    utils = _te_tensor_utils()
+    kwargs = {}
+    accepted = inspect.signature(utils.cast_master_weights_to_fp8).parameters
+    if getattr(utils, "post_all_gather_processing", None) is not None and \
+            "manual_post_all_gather_processing" in accepted:
+        kwargs["manual_post_all_gather_processing"] = True  # post_all_gather() runs after the gather
+    utils.cast_master_weights_to_fp8(params, mains, offsets, group, **kwargs)
+
+
+def post_all_gather(params: list) -> None:
+    """TE's processing of gathered FP8 weights (transpose / column-wise data); older TE: none."""
+    process = getattr(_te_tensor_utils(), "post_all_gather_processing", None)
+    if params and process is not None:
+        process(params)
+
+
+@torch.no_grad()
+def quantize_into(param, values: torch.Tensor) -> None:
+    """Write high-precision `values` (param-shaped) into an FP8 parameter (TE quantizes on copy_)."""
+    param.copy_(values.view(param.shape))
