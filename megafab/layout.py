@@ -3,16 +3,17 @@ ETP's default), every grid rule and every rank list. Pure arithmetic, no torch: 
 derivations, the rules, the planner and megafab.distributed.topology's process groups read it.
 
 Two grids fold over the same ranks, as megatron-core's two RankGenerators (MoE parallel folding),
-both in Megatron's default order 'tp-cp-ep-dp-pp', TP fastest:
+both in one order string, TP fastest: Megatron's default 'tp-cp-ep-dp-pp', or with
+--use-tp-pp-dp-mapping 'tp-cp-ep-pp-dp' (pp before dp in both grids). The default:
 
     dense  (attention, dense MLP, embeddings): tp - cp - dp - pp   (ep = 1)
         global_rank = tp + TP * (cp + CP * (dp + DP * pp)),        DP  = world / (TP * CP * PP)
     expert (routed experts):                   etp - ep - edp - pp (cp = 1)
         global_rank = etp + ETP * (ep + EP * (edp + EDP * pp)),    EDP = world / (ETP * EP * PP)
 
-ETP defaults to TP (Megatron). "pp" is the one shared axis: both grids put it last, so their
-pipeline groups are the same ranks. A group is named by the axes its ranks vary over, the other
-coordinates of its grid fixed (megafab.distributed.topology lists the ones it builds).
+ETP defaults to TP (Megatron). "pp" is the one shared axis, so both grids' pipeline groups must be
+the same ranks: pp last does it; under tp-pp-dp only equal DPs do (Megatron asserts it). A group is
+named by the axes its ranks vary over, the other coordinates of its grid fixed.
 """
 
 from __future__ import annotations
@@ -22,8 +23,23 @@ from dataclasses import dataclass
 
 from megafab.errors import MegafabError
 
-DENSE = ("tp", "cp", "dp", "pp")  # Megatron's 'tp-cp-ep-dp-pp' with ep = 1
-EXPERT = ("etp", "ep", "edp", "pp")  # the same order string with tp = ETP, cp = 1
+DEFAULT_ORDER = "tp-cp-ep-dp-pp"  # Megatron's rank order
+TP_PP_DP_ORDER = "tp-cp-ep-pp-dp"  # --use-tp-pp-dp-mapping
+
+
+def grids_of(order: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(dense, expert) axes of an order string: the dense grid without ep, the expert grid without cp
+    and with tp, dp read as etp, edp."""
+    tokens = order.split("-")
+    return (tuple(t for t in tokens if t != "ep"),
+            tuple({"tp": "etp", "dp": "edp"}.get(t, t) for t in tokens if t != "cp"))
+
+
+DENSE, EXPERT = grids_of(DEFAULT_ORDER)  # ("tp", "cp", "dp", "pp"), ("etp", "ep", "edp", "pp")
+
+
+def rank_order(use_tp_pp_dp_mapping: bool) -> str:
+    return TP_PP_DP_ORDER if use_tp_pp_dp_mapping else DEFAULT_ORDER
 ORDER = ("tp", "cp", "etp", "ep", "dp", "edp", "pp")  # every axis; names list axes in this order
 FLAGS = {"tp": "tensor-model-parallel-size", "cp": "context-parallel-size",
          "pp": "pipeline-model-parallel-size", "ep": "expert-model-parallel-size",
@@ -63,9 +79,10 @@ def expert_data_parallel_size(world_size: int | None, tp: int, pp: int, ep: int 
 
 
 def layout_problems(world_size: int | None, tp: int, pp: int, cp: int = 1, ep: int = 1,
-                    etp: int | None = None) -> list[str]:
+                    etp: int | None = None, order: str = DEFAULT_ORDER) -> list[str]:
     """Every broken grid rule: sizes at least 1, TP x CP x PP and ETP x EP x PP dividing the
-    world (etp None: ETP = TP; world_size None: a world not known yet, only the sizes checked)."""
+    world (etp None: ETP = TP; world_size None: a world not known yet, only the sizes checked), and
+    under an order without pp last, both grids' DP equal where PP > 1 (Megatron's assert)."""
     problems = []
     sizes = {"tp": tp, "cp": cp, "pp": pp, "ep": ep, "etp": expert_tensor_parallel_size(tp, etp)}
     for axis, value in sizes.items():
@@ -88,6 +105,14 @@ def layout_problems(world_size: int | None, tp: int, pp: int, cp: int = 1, ep: i
                 f"world size {world_size} is not divisible by {grid}{names} = {product}; launch a "
                 f"multiple of {product} processes or choose sizes whose product divides "
                 f"{world_size}")
+    if not problems and not order.endswith("pp") and pp > 1:
+        dp, edp = world_size // (tp * cp * pp), world_size // (sizes["etp"] * ep * pp)
+        if dp != edp:
+            problems.append(
+                f"--use-tp-pp-dp-mapping with --{FLAGS['pp']} {pp} needs the expert grid's data-parallel "
+                f"size (world / (ETP x EP x PP) = {edp}) to equal the dense grid's (world / (TP x CP x PP) "
+                f"= {dp}), or the two grids' pipeline groups differ (Megatron asserts it); drop "
+                f"--use-tp-pp-dp-mapping or choose ETP x EP = TP x CP")
     return problems
 
 
@@ -103,7 +128,8 @@ def group_name(axes) -> str:
 @dataclass(frozen=True)
 class Layout:
     """Sizes of the named axes of a world; every rank list is a pure function of these.
-    etp None means ETP = TP (resolved here, so Layout(8, tp=2) == Layout(8, tp=2, etp=2))."""
+    etp None means ETP = TP (resolved here, so Layout(8, tp=2) == Layout(8, tp=2, etp=2)); order: the
+    rank order string both grids follow."""
 
     world_size: int
     tp: int = 1
@@ -111,9 +137,10 @@ class Layout:
     pp: int = 1
     ep: int = 1
     etp: int | None = None
+    order: str = DEFAULT_ORDER
 
     def __post_init__(self):
-        problems = layout_problems(self.world_size, self.tp, self.pp, self.cp, self.ep, self.etp)
+        problems = layout_problems(self.world_size, self.tp, self.pp, self.cp, self.ep, self.etp, self.order)
         if problems:
             raise LayoutError("; ".join(problems))
         object.__setattr__(self, "etp", expert_tensor_parallel_size(self.tp, self.etp))
@@ -123,7 +150,16 @@ class Layout:
         """The layout of a resolved config's parallel section (cfg.parallel)."""
         return cls(parallel.world_size, tp=parallel.tensor_model_parallel_size,
                    cp=parallel.context_parallel_size, pp=parallel.pipeline_model_parallel_size,
-                   ep=parallel.expert_model_parallel_size, etp=parallel.expert_tensor_parallel_size)
+                   ep=parallel.expert_model_parallel_size, etp=parallel.expert_tensor_parallel_size,
+                   order=rank_order(parallel.use_tp_pp_dp_mapping))
+
+    @property
+    def dense(self) -> tuple[str, ...]:
+        return grids_of(self.order)[0]
+
+    @property
+    def expert(self) -> tuple[str, ...]:
+        return grids_of(self.order)[1]
 
     @property
     def dp(self) -> int:
@@ -136,25 +172,25 @@ class Layout:
 
     def size(self, axis: str) -> int:
         if axis not in ORDER:
-            raise LayoutError(f"unknown parallel axis {axis!r}; the axes are {'-'.join(DENSE)} "
-                              f"(dense) and {'-'.join(EXPERT)} (expert)")
+            raise LayoutError(f"unknown parallel axis {axis!r}; the axes are {'-'.join(self.dense)} "
+                              f"(dense) and {'-'.join(self.expert)} (expert)")
         return getattr(self, axis)
 
     def grid(self, axes) -> tuple[str, ...]:
-        """The grid (DENSE or EXPERT) that `axes` name; axes of size 1 belong to either."""
+        """The grid (self.dense or self.expert) that `axes` name; axes of size 1 belong to either."""
         moving = {a for a in axes if self.size(a) > 1}
         dense, expert = moving - set(EXPERT), moving - set(DENSE)
         if dense and expert:
             raise LayoutError(
                 f"no group spans {'-'.join(in_order(axes))}: {', '.join(in_order(dense))} "
-                f"belong to the dense grid ({'-'.join(DENSE)}) and {', '.join(in_order(expert))} "
-                f"to the expert grid ({'-'.join(EXPERT)})")
-        return EXPERT if expert else DENSE
+                f"belong to the dense grid ({'-'.join(self.dense)}) and {', '.join(in_order(expert))} "
+                f"to the expert grid ({'-'.join(self.expert)})")
+        return self.expert if expert else self.dense
 
     def coords(self, rank: int) -> dict[str, int]:
         """{axis: coordinate} of a global rank, on both grids ("pp" is the same on each)."""
         out = {}
-        for grid in (DENSE, EXPERT):
+        for grid in (self.dense, self.expert):
             rest = rank
             for axis in grid:
                 out[axis] = rest % self.size(axis)
@@ -173,7 +209,7 @@ class Layout:
         for axis in coords:
             self.size(axis)
         named = set(coords) - {"pp"}
-        grids = [g for g in (DENSE, EXPERT) if named & set(g)] or [DENSE]
+        grids = [g for g in (self.dense, self.expert) if named & set(g)] or [self.dense]
         ranks = {self._rank(g, coords) for g in grids}
         if len(ranks) != 1:
             raise LayoutError(f"coordinates {coords} name ranks {sorted(ranks)} on the dense "

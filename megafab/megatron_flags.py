@@ -86,8 +86,6 @@ REFUSED: dict[str, Refused] = {
     "--use-legacy-models": Refused("Megatron's legacy models are not implemented; megafab's model is "
                                    "megatron-core's GPTModel"),
     "--retro-project-dir": Refused(f"Retro is {NOT_YET}"),
-    "--use-tp-pp-dp-mapping": Refused(f"the tp-pp-dp rank order is {NOT_YET} (megafab uses Megatron's "
-                                      f"default tp-cp-ep-dp-pp)"),
     "--encoder-num-layers": Refused("encoder-decoder models are not implemented; use --num-layers"),
     "--decoder-num-layers": Refused("encoder-decoder models are not implemented; use --num-layers"),
     "--pipeline-model-parallel-layout": Refused(

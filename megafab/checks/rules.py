@@ -8,7 +8,7 @@ import dataclasses
 
 from megafab.config.derive import CP_COMM_TYPES, scheduler_samples
 from megafab.config.schema import SECTIONS
-from megafab.layout import layout_problems
+from megafab.layout import layout_problems, rank_order
 from megafab.pipeline_split import PipelineSplit
 
 
@@ -179,7 +179,8 @@ def parallel_problems(cfg) -> list[str]:
     tp, pp, world = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.world_size
     cp = p.context_parallel_size
     # without a known world (world None) only the sizes themselves are checked
-    out = layout_problems(world, tp, pp, cp, p.expert_model_parallel_size, p.expert_tensor_parallel_size)
+    out = layout_problems(world, tp, pp, cp, p.expert_model_parallel_size, p.expert_tensor_parallel_size,
+                          rank_order(p.use_tp_pp_dp_mapping))
     vpp = p.virtual_pipeline_model_parallel_size
     if p.num_layers_per_virtual_pipeline_stage and p.num_virtual_stages_per_pipeline_rank:
         out.append("give only one of --num-layers-per-virtual-pipeline-stage and "

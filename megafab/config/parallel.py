@@ -54,6 +54,9 @@ class ParallelConfig(Section):
         None,
         help="ETP degree: ranks that split each routed expert's weights; default "
              "--tensor-model-parallel-size (resolved at start-up).")
+    use_tp_pp_dp_mapping: bool = option(
+        False, help="Order ranks tp-cp-ep-pp-dp (pipeline stages before data-parallel replicas) instead of "
+                    "Megatron's default tp-cp-ep-dp-pp; with PP > 1 both grids' DP must be equal.")
     data_parallel_size: int | None = derived(None, help="Derived: world_size / (tp * cp * pp).")
     world_size: int | None = derived(None, help="Derived: number of processes.")
     use_distributed_optimizer: bool = option(

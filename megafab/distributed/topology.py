@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megafab.layout import (
+    DEFAULT_ORDER,
     DENSE,
     EXPERT,
     FLAGS,
@@ -47,15 +48,15 @@ EMBEDDING = "embedding"  # first and last stage of each pipeline: the tied word-
 
 
 def all_group_ranks(world_size: int, tp: int, pp: int, cp: int = 1, ep: int = 1,
-                    etp: int | None = None) -> dict[str, list[list[int]]]:
+                    etp: int | None = None, order: str = DEFAULT_ORDER) -> dict[str, list[list[int]]]:
     """Every group of every built kind (GROUP_AXES by group_name, plus "embedding") as lists of
     global ranks.
 
     Pure function of the layout, so each rank can build all groups in the same order
     (torch.distributed requires every rank to take part in every new_group call).
     """
-    layout = Layout(world_size, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp)
-    assert layout.grid_groups(DENSE, ("pp",)) == layout.grid_groups(EXPERT, ("pp",)), \
+    layout = Layout(world_size, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, order=order)
+    assert layout.grid_groups(layout.dense, ("pp",)) == layout.grid_groups(layout.expert, ("pp",)), \
         "the dense and expert grids must share their pipeline groups (as Megatron asserts)"
     out = {group_name(axes): layout.groups(*axes) for axes in GROUP_AXES}
     out[EMBEDDING] = layout.embedding_groups()
@@ -88,11 +89,12 @@ class Topology:
     embedding: object = None
     ep: int = 1
     etp: int | None = None  # None: ETP = TP
+    order: str = DEFAULT_ORDER  # the rank order (megafab.layout)
 
     @functools.cached_property
     def layout(self) -> Layout:
         return Layout(self.world_size, tp=self.tp, cp=self.cp, pp=self.pp, ep=self.ep,
-                      etp=self.etp)
+                      etp=self.etp, order=self.order)
 
     @functools.cached_property
     def _coords(self) -> dict[str, int]:
@@ -164,7 +166,7 @@ class Topology:
 def build_topology(tp: int = 1, pp: int = 1, vpp: int = 1, device: torch.device | None = None,
                    backend: str | None = None, cp: int = 1,
                    timeout: datetime.timedelta | None = None, ep: int = 1,
-                   etp: int | None = None) -> Topology:
+                   etp: int | None = None, order: str = DEFAULT_ORDER) -> Topology:
     """Make the groups of an already initialized default process group.
 
     Groups are made with new_group for every layout group, in the same order on every rank
@@ -175,13 +177,13 @@ def build_topology(tp: int = 1, pp: int = 1, vpp: int = 1, device: torch.device 
     if not dist.is_initialized():
         raise RuntimeError("initialize torch.distributed first (megafab.distributed.initialize)")
     world, rank = dist.get_world_size(), dist.get_rank()
-    layout = Layout(world, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp)
-    layouts = all_group_ranks(world, tp, pp, cp, ep, etp)
+    layout = Layout(world, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, order=order)
+    layouts = all_group_ranks(world, tp, pp, cp, ep, etp, order)
     if device is None:
         device = torch.device("cpu") if dist.get_backend() == "gloo" else torch.device(
             "cuda", torch.cuda.current_device())
     topo = Topology(rank=rank, world_size=world, tp=tp, pp=pp, dp=layout.dp, vpp=vpp, device=device,
-                    backend=backend or dist.get_backend(), cp=cp, ep=ep, etp=layout.etp)
+                    backend=backend or dist.get_backend(), cp=cp, ep=ep, etp=layout.etp, order=order)
     made: dict[tuple[int, ...], object] = {}
     for kind, groups in layouts.items():
         for ranks in groups:
@@ -200,13 +202,13 @@ def build_topology(tp: int = 1, pp: int = 1, vpp: int = 1, device: torch.device 
 
 def initialize(tp: int = 1, pp: int = 1, vpp: int = 1, backend: str | None = None,
                timeout_minutes: float = 10.0, env: dict[str, str] | None = None,
-               cp: int = 1, ep: int = 1, etp: int | None = None) -> Topology:
+               cp: int = 1, ep: int = 1, etp: int | None = None, order: str = DEFAULT_ORDER) -> Topology:
     """Start the default process group from the launcher's environment and build the grid.
 
     Layout problems are raised before any process group exists.
     """
     launch = read_launch_env(env)
-    problems = layout_problems(launch.world_size, tp, pp, cp, ep, etp)
+    problems = layout_problems(launch.world_size, tp, pp, cp, ep, etp, order)
     if problems:
         raise TopologyError("; ".join(problems))
     device, backend = pick_device_and_backend(launch.local_rank, backend)
@@ -217,4 +219,4 @@ def initialize(tp: int = 1, pp: int = 1, vpp: int = 1, backend: str | None = Non
         dist.init_process_group(backend=backend, store=rendezvous_store(launch, timeout, env),
                                 rank=launch.rank, world_size=launch.world_size, timeout=timeout)
     return build_topology(tp, pp, vpp, device, backend, cp,
-                          datetime.timedelta(minutes=timeout_minutes), ep=ep, etp=etp)
+                          datetime.timedelta(minutes=timeout_minutes), ep=ep, etp=etp, order=order)

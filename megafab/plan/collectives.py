@@ -18,6 +18,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from megafab.distributed.topology import Layout
+from megafab.layout import DEFAULT_ORDER, rank_order
 from megafab.plan.host_terms import FSDP_SUFFIX, STEP_SUFFIX, in_step_entry
 
 __all__ = ["FSDP_SUFFIX", "STEP_SUFFIX", "Placement", "collective_seconds", "group_placement", "p2p_seconds",
@@ -34,9 +35,9 @@ class Placement:
 
 @functools.lru_cache(maxsize=4096)
 def placement(world: int, tp: int, cp: int, pp: int, gpus_per_node: int, axes: tuple[str, ...],
-              ep: int = 1, etp: int | None = None) -> Placement:
+              ep: int = 1, etp: int | None = None, order: str = DEFAULT_ORDER) -> Placement:
     """Rank 0's group over `axes`, of the dense grid or of the expert grid (etp, ep, edp)."""
-    layout = Layout(world, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp)
+    layout = Layout(world, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, order=order)
     spans = [range(layout.size(a)) for a in axes]
     ranks = [layout.rank(**dict(zip(axes, c))) for c in itertools.product(*spans)]  # rank 0's group
     nodes: dict[int, int] = {}
@@ -50,7 +51,8 @@ def group_placement(cfg, machine, *axes: str) -> Placement:
     p = cfg.parallel
     return placement(p.world_size, p.tensor_model_parallel_size, p.context_parallel_size,
                      p.pipeline_model_parallel_size, machine.gpus_per_node, tuple(sorted(axes)),
-                     p.expert_model_parallel_size, p.expert_tensor_parallel_size)
+                     p.expert_model_parallel_size, p.expert_tensor_parallel_size,
+                     rank_order(p.use_tp_pp_dp_mapping))
 
 
 _STEPS = {"all_reduce": (2.0, 2), "all_gather": (1.0, 1), "reduce_scatter": (1.0, 1), "all_to_all": (1.0, 1)}

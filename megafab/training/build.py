@@ -21,6 +21,7 @@ from megafab.distributed.fsdp import (
 from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
 from megafab.distributed.topology import Topology, initialize
 from megafab.errors import JobFault
+from megafab.layout import rank_order
 from megafab.model.fp8_params import quantized_init_context
 from megafab.model.gpt import build_model_chunks
 from megafab.model.te import check_transformer_engine, fp8_amax_group, fp8_recipe
@@ -63,7 +64,8 @@ def init_distributed(cfg) -> tuple[Topology, RNGStatesTracker]:
         topo = initialize(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                           p.virtual_pipeline_model_parallel_size or 1, p.distributed_backend,
                           p.distributed_timeout_minutes, cp=p.context_parallel_size,
-                          ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size)
+                          ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size,
+                          order=rank_order(p.use_tp_pp_dp_mapping))
     except dist.DistError as e:  # before the process group exists no rank can speak for the job
         launch = read_launch_env()
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__

@@ -54,6 +54,11 @@ RULES = [
      MOE + ["--moe-shared-expert-intermediate-size", "64"], 1,
      "--moe-shared-expert-intermediate-size with biased linear layers (--add-bias-linear, Megatron's "
      "default): megatron-core's shared experts have no bias and refuse it; add --disable-bias-linear"),
+    ("tp-pp-dp order with unequal DPs (Megatron asserts)",
+     MOE + ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+            "--use-tp-pp-dp-mapping"], 4,
+     "--use-tp-pp-dp-mapping with --pipeline-model-parallel-size 2 needs the expert grid's data-parallel "
+     "size (world / (ETP x EP x PP) = 1) to equal the dense grid's (world / (TP x CP x PP) = 2)"),
     ("EP without experts", ["--expert-model-parallel-size", "2"], 2,
      "--expert-model-parallel-size 2 needs --num-experts"),
     ("layer pattern of the wrong length", MOE + ["--moe-layer-freq", "([0]*1+[1]*2)"], 1,

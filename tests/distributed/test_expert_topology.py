@@ -1,5 +1,6 @@
 """MoE parallel folding: the expert grid (etp-ep-edp-pp) over the same ranks as the dense grid
-(tp-cp-dp-pp), rank for rank megatron-core 0.16.1's two RankGenerators."""
+(tp-cp-dp-pp), rank for rank megatron-core 0.16.1's two RankGenerators; and the same under
+--use-tp-pp-dp-mapping's order tp-cp-ep-pp-dp, where Megatron's rule (equal DPs when PP > 1) holds."""
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from megafab.distributed.topology import (
     group_name,
     layout_problems,
 )
+from megafab.layout import DEFAULT_ORDER, TP_PP_DP_ORDER
 from megafab.run.fork_ranks import run_ranks
 
 # megafab's axes -> (which megatron RankGenerator, its token)
@@ -38,30 +40,44 @@ def _layouts(world):
                             yield tp, cp, pp, ep, etp
 
 
-def _generators(world, tp, cp, pp, ep, etp):
+def _generators(world, tp, cp, pp, ep, etp, order=DEFAULT_ORDER):
     from megatron.core.parallel_state import RankGenerator
 
     etp = tp if etp is None else etp
-    order = "tp-cp-ep-dp-pp"  # megatron's default, used for both grids
     return {"dense": RankGenerator(tp=tp, ep=1, dp=world // (tp * cp * pp), pp=pp, cp=cp,
                                    order=order),
             "expert": RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep * pp), pp=pp, cp=1,
                                     order=order)}
 
 
-def test_every_group_is_megatron_cores_rank_generator_for_worlds_1_to_32():
+@pytest.mark.parametrize("order", [DEFAULT_ORDER, TP_PP_DP_ORDER])
+def test_every_group_is_megatron_cores_rank_generator_for_worlds_1_to_32(order):
     pytest.importorskip("megatron.core")
     checked = 0
     for world in range(1, 33):
         for tp, cp, pp, ep, etp in _layouts(world):
-            gens = _generators(world, tp, cp, pp, ep, etp)
-            ours = all_group_ranks(world, tp, pp, cp, ep, etp)
+            if layout_problems(world, tp, pp, cp, ep, etp, order):  # tp-pp-dp: Megatron's equal-DP rule
+                assert order == TP_PP_DP_ORDER and pp > 1
+                continue
+            gens = _generators(world, tp, cp, pp, ep, etp, order)
+            ours = all_group_ranks(world, tp, pp, cp, ep, etp, order)
             assert set(MEGATRON) == {group_name(a) for a in GROUP_AXES}
             for name, (grid, token) in MEGATRON.items():
                 assert ours[name] == gens[grid].get_ranks(token), (world, tp, cp, pp, ep, etp, name)
             assert gens["dense"].get_ranks("pp") == gens["expert"].get_ranks("pp")
             checked += 1
-    assert checked > 1000  # every world size, many folds each
+    assert checked > (1000 if order == DEFAULT_ORDER else 500)  # every world size, many folds each
+
+
+def test_tp_pp_dp_order_puts_pipeline_stages_before_replicas_and_keeps_megatrons_rule():
+    layout = Layout(8, tp=2, pp=2, order=TP_PP_DP_ORDER)
+    assert layout.groups("pp") == [[0, 2], [1, 3], [4, 6], [5, 7]]  # default order: [0, 4], ...
+    assert layout.groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert Layout(8, tp=2, pp=2).groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    (problem,) = layout_problems(8, 2, 2, ep=2, etp=2, order=TP_PP_DP_ORDER)
+    assert problem.startswith("--use-tp-pp-dp-mapping with --pipeline-model-parallel-size 2 needs the "
+                              "expert grid's data-parallel size (world / (ETP x EP x PP) = 1) to equal")
+    assert not layout_problems(8, 2, 2, ep=2, etp=1, order=TP_PP_DP_ORDER)  # ETP x EP = TP: allowed
 
 
 @pytest.mark.parametrize("world,tp,cp,pp,ep,etp", [(8, 2, 2, 1, 4, 1), (16, 2, 1, 2, 2, None),

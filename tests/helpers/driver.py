@@ -7,6 +7,7 @@ from megafab.data.packed_documents import attach_document_mask
 from megafab.distributed.fsdp import is_dtensor
 from megafab.distributed.random import RNGStatesTracker, model_parallel_seed
 from megafab.distributed.topology import build_topology
+from megafab.layout import rank_order
 from megafab.model.gpt import masked_mean_loss
 from megafab.optim.memory import measure_memory
 from megafab.optim.mixed_precision import MixedPrecisionOptimizer
@@ -63,7 +64,8 @@ def driver_state(cfg, dtype: torch.dtype | None = None) -> TrainState:
     p = cfg.parallel
     topo = build_topology(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
                           vpp=p.virtual_pipeline_model_parallel_size or 1, cp=p.context_parallel_size,
-                          ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size)
+                          ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size,
+                          order=rank_order(p.use_tp_pp_dp_mapping))
     tracker = RNGStatesTracker("cpu")
     model_parallel_seed(cfg.training.seed, topo.tp_rank, topo.pp_rank, topo.device, tracker,
                         cp_rank=topo.cp_rank)

@@ -150,3 +150,23 @@ def test_profile_measures_this_machine_and_the_model_uses_it(tmp_path, monkeypat
     pred = predict(cfg, here, plan(cfg))
     assert pred.step_time_s > 0 and pred.breakdown["tp_comm"] > 0 and pred.breakdown["gemm"] > 0
     assert pred.breakdown["host_micro_batches"] > 0
+
+
+def test_tp_pp_dp_mapping_places_the_pipeline_inside_a_node_and_the_replicas_across():
+    """--use-tp-pp-dp-mapping's rank order reaches the planner's group placement: 16 ranks on 8-GPU
+    nodes, TP 2 x PP 2 x DP 4: the PP group [0, 2] stays in a node (default order: [0, 8], two nodes),
+    the DP group [0, 4, 8, 12] spans both."""
+    from megafab.arguments import config_from_args
+    from megafab.plan.collectives import group_placement
+    from megafab.plan.machines import BUILTIN
+    from tests.helpers.flags import tiny_flags
+
+    node = BUILTIN["h100-sxm-80gb"]
+    base = tiny_flags() + ["--micro-batch-size", "1", "--mock-data", "--vocab-size", "100", "--lr", "1e-4",
+                           "--train-iters", "1", "--tensor-model-parallel-size", "2",
+                           "--pipeline-model-parallel-size", "2"]
+    default, mapped = (config_from_args(base + extra, world_size=16)
+                       for extra in ([], ["--use-tp-pp-dp-mapping"]))
+    assert node.gpus_per_node == 8
+    assert (group_placement(default, node, "pp").nodes, group_placement(mapped, node, "pp").nodes) == (2, 1)
+    assert (group_placement(default, node, "dp").nodes, group_placement(mapped, node, "dp").nodes) == (1, 2)

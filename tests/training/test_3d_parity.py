@@ -1,7 +1,8 @@
 """Full 3D training through the driver's train_step equals one process, parameters after every step.
 
 TP2 x PP2 x DP2 with sequence parallel and the distributed optimizer (and DP-only variants), float64,
-3 AdamW steps with clipping, against a single-process model and MixedPrecisionOptimizer.
+3 AdamW steps with clipping, against a single-process model and MixedPrecisionOptimizer; and PP2 x DP2
+under --use-tp-pp-dp-mapping's rank order (pipeline groups [0, 1], [2, 3]).
 """
 
 import pytest
@@ -20,10 +21,11 @@ from tests.helpers.driver import (
 from tests.helpers.tiny import GPT2_STYLE, LLAMA_STYLE, tiny_config
 
 
-def _driver_parity(rank, world, tp, pp, vpp, sp, dist_opt, overlap, style):
+def _driver_parity(rank, world, tp, pp, vpp, sp, dist_opt, overlap, style, mapping=False):
     dp = world // (tp * pp)
     gbs = MICRO * dp * 2
     flat = dict(tp=tp, pp=pp, style=style, dp=dp, vocab_size=112, micro_batch_size=MICRO,
+                use_tp_pp_dp_mapping=mapping,
                 global_batch_size=gbs, sequence_parallel=sp, use_distributed_optimizer=dist_opt,
                 overlap_grad_reduce=overlap, ddp_bucket_size=2000, lr=1e-2, clip_grad=0.5,
                 lr_decay_style="constant", train_iters=STEPS)
@@ -34,7 +36,10 @@ def _driver_parity(rank, world, tp, pp, vpp, sp, dist_opt, overlap, style):
     samples = make_samples(cfg.model, gbs * STEPS)
     reference = reference_run(ref_cfg, samples, gbs)
 
-    return train_and_compare(driver_state(cfg, torch.float64), samples, reference, gbs)
+    state = driver_state(cfg, torch.float64)
+    if mapping:  # the pipeline's stages are neighbouring ranks, the replicas apart
+        assert state.topology.group_ranks["pp"] == [rank - rank % pp + i for i in range(pp)]
+    return train_and_compare(state, samples, reference, gbs)
 
 
 @pytest.mark.parametrize("world,tp,pp,vpp,sp,dist_opt,overlap,style", [
@@ -48,6 +53,10 @@ def _driver_parity(rank, world, tp, pp, vpp, sp, dist_opt, overlap, style):
         "tp2pp2vpp2dp2-sp-distopt-overlap-llama"])
 def test_training_steps_equal_single_process(world, tp, pp, vpp, sp, dist_opt, overlap, style):
     run_ranks(_driver_parity, world, tp, pp, vpp, sp, dist_opt, overlap, style, timeout=300)
+
+
+def test_tp_pp_dp_mapping_pp2_dp2_equals_single_process():
+    run_ranks(_driver_parity, 4, 1, 2, 1, False, True, True, LLAMA_STYLE, True, timeout=300)
 
 
 def _average_in_collective_parity(rank, world):
