@@ -4,7 +4,7 @@ own options and a distributed-config file setting 4 GPUs (its README's distribut
 `python -m torch.distributed.run` caught (tests/helpers/megatron_scripts.py): world 4 = PP 4.
 
 As written, the one message refuses only FP8 (--fp8-format needs Transformer Engine on a GPU;
---fp8-param-gather is not in megafab); with --transformer-impl local and the FP8 flags (and
+--fp8-param-gather, FP8 weights, needs it too); with --transformer-impl local and the FP8 flags (and
 --moe-permute-fusion, TE's) taken out, every flag is honoured or announced as no effect, the
 gpt-oss features are in the model config, and the planned parameters equal megatron-core's own
 inventory (its GPTModel built on the meta device: 289,576,192). Megatron's formula
@@ -32,9 +32,11 @@ FIXTURES = os.path.join(ROOT, "tests", "data", "fixtures", "megatron_scripts")
 WORLD = 4
 MEGATRON_CORE_PARAMS = 289_576_192  # megatron-core 0.16.1's GPTModel for these flags (test below)
 # On this CPU: FP8 needs TE on a GPU (it is checked before --transformer-impl transformer_engine's own rule)
-FP8_HERE = ["--fp8-param-gather: refused"] + (["--fp8-format needs transformer_engine"] if not te_available()
-                                               else [] if torch.cuda.is_available()
-                                               else ["--fp8-format needs a CUDA GPU"])
+FP8_PARAMS = [] if te_available() and torch.cuda.is_available() else \
+    ["--fp8-param-gather needs Transformer Engine"]
+FP8_HERE = FP8_PARAMS + (["--fp8-format needs transformer_engine"] if not te_available()
+                         else [] if torch.cuda.is_available()
+                         else ["--fp8-format needs a CUDA GPU"])
 CPU_SWAPS = {"transformer_engine": "local"}
 CPU_DROPS = {"--fp8-format": 1, "--fp8-param-gather": 0, "--moe-permute-fusion": 0}
 

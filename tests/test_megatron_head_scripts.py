@@ -33,11 +33,11 @@ NODES_FOR_LAYOUT = {"gpt3": 16}  # the script's NUM_NODES=1 "Change for multinod
 # what megafab refuses in these scripts on any machine (a GPU with Transformer Engine included)
 MEGAFAB_REFUSES = {
     "gpt3": [], "mixtral": [],
-    "llama3_fp8": ["--fp8-param-gather: refused"],
-    "llama3_fsdp_fp8": ["--fp8-param-gather: refused"]}
+    "llama3_fp8": [],
+    "llama3_fsdp_fp8": ["--fp8-param-gather with FSDP2"]}
 # what only this machine lacks: Transformer Engine / FP8 on a CUDA GPU, cuDNN's fused attention
 MACHINE = ("--fp8-format needs", "--transformer-impl transformer_engine needs",
-           "--attention-backend fused needs")
+           "--attention-backend fused needs", "--fp8-param-gather needs Transformer Engine")
 PLAN_LAYOUT = {"gpt3": "world 128 = TP 8 x PP 16 x DP 1", "mixtral": "world 32 = TP 1 x PP 4 x DP 8"}
 
 

@@ -79,6 +79,8 @@ ON_GPU = torch.cuda.is_available()
 FP8_HERE = ["--fp8-format needs transformer_engine"] if not te_available() else \
     [] if ON_GPU else ["--fp8-format needs a CUDA GPU"]  # one message: TE's absence, else the device
 FUSED_HERE = [] if ON_GPU else ["--attention-backend fused needs a CUDA GPU"]
+# FP8 weights (--fp8-param-gather) need TE on an FP8 GPU
+FP8_PARAMS_HERE = [] if ON_GPU and te_available() else ["--fp8-param-gather needs Transformer Engine"]
 # --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params runs as torch FSDP2
 # (ZeRO-3) around Transformer Engine's FP8 layers too: no FSDP2 limit in these scripts.
 FSDP_LIMITS: list[str] = []
@@ -95,9 +97,9 @@ CASES = {
         [{"--train-iters": "--train-samples", "500000": "768000000",
           "--lr-decay-iters": "--lr-decay-samples", "430000": "660480000"}.get(a, a)
          for a in GPT3_175B_CORE_0_16_1], 128, []),
-    "llama3-8b-fp8": (LLAMA3_8B_FP8, 8, ["--fp8-param-gather: refused"] + FP8_HERE + FUSED_HERE),
-    "llama3-8b-fsdp-fp8": (LLAMA3_8B_FSDP, 8, FSDP_LIMITS + ["--fp8-param-gather: refused"]
-                           + FP8_HERE + FUSED_HERE),
+    "llama3-8b-fp8": (LLAMA3_8B_FP8, 8, FP8_HERE + FP8_PARAMS_HERE + FUSED_HERE),
+    "llama3-8b-fsdp-fp8": (LLAMA3_8B_FSDP, 8, FSDP_LIMITS + ["--fp8-param-gather with FSDP2"]
+                           + FP8_HERE + FP8_PARAMS_HERE + FUSED_HERE),
     "mixtral-8x7b@core_v0.16.1": (MIXTRAL_8X7B, 32, []),
 }
 # The plan's layout line of the cases that pass.
