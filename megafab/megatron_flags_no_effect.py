@@ -82,9 +82,6 @@ LISTED.update({
                                                    "parallelism; values are the same either way",
     "--no-one-logger": "megafab has no one-logger telemetry to turn off",
     "--disable-msc": "megafab reads local files only; there is no Multi-Storage Client to turn off",
-    "--no-strict-fsdp-dtensor-load": "only with --ckpt-format fsdp_dtensor, a format megafab does not have",
-    "--disable-strict-fsdp-dtensor-load": "only with --ckpt-format fsdp_dtensor, a format megafab does not "
-                                          "have",
     "--memory-snapshot-path": _ONLY_WITH.format("--record-memory-history"),
     "--disable-straggler-on-startup": _ONLY_WITH.format("--log-straggler"),
     "--ep-overlap-early-attn-memory-release": _ONLY_WITH.format("--overlap-moe-expert-parallel-comm"),

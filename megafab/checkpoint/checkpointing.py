@@ -270,11 +270,16 @@ def load_checkpoint(state) -> int | None:
         shards.update(optim_shards)
     notes, padding = [], []
     # --dist-ckpt-strictness (checkpoint/strictness.py): DCP checkpoints only, as Megatron's
-    strictness = ck.dist_ckpt_strictness if source.format in ("torch_dist", "megafab", "fsdp_dtensor") else \
-        "assume_ok_unexpected"
+    # (--no-strict-fsdp-dtensor-load: Megatron's partial load, fsdp_dtensor.partial_load, instead)
+    partial = source.format == formats.FSDP_DTENSOR and not ck.strict_fsdp_dtensor_load
+    strictness = ck.dist_ckpt_strictness if source.format in ("torch_dist", "megafab", "fsdp_dtensor") and \
+        not partial else "assume_ok_unexpected"
     mismatched = strict_load.mismatches(strictness, shards, stored)
 
     def prepare():
+        if partial:
+            notes.append(fsdp_dtensor.partial_load(shards, stored, source.path, finetune,
+                                                   ck.dist_ckpt_strictness))
         warning = strict_load.apply(strictness, shards, source.path, *mismatched)
         notes.extend([warning] if warning else [])
         vocab = source.saved_vocab_size or cfg.model.vocab_size  # Megatron records only the padded size
@@ -287,7 +292,7 @@ def load_checkpoint(state) -> int | None:
                               stored, source.path)
 
     _check_on_every_rank(topo, prepare)
-    for note in notes:
+    for note in filter(None, notes):
         _print0(topo, note if note.startswith("warning: ") else f"megafab: note: {note}")
     source.read(shards)
     for fill in padding:  # the same on every rank: the padded sizes are the checkpoint's and the model's

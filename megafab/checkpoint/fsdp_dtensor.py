@@ -26,6 +26,7 @@ import torch
 from megafab.checkpoint import fsdp_dtensor_keys as fk
 from megafab.checkpoint import megatron_dist, safe_pickle
 from megafab.checkpoint import megatron_keys as mk
+from megafab.checkpoint import strictness as strict_load
 from megafab.checkpoint.errors import CheckpointError
 from megafab.checkpoint.layout import (
     MAIN_PARAM,
@@ -201,6 +202,24 @@ class FsdpDtensorSource(CheckpointSource):
             for tag, shape, box, view in fk.pieces(name, shard, swiglu):
                 out.setdefault(keys[tag], Shard(shape)).add(box, view)
         megatron_dist.dcp_io().load_shards(out, self.path)
+
+
+def partial_load(shards: dict[str, Shard], stored: dict, path: str, finetune: bool,
+                 strictness: str) -> str | None:
+    """--no-strict-fsdp-dtensor-load, Megatron's partial DCP load: what the checkpoint lacks is left
+    out of the read (optimizer moments start at 0) with a warning naming it, but weights it lacks
+    stop the load unless --finetune, or --dist-ckpt-strictness log_*/return_*/ignore_all (Megatron's
+    validate_fsdp_dtensor_model_load, which takes assume_ok_unexpected as raise_unexpected)."""
+    absent = strict_load.unexpected_keys(shards, stored)
+    weights = [k for k in absent if split_key(k)[1] in (None, MAIN_PARAM)]
+    if weights and not finetune and strictness in ("assume_ok_unexpected", "raise_unexpected", "raise_all"):
+        raise CheckpointError(f"{strict_load.message(path, weights, [])}, which would keep their initial "
+                              f"values (--no-strict-fsdp-dtensor-load loads the rest): load a checkpoint of "
+                              f"this model, or pass --finetune or --dist-ckpt-strictness log_unexpected to "
+                              f"start them fresh")
+    warning = strict_load.apply("log_unexpected", shards, path, absent, [])
+    flag = "--no-strict-fsdp-dtensor-load"
+    return warning and warning.replace("--dist-ckpt-strictness log_unexpected", flag)
 
 
 def _objects(io, path: str, stored: dict) -> dict:

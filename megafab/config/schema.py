@@ -297,6 +297,14 @@ class CheckpointConfig(Section):
              "initial values; raise_unexpected / raise_all: stop on the unexpected (or any) mismatch; "
              "return_unexpected / return_all / ignore_all: load without them, silently (Megatron hands "
              "return_*'s keys to load()'s caller, which a training run does not read).")
+    strict_fsdp_dtensor_load: bool = option(
+        True,
+        flags=("--no-strict-fsdp-dtensor-load", "--disable-strict-fsdp-dtensor-load"),
+        action="store_false",
+        help="the strict load of an fsdp_dtensor checkpoint (every tensor the run needs must be in it); "
+             "without it, Megatron's partial load: optimizer state the checkpoint lacks starts fresh (a "
+             "warning names it), weights it lacks stop the load unless --finetune or a log_/return_/"
+             "ignore_all --dist-ckpt-strictness keeps their initial values.")
     async_save: bool = option(
         False,
         help="Save torch_dist checkpoints asynchronously (with --use-persistent-ckpt-worker, which Megatron "

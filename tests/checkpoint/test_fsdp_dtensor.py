@@ -132,3 +132,41 @@ def test_moe_experts_are_saved_per_global_index_and_resume_at_another_ep(tmp_pat
     assert tuple(md[f"model.module.{layer}router.expert_bias"].size) == (4,)
     assert not any(".weight4" in k or "local_experts.4." in k for k in md)
     _assert_close(run_ranks(_moe_resume, 1, path, timeout=120)[0], expected[2:])
+
+
+def _without(path, keys):
+    """The checkpoint's DCP metadata without `keys` (a save from a model without them)."""
+    import pickle
+
+    md = dcp_io.read_metadata(path)
+    for k in keys:
+        del md.state_dict_metadata[k]
+    with open(f"{path}/.metadata", "wb") as f:
+        pickle.dump(md, f)
+
+
+def _load_outcome(rank, world, path, **flags):
+    state = make_state(tp=1, dp=1, load=path, style=LLAMA_STYLE, dist_opt=False, **flags)
+    try:
+        checkpointing.load_checkpoint(state)
+    except CheckpointError as e:
+        return str(e)
+    [e] = [e for e in state.optimizer.entries if e.name == "decoder.final_layernorm.weight"]
+    return state.optimizer.torch_optimizer_of(e).state.get(e.main, {}).get("exp_avg")
+
+
+def test_no_strict_fsdp_dtensor_load_is_megatrons_partial_load(tmp_path):
+    root = str(tmp_path / "partial")
+    run_ranks(_straight, 1, root, 1, timeout=120)
+    path, norm = directory.iteration_dir(root, 2), "decoder.final_layernorm.weight"
+    _without(path, [f"optimizer.state.module.module.{norm}.{k}" for k in ("exp_avg", "exp_avg_sq")])
+    strict = run_ranks(_load_outcome, 1, root, timeout=120)[0]  # Megatron's default
+    assert f"has no tensor 'optim.{norm}.exp_avg" in strict
+    partial = dict(strict_fsdp_dtensor_load=False, timeout=120)
+    fresh = run_ranks(_load_outcome, 1, root, **partial)[0]
+    assert torch.is_tensor(fresh) and not fresh.any()  # loaded; that parameter's moments start at 0
+    _without(path, [f"model.module.{norm}"])
+    refused = run_ranks(_load_outcome, 1, root, **partial)[0]
+    assert "would keep their initial values" in refused and f"model.{norm}" in refused
+    finetuned = run_ranks(_load_outcome, 1, root, finetune=True, **partial)[0]
+    assert finetuned is None  # --finetune: the weights it has, a fresh optimizer
