@@ -293,7 +293,7 @@ _refuse(_LOGGING, """--log-progress --log-memory-interval V --log-device-memory-
     --config-logger-dir V --dump-param-to-param-group-map V --no-barrier-with-level-1-timing""")
 _refuse(_CKPT, """--ckpt-convert-save V --ckpt-convert-update-legacy-dist-opt-format
     --dist-ckpt-save-pre-mcore-014 --distrib-optim-fully-reshardable-mem-efficient --replication
-    --replication-jump V --replication-factor V --save-retain-interval V --save-wgrads-interval V
+    --replication-jump V --replication-factor V --save-wgrads-interval V
     --save-dgrads-interval V --load-main-params-from-ckpt""")
 _refuse(_DATA, """--data-args-path V --per-split-data-args-path V --per-dataset-sequences-path V
     --dataloader-fast-cache-load --dataloader-defer-npy-index-mmap --num-dataset-builder-threads V

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from megafab.checkpoint import checkpointing, megatron_dist
 from megafab.checkpoint import state as cs
-from megafab.checkpoint.directory import commit_checkpoint, iteration_dir, latest_iteration
+from megafab.checkpoint.directory import commit_checkpoint, iteration_dir, latest_iteration, retain_interval
 from megafab.checkpoint.errors import CheckpointError
 from megafab.checkpoint.source import rng_file
 
@@ -49,6 +49,7 @@ class Pending:
     started: float
     stall_s: float
     staged_max: int  # the most bytes any rank staged in host memory for this save
+    retain: int | None = None  # --save-retain-interval where root is --save
 
 
 def _print0(topo, text: str) -> None:
@@ -108,7 +109,7 @@ class AsyncSaver:
         most = torch.tensor([self.staged_bytes()], dtype=torch.int64, device=topo.device)
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
         self.pending = Pending(state.iteration, root, tmp, write, common, start, time.time() - start,
-                               int(most.item()))
+                               int(most.item()), retain_interval(ck, root))
         _print0(topo, f"scheduled an async checkpoint save at iteration {state.iteration:7d} to {root} "
                       f"({self.pending.stall_s:.1f} s to stage {self.staged_bytes() / 2**20:.1f} MiB on "
                       f"rank 0, at most {self.pending.staged_max / 2**20:.1f} MiB on a rank, kept in host "
@@ -161,7 +162,7 @@ class AsyncSaver:
 def _commit(p: Pending) -> None:
     if p.common is not None:
         megatron_dist.write_common(p.tmp, p.common)  # common.pt, then metadata.json
-    commit_checkpoint(p.root, p.iteration)
+    commit_checkpoint(p.root, p.iteration, p.retain)
 
 
 def _on_rank0_everywhere(topo, action, p: Pending) -> None:

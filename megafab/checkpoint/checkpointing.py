@@ -35,6 +35,7 @@ from megafab.checkpoint.directory import (  # noqa: F401
     iteration_dir,
     iteration_of_directory,
     latest_iteration,
+    retain_interval,
 )
 from megafab.checkpoint.errors import CheckpointError
 from megafab.checkpoint.layout import STEP, split_key
@@ -117,7 +118,7 @@ def save_checkpoint(state, root: str | None = None) -> str:
         torch.save(cs.rng_snapshot(state), rng_file(tmp, topo.rank))
     dist.barrier()
     if topo.rank == 0:
-        commit_checkpoint(root, iteration)
+        commit_checkpoint(root, iteration, retain_interval(ck, root))
     dist.barrier()
     _print0(topo, f"saved checkpoint at iteration {iteration:7d} to {root} in {ck.ckpt_format} format "
                   f"({time.time() - start:.1f} s)")

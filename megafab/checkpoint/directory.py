@@ -91,8 +91,16 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def commit_checkpoint(root: str, iteration: int) -> None:
-    """Rank 0: make the temporary directory the checkpoint, then point the tracker at it."""
+def retain_interval(ck, root: str) -> int | None:
+    """--save-retain-interval for saves to --save (not to a non-persistent directory)."""
+    return ck.save_retain_interval if root == ck.save else None
+
+
+def commit_checkpoint(root: str, iteration: int, retain_interval: int | None = None) -> None:
+    """Rank 0: make the temporary directory the checkpoint, then point the tracker at it; with
+    retain_interval (--save-retain-interval), then delete the checkpoint the tracker named before
+    unless it is this one, a multiple of the interval, or a symbolic link (Megatron's rule)."""
+    previous = read_tracker(root) if retain_interval else None
     final, tmp = iteration_dir(root, iteration), iteration_dir(root, iteration) + ".tmp"
     old = final + ".old"
     if os.path.exists(final):  # re-saving an iteration: keep the old one reachable until replaced
@@ -108,3 +116,7 @@ def commit_checkpoint(root: str, iteration: int) -> None:
         os.fsync(f.fileno())
     os.replace(tracker_tmp, os.path.join(root, TRACKER))
     _fsync_dir(root)
+    if isinstance(previous, int) and 0 < previous != iteration and previous % retain_interval:
+        retired = iteration_dir(root, previous)
+        if not os.path.islink(retired):
+            shutil.rmtree(retired, ignore_errors=True)

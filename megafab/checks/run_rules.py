@@ -234,7 +234,22 @@ def checkpoint_problems(cfg) -> list[str]:
         out.append("--async-save with --ckpt-format torch: Megatron saves asynchronously only in torch_dist "
                    "(its legacy files are written synchronously); drop --async-save or save torch_dist")
     out += _non_persistent_problems(c)
+    out += _retain_problems(c)
     return out
+
+
+def _retain_problems(c) -> list[str]:
+    """Megatron's asserts (with --save): a positive --save-retain-interval, a multiple of --save-interval."""
+    keep, every = c.save_retain_interval, c.save_interval
+    if keep is None or not c.save:
+        return []
+    if keep <= 0:
+        return [f"--save-retain-interval {keep} must be positive (or left out: every checkpoint is kept)"]
+    if every and keep % every:
+        fit = every * max(1, keep // every)
+        return [f"--save-retain-interval {keep} is not a multiple of --save-interval {every}; the retained "
+                f"checkpoints must be ones that are saved (e.g. --save-retain-interval {fit})"]
+    return []
 
 
 def _fsdp_dtensor_problems(cfg) -> list[str]:

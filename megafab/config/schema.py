@@ -256,6 +256,10 @@ class CheckpointConfig(Section):
     save_interval: int | None = option(
         None, flags=("--save-interval", "--persistent-save-interval"),
         help="Save every this many iterations (--persistent-save-interval is Megatron's other name).")
+    save_retain_interval: int | None = option(
+        None, help="Keep only the checkpoints of iterations that are multiples of this (and the latest): "
+                   "each save deletes the one before it otherwise, as Megatron's. A multiple of "
+                   "--save-interval.")
     no_save_optim: bool = option(False, help="Leave the optimizer state out of saved checkpoints.")
     no_save_rng: bool = option(False, help="Leave the RNG states out of saved checkpoints.")
     no_load_optim: bool = option(False, help="Do not load the optimizer state.")
