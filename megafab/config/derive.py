@@ -147,6 +147,8 @@ def derive(cfg, world_size: int) -> None:
         p.sequence_parallel = False
         cfg.notes.append("--sequence-parallel has no effect with --tensor-model-parallel-size 1; "
                          "turned it off (as Megatron does)")
+    if note := cfg.moe.sinkhorn_layout_note(tp, p.sequence_parallel, cp):
+        cfg.notes.append(note)
     dp = p.data_parallel_size
     if t.global_batch_size is None and t.micro_batch_size and dp:
         t.global_batch_size = t.micro_batch_size * dp

@@ -16,11 +16,10 @@ from megafab.config.fields import Section, option
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ROUTER_DTYPES = (None, "fp32", "fp64")
-BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
 DROP_POLICIES = ("probs", "position")
 DISPATCHERS = ("allgather", "alltoall")
 # Megatron's choices: what the parser accepts; problems() refuses the ones megafab has not by name.
-MEGATRON_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
 MEGATRON_DISPATCHERS = ("allgather", "alltoall", "flex")
 GROUP = "moe"
 # Sizes that are an error without --num-experts (Megatron asserts); the other MoE flags then do nothing.
@@ -90,10 +89,11 @@ class MoEConfig(Section):
     moe_router_bias_update_rate: float = option(
         1e-3, help="Step of the expert bias after each optimizer step, toward the mean tokens per expert.")
     moe_router_load_balancing_type: str | tuple[str, ...] = option(
-        "aux_loss", group=GROUP, nargs="+", choices=MEGATRON_BALANCING_TYPES,
+        "aux_loss", group=GROUP, nargs="+", choices=BALANCING_TYPES,
         help="Balancing loss: aux_loss (per micro-batch), seq_aux_loss (per sequence), global_aux_loss "
-             "(over the global batch) or none; or several, each with its --moe-aux-loss-coeff "
-             "(sinkhorn is refused).")
+             "(over the global batch) or none; or several, each with its --moe-aux-loss-coeff; or "
+             "sinkhorn alone (S-BASE: the experts chosen by a Sinkhorn normalisation over each rank's "
+             "tokens while training, no auxiliary loss).")
     moe_aux_loss_coeff: float | tuple[float, ...] = option(
         0.0, group=GROUP, nargs="+", parse=float,
         help="Weight of the balancing loss (one per --moe-router-load-balancing-type when several).")
@@ -179,6 +179,7 @@ class MoEConfig(Section):
                        f"{expert_parallel_size}; every EP rank holds the same number of experts")
         out += self._choice_problems()
         out += self._group_routing_problems()
+        out += self._sinkhorn_problems()
         if topk == 1 and self.moe_router_score_function == "softmax" and not self.moe_router_pre_softmax \
                 and self.moe_router_load_balancing_type != "sinkhorn":  # megatron-core's rule, word for word
             out.append("--moe-router-topk 1 with softmax scores needs --moe-router-pre-softmax (a softmax "
@@ -212,16 +213,59 @@ class MoEConfig(Section):
             if value not in allowed:
                 out.append(f"{flag} {value} must be one of {', '.join(str(a) for a in allowed if a)}")
         for kind in self.balancing_types:
-            if kind == "sinkhorn":
-                out.append("--moe-router-load-balancing-type sinkhorn is not supported by megafab; use "
-                           "aux_loss, seq_aux_loss, global_aux_loss or none")
-            elif kind not in BALANCING_TYPES:
+            if kind not in BALANCING_TYPES:
                 out.append(f"--moe-router-load-balancing-type {kind} must be one of "
                            f"{', '.join(BALANCING_TYPES)}")
         if len(self.balancing_types) != len(self.aux_loss_coeffs):
             out.append(f"--moe-aux-loss-coeff has {len(self.aux_loss_coeffs)} value(s) for "
                        f"{len(self.balancing_types)} --moe-router-load-balancing-type(s); give one each")
         return out
+
+    def _sinkhorn_problems(self) -> list[str]:
+        """megatron-core's sinkhorn routing asserts a zero aux-loss coefficient and no capacity, runs
+        only as the one balancing type (in a list it is skipped) and ignores the other routing
+        choices (refused here, one line each)."""
+        if "sinkhorn" not in self.balancing_types:
+            return []
+        if len(self.balancing_types) > 1:
+            return ["--moe-router-load-balancing-type sinkhorn cannot be combined with other types "
+                    "(megatron-core then skips sinkhorn routing); give sinkhorn alone"]
+        with_sinkhorn = "with --moe-router-load-balancing-type sinkhorn"
+        ignored = "megatron-core's sinkhorn ignores it; drop it"
+        out = []
+        if self.aux_loss_coeff("sinkhorn"):
+            out.append(f"--moe-aux-loss-coeff {self.moe_aux_loss_coeff} must be 0 {with_sinkhorn} (it has "
+                       f"no auxiliary loss; megatron-core asserts it); drop --moe-aux-loss-coeff")
+        if self.moe_expert_capacity_factor is not None:
+            out.append(f"--moe-expert-capacity-factor {self.moe_expert_capacity_factor} {with_sinkhorn}: "
+                       f"megatron-core drops tokens only with aux_loss, seq_aux_loss, global_aux_loss or "
+                       f"none; drop --moe-expert-capacity-factor")
+        if self.moe_router_score_function != "softmax":
+            out.append(f"--moe-router-score-function {self.moe_router_score_function} has no effect "
+                       f"{with_sinkhorn} (its scores: sigmoid at --moe-router-topk 1, softmax above); "
+                       f"{ignored}")
+        for flag, value in (("--moe-router-pre-softmax", self.moe_router_pre_softmax),
+                            ("--moe-router-group-topk", self.moe_router_group_topk),
+                            ("--moe-router-topk-scaling-factor", self.moe_router_topk_scaling_factor),
+                            ("--moe-router-enable-expert-bias", self.moe_router_enable_expert_bias)):
+            if value:
+                shown = "" if value is True else f" {value}"
+                out.append(f"{flag}{shown} has no effect {with_sinkhorn}; {ignored}")
+        return out
+
+    def sinkhorn_layout_note(self, tp: int, sequence_parallel: bool, cp: int) -> str | None:
+        """The start-up note when sinkhorn routing depends on the layout: under SP or CP each rank's
+        router normalises only its own slice of the sequences (megatron-core's; model/moe/sinkhorn.py)."""
+        if self.num_experts is None or self.moe_router_load_balancing_type != "sinkhorn":
+            return None
+        sp = tp if sequence_parallel and tp > 1 else 1
+        splits = ([f"--sequence-parallel (TP {tp})"] if sp > 1 else []) + \
+            ([f"--context-parallel-size {cp}"] if cp > 1 else [])
+        if not splits:
+            return None
+        return (f"--moe-router-load-balancing-type sinkhorn with {' and '.join(splits)}: each rank's router "
+                f"normalises over its own 1/{sp * cp} of each micro-batch's tokens, as megatron-core does, "
+                f"so the experts chosen while training depend on this layout")
 
     def _group_routing_problems(self) -> list[str]:
         groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk

@@ -48,6 +48,9 @@ def export_problems(m, moe, architecture: str) -> list[str]:
     if moe.moe_router_score_function != "softmax":
         out.append(f"--moe-router-score-function {moe.moe_router_score_function} (HF {architecture} routes "
                    f"by softmax)")
+    if moe.moe_router_load_balancing_type == "sinkhorn":  # eval: the unnormalised scores at the top k
+        out.append(f"--moe-router-load-balancing-type sinkhorn (its experts are weighted by sigmoid at "
+                   f"top-1, by the softmax over all experts above; HF {architecture} renormalises)")
     for flag, value in (("--moe-router-enable-expert-bias", moe.moe_router_enable_expert_bias),
                         ("--moe-router-topk-scaling-factor", moe.moe_router_topk_scaling_factor),
                         ("--moe-router-group-topk", moe.moe_router_group_topk),

@@ -37,7 +37,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # then --dataloader-inter-document-masking and --megatron-fsdp-main-params-dtype; then pretrain_gpt.py's
 # ModelOpt flags, Megatron's functional tests', joined the epilog's refused list; then
 # --use-checkpoint-args, --use-mp-args-from-checkpoint-args and --no-use-tokenizer-model-from-checkpoint-args
-# (+ --disable-) were appended to the checkpointing group, off the refused and no-effect lists).
+# (+ --disable-) were appended to the checkpointing group, off the refused and no-effect lists;
+# --moe-router-load-balancing-type's help reworded: sinkhorn runs, no longer refused).
 BEFORE = os.path.join(HERE, "help_before.json")
 BEFORE_TEXT = os.path.join(HERE, "help_before.txt")
 # The two parser defaults that now equal the schema's (both flags carry their own help text, so

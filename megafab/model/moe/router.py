@@ -1,9 +1,9 @@
 """TopKRouter: gate, top-k routing, capacity, balancing losses and expert-bias counting.
 
 Megatron-core 0.16.1's order: input jitter -> gate logits (router dtype) -> random logits in their
-place (--moe-router-force-load-balancing) -> z-loss attached to the logits -> top-k routing ->
-capacity dropping -> balancing losses attached to the probs (training only) -> tokens per expert
-counted for the expert bias.
+place (--moe-router-force-load-balancing) -> z-loss attached to the logits -> top-k routing (or
+sinkhorn's, model/moe/sinkhorn.py) -> capacity dropping -> balancing losses attached to the probs
+(training only) -> tokens per expert counted for the expert bias.
 
 Under activation recompute the side effects (the losses' log, the expert-bias token counts,
 global_aux_loss's running counts) happen in the first forward only; the recompute reuses the
@@ -32,6 +32,7 @@ from megafab.model.moe.routing import (
     topk_routing,
 )
 from megafab.model.moe.settings import MoESettings
+from megafab.model.moe.sinkhorn import sinkhorn_routing
 from megafab.model.recompute import recompute_phase
 
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
@@ -109,11 +110,14 @@ class TopKRouter(nn.Module):
         training = self.training and torch.is_grad_enabled()
         if training and s.moe_z_loss_coeff is not None:
             logits = self._attach_z_loss(logits)
-        probs, routing_map = topk_routing(
-            logits, self.topk, score_function=s.moe_router_score_function,
-            pre_softmax=s.moe_router_pre_softmax, num_groups=s.moe_router_num_groups,
-            group_topk=s.moe_router_group_topk, scaling_factor=s.moe_router_topk_scaling_factor,
-            expert_bias=self.expert_bias)
+        if s.moe_router_load_balancing_type == "sinkhorn":  # its choice by the module's mode alone
+            probs, routing_map = sinkhorn_routing(logits, self.topk, training=self.training)
+        else:
+            probs, routing_map = topk_routing(
+                logits, self.topk, score_function=s.moe_router_score_function,
+                pre_softmax=s.moe_router_pre_softmax, num_groups=s.moe_router_num_groups,
+                group_topk=s.moe_router_group_topk, scaling_factor=s.moe_router_topk_scaling_factor,
+                expert_bias=self.expert_bias)
         if s.moe_expert_capacity_factor is not None:
             probs, routing_map = drop_to_capacity(probs, routing_map, self.topk, s.moe_expert_capacity_factor,
                                                   s.moe_token_drop_policy, s.moe_pad_expert_input_to_capacity)

@@ -19,7 +19,9 @@ BROKEN = {
     "score function": (dict(moe_router_score_function="tanh"), "--moe-router-score-function tanh"),
     "router dtype": (dict(moe_router_dtype="bf16"), "--moe-router-dtype bf16 must be one of fp32, fp64"),
     "drop policy": (dict(moe_token_drop_policy="random"), "--moe-token-drop-policy random"),
-    "sinkhorn": (dict(moe_router_load_balancing_type="sinkhorn"), "sinkhorn is not supported"),
+    "sinkhorn with aux loss": (dict(moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.1),
+                               "--moe-aux-loss-coeff 0.1 must be 0 with --moe-router-load-balancing-type "
+                               "sinkhorn"),
     "coeff count": (dict(moe_router_load_balancing_type=("aux_loss", "seq_aux_loss"), moe_aux_loss_coeff=0.1),
                     "--moe-aux-loss-coeff has 1 value(s) for 2"),
     "group topk without groups": (dict(moe_router_group_topk=2),
@@ -65,6 +67,7 @@ def test_each_rule_has_one_line(rule):
          moe_token_dispatcher_type="alltoall", moe_layer_freq=(0, 1, 1, 1)),
     dict(num_experts=8, moe_router_load_balancing_type=("aux_loss", "seq_aux_loss"),
          moe_aux_loss_coeff=(1e-2, 1e-3)),
+    dict(num_experts=8, moe_router_topk=1, moe_router_load_balancing_type="sinkhorn"),  # no pre-softmax
     dict(num_experts=8, moe_permute_fusion=True),  # TE's kernel, or no effect with local layers
 ])
 def test_valid_settings_have_no_problems(settings):
