@@ -2,8 +2,11 @@
 resumes it whole at another DP size and in another engine.
 
 FSDP2 (--use-megatron-fsdp) at DP 2 saves; DP 1 FSDP2 and DP 2 plain DDP resume; and back from DP 1
-to DP 2: each continues with the losses of the run that never stopped (float64: 1e-10). The DCP
-keys, global shapes and dtypes are the schema of fsdp_dtensor.py's docstring.
+to DP 2; a MoE model's experts (EP 2 -> EP 1, grouped and sequential names): each continues with the
+losses of the run that never stopped (float64: 1e-10). The DCP keys, global shapes and dtypes are
+the schema of fsdp_dtensor.py's docstring; an async bf16 save holds the fp32 main params under
+Float16Module's path and FSDP2 reads them back exactly; --no-strict-fsdp-dtensor-load is Megatron's
+partial load; the configurations Megatron refuses are refused.
 """
 
 import pytest
@@ -170,3 +173,39 @@ def test_no_strict_fsdp_dtensor_load_is_megatrons_partial_load(tmp_path):
     assert "would keep their initial values" in refused and f"model.{norm}" in refused
     finetuned = run_ranks(_load_outcome, 1, root, finetune=True, **partial)[0]
     assert finetuned is None  # --finetune: the weights it has, a fresh optimizer
+
+
+def _bf16_async_save(rank, world, path):
+    from megafab.checkpoint.async_save import AsyncSaver
+    from megafab.distributed.fsdp import local_tensor
+
+    state = make_state(tp=1, dp=2, save=path, dtype=torch.bfloat16, async_save=True,
+                       use_persistent_ckpt_worker=True, **MFSDP, **FMT)
+    train(state, 2)
+    saver = AsyncSaver()
+    saver.schedule(state)
+    assert saver.maybe_finalize(state.topology, blocking=True)
+    saver.close()
+    return [(e.name, local_tensor(e.model_param).clone().view(-1)) for e in state.optimizer.entries]
+
+
+def _bf16_load(rank, world, path):
+    state = make_state(tp=1, dp=2, load=path, dtype=torch.bfloat16, **MFSDP)
+    assert checkpointing.load_checkpoint(state) == 2
+    return [(e.name, e.main.clone()) for e in state.optimizer.entries]
+
+
+def test_async_bf16_save_stores_fp32_main_params_under_float16modules_path(tmp_path):
+    path = str(tmp_path / "bf16")
+    saved = run_ranks(_bf16_async_save, 2, path, timeout=120)
+    md = dcp_io.read_metadata(directory.iteration_dir(path, 2)).state_dict_metadata
+    weights = [k for k in md if k.startswith("model.")]
+    # Float16Module's extra `module.`; the weights are the fp32 main params, as Megatron-FSDP's
+    assert weights and all(k.startswith("model.module.module.decoder.") or
+                           k.startswith("model.module.module.embedding.") or
+                           k.startswith("model.module.module.output_layer.") for k in weights), weights
+    assert all(md[k].properties.dtype == torch.float32 for k in weights)
+    assert any(k.startswith("optimizer.state.module.module.module.decoder.") for k in md)
+    for before, after in zip(saved, run_ranks(_bf16_load, 2, path, timeout=120)):
+        for (name, shard), (name2, main) in zip(before, after):  # FSDP2's fp32 shards read back exactly
+            assert name == name2 and torch.equal(shard, main), name
