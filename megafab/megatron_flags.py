@@ -306,8 +306,7 @@ _refuse(_PROCESS_GROUPS, """--distributed-timeout-seconds-after-init V --lazy-mp
     --fake-process-group --use-sharp --sharp-enabled-group V --nccl-communicator-config-path V""")
 _refuse(_DETERMINISM, "--batch-invariant-mode")
 _refuse(f"this training-loop option of Megatron's is {NOT_YET}", """--iterations-to-skip V+
-    --phase-transition-iterations V --decrease-batch-size-if-needed
-    --check-weight-hash-across-dp-replicas-interval V --test-mode""")
+    --phase-transition-iterations V --decrease-batch-size-if-needed --test-mode""")
 
 # Flags accepted without effect (megatron_flags_no_effect.py): the listed ones, then each family.
 NO_EFFECT: dict[str, str] = dict(no_effect_flags.LISTED)

@@ -50,11 +50,25 @@ def training_problems(cfg) -> list[str]:
         out.append(f"--decoupled-min-lr {o.decoupled_min_lr} exceeds --decoupled-lr {o.decoupled_lr}")
     if t.manual_gc_interval < 0:
         out.append(f"--manual-gc-interval {t.manual_gc_interval} must be 0 (off) or positive")
+    out += weight_hash_problems(t, p)
     out += rampup_problems(cfg)
     out += step_schedule_problems(cfg)
     out += eval_batch_problems(cfg)
     out += profile_problems(cfg)
     return out
+
+
+def weight_hash_problems(t, p) -> list[str]:
+    every = t.check_weight_hash_across_dp_replicas_interval
+    if every is None:
+        return []
+    if every <= 0:
+        return [f"--check-weight-hash-across-dp-replicas-interval {every} must be positive"]
+    if p.fully_sharded:  # Megatron refuses it with Megatron-FSDP's optim_grads_params
+        return ["--check-weight-hash-across-dp-replicas-interval with a fully sharded data-parallel engine "
+                "(FSDP2, or Megatron-FSDP's optim_grads_params / optim_grads): the parameters are sharded "
+                "across data-parallel ranks, not replicated; drop the flag or use the distributed optimizer"]
+    return []
 
 
 def step_schedule_problems(cfg) -> list[str]:

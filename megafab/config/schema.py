@@ -224,6 +224,9 @@ class TrainingConfig(Section):
         100,
         flag_help="megafab only: stop after this many skipped iterations in a row (0: never)",
         help="megafab: stop after this many skipped iterations in a row (0: never).")
+    check_weight_hash_across_dp_replicas_interval: int | None = option(
+        None, help="Check every this many iterations (and at the start) that all data-parallel replicas hold "
+                   "the same weights (SHA-1 of each parameter); a difference stops the job.")
     manual_gc: bool = option(
         False,
         help="Disable Python's automatic garbage collector; collect at --manual-gc-interval and around "

@@ -35,6 +35,7 @@ from megafab.training.run_record import (
 )
 from megafab.training.step import evaluate, train_step
 from megafab.training.train_log import TrainingLog
+from megafab.training.weight_hash import check_weight_hashes
 
 
 def print_rank_0(topo, text: str) -> None:
@@ -99,6 +100,9 @@ def train(state: TrainState, iterators, log: TrainingLog, gc_control: ManualGC,
     saves = CheckpointCadence(state, watch, record=log.record)
     start = time.time()
     micro_batches = num_micro_batches_at(cfg, state.consumed_train_samples)
+    hash_every = t.check_weight_hash_across_dp_replicas_interval
+    if hash_every:
+        print_rank_0(topo, check_weight_hashes(state))
     try:
         while state.iteration < total:
             saves.at_iteration_start()
@@ -112,6 +116,8 @@ def train(state: TrainState, iterators, log: TrainingLog, gc_control: ManualGC,
             metrics = train_step(state, train_iter, log.timers)
             gc_control.after_step(state.iteration)
             log.after_step(state, metrics)
+            if hash_every and state.iteration % hash_every == 0:
+                print_rank_0(topo, check_weight_hashes(state))
             if t.eval_interval and state.iteration % t.eval_interval == 0 and valid_iter is not None:
                 if watch is not None:
                     watch.where = f"the validation after iteration {state.iteration}"
