@@ -99,8 +99,9 @@ def owned_values(param: torch.nn.Parameter, lo: int, hi: int) -> torch.Tensor:
     exactly its owned range)."""
     if local_tensor(param) is not param:
         return local_tensor(param).view(-1)
-    if is_fp8_param(param):  # TE's FP8 weight: a dequantized copy, in the model dtype
-        return dequantized(param).view(-1)[lo:hi]
+    if is_fp8_param(param):  # TE's FP8 weight: a dequantized copy of the range, in the model dtype
+        values = dequantized(param).view(-1)[lo:hi]
+        return values.clone() if hi - lo < param.numel() else values
     return param.detach().view(-1)[lo:hi]
 
 

@@ -60,9 +60,11 @@ def dequantized(param, dtype: torch.dtype | None = None) -> torch.Tensor:
     return param.dequantize(dtype=dtype or param.dtype)
 
 
-def raw_data_bytes(param) -> int:
-    """Bytes of an FP8 parameter's raw data in a param buffer: one per element."""
-    return param.numel()
+def raw_tensors(param) -> list[torch.Tensor]:
+    """The plain tensors an FP8 parameter keeps (its uint8 data, TE's transpose / column-wise copy
+    where it holds one), for memory accounting."""
+    names = ("_data", "_transpose", "_rowwise_data", "_columnwise_data", "_scale_inv")
+    return [t for t in (getattr(param, n, None) for n in names) if isinstance(t, torch.Tensor)]
 
 
 def replace_raw_data(param, buffer_view: torch.Tensor) -> None:

@@ -262,13 +262,16 @@ def _te_context_parallel(ctx) -> dict:
 
 
 def _init_shard(param, seed, name, std, partition_dim, stride, tp_group):
-    """Fill a TE weight with this rank's shard of the name-keyed full tensor (as local layers do)."""
+    """Fill a TE weight with this rank's shard of the name-keyed full tensor (as local layers do); an
+    FP8 weight (--fp8-param-gather) quantizes it on copy_, from the model dtype (TE's cast kernels
+    take no float64)."""
     shape = list(param.shape)
     shape[partition_dim] *= group_size(tp_group)
     full = torch.empty(shape, dtype=torch.float64)
     normal_init(seed, name, std)(full)
     with torch.no_grad():
-        param.copy_(partition_of(full, partition_dim, group_rank(tp_group), group_size(tp_group), stride))
+        shard = partition_of(full, partition_dim, group_rank(tp_group), group_size(tp_group), stride)
+        param.copy_(shard.to(param.dtype))
 
 
 class TETransformerLayer(nn.Module):

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from megafab.distributed.fsdp import local_tensor
+from megafab.model.fp8_params import is_fp8_param, raw_tensors
 
 
 @dataclass
@@ -45,6 +46,9 @@ class _StorageCounter:
         total = 0
         for t in tensors:
             if t is None or not torch.is_tensor(t):
+                continue
+            if is_fp8_param(t):  # TE's FP8 weight: the tensors it holds
+                total += self.bytes_of(raw_tensors(t))
                 continue
             t = local_tensor(t)
             storage = t.untyped_storage()

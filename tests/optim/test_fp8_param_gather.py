@@ -15,7 +15,9 @@ import torch
 from megafab.checkpoint import checkpointing
 from megafab.config.core import ConfigError
 from megafab.distributed.param_gather import finish_param_syncs
-from megafab.model.fp8_params import dequantized, is_fp8_param
+from megafab.model.fp8_params import dequantized, is_fp8_param, quantized_init_context
+from megafab.model.te import fp8_recipe
+from megafab.optim.memory import measure_memory
 from megafab.run.fork_ranks import run_ranks
 from tests.helpers import fake_te
 from tests.helpers.checkpoint import make_state, read_everything, train
@@ -53,6 +55,10 @@ def _check_layout(state) -> int:
         assert any(p._data.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for *_, b in uint8)
     mains = [e for e in state.optimizer.entries if e.fp8]
     assert mains and all(e.has_master and e.main.dtype == torch.float64 for e in mains)
+    # the weights' memory: the param buffers (1 byte per FP8 weight) and each FP8 weight's fp32 scale
+    report = measure_memory(state.model, state.optimizer)
+    buffers = sum(b.numel() * b.element_size() for *_, b in chunk.param_buffers)
+    assert report.weights_bytes == buffers + 4 * len(fp8)
     return len(fp8)
 
 
@@ -109,6 +115,22 @@ def _save_resume(rank, world, path):
 def test_fp8_param_gather_save_and_resume(monkeypatch, tmp_path):
     fake_te.install(monkeypatch)
     assert run_ranks(_save_resume, 2, str(tmp_path), timeout=180) == [1, 1]
+
+
+def test_quantized_init_falls_back_to_fp8_model_init(monkeypatch):
+    """TE renamed fp8_model_init to quantized_model_init (TE 2.8): either builds FP8 weights."""
+    fake_te.install(monkeypatch)
+    import transformer_engine.pytorch as te
+
+    precision = tiny_config(dp=2, use_distributed_optimizer=True, **FP8).precision
+    for renamed in (False, True):
+        if renamed:
+            monkeypatch.setattr(te, "fp8_model_init", te.quantized_model_init, raising=False)
+            monkeypatch.delattr(te, "quantized_model_init")
+        with quantized_init_context(precision, fp8_recipe):
+            inside = te.Linear(32, 16, params_dtype=torch.float64)
+        assert is_fp8_param(inside.weight) and not is_fp8_param(inside.bias)
+        assert not is_fp8_param(te.Linear(32, 16, params_dtype=torch.float64).weight)  # outside
 
 
 def test_rules_name_what_fp8_param_gather_needs():
