@@ -2,9 +2,9 @@
 documented FP8-weight API with real e4m3 rounding, current scaling with the amax reduced over the
 bucket's group): TE's linear weights are FP8 tensors whose raw data lives in uint8 param buffers
 (1 byte per weight), float64 mains start from their dequantized values, and 3 steps at DP 1 and
-DP 2 (with and without --overlap-param-gather) give the same losses and weights, which differ from
-the run without --fp8-param-gather; a save at step 2 resumed gives step 3's loss and weights, and
-the checkpoint holds the weights dequantized. The rules; on a GPU with TE:
+DP 2 (with and without --overlap-param-gather; PP 2 x DP 2 too) give the same losses and weights,
+which differ from the run without --fp8-param-gather; a save at step 2 resumed gives step 3's loss
+and weights, and the checkpoint holds the weights dequantized. The rules; on a GPU with TE:
 benchmarks/gpu_device_check.sh."""
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ FP8 = dict(style=dict(LLAMA_STYLE, num_query_groups=2), transformer_impl="transf
 TE_WEIGHTS = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
 
 
-def _state(world, overlap=False, fp8=True, **extra):
+def _state(world, overlap=False, fp8=True, pp=1, **extra):
     over = dict(overlap_grad_reduce=True, overlap_param_gather=True) if overlap else {}
-    return make_state(1, world, True, **{**FP8, "fp8_param_gather": fp8, **over, **extra})
+    return make_state(1, world // pp, True, pp=pp, **{**FP8, "fp8_param_gather": fp8, **over, **extra})
 
 
 def _values(state) -> dict[str, torch.Tensor]:
@@ -86,6 +86,15 @@ def test_fp8_param_gather_dp2_with_and_without_overlap_equals_dp1(monkeypatch):
             assert all(abs(a - b) < 1e-10 for a, b in zip(losses, ref_losses)), (overlap, losses, ref_losses)
             for name, v in values.items():
                 assert (v - ref[name]).abs().max() < 1e-10, (overlap, name)
+    # PP 2 x DP 2 with overlap: two chunks' FP8 buckets, the loss on the last stage
+    losses = [r for r in run_ranks(_run_pipeline, 4, timeout=120) if r is not None]
+    assert len(losses) == 2 and all(abs(a - b) < 1e-10 for r in losses for a, b in zip(r, ref_losses))
+
+
+def _run_pipeline(rank, world):
+    state = _state(world, overlap=True, pp=2)
+    losses = train(state, 3)
+    return losses if state.topology.is_last_stage else None
 
 
 # swiglu off: the fake TE's weights lack TE's tensor_model_parallel attributes, and a gated fc1 is then
