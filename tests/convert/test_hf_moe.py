@@ -123,3 +123,7 @@ def test_what_hf_cannot_express_is_refused(tmp_path):
     pre = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, moe_router_pre_softmax=True))
     with pytest.raises(ConversionError, match="Qwen3-MoE"):
         export_hf(sd, pre, str(tmp_path / "b"))
+    sinkhorn = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe,
+                                                                moe_router_load_balancing_type="sinkhorn"))
+    with pytest.raises(ConversionError, match="sinkhorn .* HF Mixtral renormalises"):
+        export_hf(sd, sinkhorn, str(tmp_path / "c"))
