@@ -103,7 +103,7 @@ def refused(r) -> tuple[tuple[str, str], ...]:
     --fault-injector-fault-probabilities V --fault-injector-fault-delay V
     --fault-injector-delay-start-iteration V --fault-injector-mtti-seconds V
     --fault-injector-offset-seconds V --fault-injector-seed V"""),
-        (r._CKPT, "--override-ckpt-iteration V --verify-integrity --ckpt-drop-redundant-extra-state"),
+        (r._CKPT, "--override-ckpt-iteration V --ckpt-drop-redundant-extra-state"),
         (r._TOKENIZER, """--tokenizer-hf-no-use-fast --tokenizer-hf-no-include-special-tokens
     --no-tokenizer-sentencepiece-ignore-extra-whitespaces
     --disable-tokenizer-sentencepiece-ignore-extra-whitespaces --null-tokenizer-eod-id V

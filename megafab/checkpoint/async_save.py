@@ -50,6 +50,7 @@ class Pending:
     stall_s: float
     staged_max: int  # the most bytes any rank staged in host memory for this save
     retain: int | None = None  # --save-retain-interval where root is --save
+    manifest: bool = False  # --verify-integrity
 
 
 def _print0(topo, text: str) -> None:
@@ -109,7 +110,7 @@ class AsyncSaver:
         most = torch.tensor([self.staged_bytes()], dtype=torch.int64, device=topo.device)
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
         self.pending = Pending(state.iteration, root, tmp, write, common, start, time.time() - start,
-                               int(most.item()), retain_interval(ck, root))
+                               int(most.item()), retain_interval(ck, root), ck.verify_integrity)
         _print0(topo, f"scheduled an async checkpoint save at iteration {state.iteration:7d} to {root} "
                       f"({self.pending.stall_s:.1f} s to stage {self.staged_bytes() / 2**20:.1f} MiB on "
                       f"rank 0, at most {self.pending.staged_max / 2**20:.1f} MiB on a rank, kept in host "
@@ -162,7 +163,7 @@ class AsyncSaver:
 def _commit(p: Pending) -> None:
     if p.common is not None:
         megatron_dist.write_common(p.tmp, p.common)  # common.pt, then metadata.json
-    commit_checkpoint(p.root, p.iteration, p.retain)
+    commit_checkpoint(p.root, p.iteration, p.retain, p.manifest)
 
 
 def _on_rank0_everywhere(topo, action, p: Pending) -> None:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megafab.checkpoint import (
     formats,
     fsdp_dtensor,
+    integrity,
     megatron_dist,
     megatron_keys,
     megatron_legacy,
@@ -118,7 +119,7 @@ def save_checkpoint(state, root: str | None = None) -> str:
         torch.save(cs.rng_snapshot(state), rng_file(tmp, topo.rank))
     dist.barrier()
     if topo.rank == 0:
-        commit_checkpoint(root, iteration, retain_interval(ck, root))
+        commit_checkpoint(root, iteration, retain_interval(ck, root), ck.verify_integrity)
     dist.barrier()
     _print0(topo, f"saved checkpoint at iteration {iteration:7d} to {root} in {ck.ckpt_format} format "
                   f"({time.time() - start:.1f} s)")
@@ -240,6 +241,8 @@ def load_checkpoint(state) -> int | None:
         _print0(topo, f"megafab: no checkpoint in {ck.load} ({TRACKER} not found); training from scratch")
         return None
     formats.check_requested_format(found, ck.ckpt_format, ck.auto_detect_ckpt_format)
+    if ck.verify_integrity:
+        integrity.verify(found.path, topo)
     source = open_source(found, cfg.model)
     path, iteration = found.path, found.iteration
     finetune = finetune or found.release  # Megatron: a release checkpoint is always fine-tuned from

@@ -21,6 +21,7 @@ import re
 import shutil
 
 from megafab.checkpoint.errors import CheckpointError
+from megafab.checkpoint.integrity import write_manifest
 
 TRACKER = "latest_checkpointed_iteration.txt"
 COMMON = "common.json"
@@ -96,12 +97,16 @@ def retain_interval(ck, root: str) -> int | None:
     return ck.save_retain_interval if root == ck.save else None
 
 
-def commit_checkpoint(root: str, iteration: int, retain_interval: int | None = None) -> None:
-    """Rank 0: make the temporary directory the checkpoint, then point the tracker at it; with
-    retain_interval (--save-retain-interval), then delete the checkpoint the tracker named before
-    unless it is this one, a multiple of the interval, or a symbolic link (Megatron's rule)."""
+def commit_checkpoint(root: str, iteration: int, retain_interval: int | None = None,
+                      manifest: bool = False) -> None:
+    """Rank 0: make the temporary directory the checkpoint (with manifest, --verify-integrity, its
+    integrity.json written first), then point the tracker at it; with retain_interval
+    (--save-retain-interval), then delete the checkpoint the tracker named before unless it is this
+    one, a multiple of the interval, or a symbolic link (Megatron's rule)."""
     previous = read_tracker(root) if retain_interval else None
     final, tmp = iteration_dir(root, iteration), iteration_dir(root, iteration) + ".tmp"
+    if manifest:
+        write_manifest(tmp)
     old = final + ".old"
     if os.path.exists(final):  # re-saving an iteration: keep the old one reachable until replaced
         shutil.rmtree(old, ignore_errors=True)

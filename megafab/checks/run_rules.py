@@ -249,6 +249,9 @@ def checkpoint_problems(cfg) -> list[str]:
                    "(its legacy files are written synchronously); drop --async-save or save torch_dist")
     out += _non_persistent_problems(c)
     out += _retain_problems(c)
+    if c.verify_integrity and c.ckpt_format != "torch_dist":  # Megatron's assert
+        out.append(f"--verify-integrity works only with --ckpt-format torch_dist (not {c.ckpt_format}); drop "
+                   f"one of them")
     return out
 
 

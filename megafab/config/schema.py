@@ -259,6 +259,9 @@ class CheckpointConfig(Section):
     save_interval: int | None = option(
         None, flags=("--save-interval", "--persistent-save-interval"),
         help="Save every this many iterations (--persistent-save-interval is Megatron's other name).")
+    verify_integrity: bool = option(
+        False, help="torch_dist saves also write integrity.json (each file's SHA-256, as Megatron's); loads "
+                    "first check the files against it and stop at any difference.")
     save_retain_interval: int | None = option(
         None, help="Keep only the checkpoints of iterations that are multiples of this (and the latest): "
                    "each save deletes the one before it otherwise, as Megatron's. A multiple of "
