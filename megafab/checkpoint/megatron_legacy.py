@@ -29,6 +29,7 @@ from megafab.checkpoint.source import CheckpointSource, Counters, counters_from_
 from megafab.config import Config
 from megafab.distributed.layers import join_partitions, partition_of
 from megafab.model.activations import gated_linear_unit
+from megafab.model.fp8_params import dequantized, is_fp8_param
 from megafab.param_names import (
     EXPERT_BIAS,
     EXTRA_STATE,
@@ -273,7 +274,8 @@ def local_state_dict(chunk, first_layer: int, te_names: bool) -> dict:
     state dict holds them)."""
     out = {}
     for name, p in chunk.named_parameters():
-        for n, t in _as_sequential(to_stage(name, first_layer), p.detach()).items():
+        values = dequantized(p) if is_fp8_param(p) else p.detach()  # TE's FP8 weights: model dtype
+        for n, t in _as_sequential(to_stage(name, first_layer), values).items():
             out[local_to_te_name(n) if te_names else n] = t.cpu().clone()
     for name, b in chunk.named_buffers():
         if name.endswith("." + EXPERT_BIAS):
