@@ -43,7 +43,7 @@ def _step(layer, x, grad):
     return out.detach(), x.grad
 
 
-def _rank(rank, world, parallel, dispatcher):
+def _rank(rank, world, parallel, dispatcher, base=BASE):
     g = torch.Generator().manual_seed(3 + rank)  # each rank its own tokens
     x = torch.randn(8, 2, HIDDEN, generator=g, dtype=torch.float64)
     grad = torch.randn(8, 2, HIDDEN, generator=g, dtype=torch.float64)
@@ -56,7 +56,7 @@ def _rank(rank, world, parallel, dispatcher):
     with megatron_moe_on_cpu(**parallel):
         set_megatron_loss_scale(1.0)
         for grouped in (False, True):
-            settings = MoESettings(**BASE, moe_grouped_gemm=grouped, moe_token_dispatcher_type=dispatcher)
+            settings = MoESettings(**base, moe_grouped_gemm=grouped, moe_token_dispatcher_type=dispatcher)
             ref_layer = megatron_layer(settings, True, torch.float64, **config)
             layer = megafab_layer(settings, True, torch.float64, tp_group=tp, sequence_parallel=config[
                 "sequence_parallel"], tp_cp_group=tp, ep_group=ep, etp_group=etp)
@@ -73,4 +73,13 @@ def _rank(rank, world, parallel, dispatcher):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_expert_parallel_layer_equals_megatron(layout, dispatcher):
     for error in run_ranks(_rank, 2, LAYOUTS[layout], dispatcher, timeout=90):
+        assert error <= 1e-12
+
+
+@pytest.mark.parametrize("layout", ["tp2_sp_etp2", "tp2_sp_ep2"])
+def test_sinkhorn_under_sequence_parallelism_equals_megatron(layout):
+    """--moe-router-load-balancing-type sinkhorn under SP: each rank's router normalises its own
+    sequence slice, as megatron-core's does (no collective), and the layer agrees on every rank."""
+    sinkhorn = dict(BASE, moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.0)
+    for error in run_ranks(_rank, 2, LAYOUTS[layout], "alltoall", sinkhorn, timeout=90):
         assert error <= 1e-12
