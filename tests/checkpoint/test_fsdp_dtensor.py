@@ -2,7 +2,8 @@
 resumes it whole at another DP size and in another engine.
 
 FSDP2 (--use-megatron-fsdp) at DP 2 saves; DP 1 FSDP2 and DP 2 plain DDP resume; and back from DP 1
-to DP 2; a MoE model's experts (EP 2 -> EP 1, grouped and sequential names): each continues with the
+to DP 2; TP 2 (distributed optimizer) -> TP 1 FSDP2; a MoE model's experts (EP 2 -> EP 1, grouped
+and sequential names): each continues with the
 losses of the run that never stopped (float64: 1e-10). The DCP keys, global shapes and dtypes are
 the schema of fsdp_dtensor.py's docstring; an async bf16 save holds the fp32 main params under
 Float16Module's path and FSDP2 reads them back exactly; --no-strict-fsdp-dtensor-load is Megatron's
@@ -209,3 +210,27 @@ def test_async_bf16_save_stores_fp32_main_params_under_float16modules_path(tmp_p
     for before, after in zip(saved, run_ranks(_bf16_load, 2, path, timeout=120)):
         for (name, shard), (name2, main) in zip(before, after):  # FSDP2's fp32 shards read back exactly
             assert name == name2 and torch.equal(shard, main), name
+
+
+VOCAB = dict(vocab_size=96)  # padded to 96 at TP 1 and TP 2: the same model in both layouts
+
+
+def _tp2_straight(rank, world, path):
+    state = make_state(tp=2, dp=1, save=path, style=LLAMA_STYLE, data_parallel_sharding_strategy="optim",
+                       **MFSDP, **FMT, **VOCAB)
+    first = train(state, 2)
+    checkpointing.save_checkpoint(state)
+    return first + train(state, 2)
+
+
+def _tp1_resume(rank, world, path):
+    state = make_state(tp=1, dp=2, load=path, style=LLAMA_STYLE, **MFSDP, **VOCAB)
+    assert checkpointing.load_checkpoint(state) == 2
+    return train(state, 2)
+
+
+def test_tp2_distributed_optimizer_save_resumes_at_tp1_fsdp2(tmp_path):
+    """Each TP rank writes its [gate_r; up_r] rows of fc1 as rows of the `_w` / `_v` halves."""
+    path = str(tmp_path / "tp2")
+    expected = run_ranks(_tp2_straight, 2, path, timeout=120)[0]
+    _assert_close(run_ranks(_tp1_resume, 2, path, timeout=120)[0], expected[2:])
