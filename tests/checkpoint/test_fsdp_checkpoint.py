@@ -15,7 +15,7 @@ from megafab.checkpoint.state import named_parameters
 from megafab.distributed.fsdp import local_tensor
 from megafab.optim.memory import measure_memory
 from megafab.run.fork_ranks import run_ranks
-from tests.helpers.checkpoint import make_state, read_everything, train
+from tests.helpers.checkpoint import assert_losses_close, make_state, read_everything, train, train_save_train
 from tests.helpers.tiny import LLAMA_STYLE
 
 FSDP = dict(dist_opt=False, use_torch_fsdp2=True, ddp_bucket_size=None)
@@ -24,9 +24,7 @@ FSDP = dict(dist_opt=False, use_torch_fsdp2=True, ddp_bucket_size=None)
 def _fsdp4_straight(rank, world, path, offload):
     extra = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=0.5) if offload else {}
     state = make_state(tp=1, dp=4, save=path, style=LLAMA_STYLE, **FSDP, **extra)
-    first = train(state, 2)
-    checkpointing.save_checkpoint(state)
-    return first + train(state, 2)
+    return train_save_train(state)
 
 
 def _resume(rank, world, path, dp, layout):
@@ -37,26 +35,18 @@ def _resume(rank, world, path, dp, layout):
 
 def _ddp2_straight(rank, world, path):
     state = make_state(tp=1, dp=2, dist_opt=False, save=path, style=LLAMA_STYLE)
-    first = train(state, 2)
-    checkpointing.save_checkpoint(state)
-    return first + train(state, 2)
-
-
-def _assert_close(got, expected):
-    assert len(got) == len(expected)
-    for x, y in zip(got, expected):
-        assert abs(x - y) <= 1e-10 * abs(y), (got, expected)
+    return train_save_train(state)
 
 
 def test_fsdp2_dp4_and_ddp_dp2_checkpoints_continue_in_each_other_layout(tmp_path):
     fsdp, ddp = str(tmp_path / "fsdp4"), str(tmp_path / "ddp2")
     expected = run_ranks(_fsdp4_straight, 4, fsdp, True, timeout=240)[0]
     dist_opt2 = run_ranks(_resume, 2, fsdp, 2, dict(dist_opt=True), timeout=240)[0]
-    _assert_close(dist_opt2, expected[2:])
+    assert_losses_close(dist_opt2, expected[2:])
     ddp_straight = run_ranks(_ddp2_straight, 2, ddp, timeout=240)[0]
-    _assert_close(ddp_straight, expected)  # same math in both layouts
+    assert_losses_close(ddp_straight, expected)  # same math in both layouts
     fsdp4 = run_ranks(_resume, 4, ddp, 4, FSDP, timeout=240)[0]
-    _assert_close(fsdp4, expected[2:])
+    assert_losses_close(fsdp4, expected[2:])
     # The same global tensors under the same keys; FSDP2's from each of the 4 ranks' rows.
     a, b = (read_everything(directory.iteration_dir(d, 2)) for d in (fsdp, ddp))
     assert sorted(a) == sorted(b) and any(k.endswith(".exp_avg_sq") for k in a)

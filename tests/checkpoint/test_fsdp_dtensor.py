@@ -17,7 +17,7 @@ from megafab.checkpoint import checkpointing, dcp_io, directory, formats
 from megafab.checkpoint.errors import CheckpointError
 from megafab.config import ConfigError
 from megafab.run.fork_ranks import run_ranks
-from tests.helpers.checkpoint import make_state, moe_state, train
+from tests.helpers.checkpoint import assert_losses_close, make_state, moe_state, train, train_save_train
 from tests.helpers.tiny import LLAMA_STYLE, tiny_config
 
 MFSDP = dict(dist_opt=False, use_megatron_fsdp=True, ddp_bucket_size=None)
@@ -27,9 +27,7 @@ MOE_FSDP = dict(use_megatron_fsdp=True, ddp_bucket_size=None)
 
 def _straight(rank, world, path, dp):
     state = make_state(tp=1, dp=dp, save=path, style=LLAMA_STYLE, **MFSDP, **FMT)
-    first = train(state, 2)
-    checkpointing.save_checkpoint(state)
-    return first + train(state, 2)
+    return train_save_train(state)
 
 
 def _resume(rank, world, path, dp, layout):
@@ -39,24 +37,18 @@ def _resume(rank, world, path, dp, layout):
     return train(state, 2)
 
 
-def _assert_close(got, expected):
-    assert len(got) == len(expected)
-    for x, y in zip(got, expected):
-        assert abs(x - y) <= 1e-10 * abs(y), (got, expected)
-
-
 def test_fsdp_dtensor_dp2_resumes_at_dp1_and_in_ddp(tmp_path):
     path = str(tmp_path / "dp2")
     expected = run_ranks(_straight, 2, path, 2, timeout=120)[0]
     assert formats.find_checkpoint(path).format == formats.FSDP_DTENSOR
-    _assert_close(run_ranks(_resume, 1, path, 1, MFSDP, timeout=120)[0], expected[2:])
-    _assert_close(run_ranks(_resume, 2, path, 2, dict(dist_opt=False), timeout=120)[0], expected[2:])
+    assert_losses_close(run_ranks(_resume, 1, path, 1, MFSDP, timeout=120)[0], expected[2:])
+    assert_losses_close(run_ranks(_resume, 2, path, 2, dict(dist_opt=False), timeout=120)[0], expected[2:])
 
 
 def test_fsdp_dtensor_dp1_resumes_at_dp2(tmp_path):
     path = str(tmp_path / "dp1")
     expected = run_ranks(_straight, 1, path, 1, timeout=120)[0]
-    _assert_close(run_ranks(_resume, 2, path, 2, MFSDP, timeout=120)[0], expected[2:])
+    assert_losses_close(run_ranks(_resume, 2, path, 2, MFSDP, timeout=120)[0], expected[2:])
 
 
 def test_the_saved_keys_shapes_and_dtypes_are_megatron_fsdps(tmp_path):
@@ -110,9 +102,7 @@ def test_dcp_files_alone_are_fsdp_dtensor_and_without_model_weights_are_refused(
 
 def _moe_straight(rank, world, path, grouped):
     state = moe_state(dp=world, dist_opt=False, ep=2, save=path, moe_grouped_gemm=grouped, **MOE_FSDP, **FMT)
-    first = train(state, 2)
-    checkpointing.save_checkpoint(state)
-    return first + train(state, 2)
+    return train_save_train(state)
 
 
 def _moe_resume(rank, world, path):
@@ -135,7 +125,7 @@ def test_moe_experts_are_saved_per_global_index_and_resume_at_another_ep(tmp_pat
             assert tuple(md[f"optimizer.state.module.module.{fc1}.exp_avg_sq"].size) == (24, 32)
     assert tuple(md[f"model.module.{layer}router.expert_bias"].size) == (4,)
     assert not any(".weight4" in k or "local_experts.4." in k for k in md)
-    _assert_close(run_ranks(_moe_resume, 1, path, timeout=120)[0], expected[2:])
+    assert_losses_close(run_ranks(_moe_resume, 1, path, timeout=120)[0], expected[2:])
 
 
 def _without(path, keys):
@@ -218,9 +208,7 @@ VOCAB = dict(vocab_size=96)  # padded to 96 at TP 1 and TP 2: the same model in 
 def _tp2_straight(rank, world, path):
     state = make_state(tp=2, dp=1, save=path, style=LLAMA_STYLE, data_parallel_sharding_strategy="optim",
                        **MFSDP, **FMT, **VOCAB)
-    first = train(state, 2)
-    checkpointing.save_checkpoint(state)
-    return first + train(state, 2)
+    return train_save_train(state)
 
 
 def _tp1_resume(rank, world, path):
@@ -233,4 +221,4 @@ def test_tp2_distributed_optimizer_save_resumes_at_tp1_fsdp2(tmp_path):
     """Each TP rank writes its [gate_r; up_r] rows of fc1 as rows of the `_w` / `_v` halves."""
     path = str(tmp_path / "tp2")
     expected = run_ranks(_tp2_straight, 2, path, timeout=120)[0]
-    _assert_close(run_ranks(_tp1_resume, 2, path, timeout=120)[0], expected[2:])
+    assert_losses_close(run_ranks(_tp1_resume, 2, path, timeout=120)[0], expected[2:])

@@ -84,6 +84,20 @@ def train(state, steps: int) -> list[float]:
     return losses
 
 
+def train_save_train(state, before: int = 2, after: int = 2) -> list[float]:
+    """The uninterrupted run: `before` steps, a save (--save), `after` steps more; every loss."""
+    first = train(state, before)
+    checkpointing.save_checkpoint(state)
+    return first + train(state, after)
+
+
+def assert_losses_close(got: list[float], expected: list[float], rtol: float = 1e-10) -> None:
+    """A resumed run's losses are the uninterrupted run's (float64: up to summation order)."""
+    assert len(got) == len(expected)
+    for x, y in zip(got, expected):
+        assert abs(x - y) <= rtol * abs(y), (got, expected)
+
+
 def read_everything(path):
     """Every tensor of a torch_dist checkpoint, under megafab keys (model.* / optim.*)."""
     return TorchDistSource(path).read_all()
