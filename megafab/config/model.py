@@ -150,6 +150,11 @@ class ModelConfig(Section):
     apply_residual_connection_post_layernorm: bool = option(
         False,
         help="Take the residual from the norm's output instead of its input (the original BERT order).")
+    apply_query_key_layer_scaling: bool = option(
+        False,
+        help="Scale q k^T down by the layer number before 16-bit scores are formed and back up in the fp32 "
+             "softmax (Megatron's fp16 overflow guard; the same values). SDPA's kernels form the scores "
+             "in fp32 anyway; Transformer Engine gets NVTE_APPLY_QK_LAYER_SCALING=1.")
     attention_backend: str = option(
         "auto", choices=ATTENTION_BACKENDS,
         help="Attention kernel: auto (PyTorch SDPA picks), flash, fused (cuDNN / memory-efficient, CUDA "

@@ -38,11 +38,14 @@ def bottom_right_positions(sq: int, sk: int, device=None) -> tuple[torch.Tensor,
 
 
 def attention(q, k, v, masked: torch.Tensor | None, sink: torch.Tensor | None = None,
-              dropout_p: float = 0.0, scale: float | None = None) -> torch.Tensor:
+              dropout_p: float = 0.0, scale: float | None = None, layer_scale: int | None = None
+              ) -> torch.Tensor:
     """softmax(q k^T * scale, masked out, with the sink's logit) v -> [b, heads, sq, d]. masked:
     bool broadcastable to [b, heads, sq, sk], True = not allowed (None: causal, bottom-right).
-    Without a sink SDPA runs; with one the probabilities are formed explicitly (as megatron-core's
-    local DotProductAttention does), the softmax in fp32 for 16-bit inputs."""
+    Without a sink SDPA runs (its kernels form the scores in fp32); with one the probabilities are
+    formed explicitly (as megatron-core's local DotProductAttention does), the softmax in fp32 for
+    16-bit inputs, and layer_scale (--apply-query-key-layer-scaling: the layer number) divides the
+    16-bit scores and multiplies them back in fp32, megatron-core's guard against fp16 overflow."""
     gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
     if sink is None:
         if masked is None:
@@ -54,11 +57,13 @@ def attention(q, k, v, masked: torch.Tensor | None, sink: torch.Tensor | None = 
     groups, sk = k.shape[1], k.shape[2]
     if masked is None:
         masked = window_mask(*bottom_right_positions(sq, sk, q.device), None)
-    scale = d ** -0.5 if scale is None else scale
-    qg = q.unflatten(1, (groups, heads // groups))  # [b, g, hpg, sq, d]
-    scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)).flatten(1, 2) * scale  # [b, heads, sq, sk]
+    scale = (d ** -0.5 if scale is None else scale) / (layer_scale or 1)
+    qg = q.reshape(b * groups, heads // groups * sq, d)  # [b g, hpg sq, d]
+    # scaled inside the GEMM (megatron-core's baddbmm): the 16-bit scores are formed already scaled
+    scores = torch.baddbmm(qg.new_empty(qg.shape[0], qg.shape[1], sk), qg, k.reshape(b * groups, sk, d).mT,
+                           beta=0.0, alpha=scale).view(b, heads, sq, sk)
     acc = compute_dtype(q.dtype)
-    scores = scores.to(acc).masked_fill(masked, float("-inf"))
+    scores = (scores.to(acc) * (layer_scale or 1)).masked_fill(masked, float("-inf"))
     logits = torch.cat([scores, sink.to(acc).view(1, heads, 1, 1).expand(b, heads, sq, 1)], dim=-1)
     probs = torch.softmax(logits, dim=-1)[..., :-1].to(q.dtype)
     if dropout_p > 0:

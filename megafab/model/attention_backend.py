@@ -37,18 +37,31 @@ def sdpa_context(backend: str):
     return functools.partial(sdpa_kernel, backends)
 
 
-def set_te_attention_switches(backend: str) -> None:
-    """Transformer Engine reads NVTE_FLASH_ATTN / NVTE_FUSED_ATTN / NVTE_UNFUSED_ATTN."""
+QK_LAYER_SCALING = "NVTE_APPLY_QK_LAYER_SCALING"  # TE takes --apply-query-key-layer-scaling only so
+
+
+def set_te_attention_switches(backend: str, qk_layer_scaling: bool = False) -> None:
+    """Transformer Engine reads NVTE_FLASH_ATTN / NVTE_FUSED_ATTN / NVTE_UNFUSED_ATTN, and
+    NVTE_APPLY_QK_LAYER_SCALING (set here for --apply-query-key-layer-scaling; a contradicting value is
+    refused by attention_backend_problems)."""
     if backend in TE_SWITCHES:
         names = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
         for name, value in zip(names, TE_SWITCHES[backend]):
             os.environ[name] = str(value)
+    if qk_layer_scaling:
+        os.environ[QK_LAYER_SCALING] = "1"
 
 
 def attention_backend_problems(cfg, device_type: str) -> list[str]:
     """Why --attention-backend cannot run on `device_type` ("cuda" or "cpu") with this config."""
     backend = cfg.model.attention_backend
     out = []
+    scaling, env = cfg.model.apply_query_key_layer_scaling, os.environ.get(QK_LAYER_SCALING)
+    if cfg.model.transformer_impl == "transformer_engine" and env not in (None, "") and \
+            env.strip() != ("1" if scaling else "0"):  # megatron-core's TEDotProductAttention refuses it too
+        asked = "--apply-query-key-layer-scaling" if scaling else "no --apply-query-key-layer-scaling"
+        out.append(f"{QK_LAYER_SCALING}={env} contradicts {asked}: Transformer Engine takes the layer "
+                   f"scaling only from that variable; unset it")
     if backend == "fused" and device_type != "cuda":
         out.append("--attention-backend fused needs a CUDA GPU (cuDNN / memory-efficient attention "
                    "kernels); on this machine use auto, flash or unfused")

@@ -94,6 +94,7 @@ class CoreAttention(nn.Module):
         self.sdpa_backend = sdpa_context(cfg.attention_backend)
         self.window = cfg.window_size[0] if is_window_layer(cfg, layer_number) else None
         self.softmax_type = cfg.softmax_type
+        self.layer_scale = layer_number + 1 if cfg.apply_query_key_layer_scaling else None  # mcore: 1-based
         heads, tp = cfg.num_attention_heads, group_size(ctx.tp_group)
         self.heads_local = heads // tp
         if cfg.softmax_type == "learnable":
@@ -126,7 +127,7 @@ class CoreAttention(nn.Module):
             if self.window is not None:
                 local = window_mask(*bottom_right_positions(q.shape[2], k.shape[2], q.device), self.window)
                 masked = local if masked is None else masked | local
-            return attention(q, k, v, masked, sink, dropout)
+            return attention(q, k, v, masked, sink, dropout, layer_scale=self.layer_scale)
 
     def extra_repr(self) -> str:
         return f"window={self.window}, softmax_type={self.softmax_type}"

@@ -308,7 +308,7 @@ class TETransformerLayer(nn.Module):
                       get_rng_state_tracker=(lambda: ctx.rng_tracker) if ctx.rng_tracker else None)
         norm = dict(eps=cfg.norm_epsilon, normalization=cfg.normalization,
                     zero_centered_gamma=cfg.apply_layernorm_1p)
-        set_te_attention_switches(cfg.attention_backend)
+        set_te_attention_switches(cfg.attention_backend, cfg.apply_query_key_layer_scaling)
         self.activation = MLPActivation.from_model_config(cfg)
         qkv_out = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * self.d
         ffn_out = cfg.ffn_hidden_size * (2 if self.activation.gated else 1)
@@ -321,7 +321,7 @@ class TETransformerLayer(nn.Module):
             attention_dropout=cfg.attention_dropout, attn_mask_type="causal", qkv_format="sbhd",
             softmax_scale=1.0 / math.sqrt(self.d), tp_size=tp, tp_group=ctx.tp_group,
             sequence_parallel=ctx.sequence_parallel, get_rng_state_tracker=common["get_rng_state_tracker"],
-            **_te_context_parallel(ctx))
+            layer_number=layer_number + 1, **_te_context_parallel(ctx))  # TE counts layers from 1
         self.self_attention.linear_proj = te.Linear(
             cfg.num_attention_heads * self.d, cfg.hidden_size, bias=cfg.add_bias_linear,
             parallel_mode="row", **common)
