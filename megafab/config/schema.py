@@ -317,10 +317,11 @@ class CheckpointConfig(Section):
              "ignore_all --dist-ckpt-strictness keeps their initial values.")
     async_save: bool = option(
         False,
-        help="Save torch_dist checkpoints asynchronously (with --use-persistent-ckpt-worker, which Megatron "
-             "requires: without it Megatron saves synchronously): each rank copies what it owns to host "
-             "memory and trains on while a background writer writes its files; the checkpoint becomes "
-             "the latest only once every rank's files are written.")
+        help="Save torch_dist (or fsdp_dtensor) checkpoints asynchronously (with "
+             "--use-persistent-ckpt-worker, which Megatron requires: without it Megatron saves "
+             "synchronously): each rank copies what it owns to host memory and trains on while a "
+             "background writer writes its files; the checkpoint becomes the latest only once every "
+             "rank's files are written.")
     use_persistent_ckpt_worker: bool = option(
         False, help="Write --async-save checkpoints with one persistent background writer process per rank "
                     "(as Megatron's), which maps the rank's host staging memory.")
