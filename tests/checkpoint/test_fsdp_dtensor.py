@@ -2,12 +2,11 @@
 resumes it whole at another DP size and in another engine.
 
 FSDP2 (--use-megatron-fsdp) at DP 2 saves; DP 1 FSDP2 and DP 2 plain DDP resume; and back from DP 1
-to DP 2; TP 2 (distributed optimizer) -> TP 1 FSDP2; a MoE model's experts (EP 2 -> EP 1, grouped
-and sequential names): each continues with the
-losses of the run that never stopped (float64: 1e-10). The DCP keys, global shapes and dtypes are
-the schema of fsdp_dtensor.py's docstring; an async bf16 save holds the fp32 main params under
-Float16Module's path and FSDP2 reads them back exactly; --no-strict-fsdp-dtensor-load is Megatron's
-partial load; the configurations Megatron refuses are refused.
+to DP 2; TP 2 (distributed optimizer) -> TP 1 FSDP2; a MoE model's experts (EP 2 -> EP 1, grouped and
+sequential names): each continues with the losses of the run that never stopped (float64: 1e-10).
+The DCP keys, global shapes and dtypes are the schema of fsdp_dtensor.py's docstring; an async bf16
+save holds the fp32 main params under Float16Module's path and FSDP2 reads them back exactly;
+--no-strict-fsdp-dtensor-load is Megatron's partial load; what Megatron refuses is refused.
 """
 
 import pytest
