@@ -221,3 +221,18 @@ def test_tp2_distributed_optimizer_save_resumes_at_tp1_fsdp2(tmp_path):
     path = str(tmp_path / "tp2")
     expected = run_ranks(_tp2_straight, 2, path, timeout=120)[0]
     assert_losses_close(run_ranks(_tp1_resume, 2, path, timeout=120)[0], expected[2:])
+
+
+def _pp2_straight(rank, world, path):
+    state = make_state(tp=1, dp=1, pp=2, save=path, style=LLAMA_STYLE,
+                       data_parallel_sharding_strategy="optim", **MFSDP, **FMT)
+    return train_save_train(state)
+
+
+def test_pp2_save_names_layers_globally_and_resumes_at_pp1(tmp_path):
+    """megafab writes global layer numbers (one key per layer of the whole model), whatever the PP split."""
+    path = str(tmp_path / "pp2")
+    expected = run_ranks(_pp2_straight, 2, path, timeout=120)[-1]  # the last stage's losses
+    md = dcp_io.read_metadata(directory.iteration_dir(path, 2)).state_dict_metadata
+    assert {int(k.split(".")[4]) for k in md if k.startswith("model.module.decoder.layers.")} == {0, 1, 2, 3}
+    assert_losses_close(run_ranks(_resume, 2, path, 2, MFSDP, timeout=120)[0], expected[2:])
