@@ -29,6 +29,8 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import random as mcore_random
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megafab.model.gpt import masked_mean_loss
+
 
 def cpu_workarounds() -> None:
     """Call once per rank process (the harness forks each)."""
@@ -149,3 +151,23 @@ def load(model: GPTModel, path: str) -> None:
     """megatron-core's dist_checkpointing.load into `model` (strict: every key it asks for)."""
     state = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)
     model.load_state_dict(state["model"])
+
+
+def train_step_equals(theirs, ours, m, tokens, labels, mask, tol: float = 1e-12) -> torch.Tensor:
+    """Copy megatron-core GPTModel `theirs`' weights into megafab's `ours` (same names), run both on one
+    batch with the masked mean loss and backward, and assert the per-token losses and every gradient
+    agree within `tol`; returns megafab's per-token loss."""
+    params = dict(ours.named_parameters())
+    assert params.keys() == dict(theirs.named_parameters()).keys()
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            params[name].copy_(p)
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    ref_loss = theirs(tokens, positions, causal_mask(tokens.shape[1]), labels=labels)
+    masked_mean_loss(ref_loss, mask).backward()
+    loss = ours(tokens, labels=labels)
+    masked_mean_loss(loss, mask).backward()
+    assert (ref_loss - loss).abs().max().item() < tol
+    for name, p in theirs.named_parameters():
+        assert (p.grad - params[name].grad).abs().max().item() < tol, name
+    return loss

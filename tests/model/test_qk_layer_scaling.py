@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from megafab.distributed.masked_attention import attention
-from megafab.model.gpt import masked_mean_loss
 from tests.helpers import mcore
 from tests.helpers.mcore_moe import megatron_moe_on_cpu
 from tests.helpers.mcore_mtp import exact_cross_entropy
@@ -35,20 +34,7 @@ def test_gpt_with_layer_scaling_equals_megatron_core(monkeypatch, softmax_type):
         d = m.kv_channels
         steps = torch.arange(0, d, 2, dtype=torch.float64) / d
         theirs.rotary_pos_emb.inv_freq = 1.0 / (m.rotary_base ** steps)
-        ours = reference_model(m)
-        params = dict(ours.named_parameters())
-        with torch.no_grad():
-            for name, p in theirs.named_parameters():
-                params[name].copy_(p)
-        tokens, labels, mask = batch(m)
-        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-        ref = theirs(tokens, positions, mcore.causal_mask(tokens.shape[1]), labels=labels)
-        masked_mean_loss(ref, mask).backward()
-        loss = ours(tokens, labels=labels)
-        masked_mean_loss(loss, mask).backward()
-    assert (ref - loss).abs().max().item() < 1e-12
-    for name, p in theirs.named_parameters():
-        assert (p.grad - params[name].grad).abs().max().item() < 1e-12, name
+        mcore.train_step_equals(theirs, reference_model(m), m, *batch(m))
 
 
 def test_fp16_scores_beyond_range_equal_megatron_cores_unfused_kernel():

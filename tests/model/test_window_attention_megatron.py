@@ -14,7 +14,6 @@ import torch
 
 from megafab.inference.generate import SamplingParams, generate
 from megafab.model.core_attention import is_window_layer, window_attention_problems
-from megafab.model.gpt import masked_mean_loss
 from tests.helpers import mcore
 from tests.helpers.mcore_moe import megatron_moe_on_cpu
 from tests.helpers.mcore_mtp import exact_cross_entropy
@@ -51,20 +50,8 @@ def test_gpt_window_and_sinks_equal_megatron_core(megatron_cpu, monkeypatch, cas
     d = m.kv_channels  # float64 RoPE frequencies (megatron-core computes float32 ones)
     theirs.rotary_pos_emb.inv_freq = 1.0 / (m.rotary_base ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     ours = reference_model(m)
-    params = dict(ours.named_parameters())
-    assert params.keys() == dict(theirs.named_parameters()).keys()
-    with torch.no_grad():
-        for name, p in theirs.named_parameters():
-            params[name].copy_(p)
     tokens, labels, mask = batch(m)
-    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-    ref_loss = theirs(tokens, positions, mcore.causal_mask(tokens.shape[1]), labels=labels)
-    masked_mean_loss(ref_loss, mask).backward()
-    loss = ours(tokens, labels=labels)
-    masked_mean_loss(loss, mask).backward()
-    assert (ref_loss - loss).abs().max().item() < 1e-12
-    for name, p in theirs.named_parameters():
-        assert (p.grad - params[name].grad).abs().max().item() < 1e-12, name
+    loss = mcore.train_step_equals(theirs, ours, m, tokens, labels, mask)
     # in effect: the plain model with the same weights computes otherwise
     plain = reference_model(tiny_config(style=STYLE, num_query_groups=m.num_query_groups).model)
     plain.load_state_dict({k: v for k, v in ours.state_dict().items() if "softmax_offset" not in k})
