@@ -2,7 +2,7 @@
 
 One torch DCP directory (.metadata, __R_0.distcp; no metadata.json, no common.pt): Megatron's state
 dict flattened by DCP (nested keys joined by '.'), every tensor under its global (TP=1) shape:
-  model.{P}<path>          weights, one key per layer (decoder.layers.N.*, never stacked), the
+  model.{P}<path>          weights, one key per layer (decoder.layers.N.*, N of the whole model), the
                            live modules' paths (TE: linear_qkv.layer_norm_weight); SwiGLU fc1 [2f, h]
                            as `.weight_w` gate [f, h] + `.weight_v` up [f, h]; routed experts one per
                            global index (fsdp_dtensor_keys.py); no `_extra_state` (Megatron drops them)
