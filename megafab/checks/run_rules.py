@@ -272,7 +272,7 @@ def _retain_problems(c) -> list[str]:
 def _fsdp_dtensor_problems(cfg) -> list[str]:
     """Megatron's rule (its arguments.py asserts it): fsdp_dtensor is Megatron-FSDP's format. Its
     converse (Megatron-FSDP saves only fsdp_dtensor) megafab does not hold: --use-megatron-fsdp runs
-    on megafab's engines, which save torch_dist as well (every layout, Megatron-FSDP's too, loads it)."""
+    on megafab's engines, which save torch_dist as well (every megafab layout loads it)."""
     if cfg.parallel.use_megatron_fsdp:
         return []
     return ["--ckpt-format fsdp_dtensor needs --use-megatron-fsdp (Megatron's rule: it is Megatron-FSDP's "
