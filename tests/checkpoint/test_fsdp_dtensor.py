@@ -148,10 +148,12 @@ def _load_outcome(rank, world, path, **flags):
     return state.optimizer.torch_optimizer_of(e).state.get(e.main, {}).get("exp_avg")
 
 
-def test_no_strict_fsdp_dtensor_load_is_megatrons_partial_load(tmp_path):
+def test_no_load_optim_and_no_strict_fsdp_dtensor_load_megatrons_partial_load(tmp_path):
     root = str(tmp_path / "partial")
     run_ranks(_straight, 1, root, 1, timeout=120)
     path, norm = directory.iteration_dir(root, 2), "decoder.final_layernorm.weight"
+    assert run_ranks(_load_outcome, 1, root, timeout=120)[0].abs().sum() > 0  # whole: Adam's moment
+    assert run_ranks(_load_outcome, 1, root, no_load_optim=True, timeout=120)[0] is None  # fresh
     _without(path, [f"optimizer.state.module.module.{norm}.{k}" for k in ("exp_avg", "exp_avg_sq")])
     strict = run_ranks(_load_outcome, 1, root, timeout=120)[0]  # Megatron's default
     assert f"has no tensor 'optim.{norm}.exp_avg" in strict
