@@ -20,9 +20,8 @@
 #      (tests/model/gpu_check_te_combinations.py; "skipped" without TE; on cpu: the TE stand-in, gloo)
 #   8. FP8 weights (--fp8-param-gather, UNVERIFIED until this step passes on a GPU with TE): a llama-like
 #      tiny model, --fp8-format hybrid, the distributed optimizer with --overlap-param-gather over every
-#      GPU, 3 iterations saved, then resumed to 6 (pretrain_gpt.py, mock data; "skipped"
-#      without TE; on cpu: tests/optim/test_fp8_param_gather.py through the TE stand-in). FSDP2 with
-#      FP8 weights is refused by name (not implemented).
+#      GPU, 3 iterations saved, then resumed to 6; the same with --use-torch-fsdp2 (pretrain_gpt.py,
+#      mock data; "skipped" without TE; on cpu: tests/optim/test_fp8_param_gather.py, the TE stand-in)
 #   all: then issue 13's checks (TP layers on NCCL, the 1.3B MFU check), about 5 minutes more.
 # Results land in ${OUT:-benchmarks/results} (one .log per step, .json where the step writes one);
 # the last lines list each step's exit status.
@@ -123,13 +122,18 @@ fp8_flags="--num-layers 2 --hidden-size 128 --num-attention-heads 4 --group-quer
     --untie-embeddings-and-output-weights --seq-length 64 --max-position-embeddings 64 --micro-batch-size 2 \
     --global-batch-size $((2 * (gpus > 0 ? gpus : 1))) --mock-data --tokenizer-type NullTokenizer \
     --vocab-size 127 --lr 1e-3 --lr-decay-iters 6 --log-interval 1 --bf16 --transformer-impl transformer_engine \
-    --fp8-format hybrid --fp8-param-gather --use-distributed-optimizer --overlap-grad-reduce \
-    --overlap-param-gather --save-interval 3 --save $out/fp8_ckpt"
+    --fp8-format hybrid --fp8-param-gather --save-interval 3"
+fp8_dist="--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --save $out/fp8_ckpt"
+fp8_fsdp="--use-torch-fsdp2 --save $out/fp8_fsdp_ckpt"
 if [ "$device" = cuda ] && python -c "import transformer_engine.pytorch" 2>/dev/null; then
-    rm -rf "$out/fp8_ckpt"
-    step fp8_param_gather 300 bash -c "python $te_check $gpus pretrain_gpt.py $fp8_flags --train-iters 3 && \
-        python $te_check $gpus pretrain_gpt.py $fp8_flags --train-iters 6 --load $out/fp8_ckpt \
-        | tee /dev/stderr | grep -q 'loaded checkpoint from .* at iteration 3'"
+    rm -rf "$out/fp8_ckpt" "$out/fp8_fsdp_ckpt"
+    for how in fp8_dist fp8_fsdp; do
+        flags="$fp8_flags ${!how}"
+        ckpt=${flags##*--save }
+        step "fp8_param_gather_${how#fp8_}" 240 bash -c "python $te_check $gpus pretrain_gpt.py $flags \
+            --train-iters 3 && python $te_check $gpus pretrain_gpt.py $flags --train-iters 6 --load $ckpt \
+            | tee /dev/stderr | grep -q 'loaded checkpoint from .* at iteration 3'"
+    done
 elif [ "$device" = cuda ]; then
     echo "== fp8_param_gather: skipped: needs transformer_engine"
     summary+=("fp8_param_gather: skipped")

@@ -34,7 +34,7 @@ NODES_FOR_LAYOUT = {"gpt3": 16}  # the script's NUM_NODES=1 "Change for multinod
 MEGAFAB_REFUSES = {
     "gpt3": [], "mixtral": [],
     "llama3_fp8": [],
-    "llama3_fsdp_fp8": ["--fp8-param-gather with FSDP2"]}
+    "llama3_fsdp_fp8": []}
 # what only this machine lacks: Transformer Engine / FP8 on a CUDA GPU, cuDNN's fused attention
 MACHINE = ("--fp8-format needs", "--transformer-impl transformer_engine needs",
            "--attention-backend fused needs", "--fp8-param-gather needs Transformer Engine")

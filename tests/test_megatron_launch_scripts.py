@@ -98,8 +98,7 @@ CASES = {
           "--lr-decay-iters": "--lr-decay-samples", "430000": "660480000"}.get(a, a)
          for a in GPT3_175B_CORE_0_16_1], 128, []),
     "llama3-8b-fp8": (LLAMA3_8B_FP8, 8, FP8_HERE + FP8_PARAMS_HERE + FUSED_HERE),
-    "llama3-8b-fsdp-fp8": (LLAMA3_8B_FSDP, 8, FSDP_LIMITS + ["--fp8-param-gather with FSDP2"]
-                           + FP8_HERE + FP8_PARAMS_HERE + FUSED_HERE),
+    "llama3-8b-fsdp-fp8": (LLAMA3_8B_FSDP, 8, FSDP_LIMITS + FP8_HERE + FP8_PARAMS_HERE + FUSED_HERE),
     "mixtral-8x7b@core_v0.16.1": (MIXTRAL_8X7B, 32, []),
 }
 # The plan's layout line of the cases that pass.

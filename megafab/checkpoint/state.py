@@ -97,11 +97,14 @@ def dp_owned_ranges(chunks) -> dict[torch.nn.Parameter, tuple[int, int]]:
 def owned_values(param: torch.nn.Parameter, lo: int, hi: int) -> torch.Tensor:
     """The flat [lo, hi) of `param` this rank holds, as a view (an FSDP2 DTensor's local shard is
     exactly its owned range)."""
-    if local_tensor(param) is not param:
-        return local_tensor(param).view(-1)
-    if is_fp8_param(param):  # TE's FP8 weight: a dequantized copy of the range, in the model dtype
+    local = local_tensor(param)
+    if is_fp8_param(local):  # TE's FP8 weight (an FSDP2 shard's local one): a dequantized copy
+        if local is not param:
+            return dequantized(local).view(-1)
         values = dequantized(param).view(-1)[lo:hi]
         return values.clone() if hi - lo < param.numel() else values
+    if local is not param:
+        return local.view(-1)
     return param.detach().view(-1)[lo:hi]
 
 
@@ -244,25 +247,32 @@ def model_shards_for_load(state, masters_from_main: bool) -> tuple[dict[str, Sha
         with_mains = masters_from_main and state.optimizer is not None
         fp8, mains = {}, {e.model_param: e.main for e in state.optimizer.entries} if with_mains else {}
         for name, p in module.named_parameters():
-            if p in compute:
+            lo, hi = ranges.get(p, (0, 0)) if sharded else (0, p.numel())
+            is_fp8 = is_fp8_param(local_tensor(p)) and lo < hi
+            if p in compute:  # an FSDP2 master shard, read with the optimizer state
+                if is_fp8 and p in mains:
+                    fp8[p] = mains[p]
                 continue
             layout = _layout(state, name, p)
-            lo, hi = ranges.get(p, (0, 0)) if sharded else (0, p.numel())
             values = owned_values(p, lo, hi)
-            if is_fp8_param(p) and lo < hi:
+            if is_fp8:
                 fp8[p] = mains.get(p, values)
             _add(shards, model_key(layout.name), layout, values, lo, hi)
         if fp8:
             chunk.load_fp8_shards(fp8)
-        if gathered:
+        if gathered or fp8:
             gather.append(chunk)
     shards.update({model_key(name): Shard.whole(buf) for name, buf in checkpointed_buffers(state)})
     return shards, gather
 
 
 def gather_params(chunks) -> None:
-    """Every DP rank read its own range of the weights: all-gather the buckets over DP."""
+    """Every DP rank read its own range of the weights: all-gather the buckets over DP (an FSDP2
+    chunk: its FP8 shards read are cast; FSDP2 gathers at the next forward)."""
     for chunk in chunks:
+        if is_fully_sharded(chunk):
+            chunk.apply_fp8_loads()
+            continue
         chunk.start_param_sync()
         chunk.finish_param_sync()
 

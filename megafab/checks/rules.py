@@ -311,13 +311,9 @@ def fp8_param_gather_problems(cfg) -> list[str]:
         return ["--fp8-param-gather needs --fp8-format (the FP8 weights are Transformer Engine's, "
                 "--transformer-impl transformer_engine); add --fp8-format hybrid, or drop --fp8-param-gather"]
     out = []
-    if p.fully_sharded:
-        out.append("--fp8-param-gather with FSDP2 (--use-torch-fsdp2 / --use-megatron-fsdp) is not "
-                   "implemented yet (FP8 shards need TE's FSDP2 hooks); use --use-distributed-optimizer, "
-                   "or drop --fp8-param-gather (FSDP2 then gathers bf16 weights)")
-    elif not p.use_distributed_optimizer:
-        out.append("--fp8-param-gather needs --use-distributed-optimizer (as Megatron: its fp32 main shards "
-                   "are cast into the FP8 weights); add --use-distributed-optimizer")
+    if not (p.use_distributed_optimizer or p.fully_sharded):
+        out.append("--fp8-param-gather needs --use-distributed-optimizer or FSDP2 (as Megatron: their fp32 "
+                   "main shards are cast into the FP8 weights); add --use-distributed-optimizer")
     if pr.fp8_recipe in ("mxfp8", "blockwise"):
         out.append(f"--fp8-param-gather with --fp8-recipe {pr.fp8_recipe} is not implemented (TE's "
                    f"replace_raw_data and cast_master_weights_to_fp8 cover per-tensor scaling); use "

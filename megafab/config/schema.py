@@ -57,7 +57,7 @@ class PrecisionConfig(Section):
         "most_recent", choices=("most_recent", "max"), help="most_recent or max over the history.")
     fp8_param_gather: bool = option(
         False, help="Keep Transformer Engine's linear weights in FP8 (1 byte each) and all-gather them in "
-                    "FP8 (with --use-distributed-optimizer; fp32 main params).")
+                    "FP8 (with --use-distributed-optimizer or FSDP2; fp32 main params).")
 
     @property
     def params_dtype_name(self) -> str:

@@ -27,6 +27,7 @@ from torch import nn
 
 from megafab.distributed import data_parallel, param_gather
 from megafab.distributed.data_parallel import is_expert_param
+from megafab.model.fp8_params import cast_masters, is_fp8_param
 
 # Megatron's per-parameter attributes that the rest of megafab reads off the parameters.
 PARAM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel",
@@ -241,7 +242,8 @@ class FullyShardedDataParallel(nn.Module):
             "a chunk built on the meta device needs its device and initialized_parts"
         with torch.no_grad():
             for p in params:  # free on the meta device; a whole-model copy otherwise
-                p.data = p.data.to(self.main_dtype)
+                if not is_fp8_param(p):  # TE's FP8 weights shard as they are (TE's FSDP2 hooks)
+                    p.data = p.data.to(self.main_dtype)
         policy = _mixed_precision(self.compute_dtype, self.main_dtype, reduce_dtype)
         # A sub-layer unit (layer_units) returns a view (a linear's 3-D output); FSDP2 warns that an
         # in-place op on it would skip its pre-backward hook. The layers add those outputs out of
@@ -270,6 +272,7 @@ class FullyShardedDataParallel(nn.Module):
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.expert_params = [p for p in self.params if is_expert_param(p)]
         self.expert_grad_scale = self.expert_mesh.size() / self.dp  # FSDP2's average -> DP x CP's
+        self._fp8_pending: dict[nn.Parameter, torch.Tensor] = {}
 
     # ---- what each rank holds ---------------------------------------------------------------------
     def owned_param_ranges(self) -> dict[nn.Parameter, tuple[int, int]]:
@@ -301,6 +304,27 @@ class FullyShardedDataParallel(nn.Module):
 
     def zero_grad_buffer(self):
         self.module.zero_grad(set_to_none=True)
+
+    # ---- TE's FP8 weights (--fp8-param-gather) ------------------------------------------------------
+    def cast_fp8_shards(self, owned_values: dict[nn.Parameter, torch.Tensor]) -> None:
+        """Cast `owned_values[p]` (the new values of p's flat local shard) into the FP8 local shards
+        with TE's cast_master_weights_to_fp8, every FP8 weight listed on every rank (the amax
+        reduction over DP is collective; None where a rank holds no rows). FSDP2 gathers the uint8
+        shards at the next forward through TE's FSDP2 hooks, which also make TE's transposes."""
+        params = [p for p in self.params if is_fp8_param(local_tensor(p))]
+        if params:
+            cast_masters([local_tensor(p) for p in params], [owned_values.get(p) for p in params],
+                         [0 if p in owned_values else None for p in params], self.dp_group,
+                         manual_post_processing=False)
+
+    def load_fp8_shards(self, owned_values: dict[nn.Parameter, torch.Tensor]) -> None:
+        """Values read into the FP8 weights' shards: cast by apply_fp8_loads once read."""
+        self._fp8_pending.update(owned_values)
+
+    def apply_fp8_loads(self) -> None:
+        if self._fp8_pending:
+            self.cast_fp8_shards(self._fp8_pending)
+            self._fp8_pending = {}
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)

@@ -3,7 +3,7 @@
 UNVERIFIED: transformer_engine was not installable where this was written; this follows TE's
 documented API (transformer_engine.pytorch.quantized_model_init, fp8_model_init before TE 2.8;
 QuantizedTensor.dequantize; transformer_engine.pytorch.tensor.utils.replace_raw_data,
-cast_master_weights_to_fp8 (TE >= 2.2; its FSDP-shard argument from 2.3) and
+cast_master_weights_to_fp8 (TE >= 2.2; under FSDP2 given the local FP8 shards) and
 post_all_gather_processing (newer TE; absent: a no-op, the transpose is made in the next forward)),
 as megatron-core's fp8_utils uses it. On CPU it runs through tests/helpers/fake_te.py.
 
@@ -12,7 +12,10 @@ weight's raw uint8 data is a view of its bucket's uint8 parameter buffer (1 byte
 fp32 main shard starts from the dequantized values, and after a step every rank casts its main
 shards into its shards of that buffer (the amax reduced over the bucket's group, so every rank
 computes the same scale), the buckets are all-gathered as uint8 and TE's post-all-gather processing
-runs. Checkpoints hold the weights dequantized, in the model dtype (as megatron-core's torch_dist).
+runs. Under FSDP2 (distributed/fsdp.py, optim/fully_sharded_optimizer.py) the FP8 weights shard as
+FP8 (TE's fsdp_pre/post_all_gather hooks gather the uint8 data), each rank's fp32 mains cast into its
+local shards the same way. Checkpoints hold the weights dequantized, in the model dtype (as
+megatron-core's torch_dist), and a resume casts the checkpoint's main params again.
 """
 
 from __future__ import annotations
@@ -72,16 +75,19 @@ def replace_raw_data(param, buffer_view: torch.Tensor) -> None:
     _te_tensor_utils().replace_raw_data(param, buffer_view.view(param.shape))
 
 
-def cast_masters(params: list, mains: list, offsets: list, group) -> None:
-    """TE's cast_master_weights_to_fp8 over every FP8 parameter of a group's buckets, on every rank
-    of `group` (the amax reduction is collective): mains[i] (or None where this rank owns none of
-    params[i]) is written into params[i]'s flat range starting at offsets[i]."""
+def cast_masters(params: list, mains: list, offsets: list, group,
+                 manual_post_processing: bool = True) -> None:
+    """TE's cast_master_weights_to_fp8 over every FP8 parameter of a group's buckets (or FSDP2's
+    local shards), on every rank of `group` (the amax reduction is collective): mains[i] (or None
+    where this rank owns none of params[i]) is written into params[i]'s flat range starting at
+    offsets[i]. manual_post_processing: post_all_gather() runs after the gather (the distributed
+    optimizer's); FSDP2's gather runs TE's own fsdp_post_all_gather."""
     if not params:
         return
     utils = _te_tensor_utils()
     kwargs = {}
     accepted = inspect.signature(utils.cast_master_weights_to_fp8).parameters
-    if getattr(utils, "post_all_gather_processing", None) is not None and \
+    if manual_post_processing and getattr(utils, "post_all_gather_processing", None) is not None and \
             "manual_post_all_gather_processing" in accepted:
         kwargs["manual_post_all_gather_processing"] = True  # post_all_gather() runs after the gather
     utils.cast_master_weights_to_fp8(params, mains, offsets, group, **kwargs)

@@ -12,7 +12,9 @@ expert-DP).
 
 Memory per parameter per rank (bf16 model, Adam): fp32 shard 4 + fp32 grad shard 4 + exp_avg 4 +
 exp_avg_sq 4 = 16/d bytes at rest; the gathered 16-bit weights and the unsharded fp32 gradients of
-the groups in use exist only during forward/backward.
+the groups in use exist only during forward/backward. TE's FP8 weights (--fp8-param-gather) shard as
+FP8 (TE's FSDP2 all-gather hooks gather uint8): 1/d byte + a fp32 main copy of the dequantized shard,
+cast back after each step with TE's cast_master_weights_to_fp8 (the amax reduced over DP).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from megafab.distributed.fsdp import is_fully_sharded, local_tensor
+from megafab.model.fp8_params import dequantized, is_fp8_param
 from megafab.optim.mixed_precision import (
     LOW_PRECISION,
     MainParam,
@@ -42,7 +45,12 @@ class ShardMainParam(MainParam):
         return None if grad is None else local_tensor(grad).view(-1)
 
     def model_values(self) -> torch.Tensor:
-        return local_tensor(self.model_param).view(-1)
+        local = local_tensor(self.model_param)
+        return dequantized(local).view(-1) if self.fp8 else local.view(-1)
+
+    @property
+    def fp8(self) -> bool:
+        return is_fp8_param(local_tensor(self.model_param))
 
     @property
     def model_dtype(self) -> torch.dtype:
@@ -73,7 +81,14 @@ class FullyShardedOptimizer(MixedPrecisionOptimizer):
         for name, p in named:
             if p not in owned:
                 continue
-            shard = local_tensor(p).view(-1)
+            local = local_tensor(p)
+            if is_fp8_param(local):  # an fp32 (fp64 in fp64 models) master of the dequantized shard
+                dtype = torch.float32 if local.dtype in LOW_PRECISION else local.dtype
+                main = dequantized(local, dtype).view(-1).clone()
+                entries.append(ShardMainParam(name, p, main, not no_weight_decay(name, p), owned[p],
+                                              compute_dtype=compute[p]))
+                continue
+            shard = local.view(-1)
             main = shard.float().clone() if shard.dtype in LOW_PRECISION and not self.low_precision_main \
                 else shard
             entries.append(ShardMainParam(name, p, main, not no_weight_decay(name, p), owned[p],
@@ -83,3 +98,9 @@ class FullyShardedOptimizer(MixedPrecisionOptimizer):
                 "this data-parallel rank holds no rows of any parameter under FSDP2 (more DP ranks "
                 "than rows); use fewer data-parallel ranks or a larger model")
         return entries
+
+    def _copy_main_to_model(self):
+        super()._copy_main_to_model()
+        mains = {e.model_param: e.main for e in self.device_entries if e.fp8}
+        for chunk in self.model_chunks:
+            chunk.cast_fp8_shards(mains)

@@ -144,6 +144,9 @@ def fully_shard_chunk(cfg, topo: Topology, chunk) -> FullyShardedDataParallel:
     dtype = next(chunk.parameters()).dtype
     low_precision = dtype in (torch.bfloat16, torch.float16)
     own = cfg.optimizer.optimizer_cpu_offload or fsdp_main_params_in_model_dtype(cfg.parallel)
+    # TE's FP8 weights shard as FP8 beside the others in one FSDP2 group, which takes one dtype: the
+    # other shards stay in the model dtype too, the optimizer keeps fp32 copies (--fp8-param-gather)
+    own = own or cfg.precision.fp8_param_gather
     main = torch.float32 if low_precision and not own else dtype
     reduce = None if cfg.parallel.accumulate_allreduce_grads_in_fp32 else dtype  # --grad-reduce-in-bf16
     expert_mesh = expert_data_parallel_mesh(topo) if moe_settings(cfg) is not None else None

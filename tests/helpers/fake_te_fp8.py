@@ -34,10 +34,12 @@ class Float8Tensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype):
-        self = torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=dtype, device=data.device)
+    def __new__(cls, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, stale=None):
+        self = torch.Tensor._make_wrapper_subclass(cls, data.shape, strides=data.stride(),
+                                                   storage_offset=data.storage_offset(), dtype=dtype,
+                                                   device=data.device)
         self._data, self._scale_inv = data, scale_inv
-        self.stale = [False]  # shared by the aliases of one weight
+        self.stale = stale or [False]  # shared by the views of one weight
         return self
 
     @classmethod
@@ -52,16 +54,36 @@ class Float8Tensor(torch.Tensor):
     def __repr__(self):
         return f"Float8Tensor({self.dequantize()})"
 
+    # FSDP2's all-gather extension (TE's Float8Tensor has one): the uint8 data travels, the scale
+    # rides along as metadata (every rank's is the same: cast_master_weights_to_fp8 reduces the amax)
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        return (self._data.contiguous(),), (self._scale_inv.clone(),)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        (data,), (scale_inv,) = all_gather_outputs, metadata
+        if out is not None:
+            out._scale_inv.copy_(scale_inv)
+            return None
+        return Float8Tensor(data, scale_inv, self.dtype), (data,)
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in (aten.detach.default, aten.alias.default):
-            alias = Float8Tensor(args[0]._data, args[0]._scale_inv, args[0].dtype)
-            alias.stale = args[0].stale
-            return alias
+        if func in VIEWS:  # views of the raw data, sharing the scale
+            t = args[0]
+            out = func(t._data, *args[1:], **kwargs)
+            wrap = (lambda d: Float8Tensor(d, t._scale_inv, t.dtype, t.stale))
+            return [wrap(d) for d in out] if isinstance(out, (list, tuple)) else wrap(out)
+        if func is aten.new_zeros.default:
+            t, size = args[0], args[1]
+            return Float8Tensor(torch.zeros(size, dtype=torch.uint8, device=t.device), t._scale_inv.clone(),
+                                t.dtype)
         if func is aten.copy_.default and isinstance(args[0], Float8Tensor):
             dst, src = args[0], args[1]
-            src = src.dequantize() if isinstance(src, Float8Tensor) else src
+            if isinstance(src, Float8Tensor):  # raw bytes and scale (FSDP2's sharding)
+                dst._data.copy_(src._data)
+                dst._scale_inv.copy_(src._scale_inv)
+                return dst
             scale = _scale(src.abs().max())
             dst._data.copy_(_to_e4m3(src, scale))
             dst._scale_inv.copy_(1.0 / scale)
@@ -73,6 +95,9 @@ class Float8Tensor(torch.Tensor):
 
 
 QuantizedTensor = Float8Tensor
+VIEWS = {aten.detach.default, aten.alias.default, aten.view.default, aten._unsafe_view.default,
+         aten.slice.Tensor, aten.narrow.default, aten.as_strided.default, aten.split.Tensor,
+         aten.split_with_sizes.default, aten.chunk.default}
 INIT = {"quantized": 0}
 
 

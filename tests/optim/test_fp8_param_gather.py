@@ -14,12 +14,13 @@ import torch
 
 from megafab.checkpoint import checkpointing
 from megafab.config.core import ConfigError
+from megafab.distributed.fsdp import local_tensor, shard_range
 from megafab.distributed.param_gather import finish_param_syncs
 from megafab.model.fp8_params import dequantized, is_fp8_param, quantized_init_context
 from megafab.model.te import fp8_recipe
 from megafab.optim.memory import measure_memory
 from megafab.run.fork_ranks import run_ranks
-from tests.helpers import fake_te
+from tests.helpers import fake_te, fake_te_fp8
 from tests.helpers.checkpoint import make_state, read_everything, train
 from tests.helpers.tiny import LLAMA_STYLE, tiny_config
 
@@ -28,9 +29,11 @@ FP8 = dict(style=dict(LLAMA_STYLE, num_query_groups=2), transformer_impl="transf
 TE_WEIGHTS = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
 
 
-def _state(world, overlap=False, fp8=True, pp=1, **extra):
+def _state(world, overlap=False, fp8=True, pp=1, fsdp=False, **extra):
     over = dict(overlap_grad_reduce=True, overlap_param_gather=True) if overlap else {}
-    return make_state(1, world // pp, True, pp=pp, **{**FP8, "fp8_param_gather": fp8, **over, **extra})
+    if fsdp:
+        over.update(use_torch_fsdp2=True, ddp_bucket_size=None)
+    return make_state(1, world // pp, not fsdp, pp=pp, **{**FP8, "fp8_param_gather": fp8, **over, **extra})
 
 
 def _values(state) -> dict[str, torch.Tensor]:
@@ -89,6 +92,32 @@ def test_fp8_param_gather_dp2_with_and_without_overlap_equals_dp1(monkeypatch):
     # PP 2 x DP 2 with overlap: two chunks' FP8 buckets, the loss on the last stage
     losses = [r for r in run_ranks(_run_pipeline, 4, timeout=120) if r is not None]
     assert len(losses) == 2 and all(abs(a - b) < 1e-10 for r in losses for a, b in zip(r, ref_losses))
+    # FSDP2 DP 2: FP8 shards gathered as uint8 through TE's FSDP2 hooks
+    for losses, shards in run_ranks(_run_fsdp, 2, timeout=120):
+        assert all(abs(a - b) < 1e-10 for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+        for name, (lo, hi, v) in shards.items():
+            assert (v - ref[name].view(-1)[lo:hi]).abs().max() < 1e-10, name
+
+
+def _run_fsdp(rank, world):
+    gathered = []
+    original = fake_te_fp8.Float8Tensor.fsdp_pre_all_gather
+
+    def counted(self, mesh, outer_size, outer_stride, module, mp_policy):
+        gathered.append(self._data.dtype)
+        return original(self, mesh, outer_size, outer_stride, module, mp_policy)
+    fake_te_fp8.Float8Tensor.fsdp_pre_all_gather = counted  # this rank's process only
+    state = _state(world, fsdp=True)
+    chunk = state.model[0]
+    fp8 = {n for n, p in chunk.module.named_parameters() if is_fp8_param(local_tensor(p))}
+    assert fp8 == {n for n, _ in chunk.module.named_parameters() if n.endswith(TE_WEIGHTS)}, fp8
+    losses = train(state, 3)
+    assert gathered and set(gathered) == {torch.uint8}  # FP8 weights gathered as their raw bytes
+    shards = {}
+    for name, p in chunk.module.named_parameters():
+        local = local_tensor(p)
+        shards[name] = (*shard_range(p), (dequantized(local) if name in fp8 else local).reshape(-1).clone())
+    return losses, shards
 
 
 def _run_pipeline(rank, world):
@@ -102,28 +131,40 @@ def _run_pipeline(rank, world):
 UNGATED = dict(FP8["style"], swiglu=False)
 
 
-def _save_resume(rank, world, path):
-    saver = _state(world, save=path, style=UNGATED)
+def _save_resume(rank, world, path, fsdp):
+    saver = _state(world, save=path, style=UNGATED, fsdp=fsdp)
     train(saver, 2)
     checkpointing.save_checkpoint(saver)
     stored = read_everything(checkpointing.iteration_dir(path, 2))
-    saved = _values(saver)
+    saved = _local_values(saver)
     loss = train(saver, 1)
-    resumed = _state(world, load=path, style=UNGATED)
+    resumed = _state(world, load=path, style=UNGATED, fsdp=fsdp)
     assert checkpointing.load_checkpoint(resumed) == 2
     assert abs(train(resumed, 1)[0] - loss[0]) < 1e-12
-    after, want = _values(resumed), _values(saver)
-    assert all((after[n] - want[n]).abs().max() < 1e-12 for n in want)
-    if rank == 0:  # weights dequantized in the model dtype, fp32 (here fp64) mains beside
-        for name in (n for n in saved if n.endswith(TE_WEIGHTS)):
-            assert torch.equal(stored[f"model.{name}"], saved[name]), name
-            assert f"optim.{name}.main_param" in stored, name
+    after, want = _local_values(resumed), _local_values(saver)
+    assert all((after[n][2] - want[n][2]).abs().max() < 1e-12 for n in want)
+    for name in (n for n in saved if n.endswith(TE_WEIGHTS)):  # dequantized, in the model dtype
+        lo, hi, values = saved[name]
+        assert torch.equal(stored[f"model.{name}"].reshape(-1)[lo:hi], values), name
+        assert f"optim.{name}.main_param" in stored, name  # fp32 (here fp64) mains beside
     return 1
 
 
-def test_fp8_param_gather_save_and_resume(monkeypatch, tmp_path):
+def _local_values(state) -> dict[str, tuple[int, int, torch.Tensor]]:
+    """This rank's flat range of every weight (all of it under the distributed optimizer)."""
+    finish_param_syncs(state.model)
+    out = {}
+    for name, p in state.model[0].module.named_parameters():
+        local = local_tensor(p)
+        values = dequantized(local) if is_fp8_param(local) else local.detach()
+        out[name] = (*shard_range(p), values.reshape(-1).clone())
+    return out
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["distributed-optimizer", "fsdp2"])
+def test_fp8_param_gather_save_and_resume(monkeypatch, tmp_path, fsdp):
     fake_te.install(monkeypatch)
-    assert run_ranks(_save_resume, 2, str(tmp_path), timeout=180) == [1, 1]
+    assert run_ranks(_save_resume, 2, str(tmp_path), fsdp, timeout=180) == [1, 1]
 
 
 def test_quantized_init_falls_back_to_fp8_model_init(monkeypatch):
@@ -144,9 +185,9 @@ def test_quantized_init_falls_back_to_fp8_model_init(monkeypatch):
 
 def test_rules_name_what_fp8_param_gather_needs():
     assert tiny_config(dp=2, use_distributed_optimizer=True, **FP8).precision.fp8_param_gather
+    assert tiny_config(dp=2, use_megatron_fsdp=True, **FP8).precision.fp8_param_gather
     cases = {"--fp8-param-gather needs --fp8-format": dict(fp8_format=None, transformer_impl="local"),
-             "--fp8-param-gather needs --use-distributed-optimizer": {},
-             "--fp8-param-gather with FSDP2": dict(use_torch_fsdp2=True),
+             "--fp8-param-gather needs --use-distributed-optimizer or FSDP2": {},
              "--fp8-param-gather with --fp8-recipe mxfp8": dict(use_distributed_optimizer=True,
                                                                 fp8_recipe="mxfp8"),
              "--fp8-param-gather with --optimizer-cpu-offload": dict(
