@@ -10,9 +10,10 @@
                  counters as DCP objects; fsdp_dtensor.py); Megatron's torch_dcp has the same files and
                  is refused by fsdp_dtensor.py when it holds no `model.` weights
 
-As in Megatron, --ckpt-format torch_dist or fsdp_dtensor (or --auto-detect-ckpt-format) loads whatever
-the directory holds; --ckpt-format torch alone expects the legacy format. A directory that is none of these --
-empty, a save that did not finish, another tool's files -- is refused naming what was found.
+As in Megatron, --ckpt-format torch_dist (or --auto-detect-ckpt-format) loads whatever the directory
+holds (here fsdp_dtensor too); --ckpt-format torch alone expects the legacy format. A directory that
+is none of these -- empty, a save that did not finish, another tool's files -- is refused naming what
+was found.
 """
 
 from __future__ import annotations
