@@ -196,7 +196,7 @@ _refuse(_ATTENTION, """--attention-output-gate --experimental-attention-variant 
     --dsa-indexer-use-sparse-loss --qk-l2-norm --qk-clip
     --qk-clip-alpha V --qk-clip-threshold V --use-kitchen-attention --kitchen-attention-backend V
     --relative-attention-num-buckets V --relative-attention-max-distance V""")
-_refuse(_ROPE, "--rotary-interleaved --no-rope-freq V --mrope-section V+")
+_refuse(_ROPE, "--no-rope-freq V --mrope-section V+")
 _refuse(_MAMBA, """--is-hybrid-model --mamba-state-dim V --mamba-head-dim V --mamba-num-groups V
     --mamba-num-heads V --disable-mamba-mem-eff-path --hybrid-attention-ratio V --hybrid-mlp-ratio V
     --hybrid-override-pattern V --linear-attention-freq V --linear-conv-kernel-dim V

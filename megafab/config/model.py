@@ -54,6 +54,9 @@ class ModelConfig(Section):
              "Megatron-LM's spelling after core 0.16) or none.")
     rotary_base: int = option(10000, help="RoPE base (theta).")
     rotary_percent: float = option(1.0, help="Fraction of each head's channels that RoPE rotates.")
+    rotary_interleaved: bool = option(
+        False, help="RoPE rotates adjacent channel pairs (2i, 2i+1) by frequency i (GPT-J's order) instead "
+                    "of channel i with i + d/2.")
     # ---- Llama-3 RoPE scaling and position interpolation (megatron-core's RotaryEmbedding) ----
     use_rope_scaling: bool = option(
         False, help="Llama 3.x RoPE scaling (HF's rope_type llama3) of plain RoPE's frequencies.")

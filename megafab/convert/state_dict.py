@@ -143,6 +143,8 @@ def hf_variant_problems(m: ModelConfig, architecture: str) -> list[str]:
         out.append(f"--window-size {m.window_size} (HF {architecture} attends over the whole context)")
     if m.softmax_type != "vanilla":
         out.append(f"--softmax-type {m.softmax_type} (HF {architecture} has no attention sinks)")
+    if m.rotary_interleaved:
+        out.append(f"--rotary-interleaved (HF {architecture} rotates channel i with i + d/2)")
     return out
 
 

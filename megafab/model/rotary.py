@@ -167,9 +167,11 @@ class RotaryEmbedding(nn.Module):
     """RoPE on the first rotary_percent of each head's channels (YaRN: all of them)."""
 
     def __init__(self, kv_channels: int, rotary_percent: float, base: int, device, yarn: Yarn | None = None,
-                 llama3: Llama3Scaling | None = None, interpolation: float | None = None):
+                 llama3: Llama3Scaling | None = None, interpolation: float | None = None,
+                 interleaved: bool = False):
         super().__init__()
         self.interpolation = interpolation
+        self.interleaved = interleaved  # --rotary-interleaved: frequency i on channels 2i and 2i + 1
         self.dim = kv_channels if yarn is not None else int(kv_channels * rotary_percent)
         self.factor = 1.0 if yarn is None else yarn.attention_factor()
         if yarn is None:
@@ -185,7 +187,7 @@ class RotaryEmbedding(nn.Module):
     def from_model_config(cls, m, device) -> RotaryEmbedding:
         yarn = Yarn.from_model_config(m)
         return cls(rotary_dim(m), m.rotary_percent, m.rotary_base, device, yarn,
-                   Llama3Scaling.from_model_config(m), position_interpolation(m))
+                   Llama3Scaling.from_model_config(m), position_interpolation(m), m.rotary_interleaved)
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """position_ids [b, s] -> (cos, sin), each [s, b, 1, dim] in `dtype`, computed once per forward
@@ -194,21 +196,28 @@ class RotaryEmbedding(nn.Module):
         if self.interpolation is not None:
             positions = positions / self.interpolation
         freqs = positions[..., None] * self.inv_freq  # [s, b, dim/2]
-        angles = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
+        if self.interleaved:
+            angles = torch.stack([freqs, freqs], dim=-1).flatten(-2)[:, :, None, :]
+        else:
+            angles = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
         if self.factor == 1.0:
             return angles.cos().to(dtype), angles.sin().to(dtype)
         return (angles.cos() * self.factor).to(dtype), (angles.sin() * self.factor).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
-                 pairs: bool = False) -> torch.Tensor:
+                 pairs: bool = False, interleaved: bool = False) -> torch.Tensor:
     """x [s, b, heads, d]; rotates the first cos.shape[-1] channels by RotaryEmbedding's (cos, sin).
-    pairs: multi-latent attention's order (channels 2i and 2i+1 gathered into the halves first)."""
+    pairs: multi-latent attention's order (channels 2i and 2i+1 gathered into the halves first);
+    interleaved: --rotary-interleaved, channels 2i and 2i+1 rotated in place (the angles' own order)."""
     cos, sin = rotary
     dim = cos.shape[-1]
     rot, keep = x[..., :dim], x[..., dim:]
     if pairs:
         rot = torch.cat([rot[..., 0::2], rot[..., 1::2]], dim=-1)
-    half1, half2 = rot.chunk(2, dim=-1)
-    rotated = torch.cat([-half2, half1], dim=-1)
+    if interleaved:
+        rotated = torch.stack([-rot[..., 1::2], rot[..., 0::2]], dim=-1).flatten(-2)
+    else:
+        half1, half2 = rot.chunk(2, dim=-1)
+        rotated = torch.cat([-half2, half1], dim=-1)
     return torch.cat([rot * cos + rotated * sin, keep], dim=-1)

@@ -300,6 +300,7 @@ class TETransformerLayer(nn.Module):
         tp = group_size(ctx.tp_group)
         self.ctx = ctx
         self.hidden_dropout = cfg.hidden_dropout
+        self.rotary_interleaved = cfg.rotary_interleaved
         self.d = cfg.kv_channels
         self.heads_per_group = cfg.num_attention_heads // cfg.num_query_groups
         self.groups_local = cfg.num_query_groups // tp
@@ -356,7 +357,8 @@ class TETransformerLayer(nn.Module):
         q = qkv[:, :, :, : self.heads_per_group].reshape(s, b, -1, self.d)  # [s, b, heads/tp, d]
         k, v = qkv[:, :, :, -2].contiguous(), qkv[:, :, :, -1].contiguous()  # [s, b, groups/tp, d]
         if rotary_angles is not None:
-            q, k = apply_rotary(q, rotary_angles), apply_rotary(k, rotary_angles)
+            q = apply_rotary(q, rotary_angles, interleaved=self.rotary_interleaved)
+            k = apply_rotary(k, rotary_angles, interleaved=self.rotary_interleaved)
         if attention_mask is None:
             ctx = self.self_attention.core_attention(q, k, v)  # [s, b, heads/tp * d]
         else:

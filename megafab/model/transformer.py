@@ -83,6 +83,7 @@ class SelfAttention(nn.Module):
         self.heads_per_group = cfg.num_attention_heads // cfg.num_query_groups
         self.groups_local = cfg.num_query_groups // tp
         self.dropout = cfg.attention_dropout
+        self.rotary_interleaved = cfg.rotary_interleaved
         self.recompute_core_attention = RecomputeSettings.from_model_config(cfg).core_attention
         qkv_out = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * self.d
         self.q_layernorm = self.k_layernorm = None
@@ -118,7 +119,8 @@ class SelfAttention(nn.Module):
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary_angles is not None:
-            q, k = apply_rotary(q, rotary_angles), apply_rotary(k, rotary_angles)
+            q = apply_rotary(q, rotary_angles, interleaved=self.rotary_interleaved)
+            k = apply_rotary(k, rotary_angles, interleaved=self.rotary_interleaved)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)  # [b, groups/tp, s_cached + s, d]

@@ -73,6 +73,7 @@ def transformer_config(m, dtype=torch.float32) -> TransformerConfig:
         window_attn_skip_freq=_as_list(getattr(m, "window_attn_skip_freq", None)),
         softmax_type=getattr(m, "softmax_type", "vanilla"),
         apply_query_key_layer_scaling=getattr(m, "apply_query_key_layer_scaling", False),
+        rotary_interleaved=getattr(m, "rotary_interleaved", False),
         attention_dropout=0.0, use_cpu_initialization=True, params_dtype=dtype,
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),

@@ -25,12 +25,14 @@ CASES = {"llama3": dict(use_rope_scaling=True, rope_scaling_factor=8.0),
          "both": dict(use_rope_scaling=True, rope_scaling_factor=32.0,
                       rotary_seq_len_interpolation_factor=2.0),
          "qkv_bias": dict(add_qkv_bias=True), "qk_norm": dict(qk_layernorm=True),
+         "rotary_interleaved": dict(rotary_interleaved=True),
          "qk_norm_gqa1": dict(qk_layernorm=True, num_query_groups=1, use_rope_scaling=True),
          # gpt-oss's dense MLP: clamped quick-GEGLU (the clamp small enough to bite), +1 offset, biases
          "quick_geglu": dict(swiglu=False, quick_geglu=True, activation_func_clamp_value=0.05,
                              glu_linear_offset=1.0, add_bias_linear=True)}
 # the model "without the variant" keeps these (the same weights): a plain SwiGLU MLP with biases
-PLAIN = {"quick_geglu": dict(swiglu=True, add_bias_linear=True, ffn_hidden_size=128)}
+PLAIN = {"quick_geglu": dict(swiglu=True, add_bias_linear=True, ffn_hidden_size=128),
+         "rotary_interleaved": {}}
 
 
 @pytest.fixture(scope="module")

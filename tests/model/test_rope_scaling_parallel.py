@@ -1,5 +1,6 @@
-"""A GPT with Llama 3.x RoPE scaling and position interpolation, and one with YaRN for standard
-attention (a short original context), under TP 2 (with and without SP) and CP 2 (each rank's
+"""A GPT with Llama 3.x RoPE scaling and position interpolation, one with YaRN for standard
+attention (a short original context) and one with interleaved RoPE (--rotary-interleaved, partial
+rotary), under TP 2 (with and without SP) and CP 2 (each rank's
 positions offset by its chunks), and Qwen2's q/k/v biases without other biases and Qwen3's QK-norm
 under TP 2 (+ SP), equal the single-process model in float64: the loss and every gradient within
 1e-10; the config rules refuse the RoPE flags where they have no effect."""
@@ -32,6 +33,7 @@ QKV_BIAS = dict(LLAMA_STYLE, rotary_percent=1.0, add_qkv_bias=True)  # Qwen2's a
 QK_NORM = dict(LLAMA_STYLE, rotary_percent=1.0, qk_layernorm=True)  # Qwen3's attention
 YARN = dict(LLAMA_STYLE, rotary_percent=1.0, position_embedding_type="yarn", rotary_scaling_factor=4.0,
             yarn_original_max_position_embeddings=4)  # gpt-oss's RoPE, its original context shorter here
+INTERLEAVED = dict(LLAMA_STYLE, rotary_interleaved=True)  # channel pairs (2i, 2i+1), partial rotary
 
 
 def loss_and_grads(model, tokens, labels, mask, tp_group=None):
@@ -56,7 +58,7 @@ def _compare(loss, grads, ref_loss, ref_grads):
 def _tp_parity(rank, world):
     topo = build_topology(tp=world)
     checked = []
-    for style in (STYLE, QKV_BIAS, QK_NORM, YARN):
+    for style in (STYLE, QKV_BIAS, QK_NORM, YARN, INTERLEAVED):
         cfg = tiny_config(tp=world, style=style).model
         tokens, labels, mask = batch(cfg)
         ref = loss_and_grads(reference_model(cfg), tokens, labels, mask)
@@ -69,7 +71,7 @@ def _tp_parity(rank, world):
 
 def test_rope_scaling_and_qkv_bias_tensor_and_sequence_parallel_equal_single_process():
     checked = run_ranks(_tp_parity, 2, timeout=120)
-    assert all(len(c) == 8 and min(c) > 0 for c in checked)
+    assert all(len(c) == 10 and min(c) > 0 for c in checked)
 
 
 def _cp_parity(rank, world, style):
@@ -93,14 +95,16 @@ def _cp_parity(rank, world, style):
     return _compare(loss.item(), grads, ref_loss, ref_grads)
 
 
-@pytest.mark.parametrize("style", [STYLE, YARN], ids=["llama3+interpolation", "yarn"])
+@pytest.mark.parametrize("style", [STYLE, YARN, INTERLEAVED],
+                         ids=["llama3+interpolation", "yarn", "interleaved"])
 def test_rope_scaling_context_parallel_equals_single_process(style):
     assert min(run_ranks(_cp_parity, 2, style, timeout=120)) > 0
 
 
 @pytest.mark.parametrize("style,plain_style", [
     (STYLE, dict(STYLE, use_rope_scaling=False, rotary_seq_len_interpolation_factor=None)),
-    (YARN, dict(YARN, position_embedding_type="rope"))], ids=["llama3+interpolation", "yarn"])
+    (YARN, dict(YARN, position_embedding_type="rope")),
+    (INTERLEAVED, LLAMA_STYLE)], ids=["llama3+interpolation", "yarn", "interleaved"])
 def test_scaling_is_in_effect(style, plain_style):
     cfg = tiny_config(style=style).model
     plain = tiny_config(style=plain_style)
