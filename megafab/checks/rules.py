@@ -322,3 +322,6 @@ def fp8_param_gather_problems(cfg) -> list[str]:
         out.append("--fp8-param-gather with --optimizer-cpu-offload is not implemented (the host optimizer "
                    "writes weights by copy, not TE's FP8 cast); drop one of them")
     return out
+    if m.multi_latent_attention and m.rotary_interleaved:  # megatron-core's TransformerConfig refuses it
+        out.append("--rotary-interleaved does not work with --multi-latent-attention (megatron-core's rule: "
+                   "MLA pairs its RoPE channels itself); drop --rotary-interleaved")
