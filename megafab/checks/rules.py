@@ -132,6 +132,9 @@ def mla_problems(cfg) -> list[str]:
     m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
     out = []
     yarn = m.position_embedding_type == "yarn" or (m.multi_latent_attention and m.rope_type != "rope")
+    if m.multi_latent_attention and m.rotary_interleaved:  # megatron-core's TransformerConfig refuses it
+        out.append("--rotary-interleaved does not work with --multi-latent-attention (megatron-core's rule: "
+                   "MLA pairs its RoPE channels itself); drop --rotary-interleaved")
     if m.rope_type == "yarn" and not m.multi_latent_attention:
         out.append("--rope-type yarn is for --multi-latent-attention (Megatron: standard attention takes "
                    "rope only); give standard attention YaRN with --position-embedding-type yarn")
@@ -322,6 +325,3 @@ def fp8_param_gather_problems(cfg) -> list[str]:
         out.append("--fp8-param-gather with --optimizer-cpu-offload is not implemented (the host optimizer "
                    "writes weights by copy, not TE's FP8 cast); drop one of them")
     return out
-    if m.multi_latent_attention and m.rotary_interleaved:  # megatron-core's TransformerConfig refuses it
-        out.append("--rotary-interleaved does not work with --multi-latent-attention (megatron-core's rule: "
-                   "MLA pairs its RoPE channels itself); drop --rotary-interleaved")
