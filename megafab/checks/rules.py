@@ -299,9 +299,9 @@ def precision_problems(cfg) -> list[str]:
                        "Transformer Engine's layers)")
         if not (pr.bf16 or pr.fp16):
             out.append("--fp8-format needs --bf16 (or --fp16) for the non-FP8 parts")
-    if cfg.parallel.grad_reduce_in_bf16 and not pr.bf16:
     if pr.fp8_param_gather:
         out += fp8_param_gather_problems(cfg)
+    if cfg.parallel.grad_reduce_in_bf16 and not pr.bf16:
         out.append("--grad-reduce-in-bf16 needs --bf16 (gradients of fp32/fp16 models are reduced in "
                    "fp32); add --bf16 or drop --grad-reduce-in-bf16")
     return out
