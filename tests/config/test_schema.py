@@ -38,7 +38,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # ModelOpt flags, Megatron's functional tests', joined the epilog's refused list; then
 # --use-checkpoint-args, --use-mp-args-from-checkpoint-args and --no-use-tokenizer-model-from-checkpoint-args
 # (+ --disable-) were appended to the checkpointing group, off the refused and no-effect lists;
-# --moe-router-load-balancing-type's help reworded: sinkhorn runs, no longer refused).
+# --moe-router-load-balancing-type's help reworded: sinkhorn runs, no longer refused; then the
+# functional-test corpus' flags --rotary-interleaved, --apply-query-key-layer-scaling,
+# --check-weight-hash-across-dp-replicas-interval, --verify-integrity, --save-retain-interval and
+# --use-tp-pp-dp-mapping were appended, off the epilog's refused list).
 BEFORE = os.path.join(HERE, "help_before.json")
 BEFORE_TEXT = os.path.join(HERE, "help_before.txt")
 # The two parser defaults that now equal the schema's (both flags carry their own help text, so
