@@ -308,7 +308,8 @@ def precision_problems(cfg) -> list[str]:
 
 
 def fp8_param_gather_problems(cfg) -> list[str]:
-    """--fp8-param-gather: TE's FP8 weights under the distributed optimizer (model/fp8_params.py)."""
+    """--fp8-param-gather: TE's FP8 weights under the distributed optimizer or FSDP2
+    (model/fp8_params.py)."""
     pr, p = cfg.precision, cfg.parallel
     if pr.fp8_format is None:
         return ["--fp8-param-gather needs --fp8-format (the FP8 weights are Transformer Engine's, "
