@@ -11,7 +11,8 @@ groups of their own over expert-DP (expert_units). The chunk is built on the met
 rank's shards are filled one part at a time (fill_shards); the values equal the non-sharded
 build's. Same methods as DistributedDataParallel for the schedules, finalize_model_grads, the
 optimizers and the checkpoint layout. torch.distributed.tensor costs seconds to import, so only
-runs that shard import it (`local_tensor` tells a DTensor without importing it).
+runs that shard import it (`local_tensor` tells a DTensor without importing it). TE's FP8 weights
+(--fp8-param-gather) shard as FP8, gathered as uint8 through TE's FSDP2 hooks (cast_fp8_shards).
 """
 
 from __future__ import annotations
