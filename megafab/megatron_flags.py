@@ -264,7 +264,7 @@ _refuse("Megatron's ONNX-export workarounds are not in megafab", "--onnx-safe V"
 _refuse(f"this activation function is {NOT_YET}",
         "--use-fused-weighted-squared-relu --use-te-activation-func")
 _refuse(_INIT, """--embedding-init-method-std V --init-method-xavier-uniform --data-parallel-random-init""")
-_refuse(_PIPELINE, """--microbatch-group-size-per-virtual-pipeline-stage V --use-ring-exchange-p2p
+_refuse(_PIPELINE, """--use-ring-exchange-p2p
     --pipeline-model-parallel-comm-backend V""")
 _refuse(f"MTP layers in a pipeline stage of their own are {NOT_YET} (megafab places them on the last "
         f"stage, as megatron-core without --mtp-standalone)", "--mtp-standalone")

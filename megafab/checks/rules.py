@@ -8,6 +8,7 @@ import dataclasses
 
 from megafab.config.derive import CP_COMM_TYPES, scheduler_samples
 from megafab.config.schema import SECTIONS
+from megafab.distributed.schedule_table import interleaving_problem
 from megafab.layout import layout_problems, rank_order
 from megafab.pipeline_split import PipelineSplit
 
@@ -204,10 +205,15 @@ def parallel_problems(cfg) -> list[str]:
                    "need --num-virtual-stages-per-pipeline-rank, not --num-layers-per-virtual-pipeline-stage")
     elif m.num_layers and pp >= 1:
         out += PipelineSplit.from_config(cfg).problems()
-    if interleaved and vpp and t.num_micro_batches and pp > 1 and t.num_micro_batches % pp:
+    group = p.microbatch_group_size_per_vp_stage
+    if interleaved and vpp and t.num_micro_batches and pp > 1 and group is None and t.num_micro_batches % pp:
         out.append(f"the interleaved schedule needs the number of micro-batches "
                    f"({t.num_micro_batches} = global batch / (micro batch x dp)) to be a multiple of "
                    f"--pipeline-model-parallel-size {pp}")
+    elif interleaved and vpp and t.num_micro_batches and pp > 1 and group is not None:
+        problem = interleaving_problem(t.num_micro_batches, pp, group)
+        if problem:
+            out.append(f"--microbatch-group-size-per-virtual-pipeline-stage: {problem}")
     if p.overlap_param_gather and not p.use_distributed_optimizer and not p.fully_sharded:
         out.append("--overlap-param-gather needs --use-distributed-optimizer")
     if not p.distributed_timeout_minutes > 0:

@@ -21,6 +21,10 @@ class ParallelConfig(Section):
         None, help="Layers per model chunk for the interleaved schedule.")
     num_virtual_stages_per_pipeline_rank: int | None = option(
         None, help="Model chunks per pipeline rank for the interleaved schedule (alternative to the above).")
+    microbatch_group_size_per_vp_stage: int | None = option(
+        None, flags=("--microbatch-group-size-per-virtual-pipeline-stage",),
+        help="The interleaved schedule runs micro-batches through each model chunk in groups of this many "
+             "(between PP and the number of micro-batches; default PP).")
     decoder_first_pipeline_num_layers: int | None = option(
         None, help="Transformer layers on the first pipeline stage; the other stages share the rest evenly.")
     decoder_last_pipeline_num_layers: int | None = option(

@@ -143,7 +143,8 @@ def run_schedule(state, data_iterator, forward_only: bool, num_micro_batches: in
         sequence_parallel=p.sequence_parallel,
         finalize_model_grads_func=None if forward_only else finalize,
         no_sync_func=None if forward_only else [c.no_sync for c in state.model],
-        loss_scale=scaler.scale if scaler is not None else 1.0, timers=timers)
+        loss_scale=scaler.scale if scaler is not None else 1.0, timers=timers,
+        microbatch_group_size_per_vp_stage=p.microbatch_group_size_per_vp_stage)
 
 
 def average_loss_across_dp(logs: list, topo, device) -> float | None:

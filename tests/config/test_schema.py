@@ -41,7 +41,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # --moe-router-load-balancing-type's help reworded: sinkhorn runs, no longer refused; then the
 # functional-test corpus' flags --rotary-interleaved, --apply-query-key-layer-scaling,
 # --check-weight-hash-across-dp-replicas-interval, --verify-integrity, --save-retain-interval and
-# --use-tp-pp-dp-mapping were appended, off the epilog's refused list).
+# --use-tp-pp-dp-mapping were appended, off the epilog's refused list, then
+# --microbatch-group-size-per-virtual-pipeline-stage).
 BEFORE = os.path.join(HERE, "help_before.json")
 BEFORE_TEXT = os.path.join(HERE, "help_before.txt")
 # The two parser defaults that now equal the schema's (both flags carry their own help text, so
