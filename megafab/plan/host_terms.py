@@ -105,7 +105,8 @@ class CpuHost:
             backward.append(StagePass(b.compute + (1 - share_f) * h, b.comm + (1 - share_f) * g))
         ranks_per_stage = self.ranks_on_node // pp
         return shared_pipeline_time(forward, backward, *_schedule(self.cfg), p2p,
-                                    lambda busy: sharing(self.machine, ranks_per_stage * busy))
+                                    lambda busy: sharing(self.machine, ranks_per_stage * busy),
+                                    self.cfg.parallel.microbatch_group_size_per_vp_stage)
 
 
 def _host_seconds(cfg, machine, layers) -> tuple[list[float], float]:

@@ -59,13 +59,14 @@ class StagePass:
 
 
 def shared_pipeline_time(forward: list[StagePass], backward: list[StagePass], micro_batches: int,
-                         vpp: int, p2p_seconds: float, slowdown: Callable[[int], float]) -> PipelineTime:
+                         vpp: int, p2p_seconds: float, slowdown: Callable[[int], float],
+                         group_size: int | None = None) -> PipelineTime:
     """pipeline_time for ranks that share compute: forward[i] / backward[i] are stage i's passes of
     one micro-batch (all its chunks; each chunk does 1/vpp), slowdown(k) how much longer compute
     takes while k stages compute. Runs every stage's schedule_table through time; the compute part
     is m x the slowest stage at the full slowdown where the run is no shorter, the bubble the rest."""
     pp = len(forward)
-    orders = [schedule_table(s, pp, micro_batches, vpp) for s in range(pp)]
+    orders = [schedule_table(s, pp, micro_batches, vpp, group_size) for s in range(pp)]
     done: set = set()  # (stage, forward?, micro-batch, chunk) of every pass finished
     position = [0] * pp
     left: dict[int, float] = {}  # running stage -> fraction of its pass still to run

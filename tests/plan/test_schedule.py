@@ -66,4 +66,19 @@ def test_the_simulation_runs_the_executors_order(monkeypatch):
 
     monkeypatch.setattr(schedule, "schedule_table", recording_table)
     shared_pipeline_time([StagePass(1.0, 0.0)] * 2, [StagePass(2.0, 0.0)] * 2, 4, 2, 0.0, lambda busy: 1.0)
-    assert asked == [(0, 2, 4, 2), (1, 2, 4, 2)]
+    assert asked == [(0, 2, 4, 2, None), (1, 2, 4, 2, None)]  # None: the default group of p
+
+
+def test_the_simulation_takes_the_micro_batch_group_size(monkeypatch):
+    """--microbatch-group-size-per-virtual-pipeline-stage reaches the simulated table: 5 micro-batches
+    in groups of 3 (the default group of p = 2 cannot run them)."""
+    asked = []
+
+    def recording_table(*args):
+        asked.append(args)
+        return schedule_table(*args)
+
+    monkeypatch.setattr(schedule, "schedule_table", recording_table)
+    run = shared_pipeline_time([StagePass(1.0, 0.0)] * 2, [StagePass(2.0, 0.0)] * 2, 5, 2, 0.0,
+                               lambda busy: 1.0, group_size=3)
+    assert asked == [(0, 2, 5, 2, 3), (1, 2, 5, 2, 3)] and run.compute > 0
