@@ -31,11 +31,11 @@ def pause_before_committing_iteration_20(rank: int) -> None:
 
     commit = checkpointing.commit_checkpoint
 
-    def paused_commit(root, iteration):
+    def paused_commit(root, iteration, *args):
         if iteration == 20:
             print(f"test hook: pause before committing iteration {iteration}", flush=True)
             time.sleep(600)
-        return commit(root, iteration)
+        return commit(root, iteration, *args)
 
     checkpointing.commit_checkpoint = paused_commit
 
