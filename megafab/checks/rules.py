@@ -299,12 +299,9 @@ def precision_problems(cfg) -> list[str]:
     out = []
     if pr.fp16 and pr.bf16:
         out.append("--fp16 and --bf16 were both given; choose one precision")
-    if pr.fp8_format is not None:
-        if m.transformer_impl != "transformer_engine":
-            out.append("--fp8-format needs --transformer-impl transformer_engine (FP8 runs in "
-                       "Transformer Engine's layers)")
-        if not (pr.bf16 or pr.fp16):
-            out.append("--fp8-format needs --bf16 (or --fp16) for the non-FP8 parts")
+    if pr.fp8_format is not None and m.transformer_impl != "transformer_engine":
+        out.append("--fp8-format needs --transformer-impl transformer_engine (FP8 runs in "
+                   "Transformer Engine's layers)")
     if pr.fp8_param_gather:
         out += fp8_param_gather_problems(cfg)
     if cfg.parallel.grad_reduce_in_bf16 and not pr.bf16:

@@ -55,6 +55,9 @@ def test_fp8_on_cpu_is_refused_with_the_fix():
 def test_fp8_without_transformer_engine_impl_is_a_config_error():
     with pytest.raises(ValueError, match="--fp8-format needs --transformer-impl transformer_engine"):
         tiny_config(bf16=True, fp8_format="e4m3")
+    # as in Megatron, FP8 needs no 16-bit model: TE's FP8 GEMMs take fp32 weights too
+    assert tiny_config(transformer_impl="transformer_engine", fp8_format="e4m3").precision.params_dtype_name \
+        == "float32"
 
 
 def test_local_implementation_needs_nothing():
