@@ -70,7 +70,8 @@ def test_transformer_engine_gets_the_scaling_through_its_variable(monkeypatch):
     mismatch): megafab sets it for the flag and refuses a value that contradicts the flag."""
     from megafab.model.attention_backend import attention_backend_problems, set_te_attention_switches
 
-    monkeypatch.delenv("NVTE_APPLY_QK_LAYER_SCALING", raising=False)
+    # the switches write os.environ: a copy here, so nothing leaks into later tests' subprocesses
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("NVTE_")})
     set_te_attention_switches("auto", qk_layer_scaling=True)
     assert os.environ["NVTE_APPLY_QK_LAYER_SCALING"] == "1"
     te = tiny_config(style=STYLE, transformer_impl="transformer_engine")

@@ -69,7 +69,8 @@ DAMAGE = {
     "truncated common.pt": (lambda c: _truncate(os.path.join(c, I2, "common.pt")),
                             rf"{I2}/common\.pt could not be read as a torch file"),
     "deleted metadata.json": (lambda c: os.remove(os.path.join(c, I2, "metadata.json")),
-                              r"torch\.distributed\.checkpoint without metadata\.json"),
+                              r"holds DCP files without metadata\.json and without `model\.` weights: "
+                              r"not Megatron's fsdp_dtensor"),
 }
 
 
