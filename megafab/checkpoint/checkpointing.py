@@ -62,7 +62,7 @@ def dcp_io():
 
 def _layout(topo, cfg) -> dict:
     vpp = cfg.parallel.virtual_pipeline_model_parallel_size or 1
-    return run_layout(topo.tp, topo.pp, topo.dp, vpp, topo.cp, topo.ep, topo.etp)
+    return run_layout(topo.tp, topo.pp, topo.dp, vpp, topo.cp, topo.ep, topo.etp, topo.order)
 
 
 def _print0(topo, text: str) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from megafab.checkpoint.directory import COMMON, FORMAT_VERSION
 from megafab.checkpoint.errors import CheckpointError
 from megafab.checkpoint.layout import Shard
+from megafab.layout import DEFAULT_ORDER
 
 RNG_DIR = "rng"
 
@@ -69,9 +70,10 @@ class CheckpointSource:
 
 
 def run_layout(tp: int, pp: int, dp: int, vpp: int = 1, cp: int = 1, ep: int = 1,
-               etp: int | None = None) -> dict:
-    """The layout a checkpoint records (the RNG files are per rank of it). CP and the expert grid
-    are named only where they differ from a dense run's, so dense checkpoints keep their record."""
+               etp: int | None = None, order: str = DEFAULT_ORDER) -> dict:
+    """The layout a checkpoint records (the RNG files are per rank of it). CP, the expert grid and
+    the rank order (--use-tp-pp-dp-mapping) are named only where they differ from a dense run's, so
+    dense checkpoints keep their record."""
     layout = {"world_size": tp * pp * dp * cp, "tp": tp, "pp": pp, "dp": dp, "vpp": vpp}
     if cp > 1:
         layout["cp"] = cp
@@ -79,6 +81,8 @@ def run_layout(tp: int, pp: int, dp: int, vpp: int = 1, cp: int = 1, ep: int = 1
         layout["ep"] = ep
     if etp is not None and etp != tp:
         layout["etp"] = etp
+    if order != DEFAULT_ORDER:
+        layout["order"] = order
     return layout
 
 

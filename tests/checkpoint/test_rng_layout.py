@@ -11,3 +11,12 @@ def test_expert_grid_is_part_of_the_recorded_layout():
     ep2, ep4 = run_layout(1, 1, 4, ep=2), run_layout(1, 1, 4, ep=4)
     assert ep2 != ep4 and ep2["ep"] == 2 and ep4["ep"] == 4
     assert run_layout(2, 1, 2, ep=2, etp=1) != run_layout(2, 1, 2, ep=2, etp=2)
+
+
+def test_the_rank_order_is_part_of_the_recorded_layout():
+    """--use-tp-pp-dp-mapping puts other coordinates on the same global ranks: the per-rank RNG files
+    of one order are not restored into the other."""
+    from megafab.layout import DEFAULT_ORDER, TP_PP_DP_ORDER
+
+    assert run_layout(1, 2, 2, order=DEFAULT_ORDER) == run_layout(1, 2, 2)
+    assert run_layout(1, 2, 2, order=TP_PP_DP_ORDER) != run_layout(1, 2, 2)
