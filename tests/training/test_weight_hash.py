@@ -55,7 +55,8 @@ def test_a_drifted_replica_stops_the_job_naming_the_parameter(tmp_path):
     result = run_ranks_main(2, _flags(tmp_path), tmp_path / "log", timeout=120, before_main=_drift_on_rank_1)
     message = assert_one_message(result, r"the weights of data-parallel replicas differ after iteration 2",
                                  code=3)
-    assert "decoder.final_layernorm.weight (ranks 0 and 1);" in message and "resume from the last checkpoint" in message
+    assert "decoder.final_layernorm.weight (ranks 0 and 1);" in message
+    assert "resume from the last checkpoint" in message
 
 
 @pytest.mark.parametrize("extra,message", [
