@@ -81,9 +81,11 @@ def _plain(value) -> bool:
 
 def group_meta_objects(state, step: float) -> dict:
     """param_to_group_meta: each parameter's optimizer group (its plain settings and Adam's step),
-    written by the rank that writes the start of the parameter's block."""
+    written by the rank that writes the start of the parameter's block. Keyed by the parameter's own
+    name (routed experts per global index): Megatron splits SwiGLU's fc1 into `_w` / `_v` in
+    optimizer.state only (handle_swiglu_in_state_dict), never in param_to_group_meta."""
     cfg, opt, topo = state.cfg, state.optimizer, state.topology
-    swiglu, experts = gated_linear_unit(cfg.model), expert_placement(state)
+    experts = expert_placement(state)
     entries, out = {e.model_param: e for e in opt.entries}, {}
     for name, p in named_parameters(state):
         e = entries.get(p)
@@ -96,11 +98,9 @@ def group_meta_objects(state, step: float) -> dict:
         meta["step"] = int(step)
         first, count = layout.block_offsets[0], layout.block_shape[0]
         routed = range(first, first + count) if is_routed_expert(layout.name) else [None]
-        halves = (0, 1) if strided_dim(layout.name, swiglu) is not None else (None,)
         for expert in routed:
-            for half in halves:
-                path = fk.group_meta_prefix(cfg) + fk.module_path(layout.name, cfg, expert, half)
-                out.update({f"{path}.{k}": v for k, v in meta.items()})
+            path = fk.group_meta_prefix(cfg) + fk.module_path(layout.name, cfg, expert)
+            out.update({f"{path}.{k}": v for k, v in meta.items()})
     return out
 
 

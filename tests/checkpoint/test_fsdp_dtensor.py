@@ -64,6 +64,8 @@ def test_the_saved_keys_shapes_and_dtypes_are_megatron_fsdps(tmp_path):
             assert tuple(md[f"{opt}.{kind}"].size) == (f, h)
             assert md[f"{opt}.{kind}"].properties.dtype == torch.float64
     assert "model.module.decoder.layers.1.mlp.linear_fc1.weight" not in md
+    meta = "optimizer.param_to_group_meta.module.module.decoder.layers.1.mlp.linear_fc1.weight"
+    assert f"{meta}.lr" in md and not any(k.startswith((meta + "_w", meta + "_v")) for k in md)  # not split
     assert "model.module.embedding.word_embeddings.weight" in md
     for obj in ("args", "iteration", "checkpoint_version", "opt_param_scheduler.num_steps",
                 "optimizer.param_to_group_meta.module.module.decoder.layers.0.mlp.linear_fc2.weight.step"):
