@@ -47,10 +47,10 @@ class _StorageCounter:
         for t in tensors:
             if t is None or not torch.is_tensor(t):
                 continue
-            if is_fp8_param(t):  # TE's FP8 weight: the tensors it holds
+            t = local_tensor(t)
+            if is_fp8_param(t):  # TE's FP8 weight (an FSDP2 shard's local one): the tensors it holds
                 total += self.bytes_of(raw_tensors(t))
                 continue
-            t = local_tensor(t)
             storage = t.untyped_storage()
             if storage.data_ptr() in self.seen:
                 continue

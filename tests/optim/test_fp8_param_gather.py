@@ -111,6 +111,10 @@ def _run_fsdp(rank, world):
     chunk = state.model[0]
     fp8 = {n for n, p in chunk.module.named_parameters() if is_fp8_param(local_tensor(p))}
     assert fp8 == {n for n, _ in chunk.module.named_parameters() if n.endswith(TE_WEIGHTS)}, fp8
+    # the memory of an FP8 shard: its uint8 data (1 byte per element) and its fp32 scale
+    weights = [p for n, p in chunk.module.named_parameters() if n in fp8]
+    assert measure_memory(torch.nn.ParameterList(weights)).weights_bytes == \
+        sum(local_tensor(p)._data.untyped_storage().nbytes() + 4 for p in weights)
     losses = train(state, 3)
     assert gathered and set(gathered) == {torch.uint8}  # FP8 weights gathered as their raw bytes
     shards = {}
