@@ -2,21 +2,21 @@
 
 One torch DCP directory (.metadata, __R_0.distcp; no metadata.json, no common.pt): Megatron's state
 dict flattened by DCP (nested keys joined by '.'), every tensor under its global (TP=1) shape:
-  model.{P}<path>          weights, one key per layer (decoder.layers.N.*, N of the whole model), the
+  model.module.<path>      weights, one key per layer (decoder.layers.N.*, N of the whole model), the
                            live modules' paths (TE: linear_qkv.layer_norm_weight); SwiGLU fc1 [2f, h]
                            as `.weight_w` gate [f, h] + `.weight_v` up [f, h]; routed experts one per
                            global index (fsdp_dtensor_keys.py); no `_extra_state` (Megatron drops them)
-  optimizer.state.{P}module.<path>.exp_avg / .exp_avg_sq    Adam's moments, the weight's shape (fp32)
-  optimizer.state.{P}module.<path>.step                     0-d: torch.optim's Adam only (read if there)
-  optimizer.param_to_group_meta.{P}module.<path>.<k>        bytes: the group's lr, weight_decay, betas,
-                           eps, ..., and FusedAdam's `step` (Adam's step count)
+  optimizer.state.{P}<path>.exp_avg / .exp_avg_sq    Adam's moments, the weight's shape (fp32)
+  optimizer.state.{P}<path>.step                     0-d: torch.optim's Adam only (read if there)
+  optimizer.param_to_group_meta.{P}<path>.<k>        bytes: the group's lr, weight_decay, betas, eps,
+                           ..., and FusedAdam's `step` (Adam's step count); fc1 unsplit (no _w / _v)
   args (Namespace), checkpoint_version (3.0), iteration, num_floating_point_operations_so_far,
   opt_param_scheduler.<k> (max_lr, lr_warmup_steps, num_steps, ...: samples), rng_state.(<pp>, <tp>).
   <dp>.* (CUDA generator states), rerun_state_machine.*     bytes
-{P}: the wrappers' path, 'module.' (Megatron-FSDP), 'module.module.' under Float16Module (--bf16/
---fp16); any depth is read. The weights are the fp32 main params where the model is 16-bit. megafab
-writes all of it but rng_state / rerun_state_machine, plus its own record (`megafab`) and RNG files
-(rng/rank_*.pt), which Megatron ignores: load a megafab save in Megatron with --no-load-rng.
+{P}: 'module.module.' (DDP wrapper, MegatronFSDP), 'module.module.module.' with Float16Module (--bf16/
+--fp16, whose state_dict adds none to the weights'); any depth is read. The weights are the fp32 main
+params where the model is 16-bit. megafab writes all of it but rng_state / rerun_state_machine, plus
+its own record (`megafab`) and RNG files (rng/rank_*.pt), which Megatron ignores (--no-load-rng).
 """
 
 from __future__ import annotations

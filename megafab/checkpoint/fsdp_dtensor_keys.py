@@ -27,22 +27,23 @@ _GROUPED = re.compile(rf"^(.*\.{re.escape(EXPERTS)}linear_fc[12]\.(?:weight|bias
 _SEQUENTIAL = re.compile(rf"^(.*\.){re.escape(LOCAL_EXPERTS)}(\d+)\.(.*)$")
 
 
-def wrappers(cfg) -> str:
-    """{P}: Megatron-FSDP's 'module.', under Float16Module ('module.module.') for a 16-bit model."""
-    return WRAPPER * (2 if cfg.precision.bf16 or cfg.precision.fp16 else 1)
-
-
 def model_prefix(cfg) -> str:
-    return MODEL + wrappers(cfg)
+    """The weights: MegatronFSDP's state_dict, `module.` (Float16Module's state_dict adds none)."""
+    return MODEL + WRAPPER
+
+
+def _param_wrappers(cfg) -> str:
+    """The optimizer names parameters by the DDP wrapper's named_parameters: its `module.`,
+    MegatronFSDP's `module.`, and Float16Module's `module.` for a 16-bit model."""
+    return WRAPPER * (3 if cfg.precision.bf16 or cfg.precision.fp16 else 2)
 
 
 def optim_prefix(cfg) -> str:
-    """The optimizer names parameters by the wrapper's own named_parameters: one `module.` more."""
-    return OPTIM_STATE + wrappers(cfg) + WRAPPER
+    return OPTIM_STATE + _param_wrappers(cfg)
 
 
 def group_meta_prefix(cfg) -> str:
-    return GROUP_META + wrappers(cfg) + WRAPPER
+    return GROUP_META + _param_wrappers(cfg)
 
 
 def module_path(name: str, cfg, expert: int | None = None, half: int | None = None) -> str:
