@@ -246,6 +246,7 @@ def model_shards_for_load(state, masters_from_main: bool) -> tuple[dict[str, Sha
         # checkpoint's main params when it has them (the step's own cast: the weights resume exactly)
         with_mains = masters_from_main and state.optimizer is not None
         fp8, mains = {}, {e.model_param: e.main for e in state.optimizer.entries} if with_mains else {}
+        has_fp8 = any(is_fp8_param(local_tensor(p)) for p in module.parameters())
         for name, p in module.named_parameters():
             lo, hi = ranges.get(p, (0, 0)) if sharded else (0, p.numel())
             is_fp8 = is_fp8_param(local_tensor(p)) and lo < hi
@@ -258,9 +259,9 @@ def model_shards_for_load(state, masters_from_main: bool) -> tuple[dict[str, Sha
             if is_fp8:
                 fp8[p] = mains.get(p, values)
             _add(shards, model_key(layout.name), layout, values, lo, hi)
-        if fp8:
+        if has_fp8:  # every DP rank casts (a collective), also one that owns none of them
             chunk.load_fp8_shards(fp8)
-        if gathered or fp8:
+        if gathered or has_fp8:
             gather.append(chunk)
     shards.update({model_key(name): Shard.whole(buf) for name, buf in checkpointed_buffers(state)})
     return shards, gather

@@ -213,7 +213,7 @@ class DistributedDataParallel(nn.Module):
         self.grad_buffer = torch.zeros(self.numel, dtype=self.grad_dtype, device=device)
         self.param_buffer = None  # the model-dtype param buffer (distributed optimizer)
         self.param_buffers: list[tuple[int, int, torch.Tensor]] = []  # (start, end, buffer) per run
-        self._fp8_pending: dict[nn.Parameter, torch.Tensor] = {}
+        self._fp8_pending: dict[nn.Parameter, torch.Tensor] | None = None  # a load's, to cast
         if use_distributed_optimizer:
             dtypes = {p.dtype for p in params if not is_fp8_param(p)}
             if len(dtypes) > 1:
@@ -402,14 +402,14 @@ class DistributedDataParallel(nn.Module):
 
     def load_fp8_shards(self, owned_values: dict[nn.Parameter, torch.Tensor]) -> None:
         """Values read into the FP8 weights' owned ranges: cast by the next start_param_sync."""
-        self._fp8_pending.update(owned_values)
+        self._fp8_pending = {**(self._fp8_pending or {}), **owned_values}
 
     def start_param_sync(self, async_op: bool = False):
         """All-gather every bucket's updated parameter shards (distributed optimizer only)."""
         assert self.param_gather is not None, "param sync needs use_distributed_optimizer=True"
-        if self._fp8_pending:
+        if self._fp8_pending is not None:  # on every rank, owning any of the weights or not
             self.cast_fp8_shards(self._fp8_pending)
-            self._fp8_pending = {}
+            self._fp8_pending = None
         self.param_gather.start(async_op)
 
     def finish_param_sync(self):

@@ -273,7 +273,7 @@ class FullyShardedDataParallel(nn.Module):
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.expert_params = [p for p in self.params if is_expert_param(p)]
         self.expert_grad_scale = self.expert_mesh.size() / self.dp  # FSDP2's average -> DP x CP's
-        self._fp8_pending: dict[nn.Parameter, torch.Tensor] = {}
+        self._fp8_pending: dict[nn.Parameter, torch.Tensor] | None = None  # a load's, to cast
 
     # ---- what each rank holds ---------------------------------------------------------------------
     def owned_param_ranges(self) -> dict[nn.Parameter, tuple[int, int]]:
@@ -320,12 +320,12 @@ class FullyShardedDataParallel(nn.Module):
 
     def load_fp8_shards(self, owned_values: dict[nn.Parameter, torch.Tensor]) -> None:
         """Values read into the FP8 weights' shards: cast by apply_fp8_loads once read."""
-        self._fp8_pending.update(owned_values)
+        self._fp8_pending = {**(self._fp8_pending or {}), **owned_values}
 
     def apply_fp8_loads(self) -> None:
-        if self._fp8_pending:
+        if self._fp8_pending is not None:  # on every rank, owning any of the weights or not
             self.cast_fp8_shards(self._fp8_pending)
-            self._fp8_pending = {}
+            self._fp8_pending = None
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megafab.checkpoint import checkpointing
+from megafab.checkpoint import state as cs
 from megafab.config.core import ConfigError
 from megafab.distributed.fsdp import local_tensor, shard_range
 from megafab.distributed.param_gather import finish_param_syncs
@@ -169,6 +170,26 @@ def _local_values(state) -> dict[str, tuple[int, int, torch.Tensor]]:
 def test_fp8_param_gather_save_and_resume(monkeypatch, tmp_path, fsdp):
     fake_te.install(monkeypatch)
     assert run_ranks(_save_resume, 2, str(tmp_path), fsdp, timeout=180) == [1, 1]
+
+
+def _load_owning_no_fp8(rank, world):
+    state = _state(world)
+    chunk = state.model[0]
+    if rank == 1:  # as if this rank's ranges held none of the FP8 weights (this process only)
+        owned = cs.dp_owned_ranges
+        cs.dp_owned_ranges = lambda chunks: {p: r for p, r in owned(chunks).items() if not is_fp8_param(p)}
+    casts, cast = [], chunk.cast_fp8_shards
+    chunk.cast_fp8_shards = lambda values: (casts.append(len(values)), cast(values))
+    shards, gather = cs.model_shards_for_load(state, False)
+    cs.gather_params(gather)
+    return casts, 4 * state.cfg.model.num_layers
+
+
+def test_fp8_load_casts_on_every_rank(monkeypatch):
+    """TE's cast reduces the amax over DP: a rank that read none of the FP8 weights joins it too."""
+    fake_te.install(monkeypatch)
+    (read, n), (none, _) = run_ranks(_load_owning_no_fp8, 2, timeout=60)
+    assert read == [n] and none == [0]  # one cast each, rank 1 with nothing of its own
 
 
 def test_quantized_init_falls_back_to_fp8_model_init(monkeypatch):
