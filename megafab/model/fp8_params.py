@@ -1,10 +1,10 @@
 """FP8 parameters (--fp8-param-gather): TE's linear weights stored as FP8 tensors, gathered in FP8.
 
 UNVERIFIED: transformer_engine was not installable where this was written; this follows TE's
-documented API (transformer_engine.pytorch.quantized_model_init, fp8_model_init before TE 2.8;
+documented API (transformer_engine.pytorch.quantized_model_init, fp8_model_init before TE 2.9;
 QuantizedTensor.dequantize; transformer_engine.pytorch.tensor.utils.replace_raw_data,
 cast_master_weights_to_fp8 (TE >= 2.2; under FSDP2 given the local FP8 shards) and
-post_all_gather_processing (newer TE; absent: a no-op, the transpose is made in the next forward)),
+post_all_gather_processing (TE >= 2.10; absent: a no-op, the transpose is made in the next forward)),
 as megatron-core's fp8_utils uses it. On CPU it runs through tests/helpers/fake_te.py.
 
 Data flow with the distributed optimizer (data_parallel.py, distributed_optimizer.py): an FP8
@@ -13,8 +13,8 @@ fp32 main shard starts from the dequantized values, and after a step every rank 
 shards into its shards of that buffer (the amax reduced over the bucket's group, so every rank
 computes the same scale), the buckets are all-gathered as uint8 and TE's post-all-gather processing
 runs. Under FSDP2 (distributed/fsdp.py, optim/fully_sharded_optimizer.py) the FP8 weights shard as
-FP8 (TE's fsdp_pre/post_all_gather hooks gather the uint8 data), each rank's fp32 mains cast into its
-local shards the same way. Checkpoints hold the weights dequantized, in the model dtype (as
+FP8 (TE >= 2.10's fsdp_pre/post_all_gather hooks gather the uint8 data), each rank's fp32 mains cast into
+its local shards the same way. Checkpoints hold the weights dequantized, in the model dtype (as
 megatron-core's torch_dist), and a resume casts the checkpoint's main params again.
 """
 

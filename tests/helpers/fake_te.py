@@ -201,7 +201,7 @@ def build(record: list) -> dict:
     pytorch.Linear, pytorch.LayerNormLinear = Linear, LayerNormLinear
     pytorch.DotProductAttention = DotProductAttention
     pytorch.fp8_autocast, pytorch.checkpoint = fp8_autocast, checkpoint
-    pytorch.quantized_model_init = fake_te_fp8.quantized_model_init  # fp8_model_init before TE 2.8
+    pytorch.quantized_model_init = fake_te_fp8.quantized_model_init  # fp8_model_init before TE 2.9
     tensor = types.ModuleType("transformer_engine.pytorch.tensor")
     tensor.QuantizedTensor = tensor.Float8Tensor = fake_te_fp8.Float8Tensor
     utils = types.ModuleType("transformer_engine.pytorch.tensor.utils")

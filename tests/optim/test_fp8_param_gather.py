@@ -193,7 +193,7 @@ def test_fp8_load_casts_on_every_rank(monkeypatch):
 
 
 def test_quantized_init_falls_back_to_fp8_model_init(monkeypatch):
-    """TE renamed fp8_model_init to quantized_model_init (TE 2.8): either builds FP8 weights."""
+    """TE renamed fp8_model_init to quantized_model_init (TE 2.9): either builds FP8 weights."""
     fake_te.install(monkeypatch)
     import transformer_engine.pytorch as te
 
