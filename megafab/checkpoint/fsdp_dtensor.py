@@ -83,7 +83,10 @@ def group_meta_objects(state, step: float) -> dict:
     """param_to_group_meta: each parameter's optimizer group (its plain settings and Adam's step),
     written by the rank that writes the start of the parameter's block. Keyed by the parameter's own
     name (routed experts per global index): Megatron splits SwiGLU's fc1 into `_w` / `_v` in
-    optimizer.state only (handle_swiglu_in_state_dict), never in param_to_group_meta."""
+    optimizer.state only (handle_swiglu_in_state_dict), never in param_to_group_meta. The settings
+    are megafab's torch optimizer's, not Megatron's whole group (no max_lr, min_lr, is_expert_parallel,
+    default_config, is_decoupled_lr), so Megatron's strict DCP load (its default) of a megafab save's
+    optimizer stops on those keys: Megatron reads it with --no-strict-fsdp-dtensor-load."""
     cfg, opt, topo = state.cfg, state.optimizer, state.topology
     experts = expert_placement(state)
     entries, out = {e.model_param: e for e in opt.entries}, {}
