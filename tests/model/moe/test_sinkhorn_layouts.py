@@ -1,7 +1,8 @@
 """Sinkhorn routing under layouts that leave every router its tokens equals one process in float64
 (within 1e-10), on real gloo ranks through megafab's build and schedule: EP 2 (DP 2, alltoall) and
-EP 2 x PP 2 x DP 2 with the distributed optimizer; the lm loss and every parameter's gradient. The
-routing is checked to matter: the one-process loss with plain top-k routing differs. Under SP or CP
+EP 2 x PP 2 x DP 2, the lm loss and every parameter's gradient; EP 2 x PP 2 x DP 4 with the distributed
+optimizer, 3 steps' lm loss and grad norm. The routing is checked to matter: the one-process loss with
+plain top-k routing differs. Under SP or CP
 each rank normalises its own tokens (megatron-core's behaviour), which the start-up note says."""
 
 from __future__ import annotations
