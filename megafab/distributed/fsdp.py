@@ -245,6 +245,11 @@ class FullyShardedDataParallel(nn.Module):
             for p in params:  # free on the meta device; a whole-model copy otherwise
                 if not is_fp8_param(p):  # TE's FP8 weights shard as they are (TE's FSDP2 hooks)
                     p.data = p.data.to(self.main_dtype)
+                elif not hasattr(p, "fsdp_pre_all_gather"):
+                    raise data_parallel.DataParallelConfigError(
+                        "--fp8-param-gather with FSDP2 needs Transformer Engine >= 2.10 (its FP8 "
+                        "weights' FSDP2 all-gather hooks); upgrade transformer_engine, or use "
+                        "--use-distributed-optimizer instead of FSDP2")
         policy = _mixed_precision(self.compute_dtype, self.main_dtype, reduce_dtype)
         # A sub-layer unit (layer_units) returns a view (a linear's 3-D output); FSDP2 warns that an
         # in-place op on it would skip its pre-backward hook. The layers add those outputs out of

@@ -26,6 +26,8 @@ import sys
 
 import torch
 
+from megafab.errors import MegafabError
+
 
 def _te_tensor_utils():
     from transformer_engine.pytorch.tensor import utils  # deferred: TE is a CUDA-only install
@@ -54,6 +56,12 @@ def quantized_init_context(precision_cfg, recipe_fn):
         return contextlib.nullcontext()
     import transformer_engine.pytorch as te  # deferred: TE is a CUDA-only install
 
+    try:
+        _te_tensor_utils().cast_master_weights_to_fp8  # noqa: B018 (what every step needs, TE >= 2.2)
+    except (ImportError, AttributeError):
+        raise MegafabError(f"--fp8-param-gather needs Transformer Engine >= 2.2 (its tensor.utils."
+                           f"cast_master_weights_to_fp8); this is TE {getattr(te, '__version__', '?')}: "
+                           f"upgrade transformer_engine or drop --fp8-param-gather") from None
     init = getattr(te, "quantized_model_init", None) or te.fp8_model_init
     return init(enabled=True, recipe=recipe_fn(precision_cfg))
 

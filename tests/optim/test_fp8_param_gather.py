@@ -17,6 +17,7 @@ from megafab.checkpoint import state as cs
 from megafab.config.core import ConfigError
 from megafab.distributed.fsdp import local_tensor, shard_range
 from megafab.distributed.param_gather import finish_param_syncs
+from megafab.errors import MegafabError
 from megafab.model.fp8_params import dequantized, is_fp8_param, quantized_init_context
 from megafab.model.te import fp8_recipe
 from megafab.optim.memory import measure_memory
@@ -206,6 +207,26 @@ def test_quantized_init_falls_back_to_fp8_model_init(monkeypatch):
             inside = te.Linear(32, 16, params_dtype=torch.float64)
         assert is_fp8_param(inside.weight) and not is_fp8_param(inside.bias)
         assert not is_fp8_param(te.Linear(32, 16, params_dtype=torch.float64).weight)  # outside
+
+
+def _fsdp_without_hooks(rank, world):
+    del fake_te_fp8.Float8Tensor.fsdp_pre_all_gather  # a TE before 2.10 (this rank's process only)
+    with pytest.raises(MegafabError, match="FSDP2 needs Transformer Engine >= 2.10") as error:
+        _state(world, fsdp=True)
+    return str(error.value)
+
+
+def test_a_te_without_what_fp8_param_gather_needs_is_one_message(monkeypatch):
+    """TE before 2.2 (no cast_master_weights_to_fp8) at the build; before 2.10 (no FSDP2 hooks) under
+    FSDP2: one message naming the TE version needed, not a traceback at the first step."""
+    fake_te.install(monkeypatch)
+    assert "--use-distributed-optimizer instead" in run_ranks(_fsdp_without_hooks, 1, timeout=60)[0]
+    import transformer_engine.pytorch.tensor.utils as utils
+
+    monkeypatch.delattr(utils, "cast_master_weights_to_fp8")
+    precision = tiny_config(dp=2, use_distributed_optimizer=True, **FP8).precision
+    with pytest.raises(MegafabError, match="--fp8-param-gather needs Transformer Engine >= 2.2"):
+        quantized_init_context(precision, fp8_recipe)
 
 
 def test_rules_name_what_fp8_param_gather_needs():
