@@ -130,9 +130,11 @@ if [ "$device" = cuda ] && python -c "import transformer_engine.pytorch" 2>/dev/
     for how in fp8_dist fp8_fsdp; do
         flags="$fp8_flags ${!how}"
         ckpt=${flags##*--save }
-        step "fp8_param_gather_${how#fp8_}" 240 bash -c "python $te_check $gpus pretrain_gpt.py $flags \
-            --train-iters 3 && python $te_check $gpus pretrain_gpt.py $flags --train-iters 6 --load $ckpt \
-            | tee /dev/stderr | grep -q 'loaded checkpoint from .* at iteration 3'"
+        # the resume's own exit status counts (pipefail), and grep reads its log once it has ended
+        resumed="$out/fp8_param_gather_${how#fp8_}_resume.out"
+        step "fp8_param_gather_${how#fp8_}" 240 bash -c "set -o pipefail; python $te_check $gpus pretrain_gpt.py \
+            $flags --train-iters 3 && python $te_check $gpus pretrain_gpt.py $flags --train-iters 6 --load $ckpt \
+            2>&1 | tee $resumed && grep -q 'loaded checkpoint from .* at iteration 3' $resumed"
     done
 elif [ "$device" = cuda ]; then
     echo "== fp8_param_gather: skipped: needs transformer_engine"
