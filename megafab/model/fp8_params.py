@@ -106,9 +106,3 @@ def post_all_gather(params: list) -> None:
     process = getattr(_te_tensor_utils(), "post_all_gather_processing", None)
     if params and process is not None:
         process(params)
-
-
-@torch.no_grad()
-def quantize_into(param, values: torch.Tensor) -> None:
-    """Write high-precision `values` (param-shaped) into an FP8 parameter (TE quantizes on copy_)."""
-    param.copy_(values.view(param.shape))
