@@ -7,8 +7,12 @@ megatron-core's model at EP 2 has exactly the fixture's live names; its weights 
 fixture's disk names (each rank its experts, fc1 halves as HEAD splits them) load into megafab with
 megatron-core's logits (1e-5); megafab's own fsdp_dtensor save of those weights has exactly the disk
 names HEAD gives, and the optimizer's names are the model's under one wrapper `module.` more, as
+megafab writes them. Under --bf16, megatron-core's Float16Module inside stand-ins for the DDP
+wrapper and MegatronFSDP gives the weights no extra `module.` and the optimizer's names one, as
 megafab writes them. What this does not check: Megatron-FSDP's own save and load (CUDA-only)."""
 
+import copy
+import dataclasses
 import json
 import os
 
@@ -80,3 +84,43 @@ def test_megatron_fsdp_names_load_into_megafab_and_megafab_writes_them(tmp_path)
     model, optim = fk.model_prefix(cfg), fk.optim_prefix(cfg)
     ours = {optim[len(fk.OPTIM_STATE):] + k[len(model):] for k in stored if k.startswith(model)}
     assert ours == _disk_keys("optimizer")
+
+
+class _Delegating(torch.nn.Module):
+    """A wrapper under attribute `module`; delegate_state_dict: its state_dict is the inner one's, as
+    megatron-core's DDP wrappers' (_BaseDataParallel); MegatronFSDP keeps nn.Module's own."""
+
+    def __init__(self, module, delegate_state_dict: bool):
+        super().__init__()
+        self.module, self.delegate = module, delegate_state_dict
+
+    def state_dict(self, *args, **kwargs):
+        owner = self.module if self.delegate else super()
+        return owner.state_dict(*args, **kwargs)
+
+
+def _bf16_names(rank, world):
+    """Megatron's names of a --bf16 model under Megatron-FSDP: the DDP wrapper over MegatronFSDP over
+    megatron-core's own Float16Module (the wrappers stand-ins, Float16Module real)."""
+    from megatron.core.transformer.module import Float16Module
+
+    from tests.helpers.mcore_moe_gpt import gpt_model
+
+    with megatron_moe_ranks(ep=world):
+        model = gpt_model()
+        config = copy.copy(model.config)
+        config.bf16 = True
+        wrapped = _Delegating(_Delegating(Float16Module(config, model), False), True)
+        return set(wrapped.state_dict()), {n for n, _ in wrapped.named_parameters()}
+
+
+def test_bf16_prefixes_are_megatrons_float16module_under_megatron_fsdp():
+    """Float16Module's state_dict adds no `module.` to the weights' keys; its attribute adds one to the
+    optimizer's (the parameter names)."""
+    weights, params = run_ranks(_bf16_names, 1, timeout=120)[0]
+    cfg = megafab_config()
+    bf16 = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, bf16=True))
+    name = "decoder.final_layernorm.weight"
+    assert {"model." + k for k in weights if k.endswith(name)} == {fk.model_prefix(bf16) + name}
+    assert fk.optim_prefix(bf16)[len(fk.OPTIM_STATE):] + name in params
+    assert fk.group_meta_prefix(bf16)[len(fk.GROUP_META):] + name in params
