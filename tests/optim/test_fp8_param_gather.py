@@ -60,6 +60,9 @@ def _check_layout(state) -> int:
         assert any(p._data.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for *_, b in uint8)
     mains = [e for e in state.optimizer.entries if e.fp8]
     assert mains and all(e.has_master and e.main.dtype == torch.float64 for e in mains)
+    for e in mains:  # each starts from its weight's dequantized values
+        lo, hi = e.param_range
+        assert torch.equal(e.main, dequantized(e.model_param).view(-1)[lo:hi]), e.name
     # the weights' memory: the param buffers (1 byte per FP8 weight) and each FP8 weight's fp32 scale
     report = measure_memory(state.model, state.optimizer)
     buffers = sum(b.numel() * b.element_size() for *_, b in chunk.param_buffers)
