@@ -275,7 +275,7 @@ class MixedPrecisionOptimizer:
     def _copy_main_to_model(self):
         with torch.no_grad():
             for e in self.device_entries:
-                if not e.fp8 and e.is_copy:  # FP8 weights: the distributed optimizer's TE cast
+                if not e.fp8 and e.is_copy:  # FP8 weights: TE's cast (the sharding subclasses')
                     e.model_values().copy_(e.main)
 
     def _counted(self, entries: list[MainParam], grads: list[torch.Tensor]
