@@ -273,11 +273,12 @@ def load_checkpoint(state) -> int | None:
         optim_shards, targets = cs.optimizer_shards_for_load(state, with_main=with_main)
         shards.update(optim_shards)
     notes, padding = [], []
-    # --dist-ckpt-strictness (checkpoint/strictness.py): DCP checkpoints only, as Megatron's
-    # (--no-strict-fsdp-dtensor-load: Megatron's partial load, fsdp_dtensor.partial_load, instead)
+    # --dist-ckpt-strictness (checkpoint/strictness.py): torch_dist (and megafab's) only, as Megatron's;
+    # fsdp_dtensor's strict load is DCP's (a tensor it lacks stops the load), its partial load
+    # (--no-strict-fsdp-dtensor-load) fsdp_dtensor.partial_load
     partial = source.format == formats.FSDP_DTENSOR and not ck.strict_fsdp_dtensor_load
-    strictness = ck.dist_ckpt_strictness if source.format in ("torch_dist", "megafab", "fsdp_dtensor") and \
-        not partial else "assume_ok_unexpected"
+    strictness = ck.dist_ckpt_strictness if source.format in ("torch_dist", "megafab") \
+        else "assume_ok_unexpected"
     mismatched = strict_load.mismatches(strictness, shards, stored)
 
     def prepare():

@@ -159,6 +159,8 @@ def test_no_load_optim_and_no_strict_fsdp_dtensor_load_megatrons_partial_load(tm
     _without(path, [f"optimizer.state.module.module.{norm}.{k}" for k in ("exp_avg", "exp_avg_sq")])
     strict = run_ranks(_load_outcome, 1, root, timeout=120)[0]  # Megatron's default
     assert f"has no tensor 'optim.{norm}.exp_avg" in strict
+    lenient = run_ranks(_load_outcome, 1, root, dist_ckpt_strictness="log_unexpected", timeout=120)[0]
+    assert lenient == strict  # Megatron's strict DCP load reads no --dist-ckpt-strictness
     partial = dict(strict_fsdp_dtensor_load=False, timeout=120)
     fresh = run_ranks(_load_outcome, 1, root, **partial)[0]
     assert torch.is_tensor(fresh) and not fresh.any()  # loaded; that parameter's moments start at 0
