@@ -28,12 +28,13 @@ from torch import nn
 
 from megafab.distributed import data_parallel, param_gather
 from megafab.distributed.data_parallel import is_expert_param
-from megafab.model.fp8_params import cast_masters, is_fp8_param
+from megafab.model.fp8_params import INIT_VALUE, cast_masters, is_fp8_param
 
-# Megatron's per-parameter attributes that the rest of megafab reads off the parameters.
+# Megatron's per-parameter attributes that the rest of megafab reads off the parameters (and an FP8
+# weight's init value, which its main starts from).
 PARAM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel",
                     "grad_sum_over_tp", "shared_embedding", "is_embedding_or_output_parameter",
-                    "is_expert", "embedding_copy")
+                    "is_expert", "embedding_copy", INIT_VALUE)
 
 
 def data_parallel_mesh(topology):

@@ -71,6 +71,38 @@ def dequantized(param, dtype: torch.dtype | None = None) -> torch.Tensor:
     return param.dequantize(dtype=dtype or param.dtype)
 
 
+INIT_VALUE = "megafab_init_value"  # an FP8 weight's value before quantization, until the mains exist
+
+
+def initialize_weight(param, value: torch.Tensor) -> None:
+    """param.copy_(value) (an FP8 weight quantizes it); an FP8 weight also keeps `value` in its
+    nominal dtype until the optimizer's mains start from it (Megatron's
+    preserve_high_precision_init_val: the masters are not the FP8 rounding of the init)."""
+    with torch.no_grad():
+        param.copy_(value.to(param.dtype))
+    if is_fp8_param(param):
+        setattr(param, INIT_VALUE, value.detach().to(param.dtype).clone())
+
+
+def main_start(param, dtype: torch.dtype, lo: int, hi: int, local=None) -> torch.Tensor:
+    """The fp32 (fp64) main of the flat range [lo, hi) of FP8 weight `param`'s TP block: its kept
+    init value there, else the dequantized weight's (`local`: FSDP2's FP8 shard, exactly that range)."""
+    init = getattr(param, INIT_VALUE, None)
+    if init is not None:
+        return init.reshape(-1)[lo:hi].to(dtype).clone()
+    if local is None:
+        return dequantized(param, dtype).view(-1)[lo:hi].clone()
+    assert local.numel() == hi - lo, "an FSDP2 shard holds exactly its owned range"
+    return dequantized(local, dtype).view(-1).clone()
+
+
+def drop_init_values(params) -> None:
+    """The mains exist: the kept init values are freed (Megatron's clear_high_precision_init_val)."""
+    for p in params:
+        if hasattr(p, INIT_VALUE):
+            delattr(p, INIT_VALUE)
+
+
 def raw_tensors(param) -> list[torch.Tensor]:
     """The plain tensors an FP8 parameter keeps (its uint8 data, TE's transpose / column-wise copy
     where it holds one), for memory accounting."""

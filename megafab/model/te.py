@@ -32,6 +32,7 @@ from megafab.distributed.mappings import group_rank, group_size
 from megafab.errors import MegafabError
 from megafab.model.activations import MLPActivation
 from megafab.model.attention_backend import set_te_attention_switches
+from megafab.model.fp8_params import initialize_weight
 from megafab.model.init import normal_init, output_layer_std
 from megafab.model.recompute import checkpoint_through
 from megafab.model.transformer import apply_rotary
@@ -269,9 +270,8 @@ def _init_shard(param, seed, name, std, partition_dim, stride, tp_group):
     shape[partition_dim] *= group_size(tp_group)
     full = torch.empty(shape, dtype=torch.float64)
     normal_init(seed, name, std)(full)
-    with torch.no_grad():
-        shard = partition_of(full, partition_dim, group_rank(tp_group), group_size(tp_group), stride)
-        param.copy_(shard.to(param.dtype))
+    shard = partition_of(full, partition_dim, group_rank(tp_group), group_size(tp_group), stride)
+    initialize_weight(param, shard)
 
 
 class TETransformerLayer(nn.Module):

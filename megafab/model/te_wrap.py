@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from megafab.distributed.mappings import group_size
+from megafab.model.fp8_params import initialize_weight
 from megafab.model.init import normal_init
 from megafab.model.recompute import DiscardedOutput, RecomputeSettings
 from megafab.model.te import TETransformerLayer, _layer_fp8_context, _te_context_parallel
@@ -58,8 +59,7 @@ def _adapted(te_class: type) -> type:
 
 
 def _copy_param(dst: torch.Tensor, src: torch.Tensor) -> None:
-    with torch.no_grad():
-        dst.copy_(src)
+    initialize_weight(dst, src)
     for attr in PARAM_ATTRIBUTES:
         if hasattr(src, attr):
             setattr(dst, attr, getattr(src, attr))
@@ -106,8 +106,7 @@ class _Builder:
         else:
             full = torch.empty(n_out, n_in, dtype=torch.float64)
             normal_init(self.ctx.seed, self.prefix + full_name, self.cfg.init_method_std)(full)
-            with torch.no_grad():
-                module.weight.copy_(full)
+            initialize_weight(module.weight, full)
             module.weight.sequence_parallel = self.ctx.sequence_parallel  # partial grads under SP
         if bias:
             _copy_param(module.bias, local.bias)

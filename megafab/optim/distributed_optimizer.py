@@ -13,7 +13,7 @@ One step, per DP rank r of d DP ranks (with context parallelism the DP x CP grou
 Memory per parameter (bf16 model, fp32 grads, Megatron's table): 6 + 12/d bytes (18 without the
 distributed optimizer); for fp32 models the main shard is a view of the param buffer, 8/d sharded.
 TE's FP8 weights (--fp8-param-gather): 1 byte in the uint8 param buffer + 4 of fp32 grad + 12/d of
-main and Adam state, 5 + 12/d; their mains start dequantized, and step 5 casts them with TE
+main and Adam state, 5 + 12/d; their mains start from the init values, and step 5 casts them with TE
 (DistributedDataParallel.cast_fp8_shards) before the uint8 buckets are gathered.
 """
 
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from megafab.distributed.data_parallel import DistributedDataParallel
-from megafab.model.fp8_params import dequantized, is_fp8_param
+from megafab.model.fp8_params import drop_init_values, is_fp8_param, main_start
 from megafab.optim.mixed_precision import (
     LOW_PRECISION,
     MainParam,
@@ -78,14 +78,15 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             if p not in owned:
                 continue
             lo, hi = owned[p]
-            if is_fp8_param(p):  # an fp32 (fp64 in fp64 models) master of the dequantized weight
+            if is_fp8_param(p):  # an fp32 (fp64 in fp64 models) master of the weight's init value
                 dtype = torch.float32 if p.dtype in LOW_PRECISION else p.dtype
-                main = dequantized(p, dtype).view(-1)[lo:hi].clone()
+                main = main_start(p, dtype, lo, hi)
                 entries.append(MainParam(name, p, main, not no_weight_decay(name, p), (lo, hi)))
                 continue
             shard = p.detach().view(-1)[lo:hi]
             main = shard.float().clone() if p.dtype in LOW_PRECISION else shard
             entries.append(MainParam(name, p, main, not no_weight_decay(name, p), (lo, hi)))
+        drop_init_values(p for chunk in self.model_chunks for p in chunk.parameters())
         return entries
 
     def param_shard_ranges(self) -> dict[str, tuple[int, int]]:

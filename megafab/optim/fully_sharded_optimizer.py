@@ -13,7 +13,7 @@ expert-DP).
 Memory per parameter per rank (bf16 model, Adam): fp32 shard 4 + fp32 grad shard 4 + exp_avg 4 +
 exp_avg_sq 4 = 16/d bytes at rest; the gathered 16-bit weights and the unsharded fp32 gradients of
 the groups in use exist only during forward/backward. TE's FP8 weights (--fp8-param-gather) shard as
-FP8 (TE's FSDP2 all-gather hooks gather uint8): 1/d byte + a fp32 main copy of the dequantized shard,
+FP8 (TE's FSDP2 all-gather hooks gather uint8): 1/d byte + a fp32 main copy of the shard's init value,
 cast back after each step with TE's cast_master_weights_to_fp8 (the amax reduced over DP).
 """
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from megafab.distributed.fsdp import is_fully_sharded, local_tensor
-from megafab.model.fp8_params import dequantized, is_fp8_param
+from megafab.model.fp8_params import dequantized, drop_init_values, is_fp8_param, main_start
 from megafab.optim.mixed_precision import (
     LOW_PRECISION,
     MainParam,
@@ -82,9 +82,9 @@ class FullyShardedOptimizer(MixedPrecisionOptimizer):
             if p not in owned:
                 continue
             local = local_tensor(p)
-            if is_fp8_param(local):  # an fp32 (fp64 in fp64 models) master of the dequantized shard
+            if is_fp8_param(local):  # an fp32 (fp64 in fp64 models) master of the shard's init value
                 dtype = torch.float32 if local.dtype in LOW_PRECISION else local.dtype
-                main = dequantized(local, dtype).view(-1).clone()
+                main = main_start(p, dtype, *owned[p], local=local)
                 entries.append(ShardMainParam(name, p, main, not no_weight_decay(name, p), owned[p],
                                               compute_dtype=compute[p]))
                 continue
@@ -93,6 +93,7 @@ class FullyShardedOptimizer(MixedPrecisionOptimizer):
                 else shard
             entries.append(ShardMainParam(name, p, main, not no_weight_decay(name, p), owned[p],
                                           compute_dtype=compute[p]))
+        drop_init_values(p for chunk in self.model_chunks for p in chunk.parameters())
         if not entries:
             raise OptimizerConfigError(
                 "this data-parallel rank holds no rows of any parameter under FSDP2 (more DP ranks "
