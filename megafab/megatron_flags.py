@@ -287,7 +287,7 @@ _refuse(_FT, """--enable-ft-package --calc-ft-timeouts --ft-num-warmup-iters V -
     --adlr-autoresume-interval V""")
 _refuse(_NV_LOGGING, """--one-logger-project V --one-logger-run-name V --one-logger-async
     --app-tag-run-name V --app-tag-run-version V --log-energy --run-workload-inspector-server""")
-_refuse(_LOGGING, """--log-progress --log-memory-interval V --log-device-memory-used
+_refuse(_LOGGING, """--log-memory-interval V --log-device-memory-used
     --log-max-attention-logit --log-straggler --straggler-ctrlr-port V --straggler-minmax-count V
     --config-logger-dir V --dump-param-to-param-group-map V --no-barrier-with-level-1-timing""")
 _refuse(_CKPT, """--ckpt-convert-save V --ckpt-convert-update-legacy-dist-opt-format

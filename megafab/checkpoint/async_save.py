@@ -67,8 +67,10 @@ class AsyncSaver:
     """The run's asynchronous saves: at most one pending; host staging memory and the writer
     process kept between saves."""
 
-    def __init__(self):
+    def __init__(self, on_finalized=None):
+        """on_finalized: called on every rank with the iteration of each save once it is finalized."""
         self.pending: Pending | None = None
+        self.on_finalized = on_finalized
         self.staging = dcp_async().Staging()  # its writer process starts now, up by the first save
 
     @property
@@ -140,6 +142,8 @@ class AsyncSaver:
                       f"(async: {p.stall_s:.1f} s stalled training, written in "
                       f"{p.write.written_at - p.started:.1f} s, finalized after "
                       f"{time.time() - p.started:.1f} s)")
+        if self.on_finalized is not None:
+            self.on_finalized(p.iteration)
         return True
 
     def abandon(self, topo) -> None:

@@ -77,7 +77,8 @@ def common_record(state, with_optim: bool) -> CommonRecord:
     scaler = getattr(opt, "grad_scaler", None)
     counters = Counters(state.iteration, state.consumed_train_samples, state.consumed_valid_samples,
                         state.skipped_iterations, state.nan_iterations, state.scheduler.state_dict(),
-                        opt.iteration, scaler.state_dict() if scaler is not None else None)
+                        opt.iteration, scaler.state_dict() if scaler is not None else None,
+                        state.num_floating_point_operations_so_far)
     return CommonRecord(state.iteration, _layout(state.topology, state.cfg), state.cfg.to_flat(), counters,
                         has_optimizer=with_optim, has_rng=not state.cfg.checkpoint.no_save_rng)
 
@@ -318,6 +319,7 @@ def load_checkpoint(state) -> int | None:
         state.consumed_valid_samples = counters.consumed_valid_samples
         state.skipped_iterations = counters.skipped_iterations
         state.nan_iterations = counters.nan_iterations
+        state.num_floating_point_operations_so_far = counters.num_floating_point_operations_so_far
         _load_scheduler(state, {**state.scheduler.state_dict(), **counters.scheduler}, load_dir)
         _load_rng(state, source)
     dist.barrier()

@@ -110,7 +110,8 @@ def group_meta_objects(state, step: float) -> dict:
 def common_objects(cfg, record, scheduler_state: dict | None) -> dict:
     """Rank 0's byte objects: args, counters, schedule, megafab's record."""
     objects = {"args": megatron_namespace(cfg, record, FORMAT), "checkpoint_version": CHECKPOINT_VERSION,
-               "iteration": record.iteration, "num_floating_point_operations_so_far": 0,
+               "iteration": record.iteration,
+               "num_floating_point_operations_so_far": record.num_floating_point_operations_so_far,
                MEGAFAB: record.to_dict()}
     if scheduler_state is not None:
         scheduler = megatron_dist.megatron_scheduler_state(scheduler_state)
@@ -179,8 +180,9 @@ class FsdpDtensorSource(CheckpointSource):
             rng_layout = ours["layout"] if ours["has_rng"] else None
         else:
             sched = {k[len(SCHEDULER):]: v for k, v in objects.items() if k.startswith(SCHEDULER)}
-            common = {"iteration": objects["iteration"], "opt_param_scheduler": sched} \
-                if "iteration" in objects and sched else {}
+            flops = "num_floating_point_operations_so_far"
+            common = {"iteration": objects["iteration"], "opt_param_scheduler": sched,
+                      flops: objects.get(flops)} if "iteration" in objects and sched else {}
             counters = megatron_dist._megatron_counters(common, args)
             vocab, rng_layout = args.get("vocab_size"), None
         problem = None
@@ -226,7 +228,8 @@ def partial_load(shards: dict[str, Shard], stored: dict, path: str, finetune: bo
 
 
 def _objects(io, path: str, stored: dict) -> dict:
-    keys = [k for k in stored if k in ("args", "iteration", "checkpoint_version", MEGAFAB)
+    keys = [k for k in stored if k in ("args", "iteration", "checkpoint_version", MEGAFAB,
+                                       "num_floating_point_operations_so_far")
             or k.startswith(SCHEDULER)]
     raw = io.read_objects(path, keys) if keys else {}
     return {k: safe_pickle.loads(v, f"{path} ({k})") for k, v in raw.items()}

@@ -169,7 +169,9 @@ def _megatron_counters(common: dict, args: dict) -> Counters | None:
     return Counters(int(common["iteration"]), int(args.get("consumed_train_samples", 0)),
                     int(args.get("consumed_valid_samples", 0)), scheduler=scheduler,
                     optimizer_iteration=int(common["iteration"]),
-                    grad_scaler=_scaler_state(_get(common, "optimizer", "grad_scaler")))
+                    grad_scaler=_scaler_state(_get(common, "optimizer", "grad_scaler")),
+                    num_floating_point_operations_so_far=float(
+                        common.get("num_floating_point_operations_so_far") or 0))
 
 
 def _scaler_state(scaler: dict | None) -> dict | None:
@@ -322,7 +324,8 @@ def megatron_common(cfg, record: CommonRecord, ckpt_format: str, scheduler_state
     """What every Megatron file megafab writes records (torch_dist's common.pt, each legacy rank
     file): the args, Megatron's counters and version, megafab's CommonRecord, the LR schedule."""
     common = {"args": megatron_namespace(cfg, record, ckpt_format), "checkpoint_version": CHECKPOINT_VERSION,
-              "iteration": record.iteration, "num_floating_point_operations_so_far": 0,
+              "iteration": record.iteration,
+              "num_floating_point_operations_so_far": record.num_floating_point_operations_so_far,
               MEGAFAB: record.to_dict()}
     if scheduler_state is not None:
         common["opt_param_scheduler"] = megatron_scheduler_state(scheduler_state)

@@ -237,7 +237,9 @@ def _counters(state: dict, args: dict) -> Counters | None:
     scheduler = {SCHEDULER_FIELDS[k]: v for k, v in sched.items() if k in SCHEDULER_FIELDS}
     return Counters(int(state["iteration"]), int(args.get("consumed_train_samples", 0)),
                     int(args.get("consumed_valid_samples", 0)), scheduler=scheduler,
-                    optimizer_iteration=int(state["iteration"]))
+                    optimizer_iteration=int(state["iteration"]),
+                    num_floating_point_operations_so_far=float(
+                        state.get("num_floating_point_operations_so_far") or 0))
 
 
 # ---- writing -------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ class Counters:
     scheduler: dict = field(default_factory=dict)
     optimizer_iteration: int = 0
     grad_scaler: dict | None = None
+    num_floating_point_operations_so_far: float = 0.0
 
 
 @dataclass
@@ -108,8 +109,14 @@ class CommonRecord:
                 "skipped_iterations": c.skipped_iterations, "nan_iterations": c.nan_iterations,
                 "scheduler": c.scheduler if self.counters is not None else None,
                 "optimizer_iteration": c.optimizer_iteration, "grad_scaler": c.grad_scaler,
+                "num_floating_point_operations_so_far": c.num_floating_point_operations_so_far,
                 "has_optimizer": self.has_optimizer, "has_rng": self.has_rng, "layout": self.layout,
                 "config": self.config}
+
+    @property
+    def num_floating_point_operations_so_far(self) -> float:
+        """Megatron's top-level common entry (0 for a weights-only checkpoint)."""
+        return self.counters.num_floating_point_operations_so_far if self.counters is not None else 0.0
 
 
 def counters_from_common(common: dict) -> Counters | None:
@@ -120,7 +127,8 @@ def counters_from_common(common: dict) -> Counters | None:
     return Counters(common["iteration"], common["consumed_train_samples"],
                     common.get("consumed_valid_samples", 0),  # saved since issue 18
                     common["skipped_iterations"], common["nan_iterations"], common["scheduler"],
-                    common["optimizer_iteration"], common["grad_scaler"])
+                    common["optimizer_iteration"], common["grad_scaler"],
+                    common.get("num_floating_point_operations_so_far", 0.0))  # saved since --log-progress
 
 
 def read_json_object(file: str) -> dict:

@@ -345,6 +345,10 @@ class CheckpointConfig(Section):
 class LoggingConfig(Section):
     log_interval: int = option(100, help="Print the iteration line every this many iterations.")
     log_throughput: bool = option(False, help="Add TFLOP/s per GPU to the iteration line.")
+    log_progress: bool = option(
+        False, help="Append Megatron's progress lines to --save/progress.txt (rank 0): 'Starting job' at "
+                    "start and, after each persistent save, the iteration, job and cumulative TFLOP/s/GPU, "
+                    "floating-point operations so far and tokens.")
     log_num_zeros_in_grad: bool = option(False, help="Count zeros in the gradients.")
     log_params_norm: bool = option(
         False, help="Add the L2 norm of all parameters (Megatron's calc_params_l2_norm, after the step) "

@@ -54,6 +54,7 @@ class TrainState:
     skipped_iterations: int = 0
     consecutive_skipped: int = 0
     nan_iterations: int = 0
+    num_floating_point_operations_so_far: float = 0.0  # Megatron's: across resumes, skipped iterations too
     extra: dict = field(default_factory=dict)
 
 

@@ -12,11 +12,13 @@ from megafab.checkpoint.async_save import AsyncSaver
 
 
 class CheckpointCadence:
-    def __init__(self, state, watch=None, record=None):
-        """record: called with a dict for the run's metrics.jsonl (an async save's stall and staging)."""
+    def __init__(self, state, watch=None, record=None, progress=None):
+        """record: called with a dict for the run's metrics.jsonl (an async save's stall and staging);
+        progress: the run's progress_log.ProgressLog (--log-progress), told of each save."""
         ck = state.cfg.checkpoint
-        self.state, self.watch, self.record = state, watch, record
-        self.saver = AsyncSaver() if ck.save and ck.async_save else None
+        self.state, self.watch, self.record, self.progress = state, watch, record, progress
+        finalized = progress.saved_async if progress is not None else None
+        self.saver = AsyncSaver(finalized) if ck.save and ck.async_save else None
         self.first_iteration, self.prepared = state.iteration, False
 
     def _where(self, text: str) -> None:
@@ -43,6 +45,8 @@ class CheckpointCadence:
                     iteration % ck.non_persistent_save_interval == 0)
 
     def save(self, root: str | None = None) -> None:
+        """Into --save (then its progress line, as Megatron's save_checkpoint_and_time), or into `root`
+        (a non-persistent directory)."""
         self._where(f"the checkpoint save of iteration {self.state.iteration}")
         if self.saver is None:
             checkpointing.save_checkpoint(self.state, root)
@@ -52,6 +56,8 @@ class CheckpointCadence:
                 p = self.saver.pending
                 self.record({"kind": "async_save", "iteration": p.iteration, "path": p.root,
                              "stall_s": p.stall_s, "staged_bytes_max_per_rank": p.staged_max})
+        if root is None and self.progress is not None:
+            self.progress.after_save(self.state)
 
     def save_non_persistent(self) -> None:
         """Megatron's: into the non-persistent directory, the older ones there removed first."""

@@ -25,6 +25,7 @@ from megafab.training.build import (
 from megafab.training.checkpoint_cadence import CheckpointCadence
 from megafab.training.data_setup import attach_tokenizer, build_data_iterators, build_datasets
 from megafab.training.loop_hooks import ManualGC, StepProfiler, setup_logging
+from megafab.training.progress_log import STARTING, ProgressLog
 from megafab.training.run_record import (
     arguments_block,
     parameter_lines,
@@ -89,15 +90,15 @@ def _should_exit(state, start_time: float, sigterm: SigtermFlag) -> str | None:
 
 
 def train(state: TrainState, iterators, log: TrainingLog, gc_control: ManualGC,
-          watch: FaultWatch | None = None) -> None:
-    """watch: told what the job is doing (for a dead or frozen rank's report)."""
+          watch: FaultWatch | None = None, progress: ProgressLog | None = None) -> None:
+    """watch: told what the job is doing (for a dead or frozen rank's report); progress: --log-progress's."""
     cfg, topo = state.cfg, state.topology
     t = cfg.training
     total = train_iterations(cfg)
     train_iter, valid_iter, _ = iterators
     sigterm = SigtermFlag(t.exit_signal_handler)
     profiler = StepProfiler(cfg, topo.rank, topo.device)
-    saves = CheckpointCadence(state, watch, record=log.record)
+    saves = CheckpointCadence(state, watch, record=log.record, progress=progress)
     start = time.time()
     micro_batches = num_micro_batches_at(cfg, state.consumed_train_samples)
     hash_every = t.check_weight_hash_across_dp_replicas_interval
@@ -166,6 +167,7 @@ def record_start(state) -> None:
 
 
 def pretrain(cfg) -> int:
+    job_start = time.time()
     setup_logging(cfg.logging.logging_level)
     if cfg.training.deterministic_mode:  # before the process group and the first kernel
         determinism.apply(os.environ)
@@ -185,10 +187,13 @@ def pretrain(cfg) -> int:
         if restart_note:
             print_rank_0(topo, restart_note)
         non_persistent.check_one_node(cfg.checkpoint, topo)
+        progress = ProgressLog(cfg, topo, job_start=job_start)
+        progress.append(STARTING)
         watch.where = "building the datasets"
         datasets = build_datasets(cfg, topo, tokenizer)  # a bad data file stops the run before the model
         watch.where = "building the model and loading the checkpoint"
         state = setup(cfg, topo, tracker)
+        progress.start_flops = state.num_floating_point_operations_so_far
         record_start(state)
         iterators = build_data_iterators(cfg, topo, state.consumed_train_samples, datasets=datasets,
                                          consumed_valid_samples=state.consumed_valid_samples)
@@ -197,7 +202,7 @@ def pretrain(cfg) -> int:
         gc_control = ManualGC(cfg.training)
         try:
             if not cfg.training.skip_train:
-                train(state, iterators, log, gc_control, watch)
+                train(state, iterators, log, gc_control, watch, progress)
             watch.where = "the evaluation at the end of training"
             total = train_iterations(cfg)
             with gc_control.evaluation():

@@ -15,6 +15,7 @@ from megafab.distributed.fsdp import compute_dtype
 from megafab.distributed.pipeline import get_forward_backward_func
 from megafab.distributed.pipeline_steps import timed
 from megafab.model.gpt import masked_mean_loss
+from megafab.plan.flops import flops_per_iteration
 from megafab.training import nan_check
 from megafab.training.batch_size import global_batch_size_at, num_micro_batches_at
 from megafab.training.loop_hooks import empty_unused_memory
@@ -194,6 +195,7 @@ def train_step(state, data_iterator, timers=None) -> dict:
     empty_unused_memory(memory_level, 2, state.topology.device)
     state.consumed_train_samples += gbs
     state.iteration += 1
+    state.num_floating_point_operations_so_far += flops_per_iteration(state.cfg, gbs)  # this batch's
     if ok:
         state.scheduler.step(gbs)
         state.consecutive_skipped = 0

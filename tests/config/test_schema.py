@@ -42,7 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # functional-test corpus' flags --rotary-interleaved, --apply-query-key-layer-scaling,
 # --check-weight-hash-across-dp-replicas-interval, --verify-integrity, --save-retain-interval and
 # --use-tp-pp-dp-mapping were appended, off the epilog's refused list, then
-# --microbatch-group-size-per-virtual-pipeline-stage).
+# --microbatch-group-size-per-virtual-pipeline-stage, then --log-progress, off the epilog's refused list).
 BEFORE = os.path.join(HERE, "help_before.json")
 BEFORE_TEXT = os.path.join(HERE, "help_before.txt")
 # The two parser defaults that now equal the schema's (both flags carry their own help text, so
