@@ -306,6 +306,8 @@ def load_checkpoint(state) -> int | None:
     cs.gather_params(gather)
     cs.refresh_main_params(state, skip={id(t.entry) for t in targets if t.main_loaded})
     counters = source.counters
+    if counters is not None:  # Megatron's load_checkpoint keeps the count under --finetune too
+        state.num_floating_point_operations_so_far = counters.num_floating_point_operations_so_far
     if load_optim:
         cs.apply_optimizer_state(state, targets)
         state.optimizer.iteration = counters.optimizer_iteration
@@ -319,7 +321,6 @@ def load_checkpoint(state) -> int | None:
         state.consumed_valid_samples = counters.consumed_valid_samples
         state.skipped_iterations = counters.skipped_iterations
         state.nan_iterations = counters.nan_iterations
-        state.num_floating_point_operations_so_far = counters.num_floating_point_operations_so_far
         _load_scheduler(state, {**state.scheduler.state_dict(), **counters.scheduler}, load_dir)
         _load_rng(state, source)
     dist.barrier()

@@ -94,6 +94,19 @@ def test_progress_lines_and_flops_so_far_across_a_resume(tmp_path, monkeypatch):
     assert started == datetime.strptime(lines[0][0], TIME_FORMAT) and started_flops == 0
 
 
+def test_finetune_keeps_the_checkpoints_count_as_megatron(tmp_path):
+    corpus, save = write_corpus(str(tmp_path / "corpus")), str(tmp_path / "save")
+    tuned = str(tmp_path / "tuned")
+    result = run_ranks_main(1, _flags(corpus, save, 2), tmp_path / "log1", timeout=120)
+    assert result.codes == [0], result.describe()
+    flags = _flags(corpus, tuned, 2, "--load", save, "--finetune")
+    result = run_ranks_main(1, flags, tmp_path / "log2", timeout=120)
+    assert result.codes == [0], result.describe()
+    per_two = _expected_flops(flags, 1, 2)
+    assert _saved_flops(save, 2) == per_two and _saved_flops(tuned, 2) == 2 * per_two
+    assert _lines(tuned)[-1][7] == f"Floating-point operations: {2 * per_two:.2e}"
+
+
 def test_async_saves_write_saving_then_saved(tmp_path):
     corpus, save = write_corpus(str(tmp_path / "corpus")), str(tmp_path / "save")
     flags = _flags(corpus, save, 4, "--async-save", "--use-persistent-ckpt-worker")
