@@ -68,7 +68,8 @@ class AsyncSaver:
     process kept between saves."""
 
     def __init__(self, on_finalized=None):
-        """on_finalized: called on every rank with the iteration of each save once it is finalized."""
+        """on_finalized(iteration, retired): called on every rank once a save is finalized; retired: on
+        rank 0 the iteration --save-retain-interval deleted then, else None."""
         self.pending: Pending | None = None
         self.on_finalized = on_finalized
         self.staging = dcp_async().Staging()  # its writer process starts now, up by the first save
@@ -137,13 +138,14 @@ class AsyncSaver:
             raise CheckpointError(f"{e}; the asynchronous save of iteration {p.iteration} is dropped and "
                                   f"{_previous(p.root)} stays the latest in {p.root}: free space or fix "
                                   f"the directory's permissions, then resume") from None
-        _on_rank0_everywhere(topo, lambda: _commit(p), p)
+        retired = []
+        _on_rank0_everywhere(topo, lambda: retired.append(_commit(p)), p)
         _print0(topo, f"saved checkpoint at iteration {p.iteration:7d} to {p.root} in torch_dist format "
                       f"(async: {p.stall_s:.1f} s stalled training, written in "
                       f"{p.write.written_at - p.started:.1f} s, finalized after "
                       f"{time.time() - p.started:.1f} s)")
         if self.on_finalized is not None:
-            self.on_finalized(p.iteration)
+            self.on_finalized(p.iteration, retired[0] if retired else None)
         return True
 
     def abandon(self, topo) -> None:
@@ -164,10 +166,10 @@ class AsyncSaver:
             self.staging = None
 
 
-def _commit(p: Pending) -> None:
+def _commit(p: Pending) -> int | None:
     if p.common is not None:
         megatron_dist.write_common(p.tmp, p.common)  # common.pt, then metadata.json
-    commit_checkpoint(p.root, p.iteration, p.retain, p.manifest)
+    return commit_checkpoint(p.root, p.iteration, p.retain, p.manifest)
 
 
 def _on_rank0_everywhere(topo, action, p: Pending) -> None:

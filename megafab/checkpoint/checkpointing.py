@@ -101,9 +101,9 @@ def start_save(state, root: str | None = None) -> str:
     return tmp
 
 
-def save_checkpoint(state, root: str | None = None) -> str:
+def save_checkpoint(state, root: str | None = None, on_retired=None) -> str:
     """Collective: save `state` as ROOT/iter_NNNNNNN (directory.py; ROOT default --save) in --ckpt-format;
-    returns the path."""
+    returns the path. on_retired: called on rank 0 with the iteration --save-retain-interval deleted."""
     cfg, topo = state.cfg, state.topology
     ck = cfg.checkpoint
     root, iteration = root or ck.save, state.iteration
@@ -120,7 +120,9 @@ def save_checkpoint(state, root: str | None = None) -> str:
         torch.save(cs.rng_snapshot(state), rng_file(tmp, topo.rank))
     dist.barrier()
     if topo.rank == 0:
-        commit_checkpoint(root, iteration, retain_interval(ck, root), ck.verify_integrity)
+        retired = commit_checkpoint(root, iteration, retain_interval(ck, root), ck.verify_integrity)
+        if retired is not None and on_retired is not None:
+            on_retired(retired)
     dist.barrier()
     _print0(topo, f"saved checkpoint at iteration {iteration:7d} to {root} in {ck.ckpt_format} format "
                   f"({time.time() - start:.1f} s)")

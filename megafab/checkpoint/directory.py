@@ -98,11 +98,11 @@ def retain_interval(ck, root: str) -> int | None:
 
 
 def commit_checkpoint(root: str, iteration: int, retain_interval: int | None = None,
-                      manifest: bool = False) -> None:
+                      manifest: bool = False) -> int | None:
     """Rank 0: make the temporary directory the checkpoint (with manifest, --verify-integrity, its
     integrity.json written first), then point the tracker at it; with retain_interval
     (--save-retain-interval), then delete the checkpoint the tracker named before unless it is this
-    one, a multiple of the interval, or a symbolic link (Megatron's rule)."""
+    one, a multiple of the interval, or a symbolic link (Megatron's rule); returns its iteration then."""
     previous = read_tracker(root) if retain_interval else None
     final, tmp = iteration_dir(root, iteration), iteration_dir(root, iteration) + ".tmp"
     if manifest:
@@ -125,3 +125,5 @@ def commit_checkpoint(root: str, iteration: int, retain_interval: int | None = N
         retired = iteration_dir(root, previous)
         if not os.path.islink(retired):
             shutil.rmtree(retired, ignore_errors=True)
+            return previous
+    return None

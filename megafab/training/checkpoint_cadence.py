@@ -49,7 +49,8 @@ class CheckpointCadence:
         (a non-persistent directory)."""
         self._where(f"the checkpoint save of iteration {self.state.iteration}")
         if self.saver is None:
-            checkpointing.save_checkpoint(self.state, root)
+            retired = self.progress.deleted if self.progress is not None else None
+            checkpointing.save_checkpoint(self.state, root, retired)
         else:
             self.saver.schedule(self.state, root)
             if self.record is not None:

@@ -213,7 +213,7 @@ def pretrain(cfg) -> int:
             if cfg.checkpoint.save and state.iteration >= total and \
                     checkpointing.latest_iteration(cfg.checkpoint.save) != state.iteration:
                 watch.where = f"the checkpoint save of iteration {state.iteration}"
-                checkpointing.save_checkpoint(state)
+                checkpointing.save_checkpoint(state, on_retired=progress.deleted)
         finally:
             log.close()
             gc_control.close()

@@ -3,8 +3,9 @@
 "Starting job" at start; after each persistent save through the loop "Saved checkpoint" (or, with
 --async-save, "Saving async checkpoint") with the iteration, this job's and the cumulative TFLOP/s per
 GPU, the floating-point operations so far and the tokens in billions; "Saved async checkpoint" once an
-asynchronous save is finalized (Megatron's append_to_progress_log and
-compute_throughputs_and_append_to_progress_log, training.py). The cumulative throughput is read back
+asynchronous save is finalized; "Deleted checkpoint" for each one --save-retain-interval deletes
+(Megatron's append_to_progress_log, compute_throughputs_and_append_to_progress_log in training.py,
+checkpointing.py's finalize and delete functions). The cumulative throughput is read back
 from the file (get_start_time_from_progress_log): since the first "Starting job" of the latest run of
 jobs with this world size, counting from the FLOPs of the last committed checkpoint before it.
 """
@@ -21,6 +22,7 @@ FILE = "progress.txt"
 TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
 STARTING, SAVED, SAVING_ASYNC, SAVED_ASYNC = ("Starting job", "Saved checkpoint", "Saving async checkpoint",
                                              "Saved async checkpoint")
+DELETED = "Deleted checkpoint"
 
 
 def _field(token: str, kind):
@@ -97,6 +99,13 @@ class ProgressLog:
                     f"Tokens (in billions): {tokens / 10**9:.2f}")
         self.append(text)
 
-    def saved_async(self, iteration: int) -> None:
-        """An asynchronous save was finalized (Megatron writes it without a barrier)."""
+    def saved_async(self, iteration: int, retired: int | None = None) -> None:
+        """An asynchronous save was finalized, and then (rank 0) --save-retain-interval deleted
+        `retired` (Megatron writes both without a barrier)."""
         self.append(f"{SAVED_ASYNC}\tIteration: {iteration}", barrier=False)
+        if retired is not None:
+            self.deleted(retired)
+
+    def deleted(self, iteration: int) -> None:
+        """Rank 0: --save-retain-interval deleted this iteration's checkpoint."""
+        self.append(f"{DELETED}\tIteration: {iteration}", barrier=False)

@@ -10,6 +10,7 @@ import shutil
 from datetime import datetime
 from pathlib import Path
 
+import pytest
 import torch
 
 from megafab.arguments import config_from_args
@@ -121,6 +122,26 @@ def test_async_saves_write_saving_then_saved(tmp_path):
     assert lines[2][3:] == ["Saved async checkpoint", "Iteration: 2"]
     assert lines[4][3:] == ["Saved async checkpoint", "Iteration: 4"]
     assert _saved_flops(save, 4) == 2 * per_two
+
+
+@pytest.mark.parametrize("extra,saved", [([], ["Saved checkpoint"]),
+                                         (["--async-save", "--use-persistent-ckpt-worker"],
+                                          ["Saving async checkpoint", "Saved async checkpoint"])],
+                         ids=["sync", "async"])
+def test_save_retain_interval_deletions_are_logged(extra, saved, tmp_path):
+    """Megatron: sync, the deletion comes with the save (before its line); async, after the save is
+    finalized ("Saved async checkpoint")."""
+    corpus, save = write_corpus(str(tmp_path / "corpus")), str(tmp_path / "save")
+    flags = _flags(corpus, save, 6, "--save-retain-interval", "4", *extra)
+    result = run_ranks_main(1, flags, tmp_path / "log", timeout=120)
+    assert result.codes == [0], result.describe()
+    events = [" ".join(t[3:5]) if t[3] != "Starting job" else t[3] for t in _lines(save)]
+    at = {it: [f"{e} Iteration: {it}" for e in saved] for it in (2, 4, 6)}
+    if extra:  # iteration 2 is deleted once 4 is finalized; 4 is kept (a multiple of 4), 6 is the latest
+        assert events == ["Starting job", *at[2], *at[4], "Deleted checkpoint Iteration: 2", *at[6]]
+    else:
+        assert events == ["Starting job", *at[2], "Deleted checkpoint Iteration: 2", *at[4], *at[6]]
+    assert sorted(n for n in os.listdir(save) if n.startswith("iter_")) == ["iter_0000004", "iter_0000006"]
 
 
 def test_a_batch_size_ramp_counts_each_iterations_own_batch(tmp_path):
