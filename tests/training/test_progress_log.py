@@ -1,7 +1,8 @@
 """--log-progress: SAVE/progress.txt as Megatron writes it (rank 0, tab-separated fields at Megatron's
-positions, read back by the port of get_start_time_from_progress_log), the FLOPs so far counted per
-iteration from the planner's FLOPs (megafab.plan.flops) and kept in the checkpoint across resumes, the
-async variant's two lines, and the count read from a Megatron-LM torch_dist checkpoint."""
+positions, read back by the port of get_start_time_from_progress_log), sync and async, with
+--save-retain-interval's deletions; the FLOPs so far counted per iteration from the planner's FLOPs
+(megafab.plan.flops, each iteration's own batch under a ramp), kept in torch_dist and fsdp_dtensor
+checkpoints across resumes (and --finetune, as Megatron), and read from a Megatron-LM checkpoint."""
 
 from __future__ import annotations
 
@@ -14,11 +15,16 @@ import pytest
 import torch
 
 from megafab.arguments import config_from_args
+from megafab.checkpoint import checkpointing, dcp_io, safe_pickle
+from megafab.checkpoint.directory import iteration_dir
 from megafab.checkpoint.megatron_dist import TorchDistSource
 from megafab.plan.flops import flops_per_iteration
+from megafab.run.fork_ranks import run_ranks
 from megafab.training.batch_size import global_batch_size_at
 from megafab.training.progress_log import FILE, TIME_FORMAT, start_from_progress_log
+from tests.helpers.checkpoint import make_state, train_save_train
 from tests.helpers.main_ranks import run_ranks_main
+from tests.helpers.tiny import LLAMA_STYLE
 from tests.helpers.tiny_corpus import TINY, write_corpus
 
 FIXTURES = Path(__file__).parent.parent / "checkpoint" / "fixtures"
@@ -160,6 +166,26 @@ def test_a_batch_size_ramp_counts_each_iterations_own_batch(tmp_path):
     latest = int(open(os.path.join(save, "latest_checkpointed_iteration.txt")).read())
     assert latest == len(batches)
     assert _saved_flops(save, latest) == sum(flops_per_iteration(cfg, b) for b in batches)
+
+
+def _fsdp_dtensor_save_and_resume(rank, world, path):
+    state = make_state(tp=1, dp=1, save=path, style=LLAMA_STYLE, dist_opt=False, use_megatron_fsdp=True,
+                       ddp_bucket_size=None, ckpt_format="fsdp_dtensor")
+    train_save_train(state, after=0)
+    resumed = make_state(tp=1, dp=1, load=path, style=LLAMA_STYLE, dist_opt=False, use_megatron_fsdp=True,
+                         ddp_bucket_size=None)
+    checkpointing.load_checkpoint(resumed)
+    return state.num_floating_point_operations_so_far, resumed.num_floating_point_operations_so_far, \
+        flops_per_iteration(state.cfg, state.cfg.training.global_batch_size)
+
+
+def test_fsdp_dtensor_saves_and_restores_the_count(tmp_path):
+    """Megatron-FSDP's format keeps it as a byte object of its own (written as 0 before)."""
+    path = str(tmp_path / "fsdp")
+    counted, restored, per_iteration = run_ranks(_fsdp_dtensor_save_and_resume, 1, path, timeout=120)[0]
+    assert counted == 2 * per_iteration > 0 and restored == counted
+    stored = dcp_io.read_objects(iteration_dir(path, 2), [FLOPS])[FLOPS]
+    assert safe_pickle.loads(stored, "test") == counted
 
 
 def _line(when, world, text):
