@@ -280,6 +280,7 @@ class FullyShardedDataParallel(nn.Module):
         self.expert_params = [p for p in self.params if is_expert_param(p)]
         self.expert_grad_scale = self.expert_mesh.size() / self.dp  # FSDP2's average -> DP x CP's
         self._fp8_pending: dict[nn.Parameter, torch.Tensor] | None = None  # a load's, to cast
+        self.fp8_params = [p for p in self.params if is_fp8_param(local_tensor(p))]  # cast every step
 
     # ---- what each rank holds ---------------------------------------------------------------------
     def owned_param_ranges(self) -> dict[nn.Parameter, tuple[int, int]]:
@@ -318,7 +319,7 @@ class FullyShardedDataParallel(nn.Module):
         with TE's cast_master_weights_to_fp8, every FP8 weight listed on every rank (the amax
         reduction over DP is collective; None where a rank holds no rows). FSDP2 gathers the uint8
         shards at the next forward through TE's FSDP2 hooks, which also make TE's transposes."""
-        params = [p for p in self.params if is_fp8_param(local_tensor(p))]
+        params = self.fp8_params
         if params:
             cast_masters([local_tensor(p) for p in params], [owned_values.get(p) for p in params],
                          [0 if p in owned_values else None for p in params], self.dp_group,

@@ -109,9 +109,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def _copy_main_to_model(self):
         super()._copy_main_to_model()
-        fp8 = {e.model_param: e.main for e in self.device_entries if e.fp8}
         for chunk in self.model_chunks:
-            chunk.cast_fp8_shards(fp8)
             if self.overlap_param_gather:
                 chunk.defer_param_sync()
             else:

@@ -19,6 +19,7 @@ cast back after each step with TE's cast_master_weights_to_fp8 (the amax reduced
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +49,7 @@ class ShardMainParam(MainParam):
         local = local_tensor(self.model_param)
         return dequantized(local).view(-1) if self.fp8 else local.view(-1)
 
-    @property
+    @functools.cached_property
     def fp8(self) -> bool:
         return is_fp8_param(local_tensor(self.model_param))
 
@@ -99,9 +100,3 @@ class FullyShardedOptimizer(MixedPrecisionOptimizer):
                 "this data-parallel rank holds no rows of any parameter under FSDP2 (more DP ranks "
                 "than rows); use fewer data-parallel ranks or a larger model")
         return entries
-
-    def _copy_main_to_model(self):
-        super()._copy_main_to_model()
-        mains = {e.model_param: e.main for e in self.device_entries if e.fp8}
-        for chunk in self.model_chunks:
-            chunk.cast_fp8_shards(mains)

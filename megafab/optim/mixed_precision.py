@@ -61,9 +61,10 @@ class MainParam:
         """The dtype the model computes (and a checkpoint stores its weights) in."""
         return self.model_param.dtype
 
-    @property
+    @functools.cached_property
     def fp8(self) -> bool:
-        """The model param is a TE FP8 weight (--fp8-param-gather): written by TE's cast, not copy_."""
+        """The model param is a TE FP8 weight (--fp8-param-gather): written by TE's cast, not copy_
+        (asked every step: looked up once)."""
         return is_fp8_param(self.model_param)
 
     @property
@@ -275,8 +276,12 @@ class MixedPrecisionOptimizer:
     def _copy_main_to_model(self):
         with torch.no_grad():
             for e in self.device_entries:
-                if not e.fp8 and e.is_copy:  # FP8 weights: TE's cast (the sharding subclasses')
+                if not e.fp8 and e.is_copy:  # FP8 weights: TE's cast, below
                     e.model_values().copy_(e.main)
+        if self.shards_across_dp:  # TE's cast of this rank's FP8 mains into its shards: collective,
+            fp8 = {e.model_param: e.main for e in self.device_entries if e.fp8}  # with or without any
+            for chunk in self.model_chunks:
+                chunk.cast_fp8_shards(fp8)
 
     def _counted(self, entries: list[MainParam], grads: list[torch.Tensor]
                  ) -> tuple[list[MainParam], list[torch.Tensor]]:
