@@ -167,14 +167,15 @@ class FsdpDtensorSource(CheckpointSource):
         metadata = io.read_metadata(path)
         io.check_files(path, metadata)
         stored = metadata.state_dict_metadata
-        objects = _objects(io, path, stored)
+        step_key = _group_step_key(stored)
+        objects = _objects(io, path, stored, step_key)
         ours, args = objects.get(MEGAFAB), flat_from_args(objects.get("args"))
         model_cfg = model_cfg or megatron_dist.saved_config({MEGAFAB: ours, "args": objects.get("args")},
                                                             path).model
         self.model_cfg = model_cfg
         view, self.keys = megafab_view(stored, model_cfg, path)
         has_optimizer = any(split_key(k)[1] in MOMENTS for k in view)
-        self.step = _group_step(io, path, stored)
+        self.step = float(objects[step_key]) if step_key is not None else None
         if ours is not None:
             counters, vocab = counters_from_common(ours), ours["config"].get("vocab_size")
             rng_layout = ours["layout"] if ours["has_rng"] else None
@@ -227,17 +228,15 @@ def partial_load(shards: dict[str, Shard], stored: dict, path: str, finetune: bo
     return warning and warning.replace("--dist-ckpt-strictness log_unexpected", flag)
 
 
-def _objects(io, path: str, stored: dict) -> dict:
+def _objects(io, path: str, stored: dict, step_key: str | None) -> dict:
+    """The checkpoint's records and scheduler state (and `step_key`'s), in one read."""
     keys = [k for k in stored if k in ("args", "iteration", "checkpoint_version", MEGAFAB,
                                        "num_floating_point_operations_so_far")
-            or k.startswith(SCHEDULER)]
+            or k.startswith(SCHEDULER) or k == step_key]
     raw = io.read_objects(path, keys) if keys else {}
     return {k: safe_pickle.loads(v, f"{path} ({k})") for k, v in raw.items()}
 
 
-def _group_step(io, path: str, stored: dict) -> float | None:
-    """Adam's step where Megatron's FusedAdam keeps it: every param group's `step`."""
-    key = next((k for k in stored if k.startswith(fk.GROUP_META) and k.endswith(".step")), None)
-    if key is None:
-        return None
-    return float(safe_pickle.loads(io.read_objects(path, [key])[key], f"{path} ({key})"))
+def _group_step_key(stored: dict) -> str | None:
+    """Where Megatron's FusedAdam keeps Adam's step: a param group's `step` (every group's alike)."""
+    return next((k for k in stored if k.startswith(fk.GROUP_META) and k.endswith(".step")), None)
