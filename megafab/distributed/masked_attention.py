@@ -59,8 +59,9 @@ def attention(q, k, v, masked: torch.Tensor | None, sink: torch.Tensor | None = 
         masked = window_mask(*bottom_right_positions(sq, sk, q.device), None)
     scale = (d ** -0.5 if scale is None else scale) / (layer_scale or 1)
     qg = q.reshape(b * groups, heads // groups * sq, d)  # [b g, hpg sq, d]
-    # scaled inside the GEMM (megatron-core's baddbmm): the 16-bit scores are formed already scaled
-    scores = torch.baddbmm(qg.new_empty(qg.shape[0], qg.shape[1], sk), qg, k.reshape(b * groups, sk, d).mT,
+    # scaled inside the GEMM (megatron-core's baddbmm): the 16-bit scores are formed already scaled;
+    # beta 0 ignores the added term, so a 0-d zero stands for it (no scores-sized buffer)
+    scores = torch.baddbmm(qg.new_zeros(()), qg, k.reshape(b * groups, sk, d).mT,
                            beta=0.0, alpha=scale).view(b, heads, sq, sk)
     acc = compute_dtype(q.dtype)
     scores = (scores.to(acc) * (layer_scale or 1)).masked_fill(masked, float("-inf"))
